@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv if it is missing; torch comes first from the local CPU wheel and
+# constraints.txt keeps every later pip call from pulling another build.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast test-gpu lint bench clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
+	$(PIP) install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/asyncrl demo
+
+# The whole CPU suite: unit + integration + slow + interop (never gpu / sglang).
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not sglang" -q
+
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not sglang and not slow and not interop" -q
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check asyncrl workers protocols scripts tests
+
+clean-venv:
+	rm -rf $(VENV)
