@@ -1,0 +1,21 @@
+"""Trajectory log: writer, reader, record types (see ``trajectory`` and ``framing``)."""
+
+from asyncrl.log.framing import Corruption, LogFormatError
+from asyncrl.log.records import SCHEMA_VERSION, BatchRecord, EventRecord, LogHeader, Record, SampleRecord
+from asyncrl.log.trajectory import LogScan, TrajectoryLogWriter, iter_records, read_log, segment_paths
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BatchRecord",
+    "Corruption",
+    "EventRecord",
+    "LogFormatError",
+    "LogHeader",
+    "LogScan",
+    "Record",
+    "SampleRecord",
+    "TrajectoryLogWriter",
+    "iter_records",
+    "read_log",
+    "segment_paths",
+]

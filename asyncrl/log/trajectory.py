@@ -1,0 +1,185 @@
+"""The trajectory log: an append-only, checksummed, rotating record of every sample and batch.
+
+A log is a folder of segments ``traj-000000.log``, ``traj-000001.log``, ... (framing in ``framing``).
+Owns: appending with an fsync policy, rotation by size, reading every intact record in order, and
+repairing a torn tail when a log is reopened for writing (the tail of the *last* segment is truncated
+to its intact prefix and appending continues; the truncation is reported, never silent).
+Never: rewrites or deletes an intact record; loses a record that precedes a corrupt one.
+
+fsync policies: ``always`` (every record durable before ``append`` returns), ``every_n`` (every
+``fsync_every`` records and on close), ``rotation`` (when a segment is closed), ``never`` (the OS
+decides; tests only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from asyncrl.log.framing import Corruption, LogFormatError, encode_record, header_bytes, scan_segment
+from asyncrl.log.records import SCHEMA_VERSION, LogHeader
+
+log = logging.getLogger(__name__)
+
+FSYNC_POLICIES = ("always", "every_n", "rotation", "never")
+SEGMENT_RE = re.compile(r"^traj-(\d{6})\.log$")
+
+
+def segment_paths(log_dir: str | Path) -> list[Path]:
+    d = Path(log_dir)
+    if not d.is_dir():
+        return []
+    found = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := SEGMENT_RE.match(p.name)))
+    return [p for _, p in found]
+
+
+def _segment_name(index: int) -> str:
+    return f"traj-{index:06d}.log"
+
+
+class TrajectoryLogWriter:
+    """Appends records to a log folder. Not thread-safe: one writer, one thread."""
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        *,
+        config: dict | None = None,
+        run_name: str = "",
+        model: str = "",
+        fsync: str = "every_n",
+        fsync_every: int = 64,
+        rotate_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"log fsync policy {fsync!r} unknown; use one of {FSYNC_POLICIES}")
+        if fsync_every < 1 or rotate_bytes < 4096:
+            raise ValueError("log fsync_every must be >= 1 and rotate_bytes >= 4096")
+        self.dir = Path(log_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fsync, self.fsync_every, self.rotate_bytes = fsync, fsync_every, rotate_bytes
+        self._config, self._run_name, self._model = config or {}, run_name, model
+        self.repaired: list[Corruption] = []
+        self._since_sync = 0
+        self.records_written = 0
+        existing = segment_paths(self.dir)
+        if existing:
+            self._reopen(existing[-1])
+        else:
+            self._open_new(0)
+
+    # -------------------------------------------------------------------------------- segments
+    def _open_new(self, index: int) -> None:
+        self.segment_index = index
+        self.path = self.dir / _segment_name(index)
+        header = LogHeader(schema_version=SCHEMA_VERSION, created=time.time(), run_name=self._run_name,
+                           model=self._model, segment=index, config=self._config)
+        self._f = open(self.path, "xb")  # noqa: SIM115 - closed in close()/_rotate()
+        self._f.write(header_bytes(header))
+        self._sync(force=True)
+        self._size = self._f.tell()
+
+    def _reopen(self, path: Path) -> None:
+        data = path.read_bytes()
+        header, _, end, corruption = scan_segment(data, str(path))
+        if self._model and header.model and header.model != self._model:
+            raise LogFormatError(f"{path} was written for model {header.model!r}, not {self._model!r}; "
+                                 "start a new run folder or resume with the original model")
+        if corruption is not None:
+            log.warning("repairing trajectory log: %s; truncating %d bytes", corruption, len(data) - end)
+            self.repaired.append(corruption)
+            with open(path, "r+b") as f:
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+        self.segment_index = int(SEGMENT_RE.match(path.name).group(1))
+        self.path = path
+        self._f = open(path, "ab")  # noqa: SIM115
+        self._size = end
+
+    def _rotate(self) -> None:
+        self._sync(force=self.fsync != "never")
+        self._f.close()
+        self._open_new(self.segment_index + 1)
+
+    # --------------------------------------------------------------------------------- writing
+    def append(self, record: Any) -> None:
+        data = encode_record(record)
+        if self._size + len(data) > self.rotate_bytes and self._size > 4096:
+            self._rotate()
+        self._f.write(data)
+        self._size += len(data)
+        self.records_written += 1
+        self._since_sync += 1
+        if self.fsync == "always" or (self.fsync == "every_n" and self._since_sync >= self.fsync_every):
+            self._sync(force=True)
+
+    def _sync(self, force: bool) -> None:
+        self._f.flush()
+        if force and self.fsync != "never":
+            os.fsync(self._f.fileno())
+        self._since_sync = 0
+
+    def flush(self) -> None:
+        """Make everything appended so far durable (regardless of policy, except ``never``)."""
+        self._sync(force=True)
+
+    def tell(self) -> tuple[int, int]:
+        """(segment index, byte offset) after the last record: a resume point for checkpoints."""
+        return self.segment_index, self._size
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._sync(force=self.fsync != "never")
+            self._f.close()
+
+    def __enter__(self) -> TrajectoryLogWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclasses.dataclass
+class LogScan:
+    """Everything readable in a log folder (or one segment file)."""
+
+    headers: list[LogHeader]
+    records: list[Any]
+    corruptions: list[Corruption]
+
+    @property
+    def header(self) -> LogHeader:
+        return self.headers[0]
+
+
+def read_log(path: str | Path) -> LogScan:
+    """Every intact record of a log folder or a single segment, in order; corruption is reported.
+
+    A corrupt or torn record ends its segment's intact prefix; reading continues with the next
+    segment (which starts with its own header), so no intact record before *or* after is lost.
+    """
+    p = Path(path)
+    if p.is_dir() and (p / "trajectories").is_dir():
+        p = p / "trajectories"
+    paths = segment_paths(p) if p.is_dir() else [p]
+    if not paths:
+        raise ValueError(f"no trajectory log at {path}: expected a run folder, a log folder or a traj-*.log file")
+    headers, records, corruptions = [], [], []
+    for seg in paths:
+        header, recs, _, corruption = scan_segment(seg.read_bytes(), str(seg))
+        headers.append(header)
+        records.extend(rec for _, rec in recs)
+        if corruption is not None:
+            corruptions.append(corruption)
+    return LogScan(headers, records, corruptions)
+
+
+def iter_records(path: str | Path) -> Iterator[Any]:
+    yield from read_log(path).records

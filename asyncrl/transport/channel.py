@@ -1,0 +1,312 @@
+"""ZeroMQ channels: the only library code that touches zmq sockets directly.
+
+Owns: socket creation with asyncrl's options (linger 0, high-water marks, receive timeouts),
+binding/connecting (loopback by default; tcp and ipc), decoding with per-reason error counters, and
+the in-process channel with the same interface for unit tests.
+Never: blocks forever (every receive takes a timeout; sends past the high-water mark time out);
+lets a malformed frame escape as an exception from ``recv`` (it is counted, optionally answered with
+an ``Error``, and the loop keeps serving); imports torch.
+
+Interface (ARCHITECTURE.md §3): ``send(msg, to=None, payload=None, timeout_s=None)``,
+``recv(timeout_s) -> Envelope | None``, ``close()``. Socket kinds:
+  ROUTER/DEALER  control and work (request/reply with peer identities)
+  PUSH/PULL      streaming finished samples (PUSH blocks at the HWM: backpressure, nothing dropped)
+  PUB/SUB        weight announcements (may drop for slow joiners; fetch-by-request fills the gap)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from protocols import Error, ProtocolError, decode_frames, encode, encode_frames
+
+DEFAULT_HWM = 1000
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+class ChannelTimeout(TimeoutError):
+    """A send could not complete within its timeout (receiver stalled past the high-water mark)."""
+
+
+class ChannelClosed(RuntimeError):
+    """The channel was used after ``close()``."""
+
+
+@dataclasses.dataclass(slots=True)
+class Envelope:
+    """One received message. ``peer`` is the sender identity on ROUTER sockets, else None."""
+
+    msg: Any
+    peer: bytes | None = None
+    payload: memoryview | bytes | None = None
+
+
+@dataclasses.dataclass
+class ChannelStats:
+    """Counters a long-running process exports as metrics (``transport/<name>/...``)."""
+
+    received: int = 0
+    sent: int = 0
+    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    last_errors: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
+
+    def reject(self, reason: str, message: str) -> None:
+        self.rejected[reason] += 1
+        self.last_errors.append(f"{reason}: {message}")
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
+    def as_metrics(self, prefix: str) -> dict[str, float]:
+        out = {f"{prefix}/received": float(self.received), f"{prefix}/sent": float(self.sent)}
+        out[f"{prefix}/rejected"] = float(self.rejected_total)
+        for reason, n in self.rejected.items():
+            out[f"{prefix}/rejected/{reason}"] = float(n)
+        return out
+
+
+def is_loopback(address: str) -> bool:
+    """True for ipc:// and inproc:// addresses and tcp:// addresses on a loopback host."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    if not address.startswith("tcp://"):
+        raise ValueError(f"unsupported address {address!r}: use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    host = address[len("tcp://") :].rsplit(":", 1)[0]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+_CONTEXT_LOCK = threading.Lock()
+
+
+def shared_context() -> zmq.Context:
+    """The process-wide context (thread-safe; sockets are not, each stays in one thread)."""
+    with _CONTEXT_LOCK:
+        return zmq.Context.instance()
+
+
+class ZmqChannel:
+    """One zmq socket plus asyncrl's framing. Use the ``bind``/``connect`` constructors."""
+
+    def __init__(
+        self,
+        kind: int,
+        *,
+        name: str = "",
+        hwm: int = DEFAULT_HWM,
+        reply_errors: bool = False,
+        context: zmq.Context | None = None,
+        identity: bytes | None = None,
+        zero_copy_recv: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.name = name or zmq.Socket.__name__
+        self.stats = ChannelStats()
+        self.reply_errors = reply_errors and kind == zmq.ROUTER
+        self._ctx = context or shared_context()
+        self._sock = self._ctx.socket(kind)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.setsockopt(zmq.RCVHWM, hwm)
+        if identity is not None:
+            self._sock.setsockopt(zmq.IDENTITY, identity)
+        if kind == zmq.ROUTER:
+            # A full HWM or an unknown peer is an error we see, not a silent drop.
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if kind == zmq.SUB:
+            self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self.address = ""
+        self._closed = False
+        # Large payloads (weights) are received without a copy; small messages are faster copied.
+        self._zero_copy_recv = zero_copy_recv
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def bind(cls, kind: int, address: str, **kwargs) -> ZmqChannel:
+        """Bind to ``address``; ``tcp://127.0.0.1:0`` picks a free port (see ``.address``)."""
+        ch = cls(kind, **kwargs)
+        try:
+            if address.startswith("tcp://") and address.endswith(":0"):
+                address = address[:-2] + ":*"
+            ch._sock.bind(address)
+        except zmq.ZMQError as e:
+            ch.close()
+            raise ValueError(f"cannot bind {address!r}: {e}; choose a free port or another ipc path") from None
+        ch.address = ch._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return ch
+
+    @classmethod
+    def connect(cls, kind: int, address: str, **kwargs) -> ZmqChannel:
+        ch = cls(kind, **kwargs)
+        try:
+            ch._sock.connect(address)
+        except zmq.ZMQError as e:
+            ch.close()
+            raise ValueError(f"cannot connect to {address!r}: {e}") from None
+        ch.address = address
+        return ch
+
+    # ---------------------------------------------------------------------------- send / recv
+    def send(
+        self,
+        msg: msgspec.Struct,
+        *,
+        to: bytes | None = None,
+        payload: bytes | memoryview | None = None,
+        timeout_s: float | None = 10.0,
+    ) -> None:
+        """Send one message (to peer ``to`` on ROUTER). Raises ``ChannelTimeout`` past ``timeout_s``."""
+        frames = encode_frames(msg, payload)
+        if self.kind == zmq.ROUTER:
+            if to is None:
+                raise ValueError("a ROUTER channel needs the peer identity: send(msg, to=peer)")
+            frames = [to, *frames]
+        self.send_frames(frames, timeout_s=timeout_s)
+
+    def send_frames(self, frames: Sequence[Any], *, timeout_s: float | None = 10.0) -> None:
+        if self._closed:
+            raise ChannelClosed(f"channel {self.name} is closed")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                self.stats.sent += 1
+                return
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:
+                    raise ChannelClosed(f"{self.name}: peer {frames[0]!r} is not connected") from None
+                raise
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise ChannelTimeout(
+                    f"{self.name}: send did not complete within {timeout_s}s (receiver stalled at the HWM)"
+                )
+            wait_ms = 100 if remaining is None else max(1, min(100, int(remaining * 1000)))
+            self._sock.poll(wait_ms, zmq.POLLOUT)
+
+    def recv(self, timeout_s: float) -> Envelope | None:
+        """Next valid message, or None after ``timeout_s``. Bad frames are counted and skipped."""
+        if self._closed:
+            raise ChannelClosed(f"channel {self.name} is closed")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._poller.poll(remaining_ms):
+                return None
+            if self._zero_copy_recv:
+                frames = [f.buffer for f in self._sock.recv_multipart(copy=False)]
+            else:
+                frames = self._sock.recv_multipart()
+            env = self._parse(frames)
+            if env is not None:
+                self.stats.received += 1
+                return env
+            if time.monotonic() >= deadline:
+                return None
+
+    def _parse(self, frames: list) -> Envelope | None:
+        peer = None
+        if self.kind == zmq.ROUTER:
+            peer, frames = bytes(frames[0]), frames[1:]
+        try:
+            msg, payload = decode_frames(frames)
+        except ProtocolError as e:
+            self.stats.reject(e.reason, str(e))
+            if self.reply_errors and peer is not None:
+                self._reply_error(peer, e)
+            return None
+        return Envelope(msg=msg, peer=peer, payload=payload)
+
+    def _reply_error(self, peer: bytes, err: ProtocolError) -> None:
+        try:
+            self.send(Error(code=err.reason, message=str(err)[:500]), to=peer, timeout_s=0.0)
+        except (ChannelTimeout, ChannelClosed):
+            self.stats.reject("error_reply_dropped", f"could not answer peer {peer!r}")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close(linger=0)
+
+    def __enter__(self) -> ZmqChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InProcChannel:
+    """Same interface as ``ZmqChannel`` over a pair of in-memory queues (unit tests).
+
+    Messages are encoded and decoded on the way, so validation and error counting behave exactly
+    as on a socket. ``maxsize`` plays the role of the high-water mark.
+    """
+
+    def __init__(self, inbox: queue.Queue, outbox: queue.Queue, name: str = "inproc") -> None:
+        self._inbox, self._outbox = inbox, outbox
+        self.name = name
+        self.stats = ChannelStats()
+        self._closed = False
+
+    @classmethod
+    def pair(cls, maxsize: int = DEFAULT_HWM) -> tuple[InProcChannel, InProcChannel]:
+        a, b = queue.Queue(maxsize), queue.Queue(maxsize)
+        return cls(a, b, "inproc-a"), cls(b, a, "inproc-b")
+
+    def send(self, msg: msgspec.Struct, *, to: bytes | None = None, payload=None, timeout_s=10.0) -> None:
+        self.send_frames(encode_frames(msg, payload), timeout_s=timeout_s)
+
+    def send_frames(self, frames: Sequence[Any], *, timeout_s: float | None = 10.0) -> None:
+        if self._closed:
+            raise ChannelClosed(f"channel {self.name} is closed")
+        try:
+            self._outbox.put([bytes(f) for f in frames], timeout=timeout_s)
+        except queue.Full:
+            raise ChannelTimeout(f"{self.name}: send did not complete within {timeout_s}s") from None
+        self.stats.sent += 1
+
+    def recv(self, timeout_s: float) -> Envelope | None:
+        if self._closed:
+            raise ChannelClosed(f"channel {self.name} is closed")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            try:
+                frames = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            try:
+                msg, payload = decode_frames(frames)
+            except ProtocolError as e:
+                self.stats.reject(e.reason, str(e))
+                continue
+            self.stats.received += 1
+            return Envelope(msg=msg, payload=payload)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+__all__ = [
+    "ChannelClosed",
+    "ChannelStats",
+    "ChannelTimeout",
+    "Envelope",
+    "InProcChannel",
+    "ZmqChannel",
+    "encode",
+    "is_loopback",
+    "shared_context",
+]

@@ -1,0 +1,205 @@
+"""Weight publication and fetch over ZeroMQ.
+
+Owns: announcing a new version (PUB) and serving the tensors of the latest versions on request
+(ROUTER), so a worker that joins late, or that missed announcements (PUB drops for slow joiners),
+still gets the newest weights by asking for them.
+Never: interprets tensor bytes (quantization formats and checksums are ``asyncrl.quant``'s job; this
+module only checks that what arrived matches the announced manifest); copies payloads on the server
+side (frames are sent zero-copy from the published buffers, which must stay unchanged once published).
+
+Wire sequence for one fetch: DEALER -> ``WeightFetch(version)``; ROUTER -> ``WeightAnnounce``, then
+``count`` x [``WeightChunk`` header frame, raw payload frame], in manifest order. An unknown version
+is answered with ``Error(code="unknown_version")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import OrderedDict
+
+import zmq
+
+from asyncrl.transport.channel import ChannelClosed, ChannelTimeout, ZmqChannel
+from protocols import Error, TensorSpec, WeightAnnounce, WeightChunk, WeightFetch
+
+
+class WeightFetchError(RuntimeError):
+    """A fetch failed: timeout, unknown version, or chunks that do not match the manifest."""
+
+
+@dataclasses.dataclass
+class PublishedVersion:
+    announce: WeightAnnounce
+    buffers: list  # bytes-like, one per manifest entry, in manifest order
+
+    def __post_init__(self) -> None:
+        specs = self.announce.manifest
+        if len(specs) != len(self.buffers):
+            raise ValueError(f"manifest has {len(specs)} entries but {len(self.buffers)} buffers were given")
+        for spec, buf in zip(specs, self.buffers, strict=True):
+            if memoryview(buf).nbytes != spec.nbytes:
+                raise ValueError(f"tensor {spec.name!r}: manifest says {spec.nbytes} bytes, buffer has "
+                                 f"{memoryview(buf).nbytes}")
+
+
+class WeightServer:
+    """Serves published versions from a background thread that owns both sockets."""
+
+    def __init__(
+        self,
+        announce_address: str = "tcp://127.0.0.1:0",
+        fetch_address: str = "tcp://127.0.0.1:0",
+        *,
+        keep_versions: int = 2,
+        send_timeout_s: float = 30.0,
+    ) -> None:
+        self._pub = ZmqChannel.bind(zmq.PUB, announce_address, name="weights-pub")
+        self._router = ZmqChannel.bind(zmq.ROUTER, fetch_address, name="weights-router", reply_errors=True)
+        self.announce_address = self._pub.address
+        self.fetch_address = self._router.address
+        self.keep_versions = keep_versions
+        self.send_timeout_s = send_timeout_s
+        self._versions: OrderedDict[int, PublishedVersion] = OrderedDict()
+        self._pending_announce: list[WeightAnnounce] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.fetches_served = 0
+        self.bytes_served = 0
+        self._thread = threading.Thread(target=self._run, name="weight-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def stats(self):
+        return self._router.stats
+
+    @property
+    def latest_version(self) -> int:
+        with self._lock:
+            return next(reversed(self._versions)) if self._versions else -1
+
+    def publish(self, announce: WeightAnnounce, buffers: list) -> None:
+        """Make ``announce.version`` fetchable and announce it. Buffers must not change afterwards."""
+        entry = PublishedVersion(announce, list(buffers))
+        with self._lock:
+            if self._versions and announce.version <= next(reversed(self._versions)):
+                raise ValueError(f"version {announce.version} is not newer than the latest published one")
+            self._versions[announce.version] = entry
+            while len(self._versions) > self.keep_versions:
+                self._versions.popitem(last=False)
+            self._pending_announce.append(announce)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                pending, self._pending_announce = self._pending_announce, []
+            for ann in pending:
+                try:
+                    self._pub.send(ann, timeout_s=0.0)  # PUB never blocks; drops for absent subscribers
+                except ChannelTimeout:
+                    pass
+            env = self._router.recv(timeout_s=0.02)
+            if env is None:
+                continue
+            if not isinstance(env.msg, WeightFetch):
+                self._router.stats.reject("unexpected", f"{type(env.msg).__name__} on the weight socket")
+                self._send_quiet(Error(code="unexpected", message="this socket only answers WeightFetch"), env.peer)
+                continue
+            self._serve(env.peer, env.msg.version)
+
+    def _serve(self, peer: bytes, version: int) -> None:
+        with self._lock:
+            if version < 0 and self._versions:
+                version = next(reversed(self._versions))
+            entry = self._versions.get(version)
+            known = list(self._versions)
+        if entry is None:
+            self._send_quiet(
+                Error(code="unknown_version", message=f"version {version} is not served; available: {known}"),
+                peer,
+            )
+            return
+        ann = entry.announce
+        try:
+            self._router.send(ann, to=peer, timeout_s=self.send_timeout_s)
+            for i, (spec, buf) in enumerate(zip(ann.manifest, entry.buffers, strict=True)):
+                chunk = WeightChunk(version=ann.version, index=i, count=len(ann.manifest), name=spec.name,
+                                    dtype=spec.dtype, shape=spec.shape, nbytes=spec.nbytes)
+                self._router.send(chunk, to=peer, payload=memoryview(buf).cast("B"),
+                                  timeout_s=self.send_timeout_s)
+        except (ChannelTimeout, ChannelClosed) as e:
+            self._router.stats.reject("fetch_aborted", str(e))
+            return
+        self.fetches_served += 1
+        self.bytes_served += ann.total_bytes
+
+    def _send_quiet(self, msg, peer: bytes) -> None:
+        try:
+            self._router.send(msg, to=peer, timeout_s=0.0)
+        except (ChannelTimeout, ChannelClosed):
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pub.close()
+        self._router.close()
+
+
+class WeightClient:
+    """A worker's side: hears announcements and fetches versions. Use from one thread."""
+
+    def __init__(self, announce_address: str, fetch_address: str, *, identity: bytes | None = None) -> None:
+        self._sub = ZmqChannel.connect(zmq.SUB, announce_address, name="weights-sub")
+        self._dealer = ZmqChannel.connect(zmq.DEALER, fetch_address, name="weights-dealer",
+                                          identity=identity, zero_copy_recv=True, hwm=0)
+
+    @property
+    def stats(self):
+        return self._dealer.stats
+
+    def poll_announce(self, timeout_s: float = 0.0) -> WeightAnnounce | None:
+        """The newest announcement received so far (drains the queue), or None."""
+        newest = None
+        env = self._sub.recv(timeout_s)
+        while env is not None:
+            if isinstance(env.msg, WeightAnnounce) and (newest is None or env.msg.version > newest.version):
+                newest = env.msg
+            env = self._sub.recv(0.0)
+        return newest
+
+    def fetch(self, version: int = -1, timeout_s: float = 60.0) -> tuple[WeightAnnounce, list[memoryview]]:
+        """All tensors of ``version`` (-1: latest), checked against the manifest, in manifest order."""
+        deadline = time.monotonic() + timeout_s
+        self._dealer.send(WeightFetch(version=version), timeout_s=timeout_s)
+
+        def next_msg(what: str):
+            env = self._dealer.recv(max(0.0, deadline - time.monotonic()))
+            if env is None:
+                raise WeightFetchError(f"timed out after {timeout_s}s waiting for {what} of version {version}")
+            if isinstance(env.msg, Error):
+                raise WeightFetchError(f"weight server refused: {env.msg.message}")
+            return env
+
+        ann = next_msg("the announcement").msg
+        if not isinstance(ann, WeightAnnounce):
+            raise WeightFetchError(f"expected WeightAnnounce, got {type(ann).__name__}")
+        buffers: list[memoryview] = []
+        for i, spec in enumerate(ann.manifest):
+            env = next_msg(f"chunk {i}")
+            chunk = env.msg
+            if not isinstance(chunk, WeightChunk) or not _chunk_matches(chunk, spec, ann.version, i):
+                raise WeightFetchError(f"chunk {i} does not match manifest entry {spec.name!r}: {chunk!r}")
+            buffers.append(env.payload)
+        return ann, buffers
+
+    def close(self) -> None:
+        self._sub.close()
+        self._dealer.close()
+
+
+def _chunk_matches(chunk: WeightChunk, spec: TensorSpec, version: int, index: int) -> bool:
+    return (chunk.version == version and chunk.index == index and chunk.name == spec.name
+            and chunk.dtype == spec.dtype and tuple(chunk.shape) == tuple(spec.shape)
+            and chunk.nbytes == spec.nbytes)

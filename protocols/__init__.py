@@ -1,0 +1,54 @@
+"""asyncrl's wire contract: msgspec Structs, the codec and the handshake rule.
+
+Importable with msgspec and the standard library alone (no torch, no zmq, no numpy at import time),
+so that a client in another project can speak the protocol. See ``protocols.messages`` for the
+schema-evolution rules.
+"""
+
+from protocols.codec import (
+    ProtocolError,
+    check_hello,
+    decode,
+    decode_frames,
+    decoder_for,
+    encode,
+    encode_frames,
+    parse_version,
+)
+from protocols.messages import *  # noqa: F403
+from protocols.messages import (
+    DTYPE_SIZES,
+    FINISH_REASONS,
+    MESSAGE_TYPES,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    PROTOCOL_VERSION,
+    ROLES,
+    Array,
+    Message,
+    SamplingParams,
+    TensorSpec,
+)
+
+__all__ = [
+    "DTYPE_SIZES",
+    "MESSAGE_TYPES",
+    "PROTOCOL_MAJOR",
+    "PROTOCOL_MINOR",
+    "PROTOCOL_VERSION",
+    "Array",
+    "Message",
+    "ProtocolError",
+    "check_hello",
+    "decode",
+    "decode_frames",
+    "decoder_for",
+    "encode",
+    "encode_frames",
+    "parse_version",
+    "SamplingParams",
+    "TensorSpec",
+    "ROLES",
+    "FINISH_REASONS",
+    *[t.__name__ for t in MESSAGE_TYPES],
+]

@@ -1,0 +1,123 @@
+"""Encoding and decoding of asyncrl messages, and the one error type decoding may raise.
+
+Owns: the cached msgspec encoder/decoders, the multi-frame layout (a msgpack header frame, optionally
+followed by one raw payload frame for ``WeightChunk``), and the handshake version check.
+Never: raises anything but ``ProtocolError`` from ``decode``/``decode_frames`` on bad input (random
+bytes, truncated frames, unknown tags, wrong array sizes); imports zmq or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from typing import Any, TypeVar
+
+import msgspec
+
+from protocols.messages import (
+    PROTOCOL_MAJOR,
+    PROTOCOL_VERSION,
+    Hello,
+    Message,
+    Reject,
+    WeightChunk,
+)
+
+T = TypeVar("T")
+
+MAX_FRAMES = 2
+
+
+class ProtocolError(ValueError):
+    """A frame could not be turned into a valid message.
+
+    ``reason`` is a short machine-readable code used as a counter name:
+    ``malformed`` (not msgpack / truncated), ``unknown_tag``, ``invalid`` (a field fails validation:
+    wrong type, array size mismatch, ...), ``frames`` (wrong number or size of frames), ``version``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@cache
+def decoder_for(typ: Any) -> msgspec.msgpack.Decoder:
+    """One cached decoder per message type (or union)."""
+    return msgspec.msgpack.Decoder(type=typ)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode(buf: bytes | memoryview, typ: Any = Message) -> Any:
+    """Decode one message of ``typ`` (default: any asyncrl message). Raises only ``ProtocolError``."""
+    try:
+        return decoder_for(typ).decode(buf)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        if "`$.type`" in text or "Missing required field `type`" in text:
+            raise ProtocolError("unknown_tag", f"unknown or missing message tag: {text}") from None
+        raise ProtocolError("invalid", f"message failed validation: {text}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError("malformed", f"frame is not a valid msgpack message: {e}") from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:  # defensive: hostile nesting
+        raise ProtocolError("malformed", f"frame could not be decoded: {e}") from None
+
+
+def encode_frames(msg: msgspec.Struct, payload: bytes | memoryview | None = None) -> list:
+    """Frames for one message: ``[header]`` or ``[header, payload]`` (payload only for WeightChunk)."""
+    if isinstance(msg, WeightChunk):
+        if payload is None or len(payload) != msg.nbytes:
+            size = None if payload is None else len(payload)
+            raise ValueError(f"WeightChunk {msg.name!r} declares {msg.nbytes} bytes, payload has {size}")
+        return [encode(msg), payload]
+    if payload is not None:
+        raise ValueError(f"{type(msg).__name__} carries no payload frame")
+    return [encode(msg)]
+
+
+def decode_frames(frames: Sequence[bytes | memoryview], typ: Any = Message) -> tuple[Any, Any]:
+    """Inverse of ``encode_frames``: ``(message, payload_or_None)``. Raises only ``ProtocolError``."""
+    if not 1 <= len(frames) <= MAX_FRAMES:
+        raise ProtocolError("frames", f"expected 1 or 2 frames, got {len(frames)}")
+    msg = decode(frames[0], typ)
+    if isinstance(msg, WeightChunk):
+        if len(frames) != 2:
+            raise ProtocolError("frames", f"WeightChunk {msg.name!r} arrived without its payload frame")
+        if len(frames[1]) != msg.nbytes:
+            raise ProtocolError(
+                "frames", f"WeightChunk {msg.name!r} declares {msg.nbytes} bytes, payload has {len(frames[1])}"
+            )
+        return msg, frames[1]
+    if len(frames) != 1:
+        raise ProtocolError("frames", f"{type(msg).__name__} must be a single frame, got {len(frames)}")
+    return msg, None
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    try:
+        major, minor = version.split(".")
+        return int(major), int(minor)
+    except ValueError:
+        raise ProtocolError("version", f"protocol version {version!r} is not MAJOR.MINOR") from None
+
+
+def check_hello(hello: Hello) -> Reject | None:
+    """``None`` if the peer may connect, else the ``Reject`` to send back (different major version)."""
+    try:
+        major, _ = parse_version(hello.protocol_version)
+    except ProtocolError as e:
+        return Reject(reason=str(e))
+    if major != PROTOCOL_MAJOR:
+        return Reject(
+            reason=(
+                f"protocol major version mismatch: peer {hello.peer_id!r} speaks {hello.protocol_version}, "
+                f"this server speaks {PROTOCOL_VERSION}; run the same asyncrl major version on both sides"
+            )
+        )
+    return None

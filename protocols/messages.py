@@ -1,0 +1,325 @@
+"""The asyncrl wire messages: msgspec Structs, one tagged union per socket kind.
+
+Owns: the shape of every message that crosses a process boundary.
+Never: imports torch, numpy or zmq (a client in another project speaks this protocol with msgspec
+alone); holds behaviour beyond validation of its own fields.
+
+Evolution rules (msgspec schema evolution, enforced in review):
+  1. Fields are only ever *appended* to a Struct, and every appended field has a default.
+  2. A field's type and position never change; a field is never removed or renamed (deprecate it by
+     ignoring it, keep it on the wire).
+  3. Tags (the ``tag=`` string of each Struct) never change and are never reused.
+  4. Any change that breaks rules 1-3 bumps ``PROTOCOL_MAJOR``; appending fields bumps ``PROTOCOL_MINOR``.
+  5. Every connection starts with ``Hello``; a server refuses a peer whose major version differs, with a
+     ``Reject`` that states both versions. Different minors interoperate (old peers ignore new fields,
+     new peers see defaults for fields old peers do not send).
+
+Arrays travel as ``Array`` (raw bytes + dtype + shape), never as Python lists. Validation happens at
+decode time (``__post_init__`` runs inside msgspec's decoder), so a decoded message is well-formed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+
+# dtype name -> item size in bytes. The names are numpy's (``np.dtype(name)`` round-trips them).
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+ROLES = ("controller", "generator", "learner", "client")
+FINISH_REASONS = ("stop", "length", "abort")
+MAX_ARRAY_RANK = 8
+
+
+class _Base(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    """Common options: keyword-only construction, defaults omitted on the wire."""
+
+
+class Array(msgspec.Struct, frozen=True, array_like=True):
+    """An n-d array as raw little-endian bytes. ``len(data) == prod(shape) * itemsize(dtype)``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        size = DTYPE_SIZES.get(self.dtype)
+        if size is None:
+            raise ValueError(f"unknown array dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
+        if len(self.shape) > MAX_ARRAY_RANK or any(d < 0 for d in self.shape):
+            raise ValueError(f"invalid array shape {self.shape}: dims must be >= 0, rank <= {MAX_ARRAY_RANK}")
+        expected = math.prod(self.shape) * size
+        if expected != len(self.data):
+            raise ValueError(
+                f"array byte length {len(self.data)} does not match dtype {self.dtype} x shape "
+                f"{tuple(self.shape)} = {expected} bytes"
+            )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def from_numpy(cls, a) -> Array:  # noqa: ANN001 - duck-typed so this module never imports numpy
+        """Wrap a numpy array (made C-contiguous, little-endian by the caller's dtype)."""
+        if not a.flags["C_CONTIGUOUS"]:
+            a = a.copy(order="C")
+        return cls(dtype=str(a.dtype), shape=tuple(int(d) for d in a.shape), data=a.tobytes())
+
+    def to_numpy(self):  # noqa: ANN201 - numpy is imported lazily
+        """A read-only numpy view over ``data`` (no copy)."""
+        import numpy as np
+
+        if self.dtype == "bfloat16":
+            raise ValueError("bfloat16 has no numpy dtype; decode it with torch (asyncrl.transport.tensors)")
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+# ----------------------------------------------------------------------------------------- handshake
+class Hello(_Base, tag="hello"):
+    """First message on every control connection."""
+
+    protocol_version: str
+    role: str
+    peer_id: str
+    capabilities: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; expected one of {ROLES}")
+        if not self.peer_id:
+            raise ValueError("peer_id must be a non-empty string")
+
+
+class Welcome(_Base, tag="welcome"):
+    """Handshake accepted. ``latest_version`` lets a late joiner fetch the newest weights at once."""
+
+    protocol_version: str
+    server_id: str
+    latest_version: int = -1
+    config: dict[str, str] = {}
+
+
+class Reject(_Base, tag="reject"):
+    """Handshake refused; ``reason`` says what to change."""
+
+    reason: str
+    server_version: str = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------------------------- work
+class SamplingParams(_Base, tag="sampling_params"):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = []
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class WorkRequest(_Base, tag="work_request"):
+    """A worker asks for up to ``credits`` more samples (its free generation slots)."""
+
+    worker_id: str
+    credits: int
+
+    def __post_init__(self) -> None:
+        if self.credits < 0:
+            raise ValueError(f"credits must be >= 0, got {self.credits}")
+
+
+class RolloutAssignment(_Base, tag="rollout_assignment"):
+    """Generate ``n_samples`` responses to one prompt; ``sample_ids[i]`` names response i."""
+
+    group_id: str
+    sample_ids: list[str]
+    prompt_ids: Array
+    params: SamplingParams
+    n_samples: int
+
+    def __post_init__(self) -> None:
+        if self.n_samples != len(self.sample_ids) or self.n_samples < 1:
+            raise ValueError(f"n_samples={self.n_samples} but {len(self.sample_ids)} sample ids")
+        if self.prompt_ids.dtype != "int32" or len(self.prompt_ids.shape) != 1:
+            raise ValueError("prompt_ids must be a 1-d int32 array")
+
+
+class NoWork(_Base, tag="no_work"):
+    """No work can be admitted now (staleness gate closed); ask again after ``retry_after_s``."""
+
+    retry_after_s: float = 0.05
+
+
+class FinishedSample(_Base, tag="finished_sample"):
+    """One finished response. ``behav_logp[t]`` and ``versions[t]`` belong to ``response_ids[t]``."""
+
+    sample_id: str
+    group_id: str
+    prompt_ids: Array
+    response_ids: Array
+    behav_logp: Array
+    versions: Array
+    finish_reason: str
+    worker_id: str
+    engine: str = "native"
+    quant_format: str = "fp32"
+    timings: dict[str, float] = {}
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
+        for name, arr, dtype in (
+            ("prompt_ids", self.prompt_ids, "int32"),
+            ("response_ids", self.response_ids, "int32"),
+            ("behav_logp", self.behav_logp, "float32"),
+            ("versions", self.versions, "int32"),
+        ):
+            if arr.dtype != dtype or len(arr.shape) != 1:
+                raise ValueError(f"{name} must be a 1-d {dtype} array, got {arr.dtype}{list(arr.shape)}")
+        n = self.response_ids.shape[0]
+        if self.behav_logp.shape[0] != n or self.versions.shape[0] != n:
+            raise ValueError(
+                f"response has {n} tokens but behav_logp has {self.behav_logp.shape[0]} and versions "
+                f"{self.versions.shape[0]}: every response token needs one log-prob and one version"
+            )
+
+
+# ------------------------------------------------------------------------------------------ weights
+class TensorSpec(_Base, tag="tensor_spec"):
+    """One entry of a weight manifest."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    role: str = "full"  # e.g. "full", "codes", "scale", "global_scale"
+
+
+class WeightAnnounce(_Base, tag="weight_announce"):
+    """Version ``version`` is published; fetch it by ``WeightFetch``. Sent on PUB and on request."""
+
+    version: int
+    fmt: str
+    manifest: list[TensorSpec]
+    checksum: str
+    total_bytes: int
+    aqn_seed: int = -1
+    aqn_sigma: float = 0.0
+
+
+class WeightFetch(_Base, tag="weight_fetch"):
+    """Ask for every chunk of ``version`` (-1: the latest)."""
+
+    version: int = -1
+
+
+class WeightChunk(_Base, tag="weight_chunk"):
+    """Header of one tensor of a published version; its raw bytes travel in the next ZeroMQ frame."""
+
+    version: int
+    index: int
+    count: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+# ---------------------------------------------------------------------------------------- learning
+class TrainSample(_Base, tag="train_sample"):
+    """A scored sample as the learner consumes it."""
+
+    sample_id: str
+    group_id: str
+    prompt_ids: Array
+    response_ids: Array
+    behav_logp: Array
+    versions: Array
+    advantage: float
+    reward: float
+    finish_reason: str = "stop"
+
+
+class BatchRequest(_Base, tag="batch_request"):
+    """The learner (rank 0) asks for the batch of training step ``step``."""
+
+    step: int
+
+
+class TrainBatch(_Base, tag="train_batch"):
+    step: int
+    samples: list[TrainSample]
+    metrics: dict[str, float] = {}
+
+
+class VersionUpdate(_Base, tag="version_update"):
+    """The learner finished step ``version - 1`` and published ``version``."""
+
+    version: int
+    metrics: dict[str, float] = {}
+
+
+class Heartbeat(_Base, tag="heartbeat"):
+    peer_id: str
+    time: float
+    stats: dict[str, float] = {}
+
+
+class Shutdown(_Base, tag="shutdown"):
+    reason: str = ""
+
+
+class Error(_Base, tag="error"):
+    """A request was refused or could not be parsed; ``message`` names the fix."""
+
+    code: str
+    message: str
+
+
+Message = (
+    Hello
+    | Welcome
+    | Reject
+    | WorkRequest
+    | RolloutAssignment
+    | NoWork
+    | FinishedSample
+    | WeightAnnounce
+    | WeightFetch
+    | WeightChunk
+    | TrainSample
+    | BatchRequest
+    | TrainBatch
+    | VersionUpdate
+    | Heartbeat
+    | Shutdown
+    | Error
+)
+
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]

@@ -1,0 +1,125 @@
+"""Channel semantics on real loopback sockets and on the in-process channel."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import protocols as P
+from asyncrl.transport import (
+    ChannelClosed,
+    ChannelTimeout,
+    InProcChannel,
+    WeightClient,
+    WeightFetchError,
+    WeightServer,
+    ZmqChannel,
+    is_loopback,
+)
+
+
+def test_inproc_pair_round_trips_and_counts_bad_frames():
+    a, b = InProcChannel.pair()
+    a.send_frames([b"\x00garbage"])
+    a.send(P.WorkRequest(worker_id="w", credits=3))
+    env = b.recv(1.0)
+    assert env.msg == P.WorkRequest(worker_id="w", credits=3)
+    assert b.stats.rejected_total == 1 and b.stats.received == 1
+
+
+def test_inproc_send_times_out_when_the_receiver_stalls():
+    a, _ = InProcChannel.pair(maxsize=2)
+    a.send(P.Shutdown())
+    a.send(P.Shutdown())
+    with pytest.raises(ChannelTimeout):
+        a.send(P.Shutdown(), timeout_s=0.05)
+
+
+def test_recv_returns_none_after_its_timeout_instead_of_blocking():
+    with ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0") as pull:
+        t0 = time.monotonic()
+        assert pull.recv(0.05) is None
+        assert time.monotonic() - t0 < 5.0  # returned, did not hang
+
+
+def test_closed_channel_refuses_use():
+    ch = ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0")
+    ch.close()
+    with pytest.raises(ChannelClosed):
+        ch.recv(0.0)
+
+
+def test_router_needs_a_peer_identity_to_send():
+    with ZmqChannel.bind(zmq.ROUTER, "tcp://127.0.0.1:0") as r:
+        with pytest.raises(ValueError, match="peer identity"):
+            r.send(P.Shutdown())
+
+
+def test_bind_error_names_the_address():
+    with ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0") as a:
+        with pytest.raises(ValueError, match="cannot bind"):
+            ZmqChannel.bind(zmq.PULL, a.address)
+
+
+@pytest.mark.parametrize("addr,expected", [
+    ("tcp://127.0.0.1:5555", True), ("tcp://localhost:1", True), ("ipc:///tmp/x", True),
+    ("tcp://0.0.0.0:5555", False), ("tcp://10.1.2.3:1", False),
+])
+def test_is_loopback(addr, expected):
+    assert is_loopback(addr) is expected
+
+
+def _publish(server: WeightServer, version: int, arrays: dict[str, np.ndarray]) -> None:
+    specs = [P.TensorSpec(name=k, dtype=str(v.dtype), shape=v.shape, nbytes=v.nbytes) for k, v in arrays.items()]
+    ann = P.WeightAnnounce(version=version, fmt="fp32", manifest=specs, checksum=f"v{version}",
+                           total_bytes=sum(v.nbytes for v in arrays.values()))
+    server.publish(ann, list(arrays.values()))
+
+
+def test_late_joiner_fetches_the_latest_version_and_hears_later_announcements():
+    server = WeightServer()
+    try:
+        rng = np.random.default_rng(0)
+        v1 = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": np.arange(7, dtype=np.int8)}
+        _publish(server, 1, v1)
+        client = WeightClient(server.announce_address, server.fetch_address)
+        try:
+            ann, bufs = client.fetch()  # joined after the announcement: fetch by request
+            assert ann.version == 1
+            for (name, want), got in zip(v1.items(), bufs, strict=True):
+                np.testing.assert_array_equal(np.frombuffer(got, want.dtype).reshape(want.shape), want)
+            # PUB drops announcements until the subscription has propagated (slow joiner), so keep
+            # publishing newer versions until one is heard; what is heard is the newest one.
+            heard, version = None, 1
+            deadline = time.monotonic() + 10
+            while (heard is None or heard.version < version) and time.monotonic() < deadline:
+                if heard is None:
+                    version += 1
+                    _publish(server, version, {"a": v1["a"] + version, "b": v1["b"]})
+                heard = client.poll_announce(0.2) or heard
+            assert heard is not None and heard.version == version
+            ann, bufs = client.fetch(version)
+            np.testing.assert_array_equal(np.frombuffer(bufs[0], np.float32).reshape(3, 5), v1["a"] + version)
+            with pytest.raises(WeightFetchError, match="not served"):
+                client.fetch(99, timeout_s=5)
+        finally:
+            client.close()
+    finally:
+        server.close()
+
+
+def test_publish_refuses_buffers_that_do_not_match_the_manifest():
+    server = WeightServer()
+    try:
+        ann = P.WeightAnnounce(version=1, fmt="fp32", checksum="", total_bytes=8,
+                               manifest=[P.TensorSpec(name="a", dtype="float32", shape=(2,), nbytes=8)])
+        with pytest.raises(ValueError, match="manifest says 8 bytes"):
+            server.publish(ann, [np.zeros(3, np.float32)])
+        server.publish(ann, [np.zeros(2, np.float32)])
+        with pytest.raises(ValueError, match="not newer"):
+            server.publish(ann, [np.zeros(2, np.float32)])
+    finally:
+        server.close()
