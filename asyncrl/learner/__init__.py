@@ -1,0 +1,43 @@
+"""The learner library: batch layout, log-probs, FSDP2 setup, the training step, checkpoints.
+
+Owns everything the learner *process* (workers/learner.py) needs to train, save and export a
+policy; it never opens sockets, reads argv/env beyond torchrun's variables, or computes an
+objective (that is ``asyncrl.algo``). Importing this package imports torch.
+"""
+
+from asyncrl.learner.batch import LearnerBatch
+from asyncrl.learner.checkpoint import (
+    export_hf,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    sha256_of_state_dict,
+    state_dict_sha256,
+)
+from asyncrl.learner.fsdp import DistInfo, broadcast_batch, full_state_dict, init_distributed, shard_model
+from asyncrl.learner.logprobs import token_logprobs
+from asyncrl.learner.schedule import LRSchedule, build_optimizer, build_scheduler, lr_multiplier
+from asyncrl.learner.step import StepConfig, TrainState, train_step
+
+__all__ = [
+    "LearnerBatch",
+    "token_logprobs",
+    "DistInfo",
+    "init_distributed",
+    "shard_model",
+    "broadcast_batch",
+    "full_state_dict",
+    "StepConfig",
+    "TrainState",
+    "train_step",
+    "LRSchedule",
+    "lr_multiplier",
+    "build_optimizer",
+    "build_scheduler",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "export_hf",
+    "state_dict_sha256",
+    "sha256_of_state_dict",
+]

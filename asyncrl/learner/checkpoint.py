@@ -1,0 +1,258 @@
+"""Learner checkpoints (torch.distributed.checkpoint), Hugging Face export and the weights hash.
+
+Owns the on-disk layout of a learner checkpoint and of an exported model:
+
+    <root>/
+      latest                     text: name of the newest complete checkpoint ("step_00000012")
+      step_00000012/             one checkpoint = learner version 12 (12 completed steps)
+        dcp/                     DCP files: {"model": ..., "optim": ...} as sharded DTensors
+        learner.json             {"format", "version", "world_size", "scheduler": LRScheduler.state_dict()}
+        extra.json               caller's state (e.g. the controller's), only if given
+      step_00000012.tmp/         a save in progress; renamed to step_... when every rank is done
+
+Never does: decide *when* to save (the caller does, e.g. every N versions), or touch the optimiser
+and model beyond state-dict get/set.
+
+Invariants:
+* A checkpoint directory without the ``.tmp`` suffix is complete; ``latest`` only ever names a
+  complete one, so a crash mid-save resumes from the previous checkpoint.
+* DCP reshards on load: a checkpoint saved at world size W loads at any world size.
+* Resuming restores weights, AdamW moments, learning-rate schedule position and ``version``; the
+  next ``train_step`` produces ``version + 1``.
+* ``state_dict_sha256`` hashes the full fp32 state dict in name order (name, dtype, shape, raw
+  bytes), so it is the same at every world size for the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from asyncrl.learner.fsdp import DistInfo, barrier, full_state_dict
+from asyncrl.learner.step import TrainState
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "export_hf",
+    "state_dict_sha256",
+    "sha256_of_state_dict",
+    "TOKENIZER_FILES",
+]
+
+CHECKPOINT_FORMAT = 1
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+"""Files copied from ``tokenizer_dir`` into an export when present."""
+
+
+def _step_name(version: int) -> str:
+    return f"step_{version:08d}"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".part")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def save_checkpoint(
+    root: str | Path,
+    state: TrainState,
+    info: DistInfo,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save model, optimiser, scheduler, version (and ``extra`` as JSON) under ``root``.
+
+    Collective: every rank calls it. Returns the checkpoint directory. ``keep_last`` (>= 1)
+    deletes older complete checkpoints beyond the newest ``keep_last``.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    if extra is not None:
+        try:
+            extra_text = json.dumps(extra, sort_keys=True)
+        except TypeError as err:
+            raise ValueError(f"extra checkpoint state must be JSON-serialisable: {err}") from err
+    root = Path(root)
+    final = root / _step_name(state.version)
+    tmp = root / (final.name + ".tmp")
+    if info.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier(info)
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    barrier(info)
+    if info.is_main:
+        sched = state.scheduler.state_dict()
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "version": state.version,
+            "world_size": info.world_size,
+            "scheduler": sched,
+        }
+        try:
+            _write_json(tmp / "learner.json", meta)
+        except TypeError as err:
+            raise ValueError(f"scheduler state is not JSON-serialisable ({err}); use build_scheduler") from err
+        if extra is not None:
+            (tmp / "extra.json").write_text(extra_text)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        latest_tmp = root / "latest.part"
+        latest_tmp.write_text(final.name)
+        latest_tmp.replace(root / "latest")
+        if keep_last is not None:
+            done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+            for old in done[:-keep_last]:
+                shutil.rmtree(old)
+    barrier(info)
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (by the ``latest`` file), or None."""
+    root = Path(root)
+    marker = root / "latest"
+    if not marker.exists():
+        return None
+    path = root / marker.read_text().strip()
+    return path if (path / "learner.json").exists() else None
+
+
+def load_checkpoint(path: str | Path, state: TrainState, info: DistInfo) -> dict[str, Any] | None:
+    """Load a checkpoint (a ``step_*`` directory, or a root holding ``latest``) into ``state``.
+
+    Collective. ``state`` must hold a model sharded like the one saved (any world size) and an
+    optimiser/scheduler built the same way. Sets ``state.version`` to the saved version and
+    returns the saved ``extra`` dict (None if none was saved).
+    """
+    path = Path(path)
+    if not (path / "learner.json").exists():
+        resolved = latest_checkpoint(path)
+        if resolved is None:
+            raise ValueError(f"{path} is neither a learner checkpoint nor a folder with a 'latest' checkpoint")
+        path = resolved
+    meta = json.loads((path / "learner.json").read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not {CHECKPOINT_FORMAT}")
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=str(path / "dcp"))
+    set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    state.scheduler.load_state_dict(meta["scheduler"])
+    state.version = int(meta["version"])
+    extra_path = path / "extra.json"
+    return json.loads(extra_path.read_text()) if extra_path.exists() else None
+
+
+# ---------------------------------------------------------------------------- hashing
+
+
+def sha256_of_state_dict(sd: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over (name, dtype, shape, raw bytes) of each tensor in name order; floating
+    tensors are hashed as contiguous fp32 on CPU."""
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].detach()
+        if t.is_floating_point():
+            t = t.to(torch.float32)
+        t = t.cpu().contiguous()
+        h.update(f"{name}\0{str(t.dtype)}\0{tuple(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def state_dict_sha256(model: torch.nn.Module, info: DistInfo) -> str:
+    """Hash of the full fp32 state dict of ``model`` (sharded or not); same on every rank and at
+    every world size. Collective."""
+    sd = full_state_dict(model)
+    digest = [sha256_of_state_dict(sd) if info.is_main else None]
+    if info.world_size > 1:
+        dist.broadcast_object_list(digest, src=0)
+    assert isinstance(digest[0], str)
+    return digest[0]
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def _hf_class_name(model: torch.nn.Module) -> str:
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    for cls in type(model).__mro__:
+        if issubclass(cls, PreTrainedModel) and not issubclass(cls, FSDPModule):
+            return cls.__name__
+    raise ValueError(f"{type(model).__name__} is not a Hugging Face PreTrainedModel; export_hf cannot name it")
+
+
+def export_hf(
+    model: torch.nn.Module,
+    tokenizer_dir: str | Path | None,
+    out_dir: str | Path,
+    info: DistInfo,
+    *,
+    state_dict_transform: Any = None,
+) -> Path:
+    """Write a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Collective (the full state dict is gathered to rank 0, which writes): ``config.json``,
+    ``model.safetensors`` (fp32), and the tokenizer files of ``tokenizer_dir`` (see
+    ``TOKENIZER_FILES``). ``state_dict_transform`` (dict -> dict), if given, is applied to the
+    full state dict first (e.g. undoing UAQ folding). Returns ``out_dir``.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    sd = full_state_dict(model)
+    if info.is_main:
+        if state_dict_transform is not None:
+            sd = state_dict_transform(sd)
+        config = copy.deepcopy(model.config)
+        config.architectures = [_hf_class_name(model)]
+        config.dtype = torch.float32
+        if getattr(config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)  # tied to the embedding; transformers re-ties on load
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            k: (v.detach().to(torch.float32) if v.is_floating_point() else v.detach()).contiguous().clone()
+            for k, v in sd.items()
+        }
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(str(out))
+        if tokenizer_dir is not None:
+            src = Path(tokenizer_dir)
+            if not src.is_dir():
+                raise ValueError(f"tokenizer_dir {src} is not a folder; pass the model's folder or None")
+            for name in TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, out / name)
+    barrier(info)
+    return out

@@ -1,0 +1,91 @@
+"""Optimiser and learning-rate schedule for the learner.
+
+Owns: building AdamW over the (FSDP2-sharded) parameters and the learning-rate multiplier as a
+pure function of the training step (= learner version), wrapped in a ``LambdaLR``.
+
+Never does: stepping anything on its own; the training step calls ``scheduler.step()`` once per
+training step (not per minibatch), so the learning rate is constant within a step and
+``lr_multiplier(version)`` is the multiplier used by the step that produces ``version + 1``.
+
+Why decay matters here: on the embedded addition task a constant learning rate let GRPO reach
+high reward and then collapse late in the run (issue 6); linear warm-up then cosine or linear
+decay to a floor (``min_lr_ratio``) avoided it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["LRSchedule", "lr_multiplier", "build_optimizer", "build_scheduler"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LRSchedule:
+    """Learning-rate multiplier schedule, in training steps.
+
+    kind: "constant" (after warm-up), "cosine" or "linear" decay from 1 to ``min_lr_ratio``
+      between the end of warm-up and ``total_steps``, then flat at the floor.
+    warmup_steps: linear ramp (step + 1) / warmup_steps over the first steps; 0 disables it.
+    total_steps: where decay ends; required for "cosine" and "linear".
+    min_lr_ratio: the floor, as a fraction of the peak learning rate, in [0, 1].
+    """
+
+    kind: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("constant", "cosine", "linear"):
+            raise ValueError(f"unknown LR schedule kind {self.kind!r}; use 'constant', 'cosine' or 'linear'")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.kind != "constant":
+            if self.total_steps is None or self.total_steps <= self.warmup_steps:
+                raise ValueError(
+                    f"LR schedule {self.kind!r} needs total_steps > warmup_steps (got total_steps="
+                    f"{self.total_steps}, warmup_steps={self.warmup_steps}); set total_steps to the run length"
+                )
+
+
+def lr_multiplier(step: int, sched: LRSchedule) -> float:
+    """Multiplier of the peak learning rate for training step ``step`` (0-based)."""
+    if sched.warmup_steps and step < sched.warmup_steps:
+        return (step + 1) / sched.warmup_steps
+    if sched.kind == "constant":
+        return 1.0
+    assert sched.total_steps is not None
+    progress = min(1.0, (step - sched.warmup_steps) / (sched.total_steps - sched.warmup_steps))
+    if sched.kind == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        shape = 1.0 - progress
+    return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * shape
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """AdamW over every trainable parameter (DTensor shards under FSDP2; states are sharded too)."""
+    if not lr > 0:
+        raise ValueError(f"learning rate must be > 0, got {lr}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no trainable parameters")
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, sched: LRSchedule) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` applying ``lr_multiplier``; its ``last_epoch`` is the number of completed steps."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, sched))

@@ -1,0 +1,68 @@
+"""token_logprobs against a direct log_softmax computation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from asyncrl.learner import token_logprobs
+from asyncrl.learner.logprobs import logprobs_from_logits
+
+
+def _manual(model, batch, tau):
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp = F.log_softmax(logits.float() / tau, dim=-1)  # [B, S, V], row t predicts token t+1
+    want = torch.zeros(batch.input_ids.shape)
+    ent = torch.zeros(batch.input_ids.shape)
+    B, S = batch.input_ids.shape
+    for b in range(B):
+        for t in range(1, S):
+            if batch.loss_mask[b, t]:
+                want[b, t] = lp[b, t - 1, batch.input_ids[b, t]]
+                ent[b, t] = -(lp[b, t - 1].exp() * lp[b, t - 1]).sum()
+    return want, ent
+
+
+def test_token_logprobs_equals_manual_log_softmax_at_the_next_token(tiny):
+    model, batch = tiny.model(), tiny.batch(4, temperature=0.7)
+    with torch.no_grad():
+        got, ent = token_logprobs(model, batch, with_entropy=True)
+        want, want_ent = _manual(model, batch, 0.7)
+    assert got.dtype == torch.float32 and got.shape == batch.input_ids.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-5)
+    assert (got[~batch.loss_mask] == 0).all()
+
+
+def test_explicit_temperature_overrides_the_batch_temperature(tiny):
+    model, batch = tiny.model(), tiny.batch(2, temperature=1.0)
+    with torch.no_grad():
+        got, _ = token_logprobs(model, batch, temperature=2.0)
+        want, _ = _manual(model, batch, 2.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_chunked_logprobs_match_unchunked_values_and_gradients():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (3, 6))
+    pos = torch.rand(3, 6) > 0.3
+    pos[:, 0] = False
+    a, ea = logprobs_from_logits(logits, ids, pos, 0.9, with_entropy=True, chunk_tokens=2)
+    (a.sum() + ea.sum()).backward()
+    g_chunked = logits.grad.clone()
+    logits.grad = None
+    b, eb = logprobs_from_logits(logits, ids, pos, 0.9, with_entropy=True, chunk_tokens=10_000)
+    (b.sum() + eb.sum()).backward()
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ea, eb)
+    torch.testing.assert_close(g_chunked, logits.grad)
+
+
+def test_empty_positions_still_give_a_graph_through_the_model(tiny):
+    model, batch = tiny.model(), tiny.batch(2)
+    logp, _ = token_logprobs(model, batch, positions=torch.zeros_like(batch.loss_mask))
+    assert (logp == 0).all() and logp.requires_grad
+    logp.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and (g == 0).all() for g in grads)
