@@ -1,0 +1,62 @@
+"""Control: the systems logic between workers and the learner (ARCHITECTURE.md §1-2).
+
+Owns admission (``StalenessGate``), group assembly and exactly-once result accounting
+(``GroupBuffer``), and learner batches with dynamic sampling and the staleness check
+(``BatchAssembler``). Standard library only: clocks and version sources are injected, so all of
+it runs in unit tests without processes, sockets or torch. Nothing here is thread-safe; the
+controller drives it from one event loop.
+
+Typical wiring (the controller's loop)::
+
+    gate = StalenessGate(version_source, eta=2, groups_per_step=B)
+    buffer = GroupBuffer(gate, group_size=G)
+    assembler = BatchAssembler(gate, buffer, keep=lambda g: len(set(g.extra["rewards"])) > 1)
+
+    buffer.admit([cursor.next() for _ in range(gate.capacity())])   # on a work request
+    buffer.assign(worker_id, worker_version=w)                       # -> Assignments to send
+    buffer.on_result(sample_id, worker_id=w_id, payload=p, min_version=v)
+    batch = assembler.try_assemble()                                 # when the learner asks
+"""
+
+from asyncrl.control.assembler import Batch, BatchAssembler, KeepFn
+from asyncrl.control.buffer import (
+    Assignment,
+    CompleteGroup,
+    GroupBuffer,
+    GroupState,
+    ResultStatus,
+    SampleResult,
+)
+from asyncrl.control.gate import GateCounts, StalenessGate
+from asyncrl.control.versions import (
+    Clock,
+    ManualVersion,
+    VersionLike,
+    VersionSource,
+    make_group_id,
+    make_sample_id,
+    parse_sample_id,
+    version_reader,
+)
+
+__all__ = [
+    "Assignment",
+    "Batch",
+    "BatchAssembler",
+    "Clock",
+    "CompleteGroup",
+    "GateCounts",
+    "GroupBuffer",
+    "GroupState",
+    "KeepFn",
+    "ManualVersion",
+    "ResultStatus",
+    "SampleResult",
+    "StalenessGate",
+    "VersionLike",
+    "VersionSource",
+    "make_group_id",
+    "make_sample_id",
+    "parse_sample_id",
+    "version_reader",
+]

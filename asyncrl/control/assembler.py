@@ -1,0 +1,233 @@
+"""Batch assembly: complete groups -> learner batch ``k``, with dynamic sampling and the staleness check.
+
+Owns: the choice of which complete groups form learner batch ``k`` (``k`` = batches taken so far),
+the dynamic-sampling decision (a predicate passed in; the advantage math lives in ``asyncrl.algo``),
+the record of which batch consumed which sample ids, and the final check that no consumed token
+is more than ``eta`` versions stale.
+
+Must never: compute rewards or advantages, import torch, discard a group for being stale, or
+read a clock. Not thread-safe: one controller event loop calls it.
+
+Invariants and the selection rule:
+- Every live group has a deadline ``admit_version + eta``: the last batch that may consume it.
+  Batch ``k`` is the ``B`` complete, kept groups with the earliest deadlines (ties: completion
+  order), provided that afterwards, for every later ``k'``, the groups left with deadline ``<= k'``
+  fit in the ``k' - k`` batches before it. If the groups that must go now are still generating,
+  the batch waits (``try_assemble`` returns ``None``). The gate's admission rule guarantees that
+  waiting always ends once those groups complete (see ``gate.py``); this rule lets later groups
+  overtake slow ones whenever the slack allows it, and never otherwise.
+- ALGORITHMS.md §3.4 drops tokens with ``eta > eta_max``; here none can exist, because the gate
+  paces admission instead. A consumed sample with ``k - min_version > eta`` (or a negative
+  staleness, which means versions and batch indices disagree) is an internal error and raises
+  ``AssertionError``.
+- Dynamic sampling (ALGORITHMS.md §3.2): a complete group for which ``keep(group)`` is false is
+  removed and its gate slot freed (``on_filtered``), so the gate admits a replacement. With
+  ``max_filtered_per_step`` set, once that many groups were filtered for the current batch the
+  predicate is no longer applied until the batch is formed (verl's ``max_num_gen_batches``
+  raises instead; [R] here the step goes ahead with unfiltered groups and says how many).
+- Each batch holds exactly ``groups_per_step`` groups; a sample id is consumed at most once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.control.buffer import CompleteGroup, GroupBuffer, SampleResult
+from asyncrl.control.gate import StalenessGate
+from asyncrl.control.versions import make_sample_id
+
+KeepFn = Callable[[CompleteGroup], bool]
+"""Dynamic-sampling predicate: ``True`` keeps the group for training."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Learner batch ``step``."""
+
+    step: int
+    groups: tuple[CompleteGroup, ...]
+    """Exactly ``groups_per_step`` groups, earliest deadline first."""
+    filtered: tuple[CompleteGroup, ...]
+    """Groups dropped by dynamic sampling while this batch was being formed (log them too)."""
+    unfiltered: int
+    """Groups in ``groups`` kept only because ``max_filtered_per_step`` was reached."""
+    max_staleness: int
+    """``max over samples of step - min_version`` (token staleness, <= eta)."""
+
+    @property
+    def sample_ids(self) -> tuple[str, ...]:
+        return tuple(sid for g in self.groups for sid in g.sample_ids)
+
+
+class BatchAssembler:
+    """Forms learner batches from a ``GroupBuffer`` under the gate's staleness bound.
+
+    Args:
+        gate: the staleness gate (gives ``eta``, ``groups_per_step`` and the batch index).
+        buffer: the group buffer fed by workers.
+        keep: dynamic-sampling predicate; ``None`` keeps every group.
+        max_filtered_per_step: stop filtering for the current batch after this many drops
+            (``None``: no limit).
+    """
+
+    def __init__(
+        self,
+        gate: StalenessGate,
+        buffer: GroupBuffer,
+        *,
+        keep: KeepFn | None = None,
+        max_filtered_per_step: int | None = None,
+    ) -> None:
+        if buffer.gate is not gate:
+            raise ValueError("the assembler and the buffer must share one StalenessGate")
+        if max_filtered_per_step is not None and max_filtered_per_step < 0:
+            raise ValueError(f"max_filtered_per_step must be >= 0 or None, got {max_filtered_per_step}")
+        self.gate = gate
+        self.buffer = buffer
+        self.keep = keep
+        self.max_filtered_per_step = max_filtered_per_step
+        self._judged: dict[str, bool] = {}  # group_id -> kept only because the filter budget ran out
+        self._filtered: list[CompleteGroup] = []  # filtered since the last batch
+        self._consumed_by: dict[str, int] = {}
+
+    @property
+    def next_step(self) -> int:
+        """Index ``k`` of the next batch (= batches consumed so far)."""
+        return self.gate.consumed_batches
+
+    def deadline(self, admit_version: int) -> int:
+        """Last batch index that may consume a group admitted at ``admit_version``."""
+        return admit_version + self.gate.eta
+
+    def consumed_step(self, sample_id: str) -> int | None:
+        """Batch that consumed ``sample_id`` (batches formed by this process), or ``None``."""
+        return self._consumed_by.get(sample_id)
+
+    # ------------------------------------------------------------------ filter
+    def _judge(self) -> None:
+        """Apply the predicate once to every newly complete group, in completion order."""
+        for group in self.buffer.complete_groups():
+            if group.group_id in self._judged:
+                continue
+            budget_left = self.max_filtered_per_step is None or len(self._filtered) < self.max_filtered_per_step
+            if self.keep is None:
+                self._judged[group.group_id] = False
+            elif budget_left:
+                if self.keep(group):
+                    self._judged[group.group_id] = False
+                else:
+                    self.buffer.retire([group.group_id])
+                    self.gate.on_filtered()
+                    self._filtered.append(group)
+            else:
+                self._judged[group.group_id] = True
+
+    def drain_filtered(self) -> list[CompleteGroup]:
+        """Judge complete groups now and hand over those dropped so far (they also appear in the
+        next ``Batch.filtered`` unless drained here)."""
+        self._judge()
+        out, self._filtered = self._filtered, []
+        return out
+
+    # ---------------------------------------------------------------- assembly
+    def try_assemble(self) -> Batch | None:
+        """Form batch ``next_step`` if the staleness schedule allows it now, else ``None``."""
+        self._judge()
+        k = self.next_step
+        B = self.gate.groups_per_step
+        live = self.buffer.live()
+        deadlines = sorted(self.deadline(v) for _, v, _ in live)
+        if deadlines and deadlines[0] < k:
+            raise AssertionError(
+                f"a live group has deadline {deadlines[0]} but the learner is already at batch {k}"
+            )
+        candidates = sorted(
+            (g for g in self.buffer.complete_groups() if g.group_id in self._judged),
+            key=lambda g: (self.deadline(g.admit_version), g.completion),
+        )
+        if len(candidates) < B:
+            return None
+        chosen = candidates[:B]
+        chosen_deadlines = sorted(self.deadline(g.admit_version) for g in chosen)
+        if not _feasible(deadlines, chosen_deadlines, k, B):
+            return None
+        return self._emit(k, chosen)
+
+    def _emit(self, k: int, chosen: list[CompleteGroup]) -> Batch:
+        max_staleness = -1
+        for g in chosen:
+            for s in g.samples:
+                staleness = k - s.min_version
+                if not 0 <= staleness <= self.gate.eta:
+                    raise AssertionError(
+                        f"sample {s.sample_id} would be consumed at batch {k} with behaviour version "
+                        f"{s.min_version} (staleness {staleness}, eta {self.gate.eta})"
+                    )
+                if s.sample_id in self._consumed_by:
+                    raise AssertionError(f"sample {s.sample_id} consumed twice")
+                max_staleness = max(max_staleness, staleness)
+        ids = [g.group_id for g in chosen]
+        unfiltered = sum(self._judged.pop(gid) for gid in ids)
+        self.buffer.retire(ids)
+        self.gate.on_consumed(len(chosen))
+        for g in chosen:
+            for sid in g.sample_ids:
+                self._consumed_by[sid] = k
+        batch = Batch(k, tuple(chosen), tuple(self._filtered), unfiltered, max_staleness)
+        self._filtered = []
+        return batch
+
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Judgements of complete groups and the filtered groups not yet handed over (payloads as
+        given). The consumed-by index is not included: the trajectory log is its durable record."""
+        return {
+            "judged": dict(self._judged),
+            "filtered": [
+                {
+                    "group_id": g.group_id,
+                    "seq": g.seq,
+                    "admit_version": g.admit_version,
+                    "meta": g.meta,
+                    "completion": g.completion,
+                    "extra": dict(g.extra),
+                    "samples": [[s.index, s.payload, s.min_version, s.worker_id] for s in g.samples],
+                }
+                for g in self._filtered
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._judged = {str(k): bool(v) for k, v in state["judged"].items()}
+        self._filtered = []
+        for item in state["filtered"]:
+            gid = item["group_id"]
+            samples = tuple(
+                SampleResult(make_sample_id(gid, int(i)), int(i), payload, int(mv), worker)
+                for i, payload, mv, worker in item["samples"]
+            )
+            self._filtered.append(
+                CompleteGroup(gid, int(item["seq"]), int(item["admit_version"]), item["meta"], samples,
+                              int(item["completion"]), dict(item["extra"]))
+            )
+        self._consumed_by = {}
+
+
+def _feasible(live_deadlines: list[int], chosen_deadlines: list[int], k: int, B: int) -> bool:
+    """After taking ``chosen`` as batch ``k``, can every remaining group still meet its deadline?
+
+    For each deadline ``d`` among live groups: the groups with deadline ``<= d`` that remain must
+    fit in batches ``k+1 .. d``, i.e. ``live(<= d) - chosen(<= d) <= (d - k) * B``. Both lists are
+    sorted ascending; ``chosen`` is a sub-multiset of ``live``.
+    """
+    j = 0
+    for i, d in enumerate(live_deadlines):
+        if i + 1 < len(live_deadlines) and live_deadlines[i + 1] == d:
+            continue  # evaluate once per distinct deadline, with all groups <= d counted
+        while j < len(chosen_deadlines) and chosen_deadlines[j] <= d:
+            j += 1
+        if (i + 1) - j > (d - k) * B:
+            return False
+    return True
