@@ -1,0 +1,399 @@
+"""Native torch rollout engine: continuous batching over a Llama/Qwen2 HF model, interruptible weight swaps.
+
+Owns: the request life cycle (queued -> live row -> finished), the step loop, the thread-safe control
+surface (submit / update_weights / abort / pause / resume / close) and the bookkeeping of every sampled
+token's behaviour log-prob and policy version.
+
+Must never: import zmq/msgspec or know about controllers and workers; call ``torch.manual_seed`` or use the
+global RNG (sampling randomness comes from ``sampling.request_uniform``); hold ``_lock`` while running the
+model (other threads must never wait on a forward pass, except ``close``, which waits for at most one step).
+
+Threading model (docs/engine.md has the long form):
+  * one *engine thread* drives ``step()`` (directly or through ``generate``); the model, the KV cache and
+    ``_active`` are touched only by that thread, under ``_step_lock``;
+  * ``submit``, ``update_weights``, ``abort``, ``pause``, ``resume``, ``close`` may be called from any thread;
+    they only record intent under ``_lock`` and wake the engine thread;
+  * everything recorded is applied at the next *step boundary* (the start of ``step()``), in this order:
+    weights -> aborts -> (stop here if paused or closed) -> admit queued requests -> one forward + sample.
+
+Invariants:
+  * ``versions[t]`` is the version whose weights produced the logits token t was drawn from; a weight swap
+    keeps the KV cache of in-flight samples, so only later tokens carry the new version;
+  * a sample's random stream is ``request_uniform(seed, sample_id, t)``: it does not depend on the batch;
+  * every request submitted is yielded exactly once (``stop``, ``length`` or ``abort``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.engine.base import GenRequest, GenResult
+from asyncrl.engine.decoder import DecoderRunner
+from asyncrl.engine.sampling import processed_logprobs, request_uniform, sample_tokens
+from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
+
+
+class EngineClosedError(RuntimeError):
+    """Raised by ``submit``/``update_weights`` after ``close()``."""
+
+
+@dataclass(slots=True)
+class _Seq:
+    req: GenRequest
+    stop_ids: frozenset[int]
+    limit: int
+    t_submit: float
+    response: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    t_admit: float | None = None
+    t_first: float | None = None
+
+    @property
+    def cache_len(self) -> int:
+        """Positions whose K/V are in the cache (the newest sampled token is not yet fed)."""
+        return len(self.req.prompt_ids) + max(len(self.response) - 1, 0)
+
+
+class NativeEngine:
+    """``RolloutEngine`` for HF Llama/Qwen2 causal LMs on CPU or one GPU (see module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        quant_format: str = "fp32",
+        version: int = 0,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 32,
+        max_seq_len: int | None = None,
+        max_prefill_tokens: int = 4096,
+        eos_token_ids: Sequence[int] | None = None,
+        num_threads: int | None = 1,
+    ) -> None:
+        """Wrap ``model`` (fp32 HF causal LM; quantized here when ``quant_format != "fp32"``) at ``version``.
+
+        ``num_threads``: torch intra-op threads for this process (None leaves torch's setting alone).
+        ``eos_token_ids``: default stop tokens (requests with ``stop_token_ids=None``); default = model's EOS.
+        """
+        if quant_format not in QUANT_FORMATS:
+            raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {quant_format!r}")
+        if max_batch_size < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        config = model.config
+        model_max = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+        self.max_seq_len = int(max_seq_len or model_max)
+        if self.max_seq_len > model_max:
+            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings={model_max}")
+        self.quant_format = quant_format
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.vocab_size = int(config.vocab_size)
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _model_eos_ids(model))
+        self.device = torch.device(device)
+        model = quantize_actor(model.to(self.device).eval(), quant_format)
+        self._model = model
+        self._runner: DecoderRunner | None = DecoderRunner(model, max_batch_size, self.max_seq_len)
+        self._version = int(version)
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()
+        self._inbox: deque[_Seq] = deque()
+        self._live_ids: set[str] = set()
+        self._aborts: set[str] = set()
+        self._pending_weights: tuple[int, Any] | None = None
+        self._paused = False
+        self._closed = False
+        self._active: list[_Seq] = []  # row r of the KV cache <-> _active[r]; engine thread only
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs: Any
+    ) -> NativeEngine:
+        """Load an HF folder (config + safetensors) and build an engine; ``kwargs`` go to ``__init__``."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        return cls(model, **kwargs)
+
+    # ----------------------------------------------------------------- any-thread control surface
+
+    def submit(self, requests: Sequence[GenRequest]) -> None:
+        """Queue requests (FIFO). Raises ``ValueError`` for a bad request, before queueing any of them."""
+        now = time.monotonic()
+        seqs = []
+        ids = set()
+        for req in requests:
+            n = len(req.prompt_ids)
+            if n >= self.max_seq_len:
+                raise ValueError(
+                    f"request {req.sample_id!r}: prompt has {n} tokens but max_seq_len={self.max_seq_len}; "
+                    "shorten the prompt or raise max_seq_len"
+                )
+            bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"request {req.sample_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
+            if req.sample_id in ids:
+                raise ValueError(f"sample_id {req.sample_id!r} appears twice in one submit; ids must be unique")
+            ids.add(req.sample_id)
+            p = req.params
+            stop = self.eos_token_ids if p.stop_token_ids is None else frozenset(p.stop_token_ids)
+            seqs.append(_Seq(req, stop, min(p.max_new_tokens, self.max_seq_len - n), now))
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("engine is closed; build a new one")
+            dup = ids & self._live_ids
+            if dup:
+                raise ValueError(f"sample ids already live in this engine: {sorted(dup)[:5]}; ids must be unique")
+            self._live_ids |= ids
+            self._inbox.extend(seqs)
+            self._wake.notify_all()
+
+    def update_weights(self, version: int, weights: Any) -> None:
+        """Record weights for ``version``; they are swapped in at the next step boundary.
+
+        ``weights``: a ``PublishedWeights`` from ``asyncrl.quant.publish`` in this engine's format, or a plain
+        state dict (fp32 engine: loaded as is; quantized engine: quantized here). If several updates arrive
+        before a boundary only the newest is applied. ``version`` must exceed every earlier one.
+        """
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        check_weights(weights, self.quant_format)
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("engine is closed; build a new one")
+            latest = self._pending_weights[0] if self._pending_weights else self._version
+            if version <= latest:
+                raise ValueError(f"weight version {version} is not newer than {latest}; versions must increase")
+            self._pending_weights = (version, weights)
+            self._wake.notify_all()
+
+    def abort(self, sample_ids: Sequence[str]) -> None:
+        """Finish live samples with ``finish_reason="abort"`` (partial tokens kept); unknown ids are ignored."""
+        with self._lock:
+            self._aborts |= set(sample_ids) & self._live_ids
+            self._wake.notify_all()
+
+    def pause(self) -> None:
+        """After the step in progress, run no forward until ``resume``; queued and live samples are kept."""
+        with self._lock:
+            self._paused = True
+            self._wake.notify_all()
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._wake.notify_all()
+
+    def close(self) -> None:
+        """Abort every live sample (yielded by the next ``step``/``generate``), free the model and cache.
+
+        Waits for the step in progress, if any. Idempotent.
+        """
+        with self._lock:
+            self._closed = True
+            self._pending_weights = None
+            self._wake.notify_all()
+        with self._step_lock:
+            if self._runner is not None:
+                self._runner.cache.release()
+                self._runner = None
+                self._model = None
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "engine": "native",
+            "quant_format": self.quant_format,
+            "device": str(self.device),
+            "max_batch_size": self.max_batch_size,
+            "max_seq_len": self.max_seq_len,
+            "vocab_size": self.vocab_size,
+            "per_token_versions": True,
+            "weight_swap": "step_boundary",
+            "seeded": True,
+            "sampling": ("temperature", "top_p", "top_k", "stop_token_ids", "max_new_tokens"),
+            "behav_logp": "processed",
+        }
+
+    @property
+    def version(self) -> int:
+        """Version of the weights the next forward will use (pending updates not counted)."""
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._inbox)
+
+    def has_work(self) -> bool:
+        """True while any submitted request has not been yielded yet."""
+        with self._lock:
+            return bool(self._live_ids)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until ``step()`` has something to do (or ``timeout`` s pass); return whether it has."""
+        with self._wake:
+            return self._wake.wait_for(self._runnable, timeout)
+
+    # ----------------------------------------------------------------- engine thread
+
+    def generate(self, requests: Sequence[GenRequest] = ()) -> Iterator[GenResult]:
+        """Submit ``requests``, then step and yield each result as it finishes until no request is live.
+
+        Also yields requests submitted meanwhile from other threads. While paused it blocks (it does not
+        return) until resumed, aborted or closed. Stopping the iteration early leaves live requests in the
+        engine; the next ``generate``/``step`` continues them.
+        """
+        if requests:
+            self.submit(requests)
+        while self.has_work():
+            self.wait()
+            yield from self.step()
+
+    def step(self) -> list[GenResult]:
+        """One step boundary plus at most one forward: returns the samples that finished in it."""
+        with self._step_lock:
+            finished: list[GenResult] = []
+            with self._lock:
+                weights, self._pending_weights = self._pending_weights, None
+                aborts, self._aborts = self._aborts, set()
+                closed, paused = self._closed, self._paused
+                if aborts or closed:
+                    keep: deque[_Seq] = deque()
+                    for s in self._inbox:
+                        if closed or s.req.sample_id in aborts:
+                            finished.append(self._result(s, "abort", locked=True))
+                        else:
+                            keep.append(s)
+                    self._inbox = keep
+                admitted = [] if (paused or closed) else self._admit()
+            if weights is not None:
+                apply_weights(self._model, weights[1], self.quant_format, weights[0])
+                self._version = weights[0]
+            for row in reversed(range(len(self._active))):
+                s = self._active[row]
+                if closed or s.req.sample_id in aborts:
+                    finished.append(self._result(s, "abort"))
+                    self._remove_row(row)
+            if closed or paused or not (self._active or admitted):
+                return finished
+            self._forward_and_sample(admitted, finished)
+            return finished
+
+    # ----------------------------------------------------------------- internals (engine thread)
+
+    def _runnable(self) -> bool:
+        """Under ``_lock``: is there anything for ``step`` to do?"""
+        if self._closed or self._aborts or self._pending_weights is not None:
+            return True
+        return not self._paused and bool(self._inbox or self._active)
+
+    def _admit(self) -> list[_Seq]:
+        """Under ``_lock``: pop queued requests that fit the batch and the prefill-token budget."""
+        out: list[_Seq] = []
+        budget = self.max_prefill_tokens
+        while self._inbox and len(self._active) + len(out) < self.max_batch_size:
+            n = len(self._inbox[0].req.prompt_ids)
+            if out and n > budget:
+                break
+            budget -= n
+            out.append(self._inbox.popleft())
+        return out
+
+    def _forward_and_sample(self, admitted: list[_Seq], finished: list[GenResult]) -> None:
+        assert self._runner is not None
+        parts = []
+        if self._active:
+            tokens = [s.response[-1] for s in self._active]
+            positions = [s.cache_len for s in self._active]
+            parts.append(self._runner.decode(tokens, positions))
+        if admitted:
+            now = time.monotonic()
+            for s in admitted:
+                s.t_admit = now
+            row0 = len(self._active)
+            self._active.extend(admitted)
+            parts.append(self._runner.prefill(row0, [s.req.prompt_ids for s in admitted], len(self._active)))
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        params = [s.req.params for s in self._active]
+        logp = processed_logprobs(
+            logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params]
+        )
+        uniforms = [request_uniform(p.seed, s.req.sample_id, len(s.response)) for p, s in zip(params, self._active)]
+        tokens_t, behav_t = sample_tokens(logp, uniforms, [p.greedy for p in params])
+        tokens, behav = tokens_t.tolist(), behav_t.tolist()
+        now = time.monotonic()
+        done: list[tuple[int, str]] = []
+        for row, s in enumerate(self._active):
+            s.response.append(tokens[row])
+            s.logps.append(behav[row])
+            s.versions.append(self._version)
+            if s.t_first is None:
+                s.t_first = now
+            if tokens[row] in s.stop_ids:
+                done.append((row, "stop"))
+            elif len(s.response) >= s.limit:
+                done.append((row, "length"))
+        for row, reason in reversed(done):
+            finished.append(self._result(self._active[row], reason))
+            self._remove_row(row)
+
+    def _remove_row(self, row: int) -> None:
+        last = len(self._active) - 1
+        if row != last:
+            if self._runner is not None:
+                self._runner.cache.move_row(last, row, self._active[last].cache_len)
+            self._active[row] = self._active[last]
+        self._active.pop()
+
+    def _result(self, s: _Seq, reason: str, *, locked: bool = False) -> GenResult:
+        """Build the result and forget the id; ``locked`` says the caller already holds ``_lock``."""
+        now = time.monotonic()
+        timings = {"total_s": now - s.t_submit, "queue_s": (s.t_admit or now) - s.t_submit}
+        if s.t_first is not None:
+            timings["ttft_s"] = s.t_first - s.t_submit
+        if locked:
+            self._discard_live(s.req.sample_id)
+        else:
+            with self._lock:
+                self._discard_live(s.req.sample_id)
+        return GenResult(
+            sample_id=s.req.sample_id,
+            prompt_ids=list(s.req.prompt_ids),
+            response_ids=list(s.response),
+            behav_logp=np.asarray(s.logps, dtype=np.float32),
+            versions=np.asarray(s.versions, dtype=np.int32),
+            finish_reason=reason,
+            timings=timings,
+        )
+
+    def _discard_live(self, sample_id: str) -> None:
+        self._live_ids.discard(sample_id)
+        self._aborts.discard(sample_id)
+
+
+def _model_eos_ids(model: torch.nn.Module) -> list[int]:
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []

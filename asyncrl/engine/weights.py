@@ -1,0 +1,96 @@
+"""Weight handling for the native engine: quantizing the actor once, validating and loading updates.
+
+Owns: the bridge between the engine and ``asyncrl.quant`` (the only engine module that imports it, lazily,
+so an fp32 engine works without it) and the loading of plain state dicts.
+
+Must never: quantize on the hot path of a weight update when a ``PublishedWeights`` is given (those are
+loaded as published, ``asyncrl.quant.load_published``), or replace parameter tensors (loads copy in
+place, so the decoder's references and the KV cache stay valid).
+
+Contract with asyncrl.quant: ``quantize_model(model, fmt) -> model`` swaps Linear layers in place;
+``publish(state_dict, fmt, version=v) -> PublishedWeights``; ``load_published(model, published)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+QUANT_FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
+
+
+def _quant(fmt: str):
+    try:
+        import asyncrl.quant as quant
+    except ImportError as exc:
+        raise ValueError(f"quant_format={fmt!r} needs asyncrl.quant, which failed to import: {exc}") from exc
+    return quant
+
+
+def quantize_actor(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
+    """Return the actor for ``fmt``: the model itself for fp32, else ``asyncrl.quant.quantize_model``."""
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {fmt!r}")
+    if fmt == "fp32":
+        return model
+    return _quant(fmt).quantize_model(model, fmt)
+
+
+def published_format(weights: Any) -> str | None:
+    """The format a ``PublishedWeights`` says it holds, if it says."""
+    for attr in ("fmt", "format"):
+        value = getattr(weights, attr, None)
+        if isinstance(value, str):
+            return value
+    manifest = getattr(weights, "manifest", None)
+    for attr in ("fmt", "format"):
+        value = getattr(manifest, attr, None) if manifest is not None else None
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def check_weights(weights: Any, fmt: str) -> None:
+    """Cheap checks before an update is queued; raises ``ValueError`` with the fix."""
+    if isinstance(weights, Mapping):
+        bad = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ValueError(f"state dict values must be tensors; not tensors: {bad[:5]}")
+        return
+    quant = _quant(fmt)
+    if not isinstance(weights, quant.PublishedWeights):
+        raise ValueError(
+            f"weights must be a state dict or an asyncrl.quant.PublishedWeights, got {type(weights).__name__}"
+        )
+    got = published_format(weights)
+    if got is not None and got != fmt:
+        raise ValueError(f"published weights are {got!r} but this engine runs {fmt!r}; publish in {fmt!r}")
+
+
+def apply_weights(model: torch.nn.Module, weights: Any, fmt: str, version: int) -> None:
+    """Load ``weights`` into ``model`` in place (engine thread, at a step boundary)."""
+    if isinstance(weights, Mapping):
+        if fmt == "fp32":
+            load_plain_state_dict(model, weights)
+            return
+        quant = _quant(fmt)
+        weights = quant.publish(dict(weights), fmt, version=version)
+        quant.load_published(model, weights)
+        return
+    _quant(fmt).load_published(model, weights)
+
+
+@torch.no_grad()
+def load_plain_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy a full-precision HF state dict into ``model``; a tied ``lm_head.weight`` may be absent."""
+    missing, unexpected = model.load_state_dict(dict(state_dict), strict=False)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    allowed = {"lm_head.weight"} if tied else set()
+    missing = [k for k in missing if k not in allowed]
+    if missing or unexpected:
+        raise ValueError(
+            f"state dict does not match the model: missing {missing[:5]}, unexpected {list(unexpected)[:5]}; "
+            "send the learner's full HF state dict"
+        )

