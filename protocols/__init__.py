@@ -28,6 +28,7 @@ from protocols.messages import (
     Message,
     SamplingParams,
     TensorSpec,
+    check_array,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "encode_frames",
     "parse_version",
     "SamplingParams",
+    "check_array",
     "TensorSpec",
     "ROLES",
     "FINISH_REASONS",

@@ -54,24 +54,16 @@ class _Base(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fie
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
-    """An n-d array as raw little-endian bytes. ``len(data) == prod(shape) * itemsize(dtype)``."""
+    """An n-d array as raw little-endian bytes. ``len(data) == prod(shape) * itemsize(dtype)``.
+
+    The size rule is checked by every message that carries arrays (``check_array`` in its
+    ``__post_init__``), at construction and at decode; one check per message is cheaper than a
+    ``__post_init__`` per nested array on the hot path of sample streaming.
+    """
 
     dtype: str
     shape: tuple[int, ...]
     data: bytes
-
-    def __post_init__(self) -> None:
-        size = DTYPE_SIZES.get(self.dtype)
-        if size is None:
-            raise ValueError(f"unknown array dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
-        if len(self.shape) > MAX_ARRAY_RANK or any(d < 0 for d in self.shape):
-            raise ValueError(f"invalid array shape {self.shape}: dims must be >= 0, rank <= {MAX_ARRAY_RANK}")
-        expected = math.prod(self.shape) * size
-        if expected != len(self.data):
-            raise ValueError(
-                f"array byte length {len(self.data)} does not match dtype {self.dtype} x shape "
-                f"{tuple(self.shape)} = {expected} bytes"
-            )
 
     @property
     def numel(self) -> int:
@@ -91,6 +83,34 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
         if self.dtype == "bfloat16":
             raise ValueError("bfloat16 has no numpy dtype; decode it with torch (asyncrl.transport.tensors)")
         return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+def check_array(name: str, a: Array) -> int:
+    """Validate ``a`` (dtype known, dims >= 0, byte length = numel x itemsize); returns numel."""
+    shape = a.shape
+    size = DTYPE_SIZES.get(a.dtype)
+    if size is None:
+        raise ValueError(f"{name}: unknown array dtype {a.dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
+    if len(shape) == 1:
+        n = shape[0]
+    elif len(shape) > MAX_ARRAY_RANK:
+        raise ValueError(f"{name}: invalid array shape {shape}: rank must be <= {MAX_ARRAY_RANK}")
+    else:
+        n = math.prod(shape)
+    if n * size != len(a.data) or (shape and min(shape) < 0):
+        raise ValueError(
+            f"{name}: array byte length {len(a.data)} does not match dtype {a.dtype} x shape "
+            f"{tuple(shape)} = {n * size} bytes"
+        )
+    return n
+
+
+def _check_vectors(specs: tuple) -> None:
+    """Each (name, array, dtype) must be a valid 1-d array of that dtype."""
+    for name, arr, dtype in specs:
+        check_array(name, arr)
+        if arr.dtype != dtype or len(arr.shape) != 1:
+            raise ValueError(f"{name} must be a 1-d {dtype} array, got {arr.dtype}{list(arr.shape)}")
 
 
 # ----------------------------------------------------------------------------------------- handshake
@@ -166,8 +186,7 @@ class RolloutAssignment(_Base, tag="rollout_assignment"):
     def __post_init__(self) -> None:
         if self.n_samples != len(self.sample_ids) or self.n_samples < 1:
             raise ValueError(f"n_samples={self.n_samples} but {len(self.sample_ids)} sample ids")
-        if self.prompt_ids.dtype != "int32" or len(self.prompt_ids.shape) != 1:
-            raise ValueError("prompt_ids must be a 1-d int32 array")
+        _check_vectors((("prompt_ids", self.prompt_ids, "int32"),))
 
 
 class NoWork(_Base, tag="no_work"):
@@ -194,20 +213,27 @@ class FinishedSample(_Base, tag="finished_sample"):
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
-        for name, arr, dtype in (
-            ("prompt_ids", self.prompt_ids, "int32"),
-            ("response_ids", self.response_ids, "int32"),
-            ("behav_logp", self.behav_logp, "float32"),
-            ("versions", self.versions, "int32"),
-        ):
-            if arr.dtype != dtype or len(arr.shape) != 1:
-                raise ValueError(f"{name} must be a 1-d {dtype} array, got {arr.dtype}{list(arr.shape)}")
-        n = self.response_ids.shape[0]
-        if self.behav_logp.shape[0] != n or self.versions.shape[0] != n:
-            raise ValueError(
-                f"response has {n} tokens but behav_logp has {self.behav_logp.shape[0]} and versions "
-                f"{self.versions.shape[0]}: every response token needs one log-prob and one version"
-            )
+        _check_token_arrays(self)
+
+
+def _check_token_arrays(m: FinishedSample | TrainSample) -> None:
+    p, r, b, v = m.prompt_ids, m.response_ids, m.behav_logp, m.versions
+    ps, rs, bs, vs = p.shape, r.shape, b.shape, v.shape
+    if (  # fast path for the common, valid case: 1-d, right dtypes, 4-byte items, sizes agree
+        len(ps) == 1 and len(rs) == 1 and len(bs) == 1 and len(vs) == 1
+        and p.dtype == r.dtype == v.dtype == "int32" and b.dtype == "float32"
+        and ps[0] >= 0 and rs[0] >= 0 and bs[0] == rs[0] and vs[0] == rs[0]
+        and len(p.data) == 4 * ps[0] and len(r.data) == len(b.data) == len(v.data) == 4 * rs[0]
+    ):
+        return
+    _check_vectors((("prompt_ids", p, "int32"), ("response_ids", r, "int32"), ("behav_logp", b, "float32"),
+                    ("versions", v, "int32")))
+    n = r.shape[0]
+    if b.shape[0] != n or v.shape[0] != n:
+        raise ValueError(
+            f"response has {n} tokens but behav_logp has {b.shape[0]} and versions "
+            f"{v.shape[0]}: every response token needs one log-prob and one version"
+        )
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -264,6 +290,9 @@ class TrainSample(_Base, tag="train_sample"):
     advantage: float
     reward: float
     finish_reason: str = "stop"
+
+    def __post_init__(self) -> None:
+        _check_token_arrays(self)
 
 
 class BatchRequest(_Base, tag="batch_request"):

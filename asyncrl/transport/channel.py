@@ -30,6 +30,7 @@ import zmq
 from protocols import Error, ProtocolError, decode_frames, encode, encode_frames
 
 DEFAULT_HWM = 1000
+ZERO_COPY_BYTES = 64 * 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -177,10 +178,12 @@ class ZmqChannel:
     def send_frames(self, frames: Sequence[Any], *, timeout_s: float | None = 10.0) -> None:
         if self._closed:
             raise ChannelClosed(f"channel {self.name} is closed")
+        # Small messages are cheaper copied; large payloads (weights) go zero-copy.
+        copy = sum(len(f) for f in frames) < ZERO_COPY_BYTES
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
                 self.stats.sent += 1
                 return
             except zmq.Again:
@@ -203,13 +206,14 @@ class ZmqChannel:
             raise ChannelClosed(f"channel {self.name} is closed")
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
-            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._poller.poll(remaining_ms):
-                return None
-            if self._zero_copy_recv:
-                frames = [f.buffer for f in self._sock.recv_multipart(copy=False)]
-            else:
-                frames = self._sock.recv_multipart()
+            try:  # fast path: a message is already queued, no poll needed
+                raw = self._sock.recv_multipart(zmq.NOBLOCK, copy=not self._zero_copy_recv)
+            except zmq.Again:
+                remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                if not self._poller.poll(remaining_ms):
+                    return None
+                continue
+            frames = [f.buffer for f in raw] if self._zero_copy_recv else raw
             env = self._parse(frames)
             if env is not None:
                 self.stats.received += 1

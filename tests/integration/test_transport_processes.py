@@ -60,7 +60,7 @@ def test_router_keeps_serving_after_garbage_frames_and_answers_with_error(procs)
     with ZmqChannel.bind(zmq.ROUTER, "tcp://127.0.0.1:0", reply_errors=True) as router, \
             ZmqChannel.connect(zmq.DEALER, router.address) as dealer:
         rng = np.random.default_rng(0)
-        for i in range(200):
+        for _ in range(200):
             dealer.send_frames([rng.bytes(int(rng.integers(0, 64)))])
         dealer.send(P.Heartbeat(peer_id="w", time=1.0))
         env = router.recv(10.0)

@@ -78,7 +78,10 @@ def test_unknown_tag_is_reported_as_such():
 
 def test_array_length_mismatch_names_dtype_shape_and_sizes():
     with pytest.raises(ValueError, match="byte length 7 does not match dtype float32"):
-        P.Array(dtype="float32", shape=(2,), data=b"1234567")
+        P.check_array("x", P.Array(dtype="float32", shape=(2,), data=b"1234567"))
+    with pytest.raises(ValueError, match="prompt_ids: array byte length 3 does not match dtype int32"):
+        P.RolloutAssignment(group_id="g", sample_ids=["g/0"], n_samples=1, params=P.SamplingParams(),
+                            prompt_ids=P.Array(dtype="int32", shape=(1,), data=b"abc"))
     wire = msgspec.msgpack.encode(
         {"type": "finished_sample", "sample_id": "s", "group_id": "g", "worker_id": "w", "finish_reason": "stop",
          "prompt_ids": ["int32", [1], b"\0\0\0\0"], "response_ids": ["int32", [2], b"\0" * 8],

@@ -89,7 +89,7 @@ def test_late_joiner_fetches_the_latest_version_and_hears_later_announcements():
         try:
             ann, bufs = client.fetch()  # joined after the announcement: fetch by request
             assert ann.version == 1
-            for (name, want), got in zip(v1.items(), bufs, strict=True):
+            for (_name, want), got in zip(v1.items(), bufs, strict=True):
                 np.testing.assert_array_equal(np.frombuffer(got, want.dtype).reshape(want.shape), want)
             # PUB drops announcements until the subscription has propagated (slow joiner), so keep
             # publishing newer versions until one is heard; what is heard is the newest one.
