@@ -1,0 +1,79 @@
+"""House rules that a reader of imports can check (ARCHITECTURE.md §2, §5; STYLE.md L8, L11)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("protocols", "asyncrl", "workers", "scripts")
+HARD_LINE_LIMIT = 800
+
+
+def python_files(*tops: str) -> list[Path]:
+    return sorted(p for t in tops for p in (ROOT / t).rglob("*.py") if ".venv" not in p.parts)
+
+
+def imported_modules(path: Path, *, module_level_only: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    mods: set[str] = set()
+    for node in tree.body if module_level_only else ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods.add(node.module)
+    return mods
+
+
+def _top(mod: str) -> str:
+    return mod.split(".")[0]
+
+
+@pytest.mark.parametrize("path", python_files("protocols"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_protocols_imports_only_msgspec_and_the_standard_library(path):
+    # numpy may be imported lazily inside a helper (Array.to_numpy), never at module level.
+    allowed = set(sys.stdlib_module_names) | {"msgspec", "protocols"}
+    bad = {m for m in imported_modules(path, module_level_only=True) if _top(m) not in allowed}
+    assert not bad, f"{path.name} imports {bad}; protocols must stay msgspec + stdlib"
+
+
+@pytest.mark.parametrize("path", python_files("asyncrl"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_library_never_imports_workers_or_scripts(path):
+    bad = {m for m in imported_modules(path) if _top(m) in ("workers", "scripts", "tests")}
+    assert not bad, f"{path} imports {bad}: dependency direction is scripts -> workers -> asyncrl -> protocols"
+
+
+@pytest.mark.parametrize("leaf", ["algo", "quant", "control"])
+def test_math_and_control_packages_are_leaves(leaf):
+    for path in python_files(f"asyncrl/{leaf}"):
+        others = {m for m in imported_modules(path)
+                  if m.startswith("asyncrl.") and not m.startswith(f"asyncrl.{leaf}")}
+        assert not others, f"{path} imports {others}; asyncrl/{leaf} is a leaf package"
+
+
+def test_control_uses_the_standard_library_only():
+    allowed = set(sys.stdlib_module_names) | {"asyncrl"}
+    for path in python_files("asyncrl/control"):
+        bad = {m for m in imported_modules(path) if _top(m) not in allowed}
+        assert not bad, f"{path} imports {bad}"
+
+
+@pytest.mark.parametrize("path", python_files(*PACKAGES, "tests"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_file_exceeds_the_hard_line_limit(path):
+    n = len(path.read_text().splitlines())
+    assert n <= HARD_LINE_LIMIT, f"{path} has {n} lines; split it (hard limit {HARD_LINE_LIMIT})"
+
+
+@pytest.mark.parametrize("module,forbidden", [
+    ("protocols", ("torch", "zmq", "numpy")),
+    ("asyncrl", ("torch", "zmq")),
+    ("asyncrl.cli", ("torch", "zmq")),
+    ("asyncrl.log", ("torch", "zmq")),
+])
+def test_cheap_modules_import_without_heavy_dependencies(module, forbidden):
+    code = f"import sys, {module}; bad = [m for m in {forbidden!r} if m in sys.modules]; assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
