@@ -1,0 +1,118 @@
+"""Format registry: one `quantize_weight` / `dequantize_weight` pair over all formats.
+
+Owns: `FORMATS`, the names and roles of the tensors that stand for one linear weight in each format,
+and the dispatch to the per-format rules (int8.py, fp8.py, fp4.py). Quantised modules (linear.py) and
+publication (publish.py) both go through `quantize_weight`, so a published copy is bit-identical to a
+locally quantised one by construction.
+
+Tensors per linear weight `P.weight` [N, K] (names relative to the module prefix `P.`):
+    fp32     weight [N, K] fp32 (untouched)                                   role "weight"
+    bf16     weight [N, K] bf16 (round-to-nearest-even cast)                  role "weight"
+    int8     qweight [N, K] int8, weight_scale [N] fp32                       roles "codes", "scale"
+    int8_wo  same tensors as int8 (activations stay full precision)
+    fp8      qweight [N, K] float8_e4m3fn, weight_scale [N] fp32
+    nvfp4    qweight [N, Kp/2] uint8, weight_scale [N, Kp/16] float8_e4m3fn, weight_global_scale [] fp32
+    mxfp4    qweight [N, Kp/2] uint8, weight_scale [N, Kp/32] float8_e8m0fnu
+Biases, norms, embeddings and kept linears are "full_precision" and never converted.
+
+Must never: hold state; every function is pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from . import fp4, fp8, int8
+from .errors import UnknownFormatError
+
+FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
+QUANTIZED_FORMATS: tuple[str, ...] = ("int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
+
+ROLE_WEIGHT = "weight"
+ROLE_CODES = "codes"
+ROLE_SCALE = "scale"
+ROLE_GLOBAL_SCALE = "global_scale"
+ROLE_FULL = "full_precision"
+
+_SUFFIX_ROLES: dict[str, dict[str, str]] = {
+    "fp32": {"weight": ROLE_WEIGHT},
+    "bf16": {"weight": ROLE_WEIGHT},
+    "int8": {"qweight": ROLE_CODES, "weight_scale": ROLE_SCALE},
+    "int8_wo": {"qweight": ROLE_CODES, "weight_scale": ROLE_SCALE},
+    "fp8": {"qweight": ROLE_CODES, "weight_scale": ROLE_SCALE},
+    "nvfp4": {"qweight": ROLE_CODES, "weight_scale": ROLE_SCALE, "weight_global_scale": ROLE_GLOBAL_SCALE},
+    "mxfp4": {"qweight": ROLE_CODES, "weight_scale": ROLE_SCALE},
+}
+
+
+def check_format(fmt: str) -> str:
+    """Return `fmt` if known, else raise UnknownFormatError listing the choices."""
+    if fmt not in FORMATS:
+        raise UnknownFormatError(f"unknown quantisation format {fmt!r}; choose one of {FORMATS}")
+    return fmt
+
+
+def weight_suffixes(fmt: str) -> dict[str, str]:
+    """Tensor names (relative to the module prefix) standing for one linear weight -> their roles."""
+    return dict(_SUFFIX_ROLES[check_format(fmt)])
+
+
+def quantize_weight(w: Tensor, fmt: str, *, name: str | None = None) -> dict[str, Tensor]:
+    """Quantise one linear weight. w: [N, K] float. Returns {suffix: tensor} as in the module
+    docstring (contiguous, on w's device). Raises QuantError naming `name` on bad input."""
+    check_format(fmt)
+    if fmt == "fp32":
+        int8.check_matrix(w, name)
+        return {"weight": w.detach().float().contiguous()}
+    if fmt == "bf16":
+        int8.check_matrix(w, name)
+        return {"weight": w.detach().to(torch.bfloat16).contiguous()}
+    w = w.detach()
+    if fmt in ("int8", "int8_wo"):
+        if fmt == "int8":
+            int8.check_matrix(w, name, max_k=int8.INT8_MAX_K)
+        codes, scale = int8.quantize_int8_rows(w, name=name)
+        return {"qweight": codes, "weight_scale": scale}
+    if fmt == "fp8":
+        codes, scale = fp8.quantize_fp8_rows(w, name=name)
+        return {"qweight": codes, "weight_scale": scale}
+    if fmt == "nvfp4":
+        packed, sb, gs = fp4.quantize_nvfp4(w, name=name)
+        return {"qweight": packed, "weight_scale": sb, "weight_global_scale": gs}
+    assert fmt == "mxfp4"
+    packed, sc = fp4.quantize_mxfp4(w, name=name)
+    return {"qweight": packed, "weight_scale": sc}
+
+
+def dequantize_weight(tensors: Mapping[str, Tensor], fmt: str, in_features: int) -> Tensor:
+    """Inverse of `quantize_weight`: {suffix: tensor} -> [N, in_features] fp32."""
+    check_format(fmt)
+    if fmt in ("fp32", "bf16"):
+        return tensors["weight"].float()
+    if fmt in ("int8", "int8_wo"):
+        return int8.dequantize_int8(tensors["qweight"], tensors["weight_scale"])
+    if fmt == "fp8":
+        return fp8.dequantize_fp8(tensors["qweight"], tensors["weight_scale"])
+    if fmt == "nvfp4":
+        return fp4.dequantize_nvfp4(
+            tensors["qweight"], tensors["weight_scale"], tensors["weight_global_scale"], in_features
+        )
+    return fp4.dequantize_mxfp4(tensors["qweight"], tensors["weight_scale"], in_features)
+
+
+def code_elements(codes: Tensor, fmt: str, in_features: int) -> Tensor:
+    """The comparable per-element codes of a weight ([N, in_features], integer dtype): unpacked
+    nibbles for fp4, the raw bits for float formats. Used by `quant/code_change_frac`."""
+    check_format(fmt)
+    if fmt in ("nvfp4", "mxfp4"):
+        return fp4.unpack_fp4(codes)[:, :in_features]
+    if fmt == "fp32":
+        return codes.view(torch.int32)
+    if fmt == "bf16":
+        return codes.view(torch.int16)
+    if fmt == "fp8":
+        return codes.view(torch.uint8)
+    return codes

@@ -1,0 +1,117 @@
+"""INT8: symmetric row-wise quantisation and the W8A8 integer matmul.
+
+Owns: the int8 rounding rule (shared by weights, per-output-channel, and activations, per-token),
+its inverse, and `int8_linear`, the real integer matmul (`torch._int_mm`, int32 accumulation).
+
+Rounding rule, exact (rows are the last-dim vectors of a 2-D tensor):
+    amax_r  = max_k |x[r, k]|                         (exact)
+    s_r     = fp32(amax_r / 127)                      (IEEE fp32 division, round-half-to-even)
+    s_r     = 1.0 if s_r == 0                         (all-zero row, or amax_r < 127 * 2**-150)
+    q[r, k] = clamp(rne(fp32(x[r, k] / s_r)), -127, 127)    as int8; -128 is never produced
+    dequant = fp32(q * s_r)
+`rne` is round-half-to-even (`torch.round`). A zero row therefore has scale 1 and all-zero codes;
+an all-equal row maps to codes +-127 with s_r = |value| / 127.
+
+Matmul rule (what `int8_linear` computes for x [M, K], weight codes [N, K]):
+    acc = sum_k qx[m, k] * qw[n, k]      exact int32 (needs K <= 133143 = (2**31 - 1) // 127**2)
+    y   = fp32(fp32(fp32(acc) * sx[m]) * sw[n]) (+ bias[n] in fp32)
+
+Must never: dequantise the weight on the W8A8 path (that is the point of the integer matmul), or
+touch modules and state dicts (see `linear.py`, `publish.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .errors import BlockShapeError, NonFiniteWeightError
+
+INT8_QMAX = 127
+INT8_MAX_K = (2**31 - 1) // (INT8_QMAX * INT8_QMAX)  # 133143: largest K with exact int32 sums
+
+
+def check_matrix(w: Tensor, name: str | None, *, max_k: int | None = None) -> None:
+    """Raise a QuantError naming `name` unless `w` is a finite, non-empty floating 2-D tensor."""
+    if w.dim() != 2 or w.shape[0] == 0 or w.shape[1] == 0:
+        raise BlockShapeError(
+            f"expected a non-empty 2-D [out, in] weight, got shape {tuple(w.shape)}; only linear "
+            "weights are quantised, keep other tensors full precision",
+            tensor_name=name,
+        )
+    if not w.is_floating_point():
+        raise BlockShapeError(f"expected a floating-point weight, got {w.dtype}", tensor_name=name)
+    if max_k is not None and w.shape[1] > max_k:
+        raise BlockShapeError(
+            f"in_features {w.shape[1]} > {max_k}: int32 accumulation would overflow; keep this "
+            "linear in full precision (keep_full_precision=...)",
+            tensor_name=name,
+        )
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise NonFiniteWeightError(
+            f"{bad} non-finite value(s) (NaN/inf); fix the learner update before publishing",
+            tensor_name=name,
+        )
+
+
+def quantize_int8_rows(x: Tensor, *, name: str | None = None) -> tuple[Tensor, Tensor]:
+    """Row-wise symmetric int8 quantisation (the module docstring gives the exact rule).
+
+    x: [R, K] float (any float dtype; converted to fp32 first, exactly for fp16/bf16)
+    returns codes [R, K] int8, scale [R] float32
+    """
+    check_matrix(x, name, max_k=None)
+    xf = x.float()
+    scale = xf.abs().amax(dim=1) / INT8_QMAX
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = torch.round(xf / scale[:, None]).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: Tensor, scale: Tensor) -> Tensor:
+    """codes [R, K] int8, scale [R] fp32 -> [R, K] fp32 = codes * scale (exact rounding of fp32 mul)."""
+    return codes.float() * scale[:, None]
+
+
+def quantize_act_int8(x2: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token activation quantisation, same rule as `quantize_int8_rows`, minimal op count.
+
+    The decode hot path: no validation (a non-finite activation yields garbage codes, as any
+    kernel would), fp32 input expected.
+    x2: [M, K] fp32 -> codes [M, K] int8, scale [M, 1] fp32
+    """
+    scale = x2.abs().amax(dim=1, keepdim=True).div_(INT8_QMAX)
+    scale.masked_fill_(scale == 0, 1.0)
+    q = torch.div(x2, scale).round_().clamp_(-INT8_QMAX, INT8_QMAX)
+    return q.to(torch.int8), scale
+
+
+def int_mm(a: Tensor, b_t: Tensor) -> Tensor:
+    """Exact int8 x int8 -> int32 matmul. a: [M, K] int8, b_t: [K, N] int8 (a transposed [N, K]
+    weight view) -> [M, N] int32.
+
+    CPU (measured, torch 2.13): `torch._int_mm` accepts any M, and M=1 with the transposed-view
+    weight is the fastest layout, so nothing is padded. CUDA kernels need M > 16 (and K, N multiples
+    of 8): rows are zero-padded to 17 there and the extra rows dropped, which is exact.
+    """
+    if a.is_cuda and a.shape[0] <= 16:
+        pad = a.new_zeros((17 - a.shape[0], a.shape[1]))
+        return torch._int_mm(torch.cat([a, pad]), b_t)[: a.shape[0]]
+    return torch._int_mm(a, b_t)
+
+
+def int8_linear(
+    qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """W8A8 linear with int32 accumulation.
+
+    qx: [M, K] int8, sx: [M, 1] or [M] fp32, qw: [N, K] int8, sw: [N] fp32, bias: [N] fp32 or None
+    returns y: [M, N] fp32 = fp32(fp32(acc * sx) * sw) + bias
+    """
+    acc = int_mm(qx, qw.t())
+    y = acc * (sx if sx.dim() == 2 else sx[:, None])
+    y.mul_(sw)
+    if bias is not None:
+        y.add_(bias)
+    return y

@@ -1,0 +1,105 @@
+"""Module swapping: turn a Hugging Face Llama/Qwen2 causal LM into a quantised actor.
+
+Owns: which linears are quantised (`is_target_linear`), the `keep_full_precision` matching rule,
+`quantize_model` and the format marker `model_format` reads back.
+
+Selection rule (shared with publication, which sees only state-dict names): a module is quantised
+iff it is an `nn.Linear` whose own name is one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+down_proj (the attention and MLP projections of Llama/Qwen2 blocks) and no `keep_full_precision`
+entry matches its qualified name. An entry matches when it equals a contiguous run of dotted
+components of the name: "lm_head" matches "lm_head", "down_proj" every down_proj, "layers.0" every
+module of block 0, "model.layers.0.mlp.up_proj" that one module. Embeddings, norms and `lm_head` are
+never swapped (they are not projections), so the default entries only document that.
+
+Must never: quantise anything `publish` would not, or touch modules other than the swapped linears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from .errors import QuantError
+from .formats import check_format
+from .linear import LINEAR_CLASSES
+
+TARGET_LINEARS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+DEFAULT_KEEP_FULL_PRECISION: tuple[str, ...] = ("lm_head", "embed_tokens")
+_FORMAT_ATTR = "asyncrl_quant_format"
+
+
+def name_matches(name: str, entry: str) -> bool:
+    """True when `entry` is a contiguous run of the dotted components of `name`."""
+    return f".{entry}." in f".{name}."
+
+
+def is_target_linear(module_name: str, keep_full_precision: Sequence[str]) -> bool:
+    """Selection rule on a module's qualified name (see the module docstring)."""
+    if module_name.rsplit(".", 1)[-1] not in TARGET_LINEARS:
+        return False
+    return not any(name_matches(module_name, e) for e in keep_full_precision)
+
+
+def is_target_weight(tensor_name: str, keep_full_precision: Sequence[str]) -> bool:
+    """Selection rule on a state-dict key (`<module>.weight`)."""
+    return tensor_name.endswith(".weight") and is_target_linear(
+        tensor_name[: -len(".weight")], keep_full_precision
+    )
+
+
+def model_format(model: nn.Module) -> str:
+    """The format `quantize_model` converted `model` to ("fp32" for an unconverted model)."""
+    return getattr(model, _FORMAT_ATTR, "fp32")
+
+
+def quantize_model(
+    model: nn.Module,
+    fmt: str,
+    *,
+    keep_full_precision: Sequence[str] = DEFAULT_KEEP_FULL_PRECISION,
+    fp8_activations: bool = True,
+) -> nn.Module:
+    """Swap the attention/MLP projections of `model` for quantised linears, in place.
+
+    fp32 leaves the model untouched. bf16 stores the swapped weights in bf16 and runs their matmul
+    in bf16 (input cast to bf16, output cast back, bias added in full precision); everything else
+    stays in the model's dtype. `fp8_activations` chooses W8A8 (True, default) or weight-only fp8.
+    Returns `model`. Raises QuantError for a model already converted or without any target linear.
+    """
+    check_format(fmt)
+    if model_format(model) != "fp32":
+        raise QuantError(
+            f"model is already converted to {model_format(model)!r}; convert a fresh full-precision "
+            "model (quantising twice would compound the rounding)"
+        )
+    if fmt == "fp32":
+        return model
+    cls = LINEAR_CLASSES[fmt]
+    opts = {"act_quant": fp8_activations} if fmt == "fp8" else {}
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and is_target_linear(name, keep_full_precision)
+    ]
+    if not targets:
+        raise QuantError(
+            f"no attention/MLP projection ({', '.join(TARGET_LINEARS)}) found outside "
+            f"keep_full_precision={tuple(keep_full_precision)}; expected a Llama/Qwen2 causal LM"
+        )
+    # Quantise everything first so a bad weight leaves the model untouched.
+    swapped = [(name, cls.from_linear(mod, name=f"{name}.weight", **opts)) for name, mod in targets]
+    for name, qmod in swapped:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, qmod)
+    setattr(model, _FORMAT_ATTR, fmt)
+    return model
