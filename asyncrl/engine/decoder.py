@@ -35,7 +35,9 @@ def check_supported(config) -> None:
             "use a Llama- or Qwen2-family checkpoint or the SGLang engine"
         )
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise ValueError("native engine does not implement sliding-window attention; set use_sliding_window=False")
+        raise ValueError(
+            "native engine does not implement sliding-window attention; set use_sliding_window=False"
+        )
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
         raise ValueError(
@@ -60,7 +62,9 @@ class SlotKVCache:
         """Make room for ``rows`` rows of ``length`` positions, keeping existing contents."""
         assert rows <= self.max_rows and length <= self.max_len, (rows, length)
         if self.k and self.k[0].dtype != dtype:
-            raise ValueError(f"K/V dtype changed from {self.k[0].dtype} to {dtype}; close and rebuild the engine")
+            raise ValueError(
+                f"K/V dtype changed from {self.k[0].dtype} to {dtype}; close and rebuild the engine"
+            )
         if rows <= self.cap_rows and length <= self.cap_len:
             return
         new_rows = min(self.max_rows, max(rows, 2 * self.cap_rows, 1))

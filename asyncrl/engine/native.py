@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,7 +95,9 @@ class NativeEngine:
         model_max = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
         self.max_seq_len = int(max_seq_len or model_max)
         if self.max_seq_len > model_max:
-            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings={model_max}")
+            raise ValueError(
+                f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings={model_max}"
+            )
         self.quant_format = quant_format
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -144,9 +146,13 @@ class NativeEngine:
                 )
             bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"request {req.sample_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
+                raise ValueError(
+                    f"request {req.sample_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})"
+                )
             if req.sample_id in ids:
-                raise ValueError(f"sample_id {req.sample_id!r} appears twice in one submit; ids must be unique")
+                raise ValueError(
+                    f"sample_id {req.sample_id!r} appears twice in one submit; ids must be unique"
+                )
             ids.add(req.sample_id)
             p = req.params
             stop = self.eos_token_ids if p.stop_token_ids is None else frozenset(p.stop_token_ids)
@@ -156,7 +162,9 @@ class NativeEngine:
                 raise EngineClosedError("engine is closed; build a new one")
             dup = ids & self._live_ids
             if dup:
-                raise ValueError(f"sample ids already live in this engine: {sorted(dup)[:5]}; ids must be unique")
+                raise ValueError(
+                    f"sample ids already live in this engine: {sorted(dup)[:5]}; ids must be unique"
+                )
             self._live_ids |= ids
             self._inbox.extend(seqs)
             self._wake.notify_all()
@@ -170,13 +178,19 @@ class NativeEngine:
         """
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
-        check_weights(weights, self.quant_format)
+        with self._lock:
+            model = self._model
+        if model is None:
+            raise EngineClosedError("engine is closed; build a new one")
+        check_weights(weights, self.quant_format, model)
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed; build a new one")
             latest = self._pending_weights[0] if self._pending_weights else self._version
             if version <= latest:
-                raise ValueError(f"weight version {version} is not newer than {latest}; versions must increase")
+                raise ValueError(
+                    f"weight version {version} is not newer than {latest}; versions must increase"
+                )
             self._pending_weights = (version, weights)
             self._wake.notify_all()
 
@@ -338,7 +352,10 @@ class NativeEngine:
         logp = processed_logprobs(
             logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params]
         )
-        uniforms = [request_uniform(p.seed, s.req.sample_id, len(s.response)) for p, s in zip(params, self._active)]
+        uniforms = [
+            request_uniform(p.seed, s.req.sample_id, len(s.response))
+            for p, s in zip(params, self._active, strict=True)
+        ]
         tokens_t, behav_t = sample_tokens(logp, uniforms, [p.greedy for p in params])
         tokens, behav = tokens_t.tolist(), behav_t.tolist()
         now = time.monotonic()

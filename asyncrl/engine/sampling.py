@@ -58,7 +58,9 @@ def processed_logprobs(
     device = logits.device
     temps = torch.tensor([t if t > 0 else 1.0 for t in temperature], dtype=torch.float32, device=device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    truncate = [t > 0 and (k != -1 and k < V or p < 1.0) for t, k, p in zip(temperature, top_k, top_p, strict=True)]
+    truncate = [
+        t > 0 and (k != -1 and k < V or p < 1.0) for t, k, p in zip(temperature, top_k, top_p, strict=True)
+    ]
     if not any(truncate):
         return logp
     rows = torch.tensor([i for i, f in enumerate(truncate) if f], dtype=torch.long, device=device)
@@ -79,7 +81,9 @@ def processed_logprobs(
     return logp.index_copy(0, rows, truncated)
 
 
-def sample_tokens(logp: torch.Tensor, uniforms: Sequence[float], greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logp: torch.Tensor, uniforms: Sequence[float], greedy: Sequence[bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row.
 
     Args:
@@ -99,7 +103,9 @@ def sample_tokens(logp: torch.Tensor, uniforms: Sequence[float], greedy: Sequenc
     if bool(s.any()):
         lp = logp[s].double()
         cdf = torch.cumsum(lp.exp(), dim=-1)
-        u = torch.tensor([u for u, gr in zip(uniforms, greedy, strict=True) if not gr], dtype=torch.float64, device=device)
+        u = torch.tensor(
+            [u for u, gr in zip(uniforms, greedy, strict=True) if not gr], dtype=torch.float64, device=device
+        )
         target = (u * cdf[:, -1]).unsqueeze(-1)
         idx = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=V - 1)
         # Rounding can put the target at (or past) the total mass; fall back to the last token with mass.

@@ -33,9 +33,11 @@ def quantize_actor(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     """Return the actor for ``fmt``: the model itself for fp32, else ``asyncrl.quant.quantize_model``."""
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {fmt!r}")
-    if fmt == "fp32":
-        return model
-    return _quant(fmt).quantize_model(model, fmt)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if fmt != "fp32":
+        model = _quant(fmt).quantize_model(model, fmt)
+    model._asyncrl_hf_shapes = shapes
+    return model
 
 
 def published_format(weights: Any) -> str | None:
@@ -52,12 +54,26 @@ def published_format(weights: Any) -> str | None:
     return None
 
 
-def check_weights(weights: Any, fmt: str) -> None:
-    """Cheap checks before an update is queued; raises ``ValueError`` with the fix."""
+def check_weights(weights: Any, fmt: str, model: torch.nn.Module) -> None:
+    """Cheap checks before an update is queued (any thread); raises ``ValueError`` with the fix.
+
+    A plain state dict must name exactly the model's HF parameters (a tied ``lm_head.weight`` may be
+    absent) with matching shapes; a ``PublishedWeights`` must be of the engine's format.
+    """
     if isinstance(weights, Mapping):
         bad = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)]
         if bad:
             raise ValueError(f"state dict values must be tensors; not tensors: {bad[:5]}")
+        expected = _hf_shapes(model)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        missing = [k for k in expected if k not in weights and not (tied and k == "lm_head.weight")]
+        unexpected = [k for k in weights if k not in expected]
+        wrong = [k for k in expected if k in weights and tuple(weights[k].shape) != expected[k]]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                f"wrong shape {wrong[:5]}; send the learner's full HF state dict"
+            )
         return
     quant = _quant(fmt)
     if not isinstance(weights, quant.PublishedWeights):
@@ -67,6 +83,18 @@ def check_weights(weights: Any, fmt: str) -> None:
     got = published_format(weights)
     if got is not None and got != fmt:
         raise ValueError(f"published weights are {got!r} but this engine runs {fmt!r}; publish in {fmt!r}")
+
+
+def _hf_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the full-precision HF parameters the model was built from.
+
+    Recorded on the model by ``quantize_actor`` before any Linear is swapped, so it is the learner's view
+    even for a quantized actor.
+    """
+    shapes = getattr(model, "_asyncrl_hf_shapes", None)
+    if shapes is None:
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return shapes
 
 
 def apply_weights(model: torch.nn.Module, weights: Any, fmt: str, version: int) -> None:
