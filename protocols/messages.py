@@ -320,6 +320,14 @@ class Heartbeat(_Base, tag="heartbeat"):
     stats: dict[str, float] = {}
 
 
+class Goodbye(_Base, tag="goodbye"):
+    """A worker leaves. ``unfinished`` lists the assigned samples it did not finish: reissue them."""
+
+    peer_id: str
+    unfinished: list[str] = []
+    reason: str = ""
+
+
 class Shutdown(_Base, tag="shutdown"):
     reason: str = ""
 
@@ -347,6 +355,7 @@ Message = (
     | TrainBatch
     | VersionUpdate
     | Heartbeat
+    | Goodbye
     | Shutdown
     | Error
 )

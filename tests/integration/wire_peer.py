@@ -51,6 +51,7 @@ def example_messages() -> list:
         P.TrainBatch(step=4, samples=[ts], metrics={"reward": 1.0}),
         P.VersionUpdate(version=5, metrics={"loss": 0.1}),
         P.Heartbeat(peer_id="w0", time=123.5, stats={"tokens_per_s": 900.0}),
+        P.Goodbye(peer_id="w0", unfinished=["g1/1"], reason="SIGTERM"),
         P.Shutdown(reason="done"),
         P.Error(code="invalid", message="bad"),
     ]

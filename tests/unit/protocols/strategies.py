@@ -109,6 +109,7 @@ MESSAGES = {
                             metrics=fmetrics),
     P.VersionUpdate: st.builds(P.VersionUpdate, version=st.integers(0, 10**6), metrics=fmetrics),
     P.Heartbeat: st.builds(P.Heartbeat, peer_id=ids, time=small_floats, stats=fmetrics),
+    P.Goodbye: st.builds(P.Goodbye, peer_id=ids, unfinished=st.lists(ids, max_size=4), reason=st.text(max_size=16)),
     P.Shutdown: st.builds(P.Shutdown, reason=st.text(max_size=32)),
     P.Error: st.builds(P.Error, code=st.text(max_size=16), message=st.text(max_size=64)),
 }
