@@ -42,6 +42,7 @@ DTYPE_SIZES: dict[str, int] = {
     "float64": 8,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
 }
 
 ROLES = ("controller", "generator", "learner", "client")
@@ -245,6 +246,9 @@ class TensorSpec(_Base, tag="tensor_spec"):
     shape: tuple[int, ...]
     nbytes: int
     role: str = "full"  # e.g. "full", "codes", "scale", "global_scale"
+    fmt: str = ""
+    sha256: str = ""
+    logical_shape: tuple[int, ...] = ()
 
 
 class WeightAnnounce(_Base, tag="weight_announce"):

@@ -1,0 +1,72 @@
+"""Load a run configuration: Hydra compose -> merge onto the structured schema -> dataclasses.
+
+Owns: turning ``key=value`` overrides and the YAML groups in ``configs/`` into a validated
+``TrainConfig``, and writing/reading the resolved config of a run (``config.json`` in its folder).
+Never: returns a ``DictConfig``; lets a Hydra/OmegaConf exception escape without saying which key
+to change (they become ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from asyncrl.config.schema import TrainConfig, to_dict, validate
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+GROUPS = ("model", "task", "algo", "quant", "rollout", "learner")
+
+
+def _group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def load_train_config(overrides: Sequence[str] = (), *, config_name: str = "train") -> TrainConfig:
+    """Compose ``configs/<config_name>.yaml`` with ``overrides`` and validate the result."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for ov in overrides:
+        key = ov.split("=", 1)[0].lstrip("+~")
+        if "=" not in ov:
+            raise ValueError(f"override {ov!r} is not key=value (e.g. rollout.eta=2 or algo=tbpo)")
+        if key in GROUPS:
+            choice = ov.split("=", 1)[1]
+            if choice not in _group_options(key):
+                raise ValueError(f"{key}={choice!r} is not a config in configs/{key}/; choose one of "
+                                 f"{', '.join(_group_options(key))} (or set single keys, e.g. {key}.X=...)")
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            composed = compose(config_name=config_name, overrides=list(overrides))
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), composed)
+        cfg = OmegaConf.to_object(merged)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(f"bad configuration: {e}".replace("\n", " ")) from None
+    assert isinstance(cfg, TrainConfig)
+    return validate(cfg)
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True))
+
+
+def config_from_dict(data: dict) -> TrainConfig:
+    """Rebuild a ``TrainConfig`` from ``to_dict`` output (a run folder's config.json)."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(data))
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, TrainConfig)
+    return validate(cfg)
+
+
+def read_run_config(run_dir: str | Path) -> TrainConfig:
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} is not an asyncrl run folder (no config.json); pass runs/<name>")
+    return config_from_dict(json.loads(path.read_text()))

