@@ -21,11 +21,21 @@ import torch
 QUANT_FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
 
 
+_QUANT_API = ("quantize_model", "publish", "load_published", "PublishedWeights")
+
+
 def _quant(fmt: str):
+    """``asyncrl.quant``, imported on first use; ``ValueError`` if it is missing or incomplete."""
     try:
         import asyncrl.quant as quant
     except ImportError as exc:
         raise ValueError(f"quant_format={fmt!r} needs asyncrl.quant, which failed to import: {exc}") from exc
+    missing = [name for name in _QUANT_API if not hasattr(quant, name)]
+    if missing:
+        raise ValueError(
+            f"quant_format={fmt!r} needs asyncrl.quant.{{{', '.join(missing)}}}, which this checkout lacks; "
+            "use quant_format='fp32'"
+        )
     return quant
 
 
@@ -75,8 +85,11 @@ def check_weights(weights: Any, fmt: str, model: torch.nn.Module) -> None:
                 f"wrong shape {wrong[:5]}; send the learner's full HF state dict"
             )
         return
-    quant = _quant(fmt)
-    if not isinstance(weights, quant.PublishedWeights):
+    try:
+        quant = _quant(fmt)
+    except ValueError:
+        quant = None
+    if quant is None or not isinstance(weights, quant.PublishedWeights):
         raise ValueError(
             f"weights must be a state dict or an asyncrl.quant.PublishedWeights, got {type(weights).__name__}"
         )
