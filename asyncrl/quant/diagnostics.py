@@ -1,0 +1,123 @@
+"""Per-publication diagnostics of the quantised actor.
+
+Owns:
+  * `code_change_frac(prev, cur)`: fraction of quantised weight codes (per element: fp4 nibbles,
+    int8/fp8 codes, bf16/fp32 bit patterns of the target linears) that differ between two
+    publications; the quantity behind QuRL's "weight updates vanish under quantisation". Padding
+    columns of fp4 blocks are excluded. Logged as `quant/code_change_frac` (ALGORITHMS.md §7 calls
+    it `uaq/code_change_frac`; the issue's name is used here).
+  * `quantization_error(state_dict, published)`: per target weight ||W - dequant(Q(W))||_F / ||W||_F,
+    as `quant/rel_error_mean` (mean over weights) and `quant/rel_error_max`.
+  * `kl_vs_full_precision(model_q, model_fp, probe_input_ids)`: mean over probe positions of
+    KL(pi_q || pi_fp) = sum_v p_q (log p_q - log p_fp), fp32 log-softmax of logits / temperature.
+  * `publication_metrics(...)`: the dict to log with each published version.
+
+Must never: change a model or a publication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .errors import FormatMismatchError, ManifestMismatchError
+from .formats import ROLE_CODES, ROLE_FULL, ROLE_WEIGHT, code_elements, dequantize_weight, weight_suffixes
+from .publish import PublishedWeights
+
+
+def _code_entries(pub: PublishedWeights) -> dict[str, tuple[int, ...]]:
+    return {
+        e.name: e.logical_shape
+        for e in pub.manifest
+        if e.role in (ROLE_CODES, ROLE_WEIGHT) and e.logical_shape is not None
+    }
+
+
+def code_change_frac(prev: PublishedWeights, cur: PublishedWeights) -> float:
+    """Fraction in [0, 1] of code elements that changed from `prev` to `cur` (same format and names)."""
+    if prev.fmt != cur.fmt:
+        raise FormatMismatchError(f"cannot compare codes of {prev.fmt!r} and {cur.fmt!r} publications")
+    a, b = _code_entries(prev), _code_entries(cur)
+    if a.keys() != b.keys():
+        name = sorted(a.keys() ^ b.keys())[0]
+        raise ManifestMismatchError("present in only one of the two publications", tensor_name=name)
+    changed = total = 0
+    for name, logical in sorted(b.items()):
+        k = logical[1]
+        ca = code_elements(prev.tensors[name], prev.fmt, k)
+        cb = code_elements(cur.tensors[name], cur.fmt, k)
+        changed += int((ca != cb).sum())
+        total += ca.numel()
+    return changed / total if total else 0.0
+
+
+def quantization_error(state_dict: Mapping[str, Tensor], published: PublishedWeights) -> dict[str, float]:
+    """Relative Frobenius error of every published target weight against the full-precision one."""
+    errs = []
+    suffixes = weight_suffixes(published.fmt)
+    for name, logical in sorted(_code_entries(published).items()):
+        prefix = name.rpartition(".")[0] + "."
+        w = state_dict.get(prefix + "weight")
+        if w is None:
+            raise ManifestMismatchError("no full-precision weight to compare with", tensor_name=prefix + "weight")
+        parts = {s: published.tensors[prefix + s] for s in suffixes}
+        deq = dequantize_weight(parts, published.fmt, logical[1])
+        wf = w.detach().float().cpu()
+        denom = float(torch.linalg.vector_norm(wf))
+        errs.append(float(torch.linalg.vector_norm(wf - deq)) / denom if denom > 0 else 0.0)
+    if not errs:
+        return {"quant/rel_error_mean": 0.0, "quant/rel_error_max": 0.0}
+    return {"quant/rel_error_mean": sum(errs) / len(errs), "quant/rel_error_max": max(errs)}
+
+
+@torch.no_grad()
+def kl_vs_full_precision(
+    model_q: nn.Module,
+    model_fp: nn.Module,
+    probe_input_ids: Tensor,
+    *,
+    attention_mask: Tensor | None = None,
+    temperature: float = 1.0,
+) -> float:
+    """Mean KL(pi_q || pi_fp) over the (unmasked) positions of a fixed probe batch.
+
+    probe_input_ids: [B, T] int64; attention_mask: [B, T] (1 = real token) or None.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    lq = torch.log_softmax(model_q(probe_input_ids, **kwargs).logits.float() / temperature, dim=-1)
+    lf = torch.log_softmax(model_fp(probe_input_ids, **kwargs).logits.float() / temperature, dim=-1)
+    kl = (lq.exp() * (lq - lf)).sum(-1)  # [B, T]
+    if attention_mask is None:
+        return float(kl.mean())
+    m = attention_mask.to(kl.dtype)
+    return float((kl * m).sum() / m.sum().clamp_min(1))
+
+
+def publication_metrics(
+    published: PublishedWeights,
+    *,
+    previous: PublishedWeights | None = None,
+    state_dict: Mapping[str, Tensor] | None = None,
+) -> dict[str, float]:
+    """Metrics to log with a published version: bytes, bytes per target-weight element, AQN
+    sigma, code change vs `previous` and quantisation error vs `state_dict` when given."""
+    n_weight = sum(
+        e.logical_shape[0] * e.logical_shape[1] for e in published.manifest
+        if e.role in (ROLE_CODES, ROLE_WEIGHT) and e.logical_shape is not None
+    )
+    linear_bytes = sum(e.nbytes for e in published.manifest if e.role != ROLE_FULL)
+    out = {
+        "quant/version": float(published.version),
+        "quant/bytes": float(published.total_bytes()),
+        "quant/linear_bytes_per_param": linear_bytes / n_weight if n_weight else 0.0,
+        "aqn/sigma": float(published.aqn_sigma),
+    }
+    if previous is not None:
+        out["quant/code_change_frac"] = code_change_frac(previous, published)
+    if state_dict is not None:
+        out.update(quantization_error(state_dict, published))
+    return out

@@ -1,0 +1,378 @@
+"""Quantise-on-send weight publication: `publish` on the learner, `load_published` on a worker.
+
+Owns: `PublishedWeights` (codes + scales + untouched full-precision tensors, a manifest and a
+checksum), its conversion to and from raw buffers for a transport, and the validated, all-or-nothing
+load into a model converted with `quantize_model`.
+
+Publication layout: every target linear weight `P.weight` (selection rule in model.py) is replaced by
+its format tensors `P.qweight`, `P.weight_scale`, ... (formats.py); every other state-dict entry is
+copied untouched. Tensor names are exactly the state-dict keys of the converted model. Manifest
+entries follow the sorted tensor names and record name, dtype, shape, format, role, byte count,
+per-tensor sha256 and, for codes, the logical [N, K] of the weight.
+
+Checksum: sha256 (hex) of the canonical JSON header (version, fmt, AQN record, manifest; sorted keys,
+no spaces), and the header embeds every tensor's own sha256 over its raw bytes (little-endian, C
+order). So the checksum covers manifest and bytes, and a byte mismatch is reported by tensor name.
+
+Must never: mutate the state dict it publishes (every published tensor is a fresh CPU copy), pickle
+anything, or let `load_published` change the model unless every check has passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from . import aqn as aqn_mod
+from .errors import (
+    ChecksumMismatchError,
+    FormatMismatchError,
+    ManifestMismatchError,
+    NonFiniteWeightError,
+    QuantError,
+)
+from .formats import (
+    ROLE_CODES,
+    ROLE_FULL,
+    ROLE_GLOBAL_SCALE,
+    ROLE_SCALE,
+    ROLE_WEIGHT,
+    check_format,
+    quantize_weight,
+    weight_suffixes,
+)
+from .linear import QuantLinear
+from .model import DEFAULT_KEEP_FULL_PRECISION, is_target_weight, model_format
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+        torch.float8_e8m0fnu, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise QuantError(f"dtype {name} cannot be published; supported: {sorted(_DTYPES)}")
+    return name
+
+
+def _raw_bytes(t: Tensor) -> memoryview:
+    """Zero-copy little-endian bytes of a contiguous CPU tensor."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _digest(t: Tensor) -> str:
+    return hashlib.sha256(_raw_bytes(t)).hexdigest()
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One published tensor. `role`: weight | codes | scale | global_scale | full_precision."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    fmt: str
+    role: str
+    nbytes: int
+    sha256: str
+    logical_shape: tuple[int, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        d["logical_shape"] = None if self.logical_shape is None else list(self.logical_shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ManifestEntry:
+        ls = d.get("logical_shape")
+        return cls(
+            name=str(d["name"]), dtype=str(d["dtype"]), shape=tuple(int(s) for s in d["shape"]),
+            fmt=str(d["fmt"]), role=str(d["role"]), nbytes=int(d["nbytes"]), sha256=str(d["sha256"]),
+            logical_shape=None if ls is None else tuple(int(s) for s in ls),
+        )
+
+
+class RawTensor(NamedTuple):
+    """What a transport ships per tensor: raw little-endian C-order bytes plus dtype and shape."""
+
+    name: str
+    data: memoryview | bytes | bytearray
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class PublishedWeights:
+    """A published policy version. `tensors` are contiguous CPU tensors keyed by manifest name."""
+
+    version: int
+    fmt: str
+    tensors: dict[str, Tensor]
+    manifest: list[ManifestEntry]
+    checksum: str
+    aqn_seed: int | None = None
+    aqn_sigma: float = 0.0
+
+    def total_bytes(self) -> int:
+        """Bytes of all tensors (what a transport moves, headers aside)."""
+        return sum(e.nbytes for e in self.manifest)
+
+    def header(self) -> dict[str, Any]:
+        """JSON/msgpack-able description: everything except the tensor bytes."""
+        return _header(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest) | {
+            "checksum": self.checksum
+        }
+
+    def to_raw(self) -> list[RawTensor]:
+        """Raw buffers in manifest order (zero-copy views that keep the tensors alive)."""
+        return [
+            RawTensor(e.name, _raw_bytes(self.tensors[e.name]), e.dtype, e.shape) for e in self.manifest
+        ]
+
+    @classmethod
+    def from_raw(cls, header: Mapping[str, Any], raw: Sequence[RawTensor | tuple]) -> PublishedWeights:
+        """Rebuild from `header()` and `to_raw()` output (copies each buffer once). Only the layout
+        is checked here; `verify()` / `load_published` check manifest, digests and checksum."""
+        tensors: dict[str, Tensor] = {}
+        for item in raw:
+            name, data, dtype, shape = item
+            if dtype not in _DTYPES:
+                raise ManifestMismatchError(f"unknown dtype {dtype!r}", tensor_name=name)
+            if name in tensors:
+                raise ManifestMismatchError("sent twice", tensor_name=name)
+            tensors[name] = _tensor_from_bytes(name, data, _DTYPES[dtype], tuple(shape))
+        return cls(
+            version=int(header["version"]), fmt=str(header["fmt"]), tensors=tensors,
+            manifest=[ManifestEntry.from_dict(d) for d in header["manifest"]],
+            checksum=str(header["checksum"]), aqn_seed=header.get("aqn_seed"),
+            aqn_sigma=float(header.get("aqn_sigma", 0.0)),
+        )
+
+    def verify(self) -> None:
+        """Check format, manifest vs tensors, per-tensor digests, checksum, finiteness and scales.
+        Raises a QuantError subclass naming the tensor at fault."""
+        check_format(self.fmt)
+        names = [e.name for e in self.manifest]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ManifestMismatchError("listed twice in the manifest", tensor_name=dup)
+        for name in self.tensors:
+            if name not in set(names):
+                raise ManifestMismatchError("present in tensors but not in the manifest", tensor_name=name)
+        for e in self.manifest:
+            t = self.tensors.get(e.name)
+            if t is None:
+                raise ManifestMismatchError("listed in the manifest but missing", tensor_name=e.name)
+            got = (dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+            if got != (e.dtype, e.shape, e.nbytes):
+                raise ManifestMismatchError(
+                    f"manifest says dtype/shape/nbytes {(e.dtype, e.shape, e.nbytes)}, tensor has {got}",
+                    tensor_name=e.name,
+                )
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ManifestMismatchError("must be a contiguous CPU tensor", tensor_name=e.name)
+            if _digest(t) != e.sha256:
+                raise ChecksumMismatchError(
+                    "bytes do not match the manifest sha256 (corrupted in transit?); refetch the version",
+                    tensor_name=e.name,
+                )
+        expected = _checksum(_header(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest))
+        if expected != self.checksum:
+            raise ChecksumMismatchError(
+                f"publication checksum {self.checksum[:16]}... does not match its manifest "
+                f"({expected[:16]}...); refetch the version"
+            )
+        for e in self.manifest:
+            _check_values(e, self.tensors[e.name])
+
+
+def _tensor_from_bytes(name: str, data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for s in shape:
+        numel *= s
+    buf = bytearray(data)
+    if len(buf) != numel * itemsize:
+        raise ManifestMismatchError(
+            f"{len(buf)} bytes cannot hold shape {shape} of {dtype}", tensor_name=name
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _check_values(e: ManifestEntry, t: Tensor) -> None:
+    if t.dtype == torch.float8_e8m0fnu:
+        if bool((t.view(torch.uint8) == 255).any()):
+            raise NonFiniteWeightError("E8M0 scale byte 255 (NaN)", tensor_name=e.name)
+        return
+    if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+        raise NonFiniteWeightError("non-finite value(s) in a published tensor", tensor_name=e.name)
+    if e.role in (ROLE_SCALE, ROLE_GLOBAL_SCALE) and e.fmt in ("int8", "int8_wo", "fp8", "nvfp4"):
+        # int8/fp8 row scales and the nvfp4 global scale are > 0 by construction; nvfp4 block
+        # scales may be 0 (a flushed block).
+        if (e.role == ROLE_GLOBAL_SCALE or e.fmt != "nvfp4") and not bool((t.float() > 0).all()):
+            raise NonFiniteWeightError("scale must be > 0", tensor_name=e.name)
+
+
+def _header(
+    version: int, fmt: str, aqn_seed: int | None, aqn_sigma: float, manifest: Sequence[ManifestEntry]
+) -> dict[str, Any]:
+    return {
+        "version": int(version), "fmt": fmt, "aqn_seed": aqn_seed, "aqn_sigma": float(aqn_sigma),
+        "manifest": [e.to_dict() for e in manifest],
+    }
+
+
+def _checksum(header: Mapping[str, Any]) -> str:
+    blob = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def publish(
+    state_dict: Mapping[str, Tensor],
+    fmt: str,
+    *,
+    version: int,
+    keep_full_precision: Sequence[str] = DEFAULT_KEEP_FULL_PRECISION,
+    aqn_sigma: float = 0.0,
+    aqn_seed: int | None = None,
+    aqn_sites: Sequence[str] = aqn_mod.DEFAULT_AQN_SITES,
+    uaq_s: float = 1.0,
+    uaq_sites: Sequence[str] = (),
+) -> PublishedWeights:
+    """Quantise-on-send: turn the learner's full-precision state dict into a publication.
+
+    state_dict: HF names -> tensors (any device; the dict is not modified). fmt: one of FORMATS.
+    AQN (§9): with aqn_sigma > 0, fresh noise (seed `aqn_seed`, required) is added to copies of the
+    RMSNorm gains named by `aqn_sites`; gains folded by UAQ (`uaq_sites`, factor `uaq_s`) get
+    sigma * uaq_s. The (seed, sigma) pair is recorded in the publication and its checksum.
+    Raises a QuantError naming the tensor on non-finite or unquantisable input.
+    """
+    check_format(fmt)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise QuantError(f"version must be an integer >= 0, got {version!r}")
+    tensors_in = dict(state_dict)
+    record = None
+    if aqn_sigma != 0.0:
+        if aqn_seed is None:
+            raise QuantError("aqn_sigma > 0 needs aqn_seed (record it with the version to reproduce)")
+        tensors_in, record = aqn_mod.add_aqn_noise(
+            tensors_in, sigma=aqn_sigma, seed=aqn_seed, sites=aqn_sites, uaq_s=uaq_s, uaq_sites=uaq_sites
+        )
+    out: dict[str, Tensor] = {}
+    entries: list[ManifestEntry] = []
+    roles = weight_suffixes(fmt)
+    for name in sorted(tensors_in):
+        t = tensors_in[name]
+        if not isinstance(t, Tensor):
+            raise QuantError(f"state dict values must be tensors, got {type(t).__name__}", tensor_name=name)
+        if is_target_weight(name, keep_full_precision):
+            prefix = name[: -len("weight")]
+            for suffix, q in quantize_weight(t, fmt, name=name).items():
+                qname = prefix + suffix
+                logical = tuple(t.shape) if roles[suffix] in (ROLE_CODES, ROLE_WEIGHT) else None
+                out[qname] = _snapshot(q, t)
+                entries.append(_entry(qname, out[qname], fmt, roles[suffix], logical))
+        else:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise NonFiniteWeightError(
+                    "non-finite value(s); fix the learner update before publishing", tensor_name=name
+                )
+            out[name] = _snapshot(t, t)
+            entries.append(_entry(name, out[name], fmt, ROLE_FULL, None))
+    entries.sort(key=lambda e: e.name)
+    seed = None if record is None else record.seed
+    sigma = 0.0 if record is None else record.sigma
+    checksum = _checksum(_header(version, fmt, seed, sigma, entries))
+    return PublishedWeights(version, fmt, out, entries, checksum, aqn_seed=seed, aqn_sigma=sigma)
+
+
+def _snapshot(t: Tensor, source: Tensor) -> Tensor:
+    """A contiguous CPU tensor that shares no memory with the learner's `source`."""
+    t = t.detach().to("cpu").contiguous()
+    if t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        t = t.clone()
+    return t
+
+
+def _entry(name: str, t: Tensor, fmt: str, role: str, logical: tuple[int, ...] | None) -> ManifestEntry:
+    return ManifestEntry(
+        name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), fmt=fmt, role=role,
+        nbytes=t.numel() * t.element_size(), sha256=_digest(t), logical_shape=logical,
+    )
+
+
+def load_published(model: nn.Module, published: PublishedWeights) -> None:
+    """Load a publication into a model converted with `quantize_model(model, published.fmt)`,
+    without re-quantising. Everything is validated first (format, manifest, digests, checksum,
+    finiteness, names/dtypes/shapes against the model); on any QuantError the model is unchanged.
+    A name the model holds twice (tied embeddings) may be absent from the publication.
+    """
+    fmt = model_format(model)
+    if published.fmt != fmt:
+        raise FormatMismatchError(
+            f"publication is {published.fmt!r} but the model was converted to {fmt!r}; publish in {fmt!r}"
+        )
+    published.verify()
+    state = model.state_dict()
+    aliases = _aliased_names(state)
+    for name in published.tensors:
+        if name not in state:
+            raise ManifestMismatchError("the model has no such tensor (wrong architecture?)", tensor_name=name)
+    for name, dest in state.items():
+        src = published.tensors.get(name)
+        if src is None:
+            if name in aliases and any(a in published.tensors for a in aliases[name]):
+                continue
+            raise ManifestMismatchError("the model expects this tensor but it was not published",
+                                        tensor_name=name)
+        if src.dtype != dest.dtype or src.shape != dest.shape:
+            raise ManifestMismatchError(
+                f"model has {dest.dtype} {tuple(dest.shape)}, publication {src.dtype} {tuple(src.shape)}",
+                tensor_name=name,
+            )
+    for e in published.manifest:
+        if e.logical_shape is None:
+            continue
+        mod = _module_or_none(model, e.name.rpartition(".")[0])
+        if isinstance(mod, QuantLinear) and e.logical_shape != (mod.out_features, mod.in_features):
+            raise ManifestMismatchError(
+                f"published weight is {e.logical_shape}, the module is "
+                f"{(mod.out_features, mod.in_features)}", tensor_name=e.name,
+            )
+    with torch.no_grad():
+        for name, dest in state.items():
+            src = published.tensors.get(name)
+            if src is not None:
+                dest.copy_(src)
+        for mod in model.modules():
+            if isinstance(mod, QuantLinear):
+                mod.refresh()
+
+
+def _aliased_names(state: Mapping[str, Tensor]) -> dict[str, list[str]]:
+    """Names sharing storage with another name (tied weights) -> the other names."""
+    by_ptr: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    for name, t in state.items():
+        by_ptr.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(name)
+    return {n: [m for m in group if m != n] for group in by_ptr.values() if len(group) > 1 for n in group}
+
+
+def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
