@@ -61,7 +61,9 @@ def quantization_error(state_dict: Mapping[str, Tensor], published: PublishedWei
         prefix = name.rpartition(".")[0] + "."
         w = state_dict.get(prefix + "weight")
         if w is None:
-            raise ManifestMismatchError("no full-precision weight to compare with", tensor_name=prefix + "weight")
+            raise ManifestMismatchError(
+                "no full-precision weight to compare with", tensor_name=prefix + "weight"
+            )
         parts = {s: published.tensors[prefix + s] for s in suffixes}
         deq = dequantize_weight(parts, published.fmt, logical[1])
         wf = w.detach().float().cpu()
@@ -106,7 +108,8 @@ def publication_metrics(
     """Metrics to log with a published version: bytes, bytes per target-weight element, AQN
     sigma, code change vs `previous` and quantisation error vs `state_dict` when given."""
     n_weight = sum(
-        e.logical_shape[0] * e.logical_shape[1] for e in published.manifest
+        e.logical_shape[0] * e.logical_shape[1]
+        for e in published.manifest
         if e.role in (ROLE_CODES, ROLE_WEIGHT) and e.logical_shape is not None
     )
     linear_bytes = sum(e.nbytes for e in published.manifest if e.role != ROLE_FULL)

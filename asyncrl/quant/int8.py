@@ -101,9 +101,7 @@ def int_mm(a: Tensor, b_t: Tensor) -> Tensor:
     return torch._int_mm(a, b_t)
 
 
-def int8_linear(
-    qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, bias: Tensor | None = None
-) -> Tensor:
+def int8_linear(qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, bias: Tensor | None = None) -> Tensor:
     """W8A8 linear with int32 accumulation.
 
     qx: [M, K] int8, sx: [M, 1] or [M] fp32, qw: [N, K] int8, sw: [N] fp32, bias: [N] fp32 or None

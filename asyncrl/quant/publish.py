@@ -53,8 +53,18 @@ from .model import DEFAULT_KEEP_FULL_PRECISION, is_target_weight, model_format
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-        torch.float8_e8m0fnu, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e8m0fnu,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
     )
 }
 
@@ -98,8 +108,13 @@ class ManifestEntry:
     def from_dict(cls, d: Mapping[str, Any]) -> ManifestEntry:
         ls = d.get("logical_shape")
         return cls(
-            name=str(d["name"]), dtype=str(d["dtype"]), shape=tuple(int(s) for s in d["shape"]),
-            fmt=str(d["fmt"]), role=str(d["role"]), nbytes=int(d["nbytes"]), sha256=str(d["sha256"]),
+            name=str(d["name"]),
+            dtype=str(d["dtype"]),
+            shape=tuple(int(s) for s in d["shape"]),
+            fmt=str(d["fmt"]),
+            role=str(d["role"]),
+            nbytes=int(d["nbytes"]),
+            sha256=str(d["sha256"]),
             logical_shape=None if ls is None else tuple(int(s) for s in ls),
         )
 
@@ -137,9 +152,7 @@ class PublishedWeights:
 
     def to_raw(self) -> list[RawTensor]:
         """Raw buffers in manifest order (zero-copy views that keep the tensors alive)."""
-        return [
-            RawTensor(e.name, _raw_bytes(self.tensors[e.name]), e.dtype, e.shape) for e in self.manifest
-        ]
+        return [RawTensor(e.name, _raw_bytes(self.tensors[e.name]), e.dtype, e.shape) for e in self.manifest]
 
     @classmethod
     def from_raw(cls, header: Mapping[str, Any], raw: Sequence[RawTensor | tuple]) -> PublishedWeights:
@@ -154,9 +167,12 @@ class PublishedWeights:
                 raise ManifestMismatchError("sent twice", tensor_name=name)
             tensors[name] = _tensor_from_bytes(name, data, _DTYPES[dtype], tuple(shape))
         return cls(
-            version=int(header["version"]), fmt=str(header["fmt"]), tensors=tensors,
+            version=int(header["version"]),
+            fmt=str(header["fmt"]),
+            tensors=tensors,
             manifest=[ManifestEntry.from_dict(d) for d in header["manifest"]],
-            checksum=str(header["checksum"]), aqn_seed=header.get("aqn_seed"),
+            checksum=str(header["checksum"]),
+            aqn_seed=header.get("aqn_seed"),
             aqn_sigma=float(header.get("aqn_sigma", 0.0)),
         )
 
@@ -231,7 +247,10 @@ def _header(
     version: int, fmt: str, aqn_seed: int | None, aqn_sigma: float, manifest: Sequence[ManifestEntry]
 ) -> dict[str, Any]:
     return {
-        "version": int(version), "fmt": fmt, "aqn_seed": aqn_seed, "aqn_sigma": float(aqn_sigma),
+        "version": int(version),
+        "fmt": fmt,
+        "aqn_seed": aqn_seed,
+        "aqn_sigma": float(aqn_sigma),
         "manifest": [e.to_dict() for e in manifest],
     }
 
@@ -310,8 +329,14 @@ def _snapshot(t: Tensor, source: Tensor) -> Tensor:
 
 def _entry(name: str, t: Tensor, fmt: str, role: str, logical: tuple[int, ...] | None) -> ManifestEntry:
     return ManifestEntry(
-        name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), fmt=fmt, role=role,
-        nbytes=t.numel() * t.element_size(), sha256=_digest(t), logical_shape=logical,
+        name=name,
+        dtype=dtype_name(t.dtype),
+        shape=tuple(t.shape),
+        fmt=fmt,
+        role=role,
+        nbytes=t.numel() * t.element_size(),
+        sha256=_digest(t),
+        logical_shape=logical,
     )
 
 
@@ -331,14 +356,17 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
     aliases = _aliased_names(state)
     for name in published.tensors:
         if name not in state:
-            raise ManifestMismatchError("the model has no such tensor (wrong architecture?)", tensor_name=name)
+            raise ManifestMismatchError(
+                "the model has no such tensor (wrong architecture?)", tensor_name=name
+            )
     for name, dest in state.items():
         src = published.tensors.get(name)
         if src is None:
             if name in aliases and any(a in published.tensors for a in aliases[name]):
                 continue
-            raise ManifestMismatchError("the model expects this tensor but it was not published",
-                                        tensor_name=name)
+            raise ManifestMismatchError(
+                "the model expects this tensor but it was not published", tensor_name=name
+            )
         if src.dtype != dest.dtype or src.shape != dest.shape:
             raise ManifestMismatchError(
                 f"model has {dest.dtype} {tuple(dest.shape)}, publication {src.dtype} {tuple(src.shape)}",
@@ -350,8 +378,8 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
         mod = _module_or_none(model, e.name.rpartition(".")[0])
         if isinstance(mod, QuantLinear) and e.logical_shape != (mod.out_features, mod.in_features):
             raise ManifestMismatchError(
-                f"published weight is {e.logical_shape}, the module is "
-                f"{(mod.out_features, mod.in_features)}", tensor_name=e.name,
+                f"published weight is {e.logical_shape}, the module is {(mod.out_features, mod.in_features)}",
+                tensor_name=e.name,
             )
     with torch.no_grad():
         for name, dest in state.items():
@@ -367,7 +395,9 @@ def _aliased_names(state: Mapping[str, Tensor]) -> dict[str, list[str]]:
     """Names sharing storage with another name (tied weights) -> the other names."""
     by_ptr: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
     for name, t in state.items():
-        by_ptr.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(name)
+        by_ptr.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(
+            name
+        )
     return {n: [m for m in group if m != n] for group in by_ptr.values() if len(group) > 1 for n in group}
 
 
