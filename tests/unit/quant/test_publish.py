@@ -1,0 +1,212 @@
+"""publish -> raw buffers -> load_published: bit-exact round trip and all-or-nothing validation."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from asyncrl.quant import (
+    FORMATS,
+    ChecksumMismatchError,
+    FormatMismatchError,
+    ManifestMismatchError,
+    NonFiniteWeightError,
+    PublishedWeights,
+    QuantError,
+    load_published,
+    publish,
+    quantize_model,
+)
+from tests.unit.quant.conftest import make_tiny_qwen2
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) else t
+
+
+def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(
+        sa[k].dtype == sb[k].dtype and torch.equal(_bits(sa[k]), _bits(sb[k])) for k in sa
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_is_bit_exact_with_direct_quantisation(fmt, probe_ids):
+    learner = make_tiny_qwen2(seed=1)
+    direct = quantize_model(copy.deepcopy(learner), fmt)
+    worker = quantize_model(make_tiny_qwen2(seed=2), fmt)  # different weights before the load
+    pub = publish(learner.state_dict(), fmt, version=3)
+    shipped = PublishedWeights.from_raw(pub.header(), [tuple(r) for r in pub.to_raw()])
+    load_published(worker, shipped)
+    assert _same_state(worker, direct)
+    with torch.no_grad():
+        assert torch.equal(worker(probe_ids).logits, direct(probe_ids).logits)
+
+
+def test_publication_holds_contiguous_cpu_copies_and_a_deterministic_checksum(tiny_model):
+    sd = tiny_model.state_dict()
+    a = publish(sd, "int8", version=1)
+    b = publish(sd, "int8", version=1)
+    assert a.checksum == b.checksum and len(a.checksum) == 64
+    assert publish(sd, "int8", version=2).checksum != a.checksum
+    for name, t in a.tensors.items():
+        assert t.is_contiguous() and t.device.type == "cpu"
+        assert all(t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr() for s in sd.values())
+    names = [e.name for e in a.manifest]
+    assert names == sorted(a.tensors) == sorted(names)
+    q = next(e for e in a.manifest if e.name == "model.layers.0.self_attn.q_proj.qweight")
+    assert (q.dtype, q.shape, q.role, q.fmt, q.nbytes, q.logical_shape) == (
+        "int8", (48, 48), "codes", "int8", 48 * 48, (48, 48)
+    )
+    assert a.total_bytes() == sum(t.numel() * t.element_size() for t in a.tensors.values())
+
+
+def test_publish_does_not_modify_the_learner_state(tiny_model):
+    sd = tiny_model.state_dict()
+    before = {k: v.clone() for k, v in sd.items()}
+    pub = publish(sd, "fp32", version=0, aqn_sigma=0.1, aqn_seed=5)
+    pub.tensors["model.norm.weight"].add_(1.0)
+    assert all(torch.equal(before[k], v) for k, v in tiny_model.state_dict().items())
+
+
+def test_linear_bytes_per_parameter_per_format():
+    from asyncrl.quant import publication_metrics
+
+    sd = make_tiny_qwen2(hidden=64, inter=96).state_dict()  # every K divisible by 32: no padding
+    n_rows = 2 * (64 + 32 + 32 + 64 + 96 + 96 + 64)  # out_features of q, k, v, o, gate, up, down
+    n_param = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 96 * 64 * 2 + 64 * 96)
+    expected = {
+        "fp32": 4.0,
+        "bf16": 2.0,
+        "int8": 1.0 + 4 * n_rows / n_param,
+        "int8_wo": 1.0 + 4 * n_rows / n_param,
+        "fp8": 1.0 + 4 * n_rows / n_param,
+        "nvfp4": 0.5 + 1 / 16 + 4 * 14 / n_param,
+        "mxfp4": 0.5 + 1 / 32,
+    }
+    for fmt, bpp in expected.items():
+        got = publication_metrics(publish(sd, fmt, version=0))["quant/linear_bytes_per_param"]
+        assert got == pytest.approx(bpp, rel=1e-12), fmt
+
+
+def _published_and_worker(fmt="int8"):
+    learner = make_tiny_qwen2(seed=1)
+    worker = quantize_model(make_tiny_qwen2(seed=2), fmt)
+    return publish(learner.state_dict(), fmt, version=4), worker
+
+
+def _assert_unchanged(worker, snapshot):
+    assert all(torch.equal(_bits(snapshot[k]), _bits(v)) for k, v in worker.state_dict().items())
+
+
+def test_checksum_mismatch_names_the_corrupted_tensor_and_keeps_the_old_weights():
+    pub, worker = _published_and_worker()
+    snapshot = {k: v.clone() for k, v in worker.state_dict().items()}
+    raw = pub.to_raw()
+    i = next(i for i, r in enumerate(raw) if r.name == "model.layers.1.mlp.down_proj.qweight")
+    data = bytearray(raw[i].data)
+    data[7] ^= 0x01
+    raw[i] = raw[i]._replace(data=bytes(data))
+    bad = PublishedWeights.from_raw(pub.header(), raw)
+    with pytest.raises(ChecksumMismatchError, match="model.layers.1.mlp.down_proj.qweight"):
+        load_published(worker, bad)
+    _assert_unchanged(worker, snapshot)
+
+
+def test_tampered_manifest_fails_the_publication_checksum():
+    pub, worker = _published_and_worker()
+    header = pub.header()
+    header["version"] = 5
+    with pytest.raises(ChecksumMismatchError, match="checksum"):
+        load_published(worker, PublishedWeights.from_raw(header, pub.to_raw()))
+
+
+def test_manifest_tensor_mismatches_are_named():
+    pub, worker = _published_and_worker()
+    missing = dataclasses.replace(pub, tensors={k: v for k, v in pub.tensors.items() if k != "model.norm.weight"})
+    with pytest.raises(ManifestMismatchError, match="model.norm.weight"):
+        load_published(worker, missing)
+    extra = dataclasses.replace(pub, tensors={**pub.tensors, "stray": torch.zeros(1)})
+    with pytest.raises(ManifestMismatchError, match="stray"):
+        load_published(worker, extra)
+    name = "model.layers.0.self_attn.k_proj.weight_scale"
+    wrong = dataclasses.replace(pub, tensors={**pub.tensors, name: pub.tensors[name].double()})
+    with pytest.raises(ManifestMismatchError, match=name):
+        load_published(worker, wrong)
+
+
+def test_wrong_byte_count_in_a_raw_buffer_is_named():
+    pub, _ = _published_and_worker()
+    raw = pub.to_raw()
+    raw[0] = raw[0]._replace(data=bytes(raw[0].data)[:-1])
+    with pytest.raises(ManifestMismatchError, match=raw[0].name):
+        PublishedWeights.from_raw(pub.header(), raw)
+
+
+def test_format_mismatch_is_refused_before_anything_is_copied():
+    pub, _ = _published_and_worker("int8")
+    worker = quantize_model(make_tiny_qwen2(seed=2), "fp8")
+    snapshot = {k: v.clone() for k, v in worker.state_dict().items()}
+    with pytest.raises(FormatMismatchError, match="'int8'"):
+        load_published(worker, pub)
+    _assert_unchanged(worker, snapshot)
+
+
+def test_publication_for_another_architecture_is_refused_and_model_kept():
+    learner = make_tiny_qwen2(seed=1, hidden=64)
+    worker = quantize_model(make_tiny_qwen2(seed=2), "nvfp4")
+    snapshot = {k: v.clone() for k, v in worker.state_dict().items()}
+    with pytest.raises(ManifestMismatchError, match="model.embed_tokens.weight"):
+        load_published(worker, publish(learner.state_dict(), "nvfp4", version=1))
+    _assert_unchanged(worker, snapshot)
+
+
+def test_non_finite_weight_is_refused_at_publish_naming_the_tensor(tiny_model):
+    sd = dict(tiny_model.state_dict())
+    sd["model.layers.0.mlp.gate_proj.weight"] = sd["model.layers.0.mlp.gate_proj.weight"].clone()
+    sd["model.layers.0.mlp.gate_proj.weight"][3, 3] = float("inf")
+    with pytest.raises(NonFiniteWeightError, match="model.layers.0.mlp.gate_proj.weight"):
+        publish(sd, "mxfp4", version=1)
+    sd2 = dict(tiny_model.state_dict())
+    sd2["model.norm.weight"] = torch.full_like(sd2["model.norm.weight"], float("nan"))
+    with pytest.raises(NonFiniteWeightError, match="model.norm.weight"):
+        publish(sd2, "int8", version=1)
+
+
+def test_non_finite_value_in_a_received_publication_is_refused_and_model_kept():
+    pub, worker = _published_and_worker("fp8")
+    snapshot = {k: v.clone() for k, v in worker.state_dict().items()}
+    name = "model.layers.1.self_attn.o_proj.weight_scale"
+    t = pub.tensors[name].clone()
+    t[0] = float("nan")
+    # A peer that computes digests of its own bytes: manifest and checksum are consistent.
+    sd_like = {**pub.tensors, name: t}
+    forged = _reseal(pub, sd_like)
+    with pytest.raises(NonFiniteWeightError, match=name):
+        load_published(worker, forged)
+    _assert_unchanged(worker, snapshot)
+
+
+def _reseal(pub: PublishedWeights, tensors: dict) -> PublishedWeights:
+    from asyncrl.quant.publish import _checksum, _digest, _header
+
+    manifest = [dataclasses.replace(e, sha256=_digest(tensors[e.name])) for e in pub.manifest]
+    checksum = _checksum(_header(pub.version, pub.fmt, pub.aqn_seed, pub.aqn_sigma, manifest))
+    return dataclasses.replace(pub, tensors=tensors, manifest=manifest, checksum=checksum)
+
+
+def test_tied_embeddings_load_from_either_name():
+    learner = make_tiny_qwen2(seed=1, tie=True)
+    worker = quantize_model(make_tiny_qwen2(seed=2, tie=True), "int8")
+    sd = {k: v for k, v in learner.state_dict().items() if k != "lm_head.weight"}
+    load_published(worker, publish(sd, "int8", version=1))
+    assert torch.equal(worker.lm_head.weight, learner.model.embed_tokens.weight)
+
+
+def test_version_must_be_a_non_negative_integer(tiny_model):
+    with pytest.raises(QuantError, match="version"):
+        publish(tiny_model.state_dict(), "int8", version=-1)
