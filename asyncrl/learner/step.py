@@ -120,19 +120,34 @@ def compute_prox_logp(
         ]
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Global L2 norm of all gradients (across FSDP2 shards and ranks), clipping to ``max_norm``
-    when it is > 0. Collective. Returns the norm before clipping (may be inf/nan)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    if max_norm > 0:
-        total = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
-    else:
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], error_if_nonfinite=False)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    return float(total.item())
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, info: DistInfo) -> float:
+    """Global L2 norm of all gradients, clipping them to ``max_norm`` when it is > 0.
+
+    Collective. FSDP2 gradients are ``Shard(0)`` DTensors: each rank sums the squares of its
+    local shards and the sums are all-reduced, so every element counts once at any world size.
+    Squares and sums are in float64 (squares of fp32 values are exact there), which makes the
+    norm - and so the clip coefficient - the same at every world size up to ~1e-16 relative,
+    instead of differing in the last fp32 bits as ``torch.nn.utils.clip_grad_norm_`` does.
+    Returns the norm before clipping (may be inf/nan; then nothing is scaled).
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sharded = [isinstance(g, DTensor) for g in grads]
+    if any(sharded) and not all(sharded):
+        raise ValueError("some gradients are DTensors and some are not; shard the whole model with shard_model")
+    sq = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        sq += local.detach().double().pow(2).sum().cpu()
+    if all(sharded) and grads:
+        sq = all_reduce_sum(sq.reshape(1), info)[0]
+    total = math.sqrt(float(sq))
+    if max_norm > 0 and math.isfinite(total):
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return total
 
 
 class _MetricSums:
@@ -266,7 +281,7 @@ def train_step(
             sums.add(metrics, weight)
             seen.update(metrics)
         loss_global = float(all_reduce_sum(loss_sum.reshape(1), info)[0])
-        grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
+        grad_norm = clip_grad_norm(model, cfg.max_grad_norm, info)
         if math.isfinite(loss_global) and math.isfinite(grad_norm):
             state.optimizer.step()
             losses.append(loss_global)

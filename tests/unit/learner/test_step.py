@@ -146,3 +146,19 @@ def test_step_config_rejects_bad_values():
         StepConfig(n_minibatches=0)
     with pytest.raises(ValueError, match="micro_batch_size"):
         StepConfig(micro_batch_size=0)
+
+
+def test_grad_clipping_scales_the_update_to_the_max_norm_and_reports_the_raw_norm(tiny, dist_info):
+    batch = tiny.batch(4, seed=3)
+    base = tiny.model(seed=6)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    free = _sgd_state(copy.deepcopy(base), dist_info)
+    m_free = train_step(free, batch, None, StepConfig(max_grad_norm=0.0), dist_info, loss_fn=tiny.loss)
+    raw = torch.sqrt(sum((d.double() ** 2).sum() for d in _delta(before, free.model).values()))
+    assert m_free["learner/grad_norm"] == pytest.approx(float(raw), rel=1e-5)
+
+    clipped = _sgd_state(copy.deepcopy(base), dist_info)
+    m = train_step(clipped, batch, None, StepConfig(max_grad_norm=1e-3), dist_info, loss_fn=tiny.loss)
+    step_norm = torch.sqrt(sum((d.double() ** 2).sum() for d in _delta(before, clipped.model).values()))
+    assert m["learner/grad_norm"] == pytest.approx(float(raw), rel=1e-5)
+    assert float(step_norm) == pytest.approx(1e-3, rel=1e-3)

@@ -1,0 +1,195 @@
+"""FSDP2 learner over gloo with real processes: world size 2 trains like world size 1.
+
+The same file is the worker program: ``python test_fsdp_learner.py OUT [--resume CKPT]`` runs a
+few training steps of a tiny seeded Qwen2 on fixed batches, with torchrun-style env vars set by
+the test (or none, for the one-process group), and writes ``OUT/result.json`` (loss curve,
+hashes) and ``OUT/final.pt`` (the full state dict, rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+STEPS = 4
+SAVE_AT = 2  # version after which the run saves a DCP checkpoint
+BATCH = 8
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _batch(step: int):
+    import numpy as np
+
+    from asyncrl.learner import LearnerBatch
+
+    rng = np.random.default_rng(1000 + step)
+    prompts, responses, lps, vers, advs = [], [], [], [], []
+    for i in range(BATCH):
+        P, R = int(rng.integers(1, 5)), int(rng.integers(1, 8))
+        prompts.append(rng.integers(1, 37, P).tolist())
+        responses.append(rng.integers(1, 37, R).tolist())
+        lps.append((-rng.random(R) * 3 - 0.1).astype(np.float32))
+        vers.append(np.full(R, max(step - i % 2, 0), dtype=np.int32))
+        advs.append(float(rng.normal()))
+    return LearnerBatch.from_samples(prompts, responses, lps, vers, advs, temperature=0.9)
+
+
+def _reference_loss(logp, prox, behav, adv, mask, cfg, *, num_tokens, num_seqs, versions, learner_version):
+    """Token-mean decoupled clipped surrogate (eps 0.2), global denominator."""
+    import torch
+
+    mask = mask.to(torch.bool)
+    ratio = torch.exp(torch.where(mask, logp - prox, 0.0).clamp(-20, 20))
+    w = torch.exp(torch.where(mask, prox - behav, 0.0).clamp(-20, 20)).detach()
+    surr = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    return torch.where(mask, w * surr, 0.0).sum() / num_tokens, {"actor/ratio_max": ratio.max()}
+
+
+def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.learner import (
+        LRSchedule,
+        StepConfig,
+        TrainState,
+        broadcast_batch,
+        build_optimizer,
+        build_scheduler,
+        full_state_dict,
+        init_distributed,
+        load_checkpoint,
+        save_checkpoint,
+        shard_model,
+        state_dict_sha256,
+        train_step,
+    )
+
+    torch.set_num_threads(1)
+    info = init_distributed()
+    torch.manual_seed(0 if resume is None else 123)  # a resumed run must not depend on its init
+    cfg = Qwen2Config(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = shard_model(Qwen2ForCausalLM(cfg), info)
+    opt = build_optimizer(model, lr=2e-2, weight_decay=0.01)
+    sched = build_scheduler(opt, LRSchedule(kind="cosine", warmup_steps=1, total_steps=STEPS, min_lr_ratio=0.1))
+    state = TrainState(model=model, optimizer=opt, scheduler=sched)
+    result: dict = {"world_size": info.world_size, "losses": [], "grad_norms": []}
+    if resume is not None:
+        result["extra"] = load_checkpoint(resume, state, info)
+        result["loaded_version"] = state.version
+        result["loaded_sha"] = state_dict_sha256(model, info)
+    step_cfg = StepConfig(n_minibatches=2, micro_batch_size=2, max_grad_norm=max_grad_norm)
+    while state.version < STEPS:
+        batch = broadcast_batch(_batch(state.version) if info.is_main else None, info)
+        m = train_step(state, batch, None, step_cfg, info, loss_fn=_reference_loss)
+        result["losses"].append(m["learner/loss"])
+        result["grad_norms"].append(m["learner/grad_norm"])
+        if state.version == SAVE_AT and resume is None:
+            save_checkpoint(out / "ckpt", state, info, extra={"cursor": SAVE_AT})
+            result["saved_sha"] = state_dict_sha256(model, info)
+    result["final_sha"] = state_dict_sha256(model, info)
+    result["final_version"] = state.version
+    sd = full_state_dict(model)
+    if info.is_main:
+        torch.save(sd, out / "final.pt")
+        (out / "result.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- test side
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(procs, out: Path, world_size: int, *extra: str):
+    """Start ``world_size`` worker processes (torchrun-style env; none at all for world size 1)."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    children = []
+    for rank in range(world_size):
+        env = {"OMP_NUM_THREADS": "1"}
+        if world_size > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        children.append(procs.python(__file__, str(out), *extra, env=env))
+    return children
+
+
+def _wait(children, out: Path) -> dict:
+    for child in children:
+        assert child.wait(timeout=240) == 0, f"worker pid {child.pid} failed"
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_torchrun_env(monkeypatch):
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _max_weight_diff(a: Path, b: Path) -> float:
+    import torch
+
+    sa, sb = torch.load(a / "final.pt"), torch.load(b / "final.pt")
+    assert sa.keys() == sb.keys()
+    return max(float((sa[k] - sb[k]).abs().max()) for k in sa)
+
+
+def test_world_size_two_matches_world_size_one_bit_for_bit_and_its_checkpoint_resumes(procs, tmp_path):
+    # Gradient clipping is active (norms ~0.2-0.5 > 0.05). Each micro-batch has the same rows and
+    # shape on one rank and on two, gradients are the sum of the same two partials, and the
+    # global norm is summed in float64, so the two runs are expected to be bit-identical.
+    clip = ("--max-grad-norm", "0.05")
+    one = _launch(procs, tmp_path / "ws1", 1, *clip)
+    two = _launch(procs, tmp_path / "ws2", 2, *clip)
+    r1, r2 = _wait(one, tmp_path / "ws1"), _wait(two, tmp_path / "ws2")
+    assert r1["world_size"] == 1 and r2["world_size"] == 2
+    assert len(r1["losses"]) == STEPS and r2["final_version"] == STEPS
+    assert min(r1["grad_norms"]) > 0.05, "clipping must be active for this test to mean anything"
+    assert r2["losses"] == pytest.approx(r1["losses"], rel=1e-6, abs=1e-8)
+    assert r2["losses"] == r1["losses"]
+    assert r2["final_sha"] == r1["final_sha"], (
+        f"weights differ by up to {_max_weight_diff(tmp_path / 'ws1', tmp_path / 'ws2'):.3g}"
+    )
+
+    # The DCP checkpoint written by two ranks loads back at two ranks and at one (resharded):
+    # same weights as when saved, next version, extra state; finishing gives the same final weights.
+    ckpt = str(tmp_path / "ws2" / "ckpt")
+    runs = {
+        "resume2": _launch(procs, tmp_path / "resume2", 2, *clip, "--resume", ckpt),
+        "resume1": _launch(procs, tmp_path / "resume1", 1, *clip, "--resume", ckpt),
+    }
+    for name, children in runs.items():
+        r = _wait(children, tmp_path / name)
+        assert r["loaded_version"] == SAVE_AT and r["extra"] == {"cursor": SAVE_AT}
+        assert r["loaded_sha"] == r2["saved_sha"]
+        assert r["losses"] == r2["losses"][SAVE_AT:]
+        assert r["final_version"] == STEPS and r["final_sha"] == r2["final_sha"]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--resume", type=Path, default=None)
+    ap.add_argument("--max-grad-norm", type=float, default=1.0)
+    a = ap.parse_args()
+    worker_main(a.out, a.resume, a.max_grad_norm)
+
