@@ -1,0 +1,160 @@
+"""End-of-run PNG plots from ``run_dir/metrics.jsonl`` into ``run_dir/plots/``.
+
+Owns: which metrics each plot shows, and drawing them with matplotlib's Agg canvas (no display, no
+pyplot global state, so it is safe in a headless launcher and in threads).
+Never: writes a plot with no data (a metric absent from the run is skipped; a plot none of whose
+metrics is present is not written), invents points (a key logged only on some steps, such as eval every
+N steps, is drawn only at the steps that have it; ``null`` values, i.e. non-finite ones, are gaps).
+
+Plots (file: metrics):
+- ``reward.png``: ``train/reward_mean`` and, when present, ``eval/accuracy``.
+- ``eval_accuracy.png``: ``eval/accuracy``.
+- ``kl_by_staleness.png``: ``mismatch/by_staleness/eta=J/kl_k3`` for every J (ALGORITHMS.md §7 spells
+  it ``η=J``; both spellings are accepted), one line per J, plus ``mismatch/kl_k3`` over all tokens.
+- ``clip_fractions.png``: keys starting ``actor/clipfrac`` or ``acr/clipfrac``, ``acr/empty_band_frac``,
+  ``tbpo/seq_masked_frac``.
+- ``throughput.png``: ``throughput/samples_per_s``, ``throughput/tokens_per_s`` (one panel each) and
+  ``time/learner_busy_frac``, ``time/gen_busy_frac`` (one panel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl.metrics.writer import read_metrics
+
+PLOTS_DIR = "plots"
+_STALENESS_KL = re.compile(r"^mismatch/by_staleness/(?:eta|η)=(\d+)/kl_k3$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    key: str
+    label: str
+    style: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    ylabel: str
+    lines: list[Line]
+    ylim: tuple[float, float] | None = None
+    log_if_positive: bool = False  # log y-axis when every plotted value is > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PlotSpec:
+    filename: str
+    title: str
+    panels: Callable[[set[str]], list[Panel]]  # from the keys present in the run
+
+
+def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that have ``key`` with a finite value, in file order."""
+    steps: list[int] = []
+    values: list[float] = []
+    for rec in records:
+        v = rec.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            steps.append(rec["step"])
+            values.append(float(v))
+    return steps, values
+
+
+def _reward(keys: set[str]) -> list[Panel]:
+    return [Panel("reward / accuracy", [Line("train/reward_mean", "train reward (sampled, mean)"),
+                                         Line("eval/accuracy", "eval accuracy (greedy)", {"marker": "o"})],
+                  ylim=(-0.02, 1.02))]
+
+
+def _eval(keys: set[str]) -> list[Panel]:
+    return [Panel("accuracy", [Line("eval/accuracy", "eval accuracy (greedy)", {"marker": "o"})],
+                  ylim=(-0.02, 1.02))]
+
+
+def _kl_by_staleness(keys: set[str]) -> list[Panel]:
+    by_j = sorted((int(m.group(1)), k) for k in keys if (m := _STALENESS_KL.match(k)))
+    lines = [Line(k, f"staleness {j}") for j, k in by_j]
+    lines.append(Line("mismatch/kl_k3", "all tokens", {"color": "black", "linestyle": "--"}))
+    return [Panel("KL(behav || prox), k3 estimate", lines, log_if_positive=True)]
+
+
+def _clip_fractions(keys: set[str]) -> list[Panel]:
+    clip = sorted(k for k in keys if k.startswith(("actor/clipfrac", "acr/clipfrac")))
+    extra = ["acr/empty_band_frac", "tbpo/seq_masked_frac"]
+    return [Panel("fraction", [Line(k, k) for k in clip + extra])]
+
+
+def _throughput(keys: set[str]) -> list[Panel]:
+    return [
+        Panel("tokens / s", [Line("throughput/tokens_per_s", "generated tokens/s")]),
+        Panel("samples / s", [Line("throughput/samples_per_s", "samples/s")]),
+        Panel("busy fraction", [Line("time/learner_busy_frac", "learner busy"),
+                                Line("time/gen_busy_frac", "generation busy")], ylim=(-0.02, 1.02)),
+    ]
+
+
+PLOTS: tuple[PlotSpec, ...] = (
+    PlotSpec("reward.png", "Training reward (sampled) and eval accuracy (greedy) vs learner step", _reward),
+    PlotSpec("eval_accuracy.png", "Greedy eval accuracy on the held-out set vs learner step", _eval),
+    PlotSpec("kl_by_staleness.png", "KL(behaviour || proximal) by token staleness vs learner step",
+             _kl_by_staleness),
+    PlotSpec("clip_fractions.png", "Clip / mask fractions of the objective vs learner step", _clip_fractions),
+    PlotSpec("throughput.png", "Throughput and busy time vs learner step", _throughput),
+)
+
+
+def _draw(spec: PlotSpec, panels: list[tuple[Panel, list[tuple[Line, list[int], list[float]]]]], path: Path) -> None:
+    from matplotlib.figure import Figure  # lazy: matplotlib costs about a second to import
+
+    fig = Figure(figsize=(8.0, 3.2 * len(panels) + 0.6), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (panel, drawn) in zip(axes, panels, strict=True):
+        for line, xs, ys in drawn:
+            style = dict(line.style)
+            if len(xs) == 1:
+                style.setdefault("marker", "o")
+            ax.plot(xs, ys, label=line.label, linewidth=1.4, markersize=3.5, **style)
+        if panel.log_if_positive and all(y > 0 for _, _, ys in drawn for y in ys):
+            ax.set_yscale("log")
+        if panel.ylim is not None:
+            ax.set_ylim(*panel.ylim)
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    axes[-1].set_xlabel("learner step")
+    fig.suptitle(spec.title)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, path)
+
+
+def make_plots(run_dir: str | Path, records: Sequence[dict[str, Any]] | None = None) -> list[Path]:
+    """Writes the plots that have data under ``run_dir/plots/``; returns the files written, in the
+    order of ``PLOTS``. ``records`` defaults to ``read_metrics(run_dir)``."""
+    run_dir = Path(run_dir)
+    if records is None:
+        records = read_metrics(run_dir)
+    keys = {k for rec in records for k in rec}
+    written: list[Path] = []
+    for spec in PLOTS:
+        panels = []
+        for panel in spec.panels(keys):
+            drawn = [(line, *series(records, line.key)) for line in panel.lines if line.key in keys]
+            drawn = [d for d in drawn if d[1]]
+            if drawn:
+                panels.append((panel, drawn))
+        if not panels:
+            continue
+        out_dir = run_dir / PLOTS_DIR
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / spec.filename
+        _draw(spec, panels, path)
+        written.append(path)
+    return written
