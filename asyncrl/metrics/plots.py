@@ -68,14 +68,24 @@ def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list
 
 
 def _reward(keys: set[str]) -> list[Panel]:
-    return [Panel("reward / accuracy", [Line("train/reward_mean", "train reward (sampled, mean)"),
-                                         Line("eval/accuracy", "eval accuracy (greedy)", {"marker": "o"})],
-                  ylim=(-0.02, 1.02))]
+    return [
+        Panel(
+            "reward / accuracy",
+            [
+                Line("train/reward_mean", "train reward (sampled, mean)"),
+                Line("eval/accuracy", "eval accuracy (greedy)", {"marker": "o"}),
+            ],
+            ylim=(-0.02, 1.02),
+        )
+    ]
 
 
 def _eval(keys: set[str]) -> list[Panel]:
-    return [Panel("accuracy", [Line("eval/accuracy", "eval accuracy (greedy)", {"marker": "o"})],
-                  ylim=(-0.02, 1.02))]
+    return [
+        Panel(
+            "accuracy", [Line("eval/accuracy", "eval accuracy (greedy)", {"marker": "o"})], ylim=(-0.02, 1.02)
+        )
+    ]
 
 
 def _kl_by_staleness(keys: set[str]) -> list[Panel]:
@@ -95,22 +105,30 @@ def _throughput(keys: set[str]) -> list[Panel]:
     return [
         Panel("tokens / s", [Line("throughput/tokens_per_s", "generated tokens/s")]),
         Panel("samples / s", [Line("throughput/samples_per_s", "samples/s")]),
-        Panel("busy fraction", [Line("time/learner_busy_frac", "learner busy"),
-                                Line("time/gen_busy_frac", "generation busy")], ylim=(-0.02, 1.02)),
+        Panel(
+            "busy fraction",
+            [Line("time/learner_busy_frac", "learner busy"), Line("time/gen_busy_frac", "generation busy")],
+            ylim=(-0.02, 1.02),
+        ),
     ]
 
 
 PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("reward.png", "Training reward (sampled) and eval accuracy (greedy) vs learner step", _reward),
     PlotSpec("eval_accuracy.png", "Greedy eval accuracy on the held-out set vs learner step", _eval),
-    PlotSpec("kl_by_staleness.png", "KL(behaviour || proximal) by token staleness vs learner step",
-             _kl_by_staleness),
+    PlotSpec(
+        "kl_by_staleness.png",
+        "KL(behaviour || proximal) by token staleness vs learner step",
+        _kl_by_staleness,
+    ),
     PlotSpec("clip_fractions.png", "Clip / mask fractions of the objective vs learner step", _clip_fractions),
     PlotSpec("throughput.png", "Throughput and busy time vs learner step", _throughput),
 )
 
 
-def _draw(spec: PlotSpec, panels: list[tuple[Panel, list[tuple[Line, list[int], list[float]]]]], path: Path) -> None:
+def _draw(
+    spec: PlotSpec, panels: list[tuple[Panel, list[tuple[Line, list[int], list[float]]]]], path: Path
+) -> None:
     from matplotlib.figure import Figure  # lazy: matplotlib costs about a second to import
 
     fig = Figure(figsize=(8.0, 3.2 * len(panels) + 0.6), layout="constrained")
@@ -127,7 +145,8 @@ def _draw(spec: PlotSpec, panels: list[tuple[Panel, list[tuple[Line, list[int], 
             ax.set_ylim(*panel.ylim)
         ax.set_ylabel(panel.ylabel)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
+        n_points = sum(len(xs) for _, xs, _ in drawn)
+        ax.legend(loc="best" if n_points < 5000 else "upper left", fontsize="small")  # "best" is O(points)
     axes[-1].set_xlabel("learner step")
     fig.suptitle(spec.title)
     tmp = path.with_name(path.name + ".tmp")

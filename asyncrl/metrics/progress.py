@@ -38,11 +38,21 @@ class Progress:
     ``interval_s`` seconds (and always for the last step and at ``close``), so CI logs stay short.
     """
 
-    def __init__(self, total_steps: int, *, stream: TextIO | None = None, interval_s: float = 5.0,
-                 start_step: int = 0, display: tuple[tuple[str, str, str], ...] = DISPLAY,
-                 clock: Callable[[], float] = time.monotonic, force_plain: bool = False) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        stream: TextIO | None = None,
+        interval_s: float = 5.0,
+        start_step: int = 0,
+        display: tuple[tuple[str, str, str], ...] = DISPLAY,
+        clock: Callable[[], float] = time.monotonic,
+        force_plain: bool = False,
+    ) -> None:
         if total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}; pass the configured learner steps")
+            raise ValueError(
+                f"total_steps must be >= 1, got {total_steps}; pass the configured learner steps"
+            )
         self.total = int(total_steps)
         self.stream = stream if stream is not None else sys.stderr
         self.interval_s = float(interval_s)
@@ -61,8 +71,15 @@ class Progress:
         if not self.plain:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total, initial=self.step, file=self.stream, unit="step",
-                             dynamic_ncols=True, leave=True, desc="train")
+            self._bar = tqdm(
+                total=self.total,
+                initial=self.step,
+                file=self.stream,
+                unit="step",
+                dynamic_ncols=True,
+                leave=True,
+                desc="train",
+            )
 
     def postfix(self) -> str:
         """``reward=0.812 eval=0.950 staleness=2 tok/s=1234``: the last value of each displayed metric."""
@@ -149,8 +166,11 @@ def tail_metrics(path: str | Path, offset: int) -> tuple[list[dict[str, Any]], i
     try:
         size = os.fstat(fd).st_size
         if size < offset:
-            log.warning("%s shrank below offset %d (rewritten on resume); reading it again from the start",
-                        path, offset)
+            log.warning(
+                "%s shrank below offset %d (rewritten on resume); reading it again from the start",
+                path,
+                offset,
+            )
             offset = 0
         chunks = []
         pos = offset

@@ -47,8 +47,10 @@ def validate_summary(summary: Mapping[str, Any]) -> None:
         raise ValueError(f"summary keys must be strings; got {bad!r}")
     missing = [k for k in REQUIRED_KEYS if k not in summary]
     if missing:
-        raise ValueError(f"summary is missing required key(s) {', '.join(missing)}; "
-                         f"the launcher must pass all of {', '.join(REQUIRED_KEYS)}")
+        raise ValueError(
+            f"summary is missing required key(s) {', '.join(missing)}; "
+            f"the launcher must pass all of {', '.join(REQUIRED_KEYS)}"
+        )
 
 
 def _jsonable(value: Any) -> Any:
@@ -64,8 +66,10 @@ def _jsonable(value: Any) -> Any:
         return os.fspath(value)
     if hasattr(value, "item"):  # numpy scalars, 0-d tensors
         return _jsonable(value.item())
-    raise ValueError(f"summary value {value!r} of type {type(value).__name__} is not JSON-serialisable; "
-                     "pass numbers, strings, lists or dicts")
+    raise ValueError(
+        f"summary value {value!r} of type {type(value).__name__} is not JSON-serialisable; "
+        "pass numbers, strings, lists or dicts"
+    )
 
 
 def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:

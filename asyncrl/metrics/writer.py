@@ -55,7 +55,8 @@ def _scalar(key: str, value: Any) -> float | int:
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"metric {key!r} has value {value!r} of type {type(value).__name__}; metrics are scalars: "
-            "pass a float (e.g. float(x) or tensor.item())") from e
+            "pass a float (e.g. float(x) or tensor.item())"
+        ) from e
 
 
 def as_step(step: Any) -> int:
@@ -77,7 +78,9 @@ def encode_record(step: int, metrics: Mapping[str, Any], wall_time: float) -> tu
         if not isinstance(key, str) or not key:
             raise ValueError(f"metric names must be non-empty strings, got {key!r}")
         if key in RESERVED_KEYS:
-            raise ValueError(f"metric name {key!r} is reserved for the record itself; rename it (e.g. 'train/{key}')")
+            raise ValueError(
+                f"metric name {key!r} is reserved for the record itself; rename it (e.g. 'train/{key}')"
+            )
         v = _scalar(key, value)
         scalars[key] = float(v)
         record[key] = v if math.isfinite(v) else None
@@ -125,8 +128,12 @@ def scan_metrics(run_dir: str | Path) -> MetricsScan:
             records.append(rec)
     torn = bool(tail.strip())
     if torn or skipped:
-        log.warning("%s: skipped %d corrupt line(s)%s", path, skipped,
-                    " and a torn last line (a crash mid-write)" if torn else "")
+        log.warning(
+            "%s: skipped %d corrupt line(s)%s",
+            path,
+            skipped,
+            " and a torn last line (a crash mid-write)" if torn else "",
+        )
     return MetricsScan(records, skipped, torn)
 
 
@@ -195,8 +202,14 @@ class MetricsWriter:
     follows the file. ``tensorboard=False`` writes the JSONL only.
     """
 
-    def __init__(self, run_dir: str | Path, *, purge_step: int | None = None, tensorboard: bool = True,
-                 tb_flush_secs: float = 10.0) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        purge_step: int | None = None,
+        tensorboard: bool = True,
+        tb_flush_secs: float = 10.0,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = metrics_path(self.run_dir)
@@ -208,8 +221,12 @@ class MetricsWriter:
         if purge_step is not None:
             self.purged_records = _purge(self.path, int(purge_step))
             if self.purged_records:
-                log.info("%s: dropped %d record(s) at steps >= %d (resume)", self.path, self.purged_records,
-                         purge_step)
+                log.info(
+                    "%s: dropped %d record(s) at steps >= %d (resume)",
+                    self.path,
+                    self.purged_records,
+                    purge_step,
+                )
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
         self._tb = None
@@ -270,9 +287,13 @@ def _open_tb(tb_dir: Path, *, purge_step: int | None, flush_secs: float):
 
     writer = EventFileWriter(str(tb_dir), max_queue_size=100, flush_secs=flush_secs)
     if purge_step is not None:
-        writer.add_event(event_pb2.Event(
-            wall_time=time.time(), step=int(purge_step),
-            session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        writer.add_event(
+            event_pb2.Event(
+                wall_time=time.time(),
+                step=int(purge_step),
+                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
+            )
+        )
         writer.flush()
     return writer
 
