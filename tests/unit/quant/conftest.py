@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM  # imported at collection, not inside a test
 
 
 def make_tiny_qwen2(seed: int = 0, *, tie: bool = False, hidden: int = 48, inter: int = 80):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     cfg = Qwen2Config(
-        vocab_size=96, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=96,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=tie,
     )
     torch.manual_seed(seed)

@@ -42,7 +42,9 @@ def test_e2m1_sign_is_kept_including_negative_zero():
 def test_e2m1_random_matches_float64_reference():
     g = torch.Generator().manual_seed(0)
     v = (torch.randn(5000, generator=g) * 3).float()
-    v[:16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, 8])
+    v[:16] = torch.tensor(
+        [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, 8]
+    )
     np.testing.assert_array_equal(e2m1_encode(v).numpy(), ref_e2m1(v.numpy()))
 
 
@@ -129,9 +131,15 @@ def test_mxfp4_random_matches_float64_reference_with_padding(k):
     np.testing.assert_array_equal(unpack_fp4(packed).numpy(), codes_ref)
     assert sc.view(torch.uint8)[0].eq(0).all()  # all-zero block -> 2**-127
     deq = dequantize_mxfp4(packed, sc, k)
-    np.testing.assert_array_equal(deq.numpy(), (e2m1_decode(unpack_fp4(packed)).double()
-                                  * (2.0 ** (sc.view(torch.uint8).double() - 127)).repeat_interleave(32, 1))
-                                  .float()[:, :k].numpy())
+    np.testing.assert_array_equal(
+        deq.numpy(),
+        (
+            e2m1_decode(unpack_fp4(packed)).double()
+            * (2.0 ** (sc.view(torch.uint8).double() - 127)).repeat_interleave(32, 1)
+        )
+        .float()[:, :k]
+        .numpy(),
+    )
 
 
 def test_mxfp4_largest_exponent_is_representable():

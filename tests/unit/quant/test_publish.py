@@ -53,14 +53,19 @@ def test_publication_holds_contiguous_cpu_copies_and_a_deterministic_checksum(ti
     b = publish(sd, "int8", version=1)
     assert a.checksum == b.checksum and len(a.checksum) == 64
     assert publish(sd, "int8", version=2).checksum != a.checksum
-    for name, t in a.tensors.items():
+    for t in a.tensors.values():
         assert t.is_contiguous() and t.device.type == "cpu"
         assert all(t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr() for s in sd.values())
     names = [e.name for e in a.manifest]
     assert names == sorted(a.tensors) == sorted(names)
     q = next(e for e in a.manifest if e.name == "model.layers.0.self_attn.q_proj.qweight")
     assert (q.dtype, q.shape, q.role, q.fmt, q.nbytes, q.logical_shape) == (
-        "int8", (48, 48), "codes", "int8", 48 * 48, (48, 48)
+        "int8",
+        (48, 48),
+        "codes",
+        "int8",
+        48 * 48,
+        (48, 48),
     )
     assert a.total_bytes() == sum(t.numel() * t.element_size() for t in a.tensors.values())
 
@@ -127,7 +132,9 @@ def test_tampered_manifest_fails_the_publication_checksum():
 
 def test_manifest_tensor_mismatches_are_named():
     pub, worker = _published_and_worker()
-    missing = dataclasses.replace(pub, tensors={k: v for k, v in pub.tensors.items() if k != "model.norm.weight"})
+    missing = dataclasses.replace(
+        pub, tensors={k: v for k, v in pub.tensors.items() if k != "model.norm.weight"}
+    )
     with pytest.raises(ManifestMismatchError, match="model.norm.weight"):
         load_published(worker, missing)
     extra = dataclasses.replace(pub, tensors={**pub.tensors, "stray": torch.zeros(1)})
