@@ -14,7 +14,14 @@ from asyncrl.learner.checkpoint import (
     sha256_of_state_dict,
     state_dict_sha256,
 )
-from asyncrl.learner.fsdp import DistInfo, broadcast_batch, full_state_dict, init_distributed, shard_model
+from asyncrl.learner.fsdp import (
+    DistInfo,
+    broadcast_batch,
+    close_distributed,
+    full_state_dict,
+    init_distributed,
+    shard_model,
+)
 from asyncrl.learner.logprobs import token_logprobs
 from asyncrl.learner.schedule import LRSchedule, build_optimizer, build_scheduler, lr_multiplier
 from asyncrl.learner.step import StepConfig, TrainState, train_step
@@ -27,6 +34,7 @@ __all__ = [
     "shard_model",
     "broadcast_batch",
     "full_state_dict",
+    "close_distributed",
     "StepConfig",
     "TrainState",
     "train_step",

@@ -98,7 +98,9 @@ class LearnerBatch:
             ("advantages", advantages),
         ):
             if len(seq) != n:
-                raise ValueError(f"{name} has {len(seq)} samples but prompt_ids has {n}; pass one entry per sample")
+                raise ValueError(
+                    f"{name} has {len(seq)} samples but prompt_ids has {n}; pass one entry per sample"
+                )
         if response_masks is not None and len(response_masks) != n:
             raise ValueError(f"response_masks has {len(response_masks)} samples but prompt_ids has {n}")
         if n == 0:
@@ -116,7 +118,9 @@ class LearnerBatch:
             r = np.asarray(response_ids[i], dtype=np.int64)
             P, R = len(p), len(r)
             if P == 0:
-                raise ValueError(f"sample {i} has an empty prompt; every sequence needs at least one prompt token")
+                raise ValueError(
+                    f"sample {i} has an empty prompt; every sequence needs at least one prompt token"
+                )
             lp = np.asarray(behav_logp[i], dtype=np.float32)
             v = np.asarray(versions[i], dtype=np.int32)
             if lp.shape != (R,) or v.shape != (R,):
@@ -125,9 +129,13 @@ class LearnerBatch:
                     "one entry per response token"
                 )
             a = advantages[i]
-            a_tok = np.full(R, float(a), dtype=np.float32) if np.ndim(a) == 0 else np.asarray(a, dtype=np.float32)
+            a_tok = (
+                np.full(R, float(a), dtype=np.float32) if np.ndim(a) == 0 else np.asarray(a, dtype=np.float32)
+            )
             if a_tok.shape != (R,):
-                raise ValueError(f"sample {i}: advantages has shape {a_tok.shape}, expected a float or ({R},)")
+                raise ValueError(
+                    f"sample {i}: advantages has shape {a_tok.shape}, expected a float or ({R},)"
+                )
             m = np.ones(R, dtype=np.bool_)
             if response_masks is not None:
                 m = np.asarray(response_masks[i]).astype(np.bool_)

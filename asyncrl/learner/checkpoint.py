@@ -119,7 +119,9 @@ def save_checkpoint(
         try:
             _write_json(tmp / "learner.json", meta)
         except TypeError as err:
-            raise ValueError(f"scheduler state is not JSON-serialisable ({err}); use build_scheduler") from err
+            raise ValueError(
+                f"scheduler state is not JSON-serialisable ({err}); use build_scheduler"
+            ) from err
         if extra is not None:
             (tmp / "extra.json").write_text(extra_text)
         if final.exists():
@@ -157,7 +159,9 @@ def load_checkpoint(path: str | Path, state: TrainState, info: DistInfo) -> dict
     if not (path / "learner.json").exists():
         resolved = latest_checkpoint(path)
         if resolved is None:
-            raise ValueError(f"{path} is neither a learner checkpoint nor a folder with a 'latest' checkpoint")
+            raise ValueError(
+                f"{path} is neither a learner checkpoint nor a folder with a 'latest' checkpoint"
+            )
         path = resolved
     meta = json.loads((path / "learner.json").read_text())
     if meta.get("format") != CHECKPOINT_FORMAT:
@@ -210,7 +214,9 @@ def _hf_class_name(model: torch.nn.Module) -> str:
     for cls in type(model).__mro__:
         if issubclass(cls, PreTrainedModel) and not issubclass(cls, FSDPModule):
             return cls.__name__
-    raise ValueError(f"{type(model).__name__} is not a Hugging Face PreTrainedModel; export_hf cannot name it")
+    raise ValueError(
+        f"{type(model).__name__} is not a Hugging Face PreTrainedModel; export_hf cannot name it"
+    )
 
 
 def export_hf(

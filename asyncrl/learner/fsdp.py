@@ -46,6 +46,7 @@ __all__ = [
     "all_reduce_max",
     "full_state_dict",
     "barrier",
+    "close_distributed",
 ]
 
 
@@ -89,7 +90,9 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 600.0) ->
     if env_ws is not None:
         for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
             if var not in os.environ:
-                raise ValueError(f"WORLD_SIZE is set but {var} is not; launch with torchrun or set all of them")
+                raise ValueError(
+                    f"WORLD_SIZE is set but {var} is not; launch with torchrun or set all of them"
+                )
         rank, world_size = int(os.environ["RANK"]), int(env_ws)
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
     else:
@@ -187,6 +190,20 @@ def all_reduce_max(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         dist.barrier()
+
+
+def close_distributed() -> None:
+    """Leave the process group: a barrier, then ``destroy_process_group``.
+
+    The barrier matters on gloo: destroying the group while a peer still has traffic in flight
+    aborted a probe process once ("terminate called without an active exception").
+    """
+    global _INFO
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+    _INFO = None
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

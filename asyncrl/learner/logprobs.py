@@ -75,7 +75,9 @@ def logprobs_from_logits(
         rows = src_rows[start : start + chunk_tokens]
         tgt = targets[start : start + chunk_tokens]
 
-        def fn(l2d: torch.Tensor, r: torch.Tensor = rows, t: torch.Tensor = tgt) -> tuple[torch.Tensor, torch.Tensor]:
+        def fn(
+            l2d: torch.Tensor, r: torch.Tensor = rows, t: torch.Tensor = tgt
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             return _chunk_stats(l2d.index_select(0, r), t, temperature, with_entropy)
 
         if use_ckpt:
@@ -132,4 +134,3 @@ def token_logprobs(
         with_entropy=with_entropy,
         chunk_tokens=chunk_tokens,
     )
-

@@ -116,7 +116,8 @@ def compute_prox_logp(
     """prox_logp for every micro-batch of the plan, [b, s] float32 each, no grad, current weights."""
     with torch.no_grad():
         return [
-            [token_logprobs(model, micro, chunk_tokens=chunk_tokens)[0] for micro in micros] for micros in plan
+            [token_logprobs(model, micro, chunk_tokens=chunk_tokens)[0] for micro in micros]
+            for micros in plan
         ]
 
 
@@ -133,7 +134,9 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, info: DistInfo) -> f
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sharded = [isinstance(g, DTensor) for g in grads]
     if any(sharded) and not all(sharded):
-        raise ValueError("some gradients are DTensors and some are not; shard the whole model with shard_model")
+        raise ValueError(
+            "some gradients are DTensors and some are not; shard the whole model with shard_model"
+        )
     sq = torch.zeros((), dtype=torch.float64)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
@@ -245,7 +248,10 @@ def train_step(
     for micros, prox_mb in zip(plan, prox, strict=True):
         # (b) global denominators for this optimiser-step minibatch.
         local = torch.tensor(
-            [sum(float(m.loss_mask.sum()) for m in micros), sum(float(m.loss_mask.any(1).sum()) for m in micros)]
+            [
+                sum(float(m.loss_mask.sum()) for m in micros),
+                sum(float(m.loss_mask.any(1).sum()) for m in micros),
+            ]
         )
         num_tokens, num_seqs = all_reduce_sum(local, info).tolist()
         total_tokens += num_tokens

@@ -9,7 +9,6 @@ hashes) and ``OUT/final.pt`` (the full state dict, rank 0).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 from pathlib import Path
@@ -65,6 +64,7 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
         broadcast_batch,
         build_optimizer,
         build_scheduler,
+        close_distributed,
         full_state_dict,
         init_distributed,
         load_checkpoint,
@@ -77,11 +77,20 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
     torch.set_num_threads(1)
     info = init_distributed()
     torch.manual_seed(0 if resume is None else 123)  # a resumed run must not depend on its init
-    cfg = Qwen2Config(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = Qwen2Config(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = shard_model(Qwen2ForCausalLM(cfg), info)
     opt = build_optimizer(model, lr=2e-2, weight_decay=0.01)
-    sched = build_scheduler(opt, LRSchedule(kind="cosine", warmup_steps=1, total_steps=STEPS, min_lr_ratio=0.1))
+    sched = build_scheduler(
+        opt, LRSchedule(kind="cosine", warmup_steps=1, total_steps=STEPS, min_lr_ratio=0.1)
+    )
     state = TrainState(model=model, optimizer=opt, scheduler=sched)
     result: dict = {"world_size": info.world_size, "losses": [], "grad_norms": []}
     if resume is not None:
@@ -103,8 +112,7 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
     if info.is_main:
         torch.save(sd, out / "final.pt")
         (out / "result.json").write_text(json.dumps(result))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    close_distributed()
 
 
 # ----------------------------------------------------------------------------- test side
@@ -124,8 +132,13 @@ def _launch(procs, out: Path, world_size: int, *extra: str):
     for rank in range(world_size):
         env = {"OMP_NUM_THREADS": "1"}
         if world_size > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
         children.append(procs.python(__file__, str(out), *extra, env=env))
     return children
 
@@ -192,4 +205,3 @@ if __name__ == "__main__":
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     a = ap.parse_args()
     worker_main(a.out, a.resume, a.max_grad_norm)
-

@@ -51,7 +51,9 @@ def make_batch(n: int = 4, seed: int = 0, temperature: float = 1.0) -> LearnerBa
     return LearnerBatch.from_samples(prompts, responses, lps, vers, advs, temperature=temperature)
 
 
-def reference_loss(logp, prox_logp, behav_logp, advantages, mask, cfg, *, num_tokens, num_seqs, versions, learner_version):
+def reference_loss(
+    logp, prox_logp, behav_logp, advantages, mask, cfg, *, num_tokens, num_seqs, versions, learner_version
+):
     """Token-mean decoupled clipped surrogate (eps 0.2, weight exp(prox - behav)), global denominator."""
     mask = mask.to(torch.bool)
     delta = torch.where(mask, logp - prox_logp, 0.0).clamp(-20, 20)

@@ -32,13 +32,21 @@ def test_from_samples_places_response_tokens_after_prompt_and_right_pads():
     assert b.versions.tolist() == [[-1, -1, 3, 3, 4], [-1, 2, -1, -1, -1]]
     assert torch.allclose(b.advantages[0], torch.tensor([0, 0, 1.5, 1.5, 1.5]))
     assert b.temperature == 0.7
-    assert (b.input_ids.dtype, b.behav_logp.dtype, b.versions.dtype) == (torch.int64, torch.float32, torch.int32)
+    assert (b.input_ids.dtype, b.behav_logp.dtype, b.versions.dtype) == (
+        torch.int64,
+        torch.float32,
+        torch.int32,
+    )
     assert (b.num_tokens, b.num_seqs) == (4, 2)
 
 
 def test_from_samples_response_mask_zeroes_masked_token_fields():
     b = LearnerBatch.from_samples(
-        [[1]], [[2, 3]], [np.array([-1.0, -2.0], np.float32)], [np.array([0, 1], np.int32)], [np.array([0.5, 0.7])],
+        [[1]],
+        [[2, 3]],
+        [np.array([-1.0, -2.0], np.float32)],
+        [np.array([0, 1], np.int32)],
+        [np.array([0.5, 0.7])],
         response_masks=[np.array([1, 0])],
     )
     assert b.loss_mask.tolist() == [[False, True, False]]
@@ -57,8 +65,11 @@ def test_from_samples_response_mask_zeroes_masked_token_fields():
 )
 def test_from_samples_rejects_inconsistent_inputs(kwargs, match):
     args = dict(
-        prompt_ids=[[1]], response_ids=[[2, 3]], behav_logp=[np.zeros(2, np.float32)],
-        versions=[np.zeros(2, np.int32)], advantages=[1.0],
+        prompt_ids=[[1]],
+        response_ids=[[2, 3]],
+        behav_logp=[np.zeros(2, np.float32)],
+        versions=[np.zeros(2, np.int32)],
+        advantages=[1.0],
     )
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
@@ -86,9 +97,11 @@ def test_shard_gives_each_rank_a_contiguous_chunk_and_can_be_empty(tiny):
 
 def test_micro_batches_trim_trailing_padding(tiny):
     b = LearnerBatch.from_samples(
-        [[1], [1], [1]], [[2, 3, 4, 5], [2], [2, 3]],
+        [[1], [1], [1]],
+        [[2, 3, 4, 5], [2], [2, 3]],
         [np.zeros(4, np.float32), np.zeros(1, np.float32), np.zeros(2, np.float32)],
-        [np.zeros(4, np.int32), np.zeros(1, np.int32), np.zeros(2, np.int32)], [1.0, 1.0, 1.0],
+        [np.zeros(4, np.int32), np.zeros(1, np.int32), np.zeros(2, np.int32)],
+        [1.0, 1.0, 1.0],
     )
     micro = b.micro_batches(2)
     assert [m.seq_len for m in micro] == [5, 3]

@@ -32,7 +32,9 @@ def _state(tiny, info, seed, tie=False):
     return TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, SCHED))
 
 
-def test_checkpoint_round_trip_restores_weights_optimizer_schedule_version_and_extra(tiny, dist_info, tmp_path):
+def test_checkpoint_round_trip_restores_weights_optimizer_schedule_version_and_extra(
+    tiny, dist_info, tmp_path
+):
     cfg = StepConfig(n_minibatches=2)
     a = _state(tiny, dist_info, seed=0)
     a.version = 1  # as if resumed once already: the saved version is whatever the state holds
@@ -62,7 +64,11 @@ def test_latest_ignores_unfinished_saves_and_keep_last_prunes_old_ones(tiny, dis
         s.version = v
         save_checkpoint(tmp_path, s, dist_info, keep_last=2)
     (tmp_path / "step_00000009.tmp").mkdir()
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003", "step_00000009.tmp"]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
+        "step_00000002",
+        "step_00000003",
+        "step_00000009.tmp",
+    ]
     assert latest_checkpoint(tmp_path).name == "step_00000003"
     assert latest_checkpoint(tmp_path / "nowhere") is None
     with pytest.raises(ValueError, match="latest"):
@@ -90,7 +96,9 @@ def test_export_hf_loads_with_transformers_and_gives_the_same_logits(tiny, dist_
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
     vocab = {f"c{i}": i for i in range(tiny.vocab)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="c0"))).save_pretrained(tok_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="c0"))
+    ).save_pretrained(tok_dir)
 
     s = _state(tiny, dist_info, seed=1, tie=tie)
     train_step(s, tiny.batch(3), None, StepConfig(), dist_info, loss_fn=tiny.loss)

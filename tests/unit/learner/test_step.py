@@ -46,17 +46,32 @@ def test_micro_batch_split_gives_the_same_gradient_as_the_whole_minibatch(tiny, 
     with torch.no_grad():
         prox, _ = token_logprobs(ref, batch)
     logp, _ = token_logprobs(ref, batch)
-    loss, _ = tiny.loss(logp, prox, batch.behav_logp, batch.advantages, batch.loss_mask, None,
-                        num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, versions=batch.versions,
-                        learner_version=0)
+    loss, _ = tiny.loss(
+        logp,
+        prox,
+        batch.behav_logp,
+        batch.advantages,
+        batch.loss_mask,
+        None,
+        num_tokens=batch.num_tokens,
+        num_seqs=batch.num_seqs,
+        versions=batch.versions,
+        learner_version=0,
+    )
     loss.backward()
     ref_grad = {n: p.grad for n, p in ref.named_parameters()}
 
     results = []
     for micro in (5, 2, 1):
         state = _sgd_state(copy.deepcopy(base), dist_info)
-        m = train_step(state, batch, None, StepConfig(micro_batch_size=micro, max_grad_norm=0.0), dist_info,
-                       loss_fn=tiny.loss)
+        m = train_step(
+            state,
+            batch,
+            None,
+            StepConfig(micro_batch_size=micro, max_grad_norm=0.0),
+            dist_info,
+            loss_fn=tiny.loss,
+        )
         grad = {k: -d for k, d in _delta(before, state.model).items()}
         for name, g in ref_grad.items():
             torch.testing.assert_close(grad[name], g, rtol=1e-4, atol=1e-6)
@@ -68,7 +83,11 @@ def test_micro_batch_split_gives_the_same_gradient_as_the_whole_minibatch(tiny, 
 def test_step_with_no_loss_tokens_skips_the_update_but_bumps_the_version(tiny, dist_info):
     b = tiny.batch(3)
     empty = LearnerBatch.from_samples(
-        [[1, 2]] * 3, [[3, 4]] * 3, [np.zeros(2, np.float32)] * 3, [np.zeros(2, np.int32)] * 3, [1.0] * 3,
+        [[1, 2]] * 3,
+        [[3, 4]] * 3,
+        [np.zeros(2, np.float32)] * 3,
+        [np.zeros(2, np.int32)] * 3,
+        [1.0] * 3,
         response_masks=[np.zeros(2)] * 3,
     )
     assert empty.num_tokens == 0 and b.num_tokens > 0
@@ -115,8 +134,9 @@ def test_prox_logp_comes_from_step_start_weights_in_every_minibatch(tiny, dist_i
     model = shard_model(copy.deepcopy(base), dist_info)
     opt = build_optimizer(model, lr=0.05)
     state = TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, LRSchedule()))
-    m = train_step(state, batch, None, StepConfig(n_minibatches=2, micro_batch_size=8), dist_info,
-                   loss_fn=recording_loss)
+    m = train_step(
+        state, batch, None, StepConfig(n_minibatches=2, micro_batch_size=8), dist_info, loss_fn=recording_loss
+    )
     assert m["learner/updates"] == 2
     (p0, l0), (p1, l1) = seen
     torch.testing.assert_close(p0, want[:2, : p0.shape[1]], rtol=0, atol=1e-6)
@@ -132,8 +152,14 @@ def test_learning_rate_follows_the_schedule_once_per_step_and_metrics_are_floats
     state = TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, sched))
     lrs = []
     for _ in range(4):
-        m = train_step(state, tiny.batch(2), None, StepConfig(n_minibatches=2, log_entropy=True), dist_info,
-                       loss_fn=tiny.loss)
+        m = train_step(
+            state,
+            tiny.batch(2),
+            None,
+            StepConfig(n_minibatches=2, log_entropy=True),
+            dist_info,
+            loss_fn=tiny.loss,
+        )
         lrs.append(m["learner/lr"])
         assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
         assert "actor/entropy" in m and "actor/ratio_max" in m
