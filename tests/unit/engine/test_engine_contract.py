@@ -1,6 +1,7 @@
 """Contract suite every RolloutEngine must pass (parametrised over ``ENGINE_FACTORIES`` in conftest).
 
-Only the Protocol surface is used here (submit / generate / update_weights / abort / pause / resume / close /
+Every check runs for every quant format (conftest ``CONTRACT_FORMATS``): ``ref_v0`` / ``ref_v1`` are plain
+HF forwards of the actor in the case's format. Only the Protocol surface is used here (submit / generate / update_weights / abort / pause / resume / close /
 capabilities), so an SGLang engine can be dropped into the same suite. Checks that rely on an
 engine-specific guarantee are gated on ``capabilities()``.
 """
@@ -50,7 +51,7 @@ def test_engine_satisfies_protocol_and_reports_capabilities(make_engine):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_behav_logp_equals_hf_forward_of_same_tokens(make_engine, tiny_hf, reference, temperature):
+def test_behav_logp_equals_hf_forward_of_same_tokens(make_engine, ref_v0, reference, temperature, logp_atol):
     engine = make_engine(max_batch_size=8)
     reqs = [req(i, n=10 + 3 * i, temperature=temperature, seed=7) for i in range(4)]
     results = by_id(list(engine.generate(reqs)))
@@ -59,21 +60,21 @@ def test_behav_logp_equals_hf_forward_of_same_tokens(make_engine, tiny_hf, refer
         res = results[r.sample_id]
         assert_well_formed(res)
         assert res.prompt_ids == r.prompt_ids
-        ref = reference.plain(tiny_hf, res.prompt_ids, res.response_ids, temperature).numpy()
-        np.testing.assert_allclose(res.behav_logp, ref, atol=1e-4, rtol=0)
+        ref = reference.plain(ref_v0, res.prompt_ids, res.response_ids, temperature).numpy()
+        np.testing.assert_allclose(res.behav_logp, ref, atol=logp_atol, rtol=0)
 
 
-def test_greedy_takes_argmax_and_reports_raw_log_softmax(make_engine, tiny_hf, reference):
+def test_greedy_takes_argmax_and_reports_raw_log_softmax(make_engine, ref_v0, reference, logp_atol):
     import torch
 
     engine = make_engine()
     (res,) = engine.generate([req(1, n=8, temperature=0.0)])
     ids = torch.tensor([res.prompt_ids + res.response_ids])
     with torch.no_grad():
-        logits = tiny_hf(ids).logits[0, len(res.prompt_ids) - 1 : -1]
+        logits = ref_v0(ids).logits[0, len(res.prompt_ids) - 1 : -1]
     assert res.response_ids == logits.argmax(-1).tolist()
-    ref = reference.plain(tiny_hf, res.prompt_ids, res.response_ids, 0.0).numpy()
-    np.testing.assert_allclose(res.behav_logp, ref, atol=1e-4, rtol=0)
+    ref = reference.plain(ref_v0, res.prompt_ids, res.response_ids, 0.0).numpy()
+    np.testing.assert_allclose(res.behav_logp, ref, atol=logp_atol, rtol=0)
 
 
 def test_same_seed_gives_same_samples_and_other_seed_differs(make_engine):
@@ -98,7 +99,7 @@ def test_seeded_sample_does_not_depend_on_batch_composition(make_engine):
 
 
 def test_versions_and_logps_are_right_across_a_mid_generation_weight_update(
-    make_engine, tiny_hf, tiny_hf_v1, reference
+    make_engine, tiny_hf_v1, ref_v0, ref_v1, reference, logp_atol
 ):
     engine = make_engine(max_batch_size=4)
     short, long = req(0, n=4, seed=1), req(1, n=14, seed=1)
@@ -116,20 +117,22 @@ def test_versions_and_logps_are_right_across_a_mid_generation_weight_update(
     if engine.capabilities().get("weight_swap") == "step_boundary":
         assert switch == 4
     res = got["s1"]
-    ref = reference.swapped(tiny_hf, tiny_hf_v1, res.prompt_ids, res.response_ids, switch, 1.0).numpy()
-    np.testing.assert_allclose(res.behav_logp, ref, atol=1e-4, rtol=0)
+    ref = reference.swapped(ref_v0, ref_v1, res.prompt_ids, res.response_ids, switch, 1.0).numpy()
+    np.testing.assert_allclose(res.behav_logp, ref, atol=logp_atol, rtol=0)
 
 
-def test_requests_after_a_weight_update_use_the_new_version(make_engine, tiny_hf_v1, reference):
+def test_requests_after_a_weight_update_use_the_new_version(
+    make_engine, tiny_hf_v1, ref_v1, reference, logp_atol
+):
     engine = make_engine()
     engine.update_weights(3, tiny_hf_v1.state_dict())
     (res,) = engine.generate([req(2, n=6)])
     assert res.versions.tolist() == [3] * 6
-    ref = reference.plain(tiny_hf_v1, res.prompt_ids, res.response_ids, 1.0).numpy()
-    np.testing.assert_allclose(res.behav_logp, ref, atol=1e-4, rtol=0)
+    ref = reference.plain(ref_v1, res.prompt_ids, res.response_ids, 1.0).numpy()
+    np.testing.assert_allclose(res.behav_logp, ref, atol=logp_atol, rtol=0)
 
 
-def test_abort_finishes_live_sample_with_partial_tokens(make_engine, tiny_hf, reference):
+def test_abort_finishes_live_sample_with_partial_tokens(make_engine, ref_v0, reference, logp_atol):
     engine = make_engine()
     results = []
     for res in engine.generate([req(0, n=3), req(1, n=200)]):
@@ -140,8 +143,8 @@ def test_abort_finishes_live_sample_with_partial_tokens(make_engine, tiny_hf, re
     aborted = got["s1"]
     assert aborted.finish_reason == "abort"
     assert 3 <= len(aborted.response_ids) < 200
-    ref = reference.plain(tiny_hf, aborted.prompt_ids, aborted.response_ids, 1.0).numpy()
-    np.testing.assert_allclose(aborted.behav_logp, ref, atol=1e-4, rtol=0)
+    ref = reference.plain(ref_v0, aborted.prompt_ids, aborted.response_ids, 1.0).numpy()
+    np.testing.assert_allclose(aborted.behav_logp, ref, atol=logp_atol, rtol=0)
 
 
 def test_abort_of_a_queued_request_yields_it_empty(make_engine):
@@ -219,7 +222,7 @@ def test_length_limit_is_respected_exactly(make_engine):
     assert all(r.finish_reason == "length" for r in results.values())
 
 
-def test_requests_joining_mid_batch_match_their_solo_runs(make_engine, tiny_hf, reference):
+def test_requests_joining_mid_batch_match_their_solo_runs(make_engine, ref_v0, reference, logp_atol):
     solo = {r.sample_id: r.response_ids for r in make_engine().generate([req(2, n=10, seed=4)])}
     engine = make_engine(max_batch_size=8)
     late = req(2, n=10, seed=4)
@@ -238,8 +241,8 @@ def test_requests_joining_mid_batch_match_their_solo_runs(make_engine, tiny_hf, 
     assert set(got) == {"s0", "s1", "s2", "from-thread"}
     assert got["s2"].response_ids == solo["s2"]
     for res in got.values():
-        ref = reference.plain(tiny_hf, res.prompt_ids, res.response_ids, 1.0).numpy()
-        np.testing.assert_allclose(res.behav_logp, ref, atol=1e-4, rtol=0)
+        ref = reference.plain(ref_v0, res.prompt_ids, res.response_ids, 1.0).numpy()
+        np.testing.assert_allclose(res.behav_logp, ref, atol=logp_atol, rtol=0)
 
 
 def test_close_aborts_live_samples_and_refuses_new_work(make_engine):
