@@ -264,9 +264,10 @@ class WeightAnnounce(_Base, tag="weight_announce"):
 
 
 class WeightFetch(_Base, tag="weight_fetch"):
-    """Ask for every chunk of ``version`` (-1: the latest)."""
+    """Ask for every chunk of ``version`` (-1: the latest) in format ``fmt`` ("" = the primary format)."""
 
     version: int = -1
+    fmt: str = ""
 
 
 class WeightChunk(_Base, tag="weight_chunk"):

@@ -7,9 +7,10 @@ Never: interprets tensor bytes (quantization formats and checksums are ``asyncrl
 module only checks that what arrived matches the announced manifest); copies payloads on the server
 side (frames are sent zero-copy from the published buffers, which must stay unchanged once published).
 
-Wire sequence for one fetch: DEALER -> ``WeightFetch(version)``; ROUTER -> ``WeightAnnounce``, then
+Wire sequence for one fetch: DEALER -> ``WeightFetch(version, fmt)``; ROUTER -> ``WeightAnnounce``, then
 ``count`` x [``WeightChunk`` header frame, raw payload frame], in manifest order. An unknown version
-is answered with ``Error(code="unknown_version")``.
+or format is answered with ``Error(code="unknown_version")``. One version may be published in several
+formats (workers of different quantization formats); the first format published is the primary one.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class WeightServer:
         self.fetch_address = self._router.address
         self.keep_versions = keep_versions
         self.send_timeout_s = send_timeout_s
-        self._versions: OrderedDict[int, PublishedVersion] = OrderedDict()
+        self._versions: OrderedDict[int, dict[str, PublishedVersion]] = OrderedDict()
         self._pending_announce: list[WeightAnnounce] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -83,9 +84,12 @@ class WeightServer:
         """Make ``announce.version`` fetchable and announce it. Buffers must not change afterwards."""
         entry = PublishedVersion(announce, list(buffers))
         with self._lock:
-            if self._versions and announce.version <= next(reversed(self._versions)):
-                raise ValueError(f"version {announce.version} is not newer than the latest published one")
-            self._versions[announce.version] = entry
+            latest = next(reversed(self._versions)) if self._versions else -1
+            same = announce.version == latest and announce.fmt not in self._versions[latest]
+            if announce.version < latest or (announce.version == latest and not same):
+                raise ValueError(f"version {announce.version} ({announce.fmt}) is not newer than the latest "
+                                 "published one")
+            self._versions.setdefault(announce.version, {})[announce.fmt] = entry
             while len(self._versions) > self.keep_versions:
                 self._versions.popitem(last=False)
             self._pending_announce.append(announce)
@@ -106,17 +110,19 @@ class WeightServer:
                 self._router.stats.reject("unexpected", f"{type(env.msg).__name__} on the weight socket")
                 self._send_quiet(Error(code="unexpected", message="this socket only answers WeightFetch"), env.peer)
                 continue
-            self._serve(env.peer, env.msg.version)
+            self._serve(env.peer, env.msg.version, env.msg.fmt)
 
-    def _serve(self, peer: bytes, version: int) -> None:
+    def _serve(self, peer: bytes, version: int, fmt: str) -> None:
         with self._lock:
             if version < 0 and self._versions:
                 version = next(reversed(self._versions))
-            entry = self._versions.get(version)
-            known = list(self._versions)
+            formats = self._versions.get(version, {})
+            entry = formats.get(fmt) if fmt else next(iter(formats.values()), None)
+            known = {v: list(f) for v, f in self._versions.items()}
         if entry is None:
             self._send_quiet(
-                Error(code="unknown_version", message=f"version {version} is not served; available: {known}"),
+                Error(code="unknown_version",
+                      message=f"version {version} in format {fmt or 'primary'!r} is not served; available: {known}"),
                 peer,
             )
             return
@@ -159,20 +165,22 @@ class WeightClient:
     def stats(self):
         return self._dealer.stats
 
-    def poll_announce(self, timeout_s: float = 0.0) -> WeightAnnounce | None:
-        """The newest announcement received so far (drains the queue), or None."""
+    def poll_announce(self, timeout_s: float = 0.0, fmt: str = "") -> WeightAnnounce | None:
+        """The newest announcement (of format ``fmt``, if given) received so far (drains the queue)."""
         newest = None
         env = self._sub.recv(timeout_s)
         while env is not None:
-            if isinstance(env.msg, WeightAnnounce) and (newest is None or env.msg.version > newest.version):
-                newest = env.msg
+            ann = env.msg
+            if (isinstance(ann, WeightAnnounce) and (not fmt or ann.fmt == fmt)
+                    and (newest is None or ann.version > newest.version)):
+                newest = ann
             env = self._sub.recv(0.0)
         return newest
 
-    def fetch(self, version: int = -1, timeout_s: float = 60.0) -> tuple[WeightAnnounce, list[memoryview]]:
+    def fetch(self, version: int = -1, timeout_s: float = 60.0, fmt: str = "") -> tuple[WeightAnnounce, list]:
         """All tensors of ``version`` (-1: latest), checked against the manifest, in manifest order."""
         deadline = time.monotonic() + timeout_s
-        self._dealer.send(WeightFetch(version=version), timeout_s=timeout_s)
+        self._dealer.send(WeightFetch(version=version, fmt=fmt), timeout_s=timeout_s)
 
         def next_msg(what: str):
             env = self._dealer.recv(max(0.0, deadline - time.monotonic()))

@@ -99,7 +99,7 @@ MESSAGES = {
                                 manifest=st.lists(tensor_specs, max_size=4), checksum=st.text(max_size=64),
                                 total_bytes=st.integers(0, 2**40), aqn_seed=st.integers(-1, 2**31),
                                 aqn_sigma=st.floats(0, 1)),
-    P.WeightFetch: st.builds(P.WeightFetch, version=st.integers(-1, 10**6)),
+    P.WeightFetch: st.builds(P.WeightFetch, version=st.integers(-1, 10**6), fmt=st.sampled_from(["", "int8"])),
     P.WeightChunk: st.builds(P.WeightChunk, version=st.integers(0, 10**6), index=st.integers(0, 100),
                              count=st.integers(1, 100), name=ids, dtype=st.sampled_from(sorted(P.DTYPE_SIZES)),
                              shape=st.lists(st.integers(0, 64), max_size=3).map(tuple), nbytes=st.integers(0, 64)),

@@ -1,0 +1,111 @@
+"""Two generation worker processes (fp32 and int8) driven by a controller stand-in on real sockets.
+
+The stand-in speaks the real protocol: Welcome with the model architecture, assignments on
+WorkRequest, samples on PULL, weights from a real WeightServer. A new version is published while the
+workers are generating; every sample must arrive exactly once, with per-token versions that only go
+forward, and the quantization format of the worker that made it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+import protocols as P
+from asyncrl.models import ensure_tiny_model
+from asyncrl.quant import publish
+from asyncrl.transport import WeightServer, ZmqChannel
+from asyncrl.transport.publication import to_wire
+
+pytestmark = pytest.mark.integration
+
+GROUP, N_GROUPS, MAX_NEW = 4, 8, 48
+
+
+def _publish_all(server: WeightServer, state_dict, version: int) -> None:
+    for fmt in ("fp32", "int8"):
+        ann, bufs = to_wire(publish(state_dict, fmt, version=version))
+        server.publish(ann, bufs)
+
+
+def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(procs, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = ensure_tiny_model(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    server = WeightServer()
+    ctl = ZmqChannel.bind(zmq.ROUTER, "tcp://127.0.0.1:0", reply_errors=True)
+    pull = ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0")
+    try:
+        _publish_all(server, model.state_dict(), 0)
+        config = {"samples_address": pull.address, "weights_announce": server.announce_address,
+                  "weights_fetch": server.fetch_address, "worker_slots": "16", "heartbeat_s": "0.5",
+                  "model_config": AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False),
+                  "eos_token_ids": json.dumps([2]), "quant_format": "fp32"}
+        for wid, fmt in (("w-fp32", "fp32"), ("w-int8", "int8")):
+            procs.python("-m", "workers.generator", f"controller={ctl.address}", f"quant.fmt={fmt}",
+                         f"worker_id={wid}")
+        prompt = P.Array.from_numpy(np.array([1, 55, 47, 56, 65], np.int32))  # "<bos>3+4="
+        todo = [f"g{i}" for i in range(N_GROUPS)]
+        params = P.SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=7)
+        got: dict[str, P.FinishedSample] = {}
+        duplicates, joined, published_v1 = 0, {}, False
+        deadline = time.monotonic() + 180
+        while len(got) < N_GROUPS * GROUP and time.monotonic() < deadline:
+            env = ctl.recv(0.01)
+            if env is not None:
+                m = env.msg
+                if isinstance(m, P.Hello):
+                    joined[m.peer_id] = m.capabilities["quant_format"]
+                    ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in",
+                                       latest_version=server.latest_version, config=config), to=env.peer)
+                elif isinstance(m, P.WorkRequest):
+                    n = min(m.credits // GROUP, len(todo), 2)  # share the groups between both workers
+                    if n == 0:
+                        ctl.send(P.NoWork(retry_after_s=0.05), to=env.peer)
+                    for _ in range(n):
+                        g = todo.pop(0)
+                        ctl.send(P.RolloutAssignment(group_id=g, sample_ids=[f"{g}/{i}" for i in range(GROUP)],
+                                                     prompt_ids=prompt, params=params, n_samples=GROUP), to=env.peer)
+            while (s := pull.recv(0.0)) is not None:
+                fs = s.msg
+                duplicates += fs.sample_id in got
+                got[fs.sample_id] = fs
+                if not published_v1:  # new weights while the other samples are still being generated
+                    with torch.no_grad():
+                        model.lm_head.weight.mul_(1.05)
+                    _publish_all(server, model.state_dict(), 1)
+                    published_v1 = True
+        assert len(got) == N_GROUPS * GROUP, f"only {len(got)} samples arrived"
+        assert duplicates == 0
+        assert joined == {"w-fp32": "fp32", "w-int8": "int8"}
+        spans = 0
+        for fs in got.values():
+            v = fs.versions.to_numpy()
+            assert set(v.tolist()) <= {0, 1} and np.all(np.diff(v) >= 0), fs.sample_id
+            assert fs.behav_logp.to_numpy().shape == v.shape and np.isfinite(fs.behav_logp.to_numpy()).all()
+            assert fs.quant_format == {"w-fp32": "fp32", "w-int8": "int8"}[fs.worker_id]
+            spans += (v.min() == 0) and (v.max() == 1)
+        assert spans >= 1, "no sample straddled the weight update"
+        assert {fs.worker_id for fs in got.values()} == {"w-fp32", "w-int8"}
+        # Stop: workers hand back nothing (all done) and exit cleanly.
+        byes = set()
+        for p in procs.children:
+            p.send_signal(15)
+        deadline = time.monotonic() + 60
+        while len(byes) < 2 and time.monotonic() < deadline:
+            env = ctl.recv(0.1)
+            if env is not None and isinstance(env.msg, P.Goodbye):
+                assert env.msg.unfinished == []
+                byes.add(env.msg.peer_id)
+        assert byes == {"w-fp32", "w-int8"}
+        assert [p.wait(timeout=60) for p in procs.children] == [0, 0]
+    finally:
+        server.close()
+        ctl.close()
+        pull.close()
