@@ -208,3 +208,44 @@ def test_from_pretrained_loads_an_hf_folder(tiny_dir):
     (res,) = engine.generate([GenRequest("a", ids("1+1="), params(3))])
     assert len(res.response_ids) == 3 and engine.capabilities()["engine"] == "native"
     engine.close()
+
+
+def test_concurrent_submits_updates_and_aborts_from_another_thread_lose_nothing(tiny_hf, tiny_hf_v1):
+    import threading
+
+    engine = NativeEngine(copy.deepcopy(tiny_hf), max_batch_size=4)
+    sd = tiny_hf_v1.state_dict()
+    started = threading.Event()
+
+    def feeder() -> None:
+        started.wait()
+        for k in range(6):
+            engine.submit(
+                [GenRequest(f"t{k}-{j}", ids(f"{k}+{j}="), params(6 + j, seed=k)) for j in range(3)]
+            )
+            engine.update_weights(k + 1, sd)
+            if k % 2:
+                engine.abort([f"t{k}-0"])
+
+    thread = threading.Thread(target=feeder)
+    thread.start()
+    results = []
+    first = True
+    while thread.is_alive() or engine.has_work():
+        if first:
+            engine.submit([GenRequest("seed", ids("0"), params(40))])
+            started.set()
+            first = False
+        for res in engine.generate():
+            results.append(res)
+        engine.wait(timeout=0.01)
+    thread.join()
+    results += list(engine.generate())
+    names = [r.sample_id for r in results]
+    assert sorted(names) == sorted(["seed"] + [f"t{k}-{j}" for k in range(6) for j in range(3)])
+    for res in results:
+        v = res.versions
+        assert np.all(np.diff(v) >= 0), "versions never go back within a sample"
+        if res.finish_reason != "abort":
+            expected = 40 if res.sample_id == "seed" else 6 + int(res.sample_id[-1])
+            assert len(res.response_ids) == expected
