@@ -1,0 +1,58 @@
+"""asyncrl.algo: the learner's math as a pure tensor library (ALGORITHMS.md §2-§7, §10-§11).
+
+Tensors in, ``(loss, metrics)`` out. Entry points:
+
+* ``policy_loss(logp, prox_logp, behav_logp, advantages, mask, cfg, *, num_tokens=None,
+  num_seqs=None, versions=None, learner_version=None, ref_logp=None, entropy=None)`` with a frozen
+  ``ObjectiveConfig`` (kinds ppo, decoupled, tis, acr, tbpo, gspo);
+* ``loss_denominators`` (global denominators for micro-batch / rank splits);
+* ``mismatch_metrics`` (the §7 prox-vs-behaviour block, once per step);
+* ``group_advantages``, ``token_advantages``, ``overlong_penalty``, ``apply_truncation_policy``,
+  ``is_informative_group``, ``filter_groups`` (§2.7, §3);
+* ``MetricDict`` / ``merge_metrics`` (metrics that reduce correctly across calls).
+
+Never: imports torch.distributed, zmq, msgspec, the transport or any other asyncrl sub-package,
+does I/O, or reads global configuration. It is a leaf of the dependency graph.
+Invariants: fp32 log-space arithmetic, clamped exponentials, where-masking before arithmetic,
+finite losses; departures from the spec are marked DEPARTURE in the code and listed in
+docs/algorithms.md.
+"""
+
+from asyncrl.algo.advantages import (
+    apply_truncation_policy,
+    filter_groups,
+    group_advantages,
+    is_informative_group,
+    overlong_penalty,
+    token_advantages,
+)
+from asyncrl.algo.aggregation import Denominators, aggregate
+from asyncrl.algo.config import AGGREGATIONS, KINDS, RS_MODES, ObjectiveConfig
+from asyncrl.algo.correction import is_weights, rejection_keep
+from asyncrl.algo.diagnostics import mismatch_metrics, response_stats
+from asyncrl.algo.loss import loss_denominators, policy_loss
+from asyncrl.algo.stats import MetricDict, Stat, merge_metrics
+
+__all__ = [
+    "AGGREGATIONS",
+    "KINDS",
+    "RS_MODES",
+    "Denominators",
+    "MetricDict",
+    "ObjectiveConfig",
+    "Stat",
+    "aggregate",
+    "apply_truncation_policy",
+    "filter_groups",
+    "group_advantages",
+    "is_informative_group",
+    "is_weights",
+    "loss_denominators",
+    "merge_metrics",
+    "mismatch_metrics",
+    "overlong_penalty",
+    "policy_loss",
+    "rejection_keep",
+    "response_stats",
+    "token_advantages",
+]

@@ -1,0 +1,182 @@
+"""Advantages and sample selection (ALGORITHMS.md §2.7, §3.1-§3.3).
+
+Owns the group estimators (GRPO with unbiased std and epsilon 1e-6, Dr. GRPO without std,
+RLOO), the singleton and zero-variance rules, DAPO overlong shaping, the truncation policy, and
+the DAPO dynamic-sampling filter as a pure predicate.
+
+Never: sees log-probs or versions; decides *when* a group is complete (the controller releases a
+group only when all its members have finished).
+
+Invariants: statistics are computed in float64; a zero-variance group gets exactly A = 0; a
+singleton group gets A = 0 and is counted in ``adv/singleton_groups`` ([R]: verl would give A = R,
+deliberately not copied); rewards must be finite (a NaN reward is a verifier bug, not data).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from asyncrl.algo.numerics import ADV_EPS
+from asyncrl.algo.stats import MetricDict, Stat, StatsBuilder
+
+__all__ = [
+    "ESTIMATORS",
+    "TRUNCATION_POLICIES",
+    "group_advantages",
+    "token_advantages",
+    "overlong_penalty",
+    "apply_truncation_policy",
+    "is_informative_group",
+    "filter_groups",
+]
+
+ESTIMATORS = ("grpo", "drgrpo", "rloo")
+TRUNCATION_POLICIES = ("keep", "mask", "overlong_shaping")
+
+
+def _groups(n: int, group_ids: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Inverse index [N] -> group 0..K-1 (in order of first id value) and K."""
+    if group_ids is None:
+        return torch.zeros(n, dtype=torch.int64, device=device), (1 if n else 0)
+    if group_ids.shape != (n,):
+        raise ValueError(f"group_ids must have shape ({n},) like rewards, got {tuple(group_ids.shape)}")
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, int(uniq.numel())
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor | None = None,
+    *,
+    estimator: str = "grpo",
+    eps: float = ADV_EPS,
+) -> tuple[torch.Tensor, MetricDict]:
+    """Outcome advantages A_i of complete groups (§3.1). rewards: [N]; group_ids: [N] any ints
+    (None = one group). Returns (A [N] in the rewards' float dtype, metrics).
+
+    grpo: (R_i - mean) / (std_unbiased + eps); drgrpo: R_i - mean; rloo: R_i - mean of the
+    other members = G/(G-1) (R_i - mean). Zero-variance group: 0 exactly; singleton group: 0.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r} is not valid; choose one of: {', '.join(ESTIMATORS)}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be [N] (one scalar per response), got shape {tuple(rewards.shape)}")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError(
+            "rewards contain NaN/inf: fix the verifier or drop the group before computing advantages"
+        )
+    r = rewards.detach().to(torch.float64)
+    n = r.shape[0]
+    inv, k = _groups(n, group_ids, r.device)
+    size = torch.zeros(k, dtype=torch.float64, device=r.device).index_add_(0, inv, torch.ones_like(r))
+    mean = torch.zeros(k, dtype=torch.float64, device=r.device).index_add_(0, inv, r) / size.clamp(min=1)
+    dev = r - mean[inv]
+    sq = torch.zeros(k, dtype=torch.float64, device=r.device).index_add_(0, inv, dev * dev)
+    std = torch.sqrt(sq / (size - 1).clamp(min=1))
+    rmax = torch.full((k,), -math.inf, dtype=torch.float64, device=r.device).scatter_reduce(0, inv, r, "amax")
+    rmin = torch.full((k,), math.inf, dtype=torch.float64, device=r.device).scatter_reduce(0, inv, r, "amin")
+    singleton = size < 2
+    zero_var = ~singleton & (rmax == rmin)
+    if estimator == "grpo":
+        adv = dev / (std[inv] + eps)
+    elif estimator == "drgrpo":
+        adv = dev
+    else:
+        adv = dev * (size / (size - 1).clamp(min=1))[inv]
+    adv = torch.where((singleton | zero_var)[inv], 0.0, adv)
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    b = StatsBuilder()
+    b.total("adv/singleton_groups", singleton.sum())
+    b.total("adv/groups", torch.tensor(float(k)))
+    b.frac("adv/zero_std_group_frac", zero_var, ~singleton)
+    return adv.to(out_dtype), b.build()
+
+
+def token_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Broadcast outcome advantages [B] onto the response tokens: A_{i,t} = A_i m_{i,t}. -> [B, T]."""
+    if adv.shape != mask.shape[:1]:
+        raise ValueError(
+            f"adv must be [B] with B = mask.shape[0], got {tuple(adv.shape)} vs mask {tuple(mask.shape)}"
+        )
+    return torch.where(mask.bool(), adv.unsqueeze(-1), torch.zeros((), dtype=adv.dtype, device=adv.device))
+
+
+def overlong_penalty(
+    lengths: torch.Tensor, *, max_len: int = 20480, cache_len: int = 4096, penalty_factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO soft overlong penalty R^len(|y|) of §3.3, [N] lengths -> [N] float32 (added to the reward).
+
+    0 up to max_len - cache_len, then linear down to -penalty_factor at max_len, -penalty_factor beyond.
+    """
+    if not 0 < cache_len <= max_len:
+        raise ValueError(
+            f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len} "
+            "(DAPO: 4096 and 20480)"
+        )
+    if penalty_factor < 0:
+        raise ValueError(f"penalty_factor={penalty_factor} must be >= 0 (DAPO uses 1.0)")
+    y = lengths.detach().to(torch.float64)
+    start = max_len - cache_len
+    ramp = penalty_factor * (start - y) / cache_len
+    out = torch.where(y <= start, 0.0, torch.where(y <= max_len, ramp, -penalty_factor))
+    return out.to(torch.float32)
+
+
+def apply_truncation_policy(
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    truncated: torch.Tensor,
+    *,
+    policy: str,
+    max_len: int = 20480,
+    cache_len: int = 4096,
+    penalty_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """§2.7 ``truncated_policy``: returns (rewards [N], keep [N] bool).
+
+    keep: nothing changes; mask: truncated responses get keep=False (zero their loss mask);
+    overlong_shaping: the §3.3 penalty is added to every reward (all kept).
+    """
+    if policy not in TRUNCATION_POLICIES:
+        raise ValueError(
+            f"truncated_policy={policy!r} is not valid; choose one of: {', '.join(TRUNCATION_POLICIES)}"
+        )
+    keep = torch.ones_like(truncated, dtype=torch.bool)
+    if policy == "mask":
+        return rewards, ~truncated.bool()
+    if policy == "overlong_shaping":
+        pen = overlong_penalty(lengths, max_len=max_len, cache_len=cache_len, penalty_factor=penalty_factor)
+        return rewards + pen.to(rewards.dtype), keep
+    return rewards, keep
+
+
+def is_informative_group(values: Sequence[float] | torch.Tensor) -> bool:
+    """DAPO dynamic-sampling predicate (§3.2): keep a group unless its filter metric (default
+    accuracy) is identical for every member (all-correct or all-wrong carry no gradient)."""
+    vals = [float(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
+    return len(vals) > 0 and any(v != vals[0] for v in vals)
+
+
+def filter_groups(
+    values: torch.Tensor, group_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, MetricDict]:
+    """Vectorised ``is_informative_group``: values [N] (filter metric per response), group_ids [N].
+
+    Returns (keep [N] bool per response, metrics with ``data/filtered_group_frac``).
+    """
+    v = values.detach().to(torch.float64).reshape(-1)
+    inv, k = _groups(v.shape[0], group_ids, v.device)
+    vmax = torch.full((k,), -math.inf, dtype=torch.float64, device=v.device).scatter_reduce(0, inv, v, "amax")
+    vmin = torch.full((k,), math.inf, dtype=torch.float64, device=v.device).scatter_reduce(0, inv, v, "amin")
+    keep_group = vmax != vmin
+    dropped = int((~keep_group).sum())
+    metrics = MetricDict(
+        {
+            "data/filtered_group_frac": Stat("mean", float(dropped), float(k)),
+            "data/filtered_groups": Stat("sum", float(dropped)),
+        }
+    )
+    return keep_group[inv], metrics
