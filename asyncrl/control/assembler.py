@@ -111,7 +111,9 @@ class BatchAssembler:
         for group in self.buffer.complete_groups():
             if group.group_id in self._judged:
                 continue
-            budget_left = self.max_filtered_per_step is None or len(self._filtered) < self.max_filtered_per_step
+            budget_left = (
+                self.max_filtered_per_step is None or len(self._filtered) < self.max_filtered_per_step
+            )
             if self.keep is None:
                 self._judged[group.group_id] = False
             elif budget_left:
@@ -143,6 +145,9 @@ class BatchAssembler:
             raise AssertionError(
                 f"a live group has deadline {deadlines[0]} but the learner is already at batch {k}"
             )
+        if not _feasible(deadlines, deadlines[:B], k, B):
+            # Not even all groups complete could meet their deadlines: waiting would never end.
+            raise AssertionError(f"staleness schedule broken at batch {k}: live deadlines {deadlines}")
         candidates = sorted(
             (g for g in self.buffer.complete_groups() if g.group_id in self._judged),
             key=lambda g: (self.deadline(g.admit_version), g.completion),
@@ -209,8 +214,15 @@ class BatchAssembler:
                 for i, payload, mv, worker in item["samples"]
             )
             self._filtered.append(
-                CompleteGroup(gid, int(item["seq"]), int(item["admit_version"]), item["meta"], samples,
-                              int(item["completion"]), dict(item["extra"]))
+                CompleteGroup(
+                    gid,
+                    int(item["seq"]),
+                    int(item["admit_version"]),
+                    item["meta"],
+                    samples,
+                    int(item["completion"]),
+                    dict(item["extra"]),
+                )
             )
         self._consumed_by = {}
 

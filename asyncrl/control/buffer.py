@@ -194,8 +194,12 @@ class GroupBuffer:
 
     def _assignment(self, group: _Group) -> Assignment:
         assert group.worker_id is not None
-        missing = tuple(make_sample_id(group.group_id, i) for i in range(group.size) if i not in group.results)
-        return Assignment(group.group_id, group.worker_id, missing, group.meta, group.admit_version, group.deadline_s)
+        missing = tuple(
+            make_sample_id(group.group_id, i) for i in range(group.size) if i not in group.results
+        )
+        return Assignment(
+            group.group_id, group.worker_id, missing, group.meta, group.admit_version, group.deadline_s
+        )
 
     def assignments(self, worker_id: str | None = None) -> list[Assignment]:
         """Groups currently held by ``worker_id`` (by any worker when ``None``), oldest first."""
@@ -349,7 +353,8 @@ class GroupBuffer:
                     "completion": g.completion,
                     "extra": dict(g.extra),
                     "results": [
-                        [r.index, r.payload, r.min_version, r.worker_id] for r in (g.results[i] for i in sorted(g.results))
+                        [r.index, r.payload, r.min_version, r.worker_id]
+                        for r in (g.results[i] for i in sorted(g.results))
                     ],
                 }
             )
@@ -370,7 +375,13 @@ class GroupBuffer:
             )
         self._groups = {}
         for item in state["groups"]:
-            g = _Group(int(item["seq"]), make_group_id(int(item["seq"])), int(item["admit_version"]), item["meta"], self.group_size)
+            g = _Group(
+                int(item["seq"]),
+                make_group_id(int(item["seq"])),
+                int(item["admit_version"]),
+                item["meta"],
+                self.group_size,
+            )
             for index, payload, min_version, worker_id in item["results"]:
                 sid = make_sample_id(g.group_id, int(index))
                 g.results[int(index)] = SampleResult(sid, int(index), payload, int(min_version), worker_id)
