@@ -1,0 +1,51 @@
+"""Helpers for the asyncrl.algo tests: build [B, T] inputs from probabilities, run policy_loss,
+and a plain float64 per-token reference of §4 written from the closed forms (not from the code).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from asyncrl.algo import ObjectiveConfig, policy_loss
+
+
+def run(
+    cfg: ObjectiveConfig,
+    delta: list[list[float]],
+    adv: list[list[float]],
+    mu: list[list[float]] | None = None,
+    mask: list[list[bool]] | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+    **kw,
+):
+    """policy_loss on explicit log-ratios: prox = 0, logp = delta, behav = -mu.
+
+    Returns (loss: float, grad of loss w.r.t. logp: [B, T] tensor, metrics).
+    """
+    d = torch.tensor(delta, dtype=dtype)
+    logp = d.clone().requires_grad_(True)
+    prox = torch.zeros_like(d)
+    behav = -torch.tensor(mu, dtype=dtype) if mu is not None else torch.zeros_like(d)
+    a = torch.tensor(adv, dtype=dtype)
+    m = torch.tensor(mask, dtype=torch.bool) if mask is not None else torch.ones_like(d, dtype=torch.bool)
+    loss, metrics = policy_loss(logp, prox, behav, a, m, cfg, compute_dtype=dtype, **kw)
+    loss.backward()
+    return float(loss.detach()), logp.grad, metrics
+
+
+def one_token(cfg: ObjectiveConfig, A: float, R: float, r: float = 1.0):
+    """(lambda, d lambda / d l_theta, metrics) of a single token with ratios R and r."""
+    loss, grad, metrics = run(cfg, [[math.log(R)]], [[A]], [[math.log(r)]])
+    return loss, float(grad[0, 0]), metrics
+
+
+def ref_psi(A: float, R: float, lo: float, hi: float, c: float | None) -> float:
+    """§4 closed forms (float64)."""
+    clip = min(max(R, lo), hi)
+    pre = max(-A * R, -A * clip)
+    if A < 0 and c is not None:
+        return min(pre, -A * c)
+    return pre
