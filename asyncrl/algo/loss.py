@@ -45,6 +45,7 @@ def loss_denominators(
     versions: torch.Tensor | None = None,
     learner_version: int | None = None,
     ref_logp: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> Denominators:
     """(num_tokens, num_seqs) that ``policy_loss`` would use for this batch on its own.
 
@@ -60,7 +61,8 @@ def loss_denominators(
         cfg,
         versions=versions,
         learner_version=learner_version,
-        ref_logp=ref_logp,
+        ref_logp=ref_logp if cfg.kl_coef > 0 else None,
+        compute_dtype=compute_dtype,
     )
     return count_denominators(prep.den)
 

@@ -2,8 +2,8 @@
 
 Owns the mapping kind -> (weight omega, clip bounds, surrogate) and the objective-specific
 metrics (decoupled/*, acr/*, tbpo/*, gspo/*). Token kinds: ppo, decoupled, tis, acr. Sequence
-kinds: gspo, tbpo, written with the GSPO token trick log s_t = sg[mean delta] + l_t - sg[l_t],
-whose value is the response's geometric-mean ratio and whose gradient is d rho / d l_t * L_i.
+kinds: gspo, tbpo, whose ratio is the response's geometric mean rho_i = exp(mean_t delta_t),
+broadcast to the response's tokens as a differentiable function of all of them.
 
 Never: decides which tokens count (``inputs.py``), aggregates (``aggregation.py``), or lets
 behaviour-side quantities carry gradient.
@@ -84,10 +84,16 @@ def sequence_objective(
     """GSPO (§6.5) and TBPO (§6.7) with the token trick; A_i = masked mean of the token advantages."""
     lp = torch.where(num, logp, 0)
     delta = torch.where(num, lp - prep.prox, 0)
-    dbar = seq_mean(delta.detach(), num)
+    log_rho = seq_mean(delta, num)  # [B], with gradient d/d l_t = m_t / L_i
+    dbar = log_rho.detach()
     adv_i = seq_mean(prep.adv, num)
     adv = torch.where(num, adv_i.unsqueeze(-1).expand_as(lp), 0)
-    log_s = torch.where(num, dbar.unsqueeze(-1) + lp - lp.detach(), 0)
+    # DEPARTURE (§6.5 implementation detail): the sequence ratio is broadcast as a differentiable
+    # function of the whole response instead of verl's token trick sg[mean] + l_t - sg[l_t]. Both
+    # have the same value, and the same gradient whenever the weight is constant over the response
+    # (coupled, sequence-level IS, TBPO); with per-token behaviour weights only this form is the
+    # gradient of the returned loss (and it is AReaL's ``importance_sampling_level=sequence``).
+    log_s = torch.where(num, log_rho.unsqueeze(-1).expand_as(lp), 0)
     has = seq_any(prep.clean)
     used = seq_any(num)
     if cfg.kind == "gspo":

@@ -49,3 +49,41 @@ def ref_psi(A: float, R: float, lo: float, hi: float, c: float | None) -> float:
     if A < 0 and c is not None:
         return min(pre, -A * c)
     return pre
+
+
+def random_batch(
+    seed: int,
+    B: int = 6,
+    T: int = 5,
+    *,
+    dtype: torch.dtype = torch.float64,
+    delta_scale: float = 0.3,
+    mu_scale: float = 0.4,
+    nonfinite: bool = False,
+    per_sequence_adv: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Random [B, T] inputs: varied lengths (one empty row), mixed-sign advantages, versions.
+
+    ``nonfinite`` puts a NaN behaviour log-prob and an inf advantage on valid tokens.
+    """
+    g = torch.Generator().manual_seed(seed)
+    prox = -torch.rand(B, T, generator=g, dtype=dtype) * 3 - 0.05
+    logp = prox + torch.randn(B, T, generator=g, dtype=dtype) * delta_scale
+    behav = prox - torch.randn(B, T, generator=g, dtype=dtype) * mu_scale
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[min(1, B - 1)] = 0
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    if per_sequence_adv:
+        adv = torch.randn(B, 1, generator=g, dtype=dtype).expand(B, T).clone()
+    else:
+        adv = torch.randn(B, T, generator=g, dtype=dtype)
+    versions = torch.randint(3, 6, (B, T), generator=g, dtype=torch.int32)
+    versions = torch.where(mask, versions, torch.full_like(versions, -1))
+    if nonfinite:
+        behav[0, 0] = math.nan
+        adv[min(2, B - 1), 0] = math.inf
+        mask[0, 0] = True
+        mask[min(2, B - 1), 0] = True
+        versions[0, 0] = 5
+        versions[min(2, B - 1), 0] = 5
+    return {"logp": logp, "prox": prox, "behav": behav, "adv": adv, "mask": mask, "versions": versions}
