@@ -1,0 +1,45 @@
+"""TASKS / make_task: names, argument errors, the Task contract, cheap import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.tasks import TASKS, Task, make_task
+
+
+def test_registry_names_the_four_tasks():
+    assert set(TASKS) == {"addition", "addition2", "jsonl_math", "reasoning_gym"}
+
+
+def test_unknown_task_lists_the_valid_names():
+    with pytest.raises(ValueError, match="addition, addition2, jsonl_math, reasoning_gym"):
+        make_task("subtraction")
+
+
+def test_unknown_argument_lists_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"takes no argument\(s\) \['digits'\].*'eval_holdout'"):
+        make_task("addition", digits=2)
+
+
+def test_missing_required_argument_names_it():
+    with pytest.raises(ValueError, match=r"needs \['path'\].*task.path="):
+        make_task("jsonl_math")
+
+
+def test_built_tasks_satisfy_the_task_protocol():
+    for name in ("addition", "addition2"):
+        task = make_task(name, seed=3)
+        assert isinstance(task, Task) and task.name == name and task.seed == 3
+
+
+def test_importing_tasks_loads_no_heavy_dependency():
+    code = (
+        "import sys, asyncrl.tasks\n"
+        "heavy = [m for m in ('torch', 'numpy', 'math_verify', 'sympy', 'reasoning_gym') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
