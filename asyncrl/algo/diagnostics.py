@@ -35,10 +35,11 @@ def add_mismatch_stats(
 ) -> None:
     """Add the §7 mismatch block for mu = l_prox - l_behav ([B, T], finite, 0 outside ``mask``)."""
     mu = mu.detach()
+    mu64 = mu.to(torch.float64)  # k1/k2 of the unclamped value; mu^2 of an fp32 value fits float64
     x = clamp_log(mu)
     k3 = torch.exp(x) - 1 - x
-    b.mean("mismatch/kl_k1", -mu, mask)
-    b.mean("mismatch/kl_k2", 0.5 * mu * mu, mask)
+    b.mean("mismatch/kl_k1", -mu64, mask)
+    b.mean("mismatch/kl_k2", 0.5 * mu64 * mu64, mask)
     b.mean("mismatch/kl_k3", k3, mask)
     b.mean("mismatch/chi2_token", torch.exp(2 * x) - 1, mask)
     has = seq_any(mask)
@@ -49,7 +50,7 @@ def add_mismatch_stats(
     b.mean("mismatch/log_ppl_abs_diff", ppl.abs(), has)
     b.maximum("mismatch/log_ppl_diff_max", ppl, has)
     b.minimum("mismatch/log_ppl_diff_min", ppl, has)
-    r64 = torch.exp(mu.to(torch.float64))  # extremes from the unclamped log value, float64 range
+    r64 = torch.exp(mu64)  # extremes from the unclamped log value, float64 range
     b.maximum("mismatch/r_max", r64, mask)
     b.minimum("mismatch/r_min", r64, mask)
     flat = mu[mask]
@@ -62,7 +63,7 @@ def add_mismatch_stats(
         for j in torch.unique(live).tolist() if live.numel() else []:
             where = mask & (staleness == j)
             b.mean(f"mismatch/by_staleness/eta={j}/kl_k3", k3, where)
-            b.mean(f"mismatch/by_staleness/eta={j}/kl_k1", -mu, where)
+            b.mean(f"mismatch/by_staleness/eta={j}/kl_k1", -mu64, where)
             b.total(f"mismatch/by_staleness/eta={j}/tokens", where.sum())
 
     if is_level == "token":

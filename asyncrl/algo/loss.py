@@ -103,6 +103,8 @@ def policy_loss(
     (plain floats; ``metrics.stats`` merges across calls, see docs/metrics.md).
     ``metrics['actor/skip_step'] == 1.0`` means the optimiser step must be skipped.
     """
+    if not isinstance(cfg, ObjectiveConfig):
+        raise ValueError(f"cfg must be an asyncrl.algo.ObjectiveConfig, got {type(cfg).__name__}")
     check_shapes({"logp": logp, "entropy": entropy}, mask.shape)
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError(
