@@ -5,7 +5,7 @@ inverse and `fp8_linear`, which computes what a real FP8 GEMM (`torch._scaled_mm
 scales) computes.
 
 Rounding rule, exact (rows are last-dim vectors):
-    s_r     = fp32(amax_r / 448); s_r = 1.0 if s_r == 0
+    s_r     = max(fp32(amax_r / 448), 2**-126)       (never subnormal or zero; zero row: 2**-126)
     q[r, k] = e4m3_rne(clamp(fp32(x[r, k] / s_r), -448, 448))     stored as float8_e4m3fn
 `e4m3_rne` is IEEE-style round-to-nearest-even onto the E4M3 grid, subnormals included (smallest
 2**-9; magnitudes <= 2**-10 become zero with the sign kept). 448 is the largest finite value.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .int8 import check_matrix
+from .int8 import MIN_SCALE, check_matrix
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -37,8 +37,7 @@ def quantize_fp8_rows(x: Tensor, *, name: str | None = None) -> tuple[Tensor, Te
     """x: [R, K] float -> codes [R, K] float8_e4m3fn, scale [R] fp32 (rule in the module docstring)."""
     check_matrix(x, name)
     xf = x.float()
-    scale = xf.abs().amax(dim=1) / E4M3_MAX
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = (xf.abs().amax(dim=1) / E4M3_MAX).clamp_(min=MIN_SCALE)
     codes = (xf / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return codes, scale
 
@@ -51,8 +50,7 @@ def dequantize_fp8(codes: Tensor, scale: Tensor) -> Tensor:
 def quantize_act_fp8(x2: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token fp8 activation quantisation for the hot path; returns the codes already decoded
     to fp32 (exact) for the fp32 GEMM. x2: [M, K] fp32 -> codes [M, K] fp32, scale [M, 1] fp32."""
-    scale = x2.abs().amax(dim=1, keepdim=True).div_(E4M3_MAX)
-    scale.masked_fill_(scale == 0, 1.0)
+    scale = x2.abs().amax(dim=1, keepdim=True).div_(E4M3_MAX).clamp_(min=MIN_SCALE)
     q = torch.div(x2, scale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return q.float(), scale
 

@@ -5,12 +5,14 @@ its inverse, and `int8_linear`, the real integer matmul (`torch._int_mm`, int32 
 
 Rounding rule, exact (rows are the last-dim vectors of a 2-D tensor):
     amax_r  = max_k |x[r, k]|                         (exact)
-    s_r     = fp32(amax_r / 127)                      (IEEE fp32 division, round-half-to-even)
-    s_r     = 1.0 if s_r == 0                         (all-zero row, or amax_r < 127 * 2**-150)
-    q[r, k] = clamp(rne(fp32(x[r, k] / s_r)), -127, 127)    as int8; -128 is never produced
+    s_r     = max(fp32(amax_r / 127), 2**-126)        (IEEE fp32 division; the scale is never
+                                                       subnormal or zero)
+    q[r, k] = rne(fp32(x[r, k] / s_r))                as int8, in [-127, 127]; -128 is never produced
     dequant = fp32(q * s_r)
-`rne` is round-half-to-even (`torch.round`). A zero row therefore has scale 1 and all-zero codes;
-an all-equal row maps to codes +-127 with s_r = |value| / 127.
+`rne` is round-half-to-even (`torch.round`). No clamp is needed: with a normal s_r,
+amax_r / s_r <= 127 * (1 + 2**-24) rounds to at most 127 + 2**-17 in fp32, hence to 127 (the
+reference implementation clamps anyway). An all-zero row gets scale 2**-126 and all-zero codes; an
+all-equal row maps to codes +-127 with s_r = |value| / 127.
 
 Matmul rule (what `int8_linear` computes for x [M, K], weight codes [N, K]):
     acc = sum_k qx[m, k] * qw[n, k]      exact int32 (needs K <= 133143 = (2**31 - 1) // 127**2)
@@ -29,6 +31,7 @@ from .errors import BlockShapeError, NonFiniteWeightError
 
 INT8_QMAX = 127
 INT8_MAX_K = (2**31 - 1) // (INT8_QMAX * INT8_QMAX)  # 133143: largest K with exact int32 sums
+MIN_SCALE = 2.0**-126  # smallest normal fp32: floor of every row scale
 
 
 def check_matrix(w: Tensor, name: str | None, *, max_k: int | None = None) -> None:
@@ -63,8 +66,7 @@ def quantize_int8_rows(x: Tensor, *, name: str | None = None) -> tuple[Tensor, T
     """
     check_matrix(x, name, max_k=None)
     xf = x.float()
-    scale = xf.abs().amax(dim=1) / INT8_QMAX
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = (xf.abs().amax(dim=1) / INT8_QMAX).clamp_(min=MIN_SCALE)
     codes = torch.round(xf / scale[:, None]).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
     return codes, scale
 
@@ -75,16 +77,13 @@ def dequantize_int8(codes: Tensor, scale: Tensor) -> Tensor:
 
 
 def quantize_act_int8(x2: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token activation quantisation, same rule as `quantize_int8_rows`, minimal op count.
-
-    The decode hot path: no validation (a non-finite activation yields garbage codes, as any
-    kernel would), fp32 input expected.
+    """Per-token activation quantisation, same rule as `quantize_int8_rows`, in 7 ops (no clamp:
+    see the module docstring). The decode hot path: no validation (a non-finite activation yields
+    garbage codes, as any kernel would), fp32 input expected.
     x2: [M, K] fp32 -> codes [M, K] int8, scale [M, 1] fp32
     """
-    scale = x2.abs().amax(dim=1, keepdim=True).div_(INT8_QMAX)
-    scale.masked_fill_(scale == 0, 1.0)
-    q = torch.div(x2, scale).round_().clamp_(-INT8_QMAX, INT8_QMAX)
-    return q.to(torch.int8), scale
+    scale = x2.abs().amax(dim=1, keepdim=True).div_(INT8_QMAX).clamp_(min=MIN_SCALE)
+    return torch.div(x2, scale).round_().to(torch.int8), scale
 
 
 def int_mm(a: Tensor, b_t: Tensor) -> Tensor:

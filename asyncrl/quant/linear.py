@@ -9,7 +9,9 @@ be called after the persistent buffers change (load_published does).
 Compute paths (x [..., K] -> y [..., N], computed in fp32, cast back to x's dtype; the bias is added
 in full precision after the scaled product):
     Bf16Linear     y = fp32(linear(bf16(x), weight_bf16)) + bias
-    Int8Linear     W8A8: per-token int8 activations, `torch._int_mm`, int32 accumulation (int8.py)
+    Int8Linear     W8A8: per-token int8 activations, `torch._int_mm`, int32 accumulation (int8.py);
+                   q/k/v and gate/up siblings share one activation quantisation and one matmul
+                   (fused.py), bit-identical to the unfused computation
     Fp8Linear      E4M3 weights, optional per-token E4M3 activations, scaled-GEMM rule (fp8.py)
     DecodedLinear  int8_wo / nvfp4 / mxfp4, weight-only: this CPU build has no fast kernel for them
                    (`_weight_int8pack_mm` measured ~15x slower than an fp32 GEMM), so the codes are
@@ -20,7 +22,7 @@ Must never: re-quantise in `forward`, or keep any state other than the buffers a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 
 from .formats import dequantize_weight, quantize_weight, weight_suffixes
 from .fp8 import fp8_linear
+from .fused import SiblingGroup
 from .int8 import int8_linear, quantize_act_int8
 
 
@@ -84,9 +87,29 @@ class Bf16Linear(QuantLinear):
 
 
 class Int8Linear(QuantLinear):
-    """W8A8 with a real integer matmul."""
+    """W8A8 with a real integer matmul. Siblings reading one input may be fused (fused.py)."""
 
     fmt = "int8"
+    _group: SiblingGroup | None = None
+
+    def refresh(self) -> None:
+        if self._group is not None and not self._group.is_intact():
+            self._group.dissolve()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Int8Linear:
+        out = super()._apply(fn, recurse)
+        self.refresh()  # a move/cast that replaced the buffers ends the fusion
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., in_features] -> [..., out_features], same dtype as x."""
+        if self._group is None:
+            return super().forward(x)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        y = self._group(self, x2, x).reshape(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def _compute(self, x2: Tensor) -> Tensor:
         qx, sx = quantize_act_int8(x2)

@@ -22,6 +22,7 @@ from torch import nn
 
 from .errors import QuantError
 from .formats import check_format
+from .fused import fuse_int8_siblings
 from .linear import LINEAR_CLASSES
 
 TARGET_LINEARS: tuple[str, ...] = (
@@ -73,6 +74,8 @@ def quantize_model(
     fp32 leaves the model untouched. bf16 stores the swapped weights in bf16 and runs their matmul
     in bf16 (input cast to bf16, output cast back, bias added in full precision); everything else
     stays in the model's dtype. `fp8_activations` chooses W8A8 (True, default) or weight-only fp8.
+    For int8 the q/k/v and gate/up siblings are fused (fused.py); after moving the model to another
+    device call `asyncrl.quant.fuse_int8_siblings(model)` again.
     Returns `model`. Raises QuantError for a model already converted or without any target linear.
     """
     check_format(fmt)
@@ -101,5 +104,7 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, qmod)
+    if fmt == "int8":
+        fuse_int8_siblings(model)
     setattr(model, _FORMAT_ATTR, fmt)
     return model

@@ -60,8 +60,7 @@ def round_to_grid(x: np.ndarray, vals: np.ndarray, codes: np.ndarray) -> tuple[n
 def ref_int8_rows(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     x = w.double().numpy().astype(np.float32)
     amax = np.abs(x).max(axis=1)
-    s = div32(amax, 127.0)
-    s = np.where(s == 0, np.float32(1.0), s)
+    s = np.maximum(div32(amax, 127.0), np.float32(2.0**-126))
     q = np.clip(np.rint(div32(x, s[:, None])), -127, 127).astype(np.int8)
     return q, s
 
@@ -70,8 +69,7 @@ def ref_fp8_rows(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """-> (decoded code values fp64, e4m3 bytes, scale fp32)."""
     x = w.double().numpy().astype(np.float32)
     amax = np.abs(x).max(axis=1)
-    s = div32(amax, 448.0)
-    s = np.where(s == 0, np.float32(1.0), s)
+    s = np.maximum(div32(amax, 448.0), np.float32(2.0**-126))
     v = np.clip(div32(x, s[:, None]), -448, 448)
     vals, codes = e4m3_grid()
     q, c = round_to_grid(v, vals, codes)

@@ -36,9 +36,9 @@ def test_int8_rounds_half_to_even():
     assert q.tolist() == [[0, 2, 2, 0, -2, -2, 126, 127]]
 
 
-def test_int8_zero_row_gets_scale_one_and_zero_codes():
+def test_int8_zero_row_gets_the_floor_scale_and_zero_codes():
     q, s = quantize_int8_rows(torch.zeros(2, 5))
-    assert s.tolist() == [1.0, 1.0] and int(q.abs().sum()) == 0
+    assert s.tolist() == [2.0**-126] * 2 and int(q.abs().sum()) == 0
 
 
 def test_int8_all_equal_row_maps_to_plus_minus_127():
@@ -53,12 +53,13 @@ def test_int8_never_produces_minus_128_and_saturates_at_amax():
     assert q.min().item() == -127 and q.max().item() == 127
 
 
-def test_int8_tiny_subnormal_row_is_handled():
-    # amax / 127 underflows to 0 for amax below 127 * 2**-150: the row becomes scale 1, codes 0.
-    w = torch.tensor([[2.0**-149, -(2.0**-149)], [1e-38, 3e-39]])
+def test_int8_tiny_subnormal_row_uses_the_floor_scale():
+    # amax / 127 below 2**-126 is floored there: the codes of tiny rows shrink instead of overflowing.
+    w = torch.tensor([[2.0**-149, -(2.0**-149)], [1e-38, 3e-39], [2.0**-126 * 127, 2.0**-126 * 63.5]])
     q, s = quantize_int8_rows(w)
     qr, sr = ref_int8_rows(w)
-    assert s[0].item() == 1.0 and q[0].tolist() == [0, 0]
+    assert s.tolist() == [2.0**-126] * 3
+    assert q.tolist() == [[0, 0], [1, 0], [127, 64]]
     np.testing.assert_array_equal(q.numpy(), qr)
     np.testing.assert_array_equal(s.numpy(), sr)
 
@@ -75,10 +76,12 @@ def test_int8_random_matches_float64_reference(seed):
     np.testing.assert_array_equal(s.numpy(), sr)
 
 
-def test_int8_activation_fast_path_equals_row_rule():
+def test_int8_activation_fast_path_without_clamp_equals_row_rule():
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(17, 64, generator=g) * 3
+    x = torch.randn(4096, 64, generator=g) * torch.exp(torch.randn(4096, 1, generator=g) * 15)
     x[2] = 0.0
+    x[3] = 1e-40
+    x[4, :] = -7.0
     qa, sa = quantize_act_int8(x)
     qr, sr = quantize_int8_rows(x)
     assert torch.equal(qa, qr) and torch.equal(sa[:, 0], sr)
