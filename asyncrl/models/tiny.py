@@ -37,7 +37,9 @@ INIT_STD = 0.02
 
 def byte_alphabet() -> list[str]:
     """The 256 byte-level symbols (GPT-2 ``bytes_to_unicode``), in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    )
     chars = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
