@@ -43,7 +43,6 @@ __all__ = [
     "decoder_layers",
     "broadcast_batch",
     "all_reduce_sum",
-    "all_reduce_max",
     "full_state_dict",
     "barrier",
     "close_distributed",
@@ -173,16 +172,6 @@ def all_reduce_sum(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.world_size > 1:
         t = out.to(info.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        out = t.cpu()
-    return out
-
-
-def all_reduce_max(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Element-wise max of a float64 vector over ranks."""
-    out = values.detach().to(dtype=torch.float64).clone()
-    if info.world_size > 1:
-        t = out.to(info.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out = t.cpu()
     return out
 

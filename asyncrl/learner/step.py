@@ -1,12 +1,13 @@
 """One learner training step (ALGORITHMS.md §10, items 3-6 on the learner side).
 
-Owns the order of work inside a step: proximal log-probs with the step-start weights, the
-minibatch/micro-batch loop with global denominators, backward, FSDP2-correct gradient clipping,
-the optimiser step (or a logged skip), the learning-rate schedule and the version bump.
+Owns the order of work inside a step: proximal (and reference) log-probs with the step-start
+weights, the minibatch/micro-batch loop with global denominators, backward, FSDP2-correct
+gradient clipping, the optimiser step (or a logged skip), the learning-rate schedule, the version
+bump, and the reduction of metrics over micro-batches, minibatches and ranks.
 
 Never does: advantages, rewards, staleness admission or the objective's math (those belong to the
-controller and ``asyncrl.algo``), publication, or I/O. It calls ``loss_fn`` (default
-``asyncrl.algo.policy_loss``) with the frozen objective config it is given.
+controller and ``asyncrl.algo``), publication, or I/O. Which tokens count in the denominators is
+``asyncrl.algo.loss_denominators``' decision (non-finite inputs, ``eta_max``), not this module's.
 
 Invariants:
 * Every rank holds the whole step batch (see ``fsdp.broadcast_batch``) and derives the same cuts
@@ -16,12 +17,13 @@ Invariants:
 * ``prox_logp`` is computed once, under no_grad, with the weights at the start of the step, for
   every sequence of the step, before the first optimiser update; it stays fixed for all
   minibatches (§6.2 ``recompute``).
-* Denominators are global over the optimiser-step minibatch: ``num_tokens`` / ``num_seqs``
-  summed over micro-batches *and* ranks (all_reduce) before the first micro-batch loss, so each
-  micro-batch loss is its partial numerator over the global denominator (§5) and the (SUM-reduced)
-  gradient is that of the whole minibatch, independent of world size and micro-batch size.
-* A minibatch with no loss token, a non-finite loss or a non-finite gradient norm makes no
-  optimiser update; the decision is global (all ranks agree), and the skip is counted in metrics.
+* Denominators are global over the optimiser-step minibatch: ``loss_denominators`` of every
+  micro-batch, summed locally and then over ranks (all_reduce) before the first micro-batch
+  loss, so each micro-batch loss is its partial numerator over the global denominator (§5) and
+  the SUM-reduced gradient is that of the whole minibatch, at any world size / micro-batch size.
+* A minibatch makes no optimiser update when it has no loss token, when the objective flags
+  ``actor/skip_step`` (non-finite loss or current log-prob), or when the gradient norm is not
+  finite; the decision is global (all ranks agree), logged, and counted in the metrics.
 * The version is bumped once per call, also when every minibatch was skipped: the step consumed
   its batch (the controller's staleness accounting counts steps, not updates).
 * Dropout is off (``model.eval()``): prox and current log-probs must come from the same function.
@@ -38,19 +40,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from asyncrl.algo import MetricDict, ObjectiveConfig, Stat, loss_denominators, merge_metrics, policy_loss
 from asyncrl.learner.batch import LearnerBatch, micro_batch_count
-from asyncrl.learner.fsdp import DistInfo, all_reduce_max, all_reduce_sum
+from asyncrl.learner.fsdp import DistInfo, all_reduce_sum
 from asyncrl.learner.logprobs import token_logprobs
 
-__all__ = ["StepConfig", "TrainState", "LossFn", "train_step", "compute_prox_logp", "clip_grad_norm"]
+__all__ = ["StepConfig", "TrainState", "LossFn", "train_step", "clip_grad_norm"]
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
+LossFn = Callable[..., tuple[torch.Tensor, MetricDict]]
 """``(logp, prox_logp, behav_logp, advantages, mask, cfg, *, num_tokens, num_seqs, versions,
-learner_version) -> (loss, metrics)``, the signature of ``asyncrl.algo.policy_loss``."""
+learner_version, ref_logp, entropy) -> (loss, MetricDict)``: ``asyncrl.algo.policy_loss``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,7 +67,8 @@ class StepConfig:
     max_grad_norm: clip the global L2 gradient norm to this; <= 0 disables clipping (the norm is
       still measured and logged).
     chunk_tokens: positions per fp32 log-softmax chunk (memory knob, see logprobs.py).
-    log_entropy: also compute the token entropy of the current policy (metric ``actor/entropy``).
+    log_entropy: compute the current policy's token entropy even when the objective has no
+      entropy bonus (metric ``actor/entropy``; costs a full-vocabulary pass per chunk).
     """
 
     n_minibatches: int = 1
@@ -92,33 +97,26 @@ class TrainState:
     version: int = 0
 
 
-def _default_loss_fn() -> LossFn:
-    from asyncrl.algo import policy_loss  # imported late: algo is a sibling leaf package
-
-    return policy_loss
-
-
 def _plan(batch: LearnerBatch, cfg: StepConfig, info: DistInfo) -> list[list[LearnerBatch]]:
     """Per minibatch, this rank's micro-batches, padded with fillers to the busiest rank's count."""
     plan = []
+    filler = LearnerBatch.filler(temperature=batch.temperature)
     for mb in batch.split(cfg.n_minibatches):
         n_micro = micro_batch_count(mb.batch_size, info.world_size, cfg.micro_batch_size)
         micro = mb.shard(info.rank, info.world_size).micro_batches(cfg.micro_batch_size)
-        filler = LearnerBatch.filler(temperature=batch.temperature)
         micro += [filler] * (n_micro - len(micro))
         plan.append([m.to(info.device) for m in micro])
     return plan
 
 
-def compute_prox_logp(
-    model: torch.nn.Module, plan: list[list[LearnerBatch]], chunk_tokens: int = 1024
-) -> list[list[torch.Tensor]]:
-    """prox_logp for every micro-batch of the plan, [b, s] float32 each, no grad, current weights."""
+def _frozen_logp(
+    model: torch.nn.Module | None, plan: list[list[LearnerBatch]], chunk_tokens: int
+) -> list[list[torch.Tensor | None]]:
+    """[b, s] float32 log-probs of ``model`` for every micro-batch of the plan, no grad."""
+    if model is None:
+        return [[None] * len(micros) for micros in plan]
     with torch.no_grad():
-        return [
-            [token_logprobs(model, micro, chunk_tokens=chunk_tokens)[0] for micro in micros]
-            for micros in plan
-        ]
+        return [[token_logprobs(model, m, chunk_tokens=chunk_tokens)[0] for m in micros] for micros in plan]
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, info: DistInfo) -> float:
@@ -141,7 +139,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, info: DistInfo) -> f
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         sq += local.detach().double().pow(2).sum().cpu()
-    if all(sharded) and grads:
+    if grads and all(sharded):
         sq = all_reduce_sum(sq.reshape(1), info)[0]
     total = math.sqrt(float(sq))
     if max_norm > 0 and math.isfinite(total):
@@ -153,106 +151,86 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, info: DistInfo) -> f
     return total
 
 
-class _MetricSums:
-    """Token-weighted sums of per-micro-batch metrics, reduced over ranks at the end.
-
-    Keys ending in ``_max`` / ``_min`` reduce by max / min; every other scalar is treated as a
-    mean over the micro-batch's own loss tokens and averaged with the token count as weight.
-    """
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
-
-    def add(self, metrics: dict[str, Any], weight: float) -> None:
-        if weight <= 0:  # a filler or fully masked micro-batch: its means are undefined
-            return
-        for key, value in metrics.items():
-            v = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
-            if key.endswith("_max"):
-                self.maxes[key] = max(self.maxes.get(key, -math.inf), v)
-            elif key.endswith("_min"):
-                self.maxes[key] = max(self.maxes.get(key, -math.inf), -v)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + v * weight
-                self.weights[key] = self.weights.get(key, 0.0) + weight
-
-    def reduce(self, info: DistInfo, keys: list[str]) -> dict[str, float]:
-        """``keys`` must be the same list on every rank (the union is agreed beforehand)."""
-        mean_keys = [k for k in keys if not (k.endswith("_max") or k.endswith("_min"))]
-        ext_keys = [k for k in keys if k.endswith("_max") or k.endswith("_min")]
-        out: dict[str, float] = {}
-        if mean_keys:
-            vec = torch.tensor(
-                [self.sums.get(k, 0.0) for k in mean_keys] + [self.weights.get(k, 0.0) for k in mean_keys],
-                dtype=torch.float64,
+def _stats_of(metrics: Any) -> dict[str, Stat]:
+    """The reducible stats behind a loss function's metrics (``MetricDict.stats``)."""
+    stats = getattr(metrics, "stats", None)
+    if stats is None:
+        if metrics:
+            raise ValueError(
+                "loss_fn returned plain metrics; return an asyncrl.algo.MetricDict (built with "
+                "asyncrl.algo.stats.StatsBuilder) so micro-batch and rank metrics merge exactly"
             )
-            vec = all_reduce_sum(vec, info)
-            n = len(mean_keys)
-            for i, k in enumerate(mean_keys):
-                if vec[n + i] > 0:
-                    out[k] = float(vec[i] / vec[n + i])
-        if ext_keys:
-            vec = all_reduce_max(torch.tensor([self.maxes.get(k, -math.inf) for k in ext_keys]), info)
-            for k, v in zip(ext_keys, vec.tolist(), strict=True):
-                if math.isfinite(v):
-                    out[k] = v if k.endswith("_max") else -v
-        return out
+        return {}
+    return dict(stats)
 
 
-def _agreed_keys(local: set[str], info: DistInfo) -> list[str]:
-    """The sorted union of metric names over ranks (a rank whose micro-batches were all fillers
-    may have seen fewer)."""
-    if info.world_size == 1:
-        return sorted(local)
-    import torch.distributed as dist
+def _step_metrics(parts: list[dict[str, Stat]], n_minibatches_run: int, info: DistInfo) -> dict[str, float]:
+    """Merge the objective's stats of every micro-batch of the step, then over ranks.
 
-    gathered: list[Any] = [None] * info.world_size
-    dist.all_gather_object(gathered, sorted(local))
-    return sorted(set().union(*gathered))
+    Means, fractions, maxima and counts then cover the whole step. Loss terms (``sum`` stats
+    named ``*loss``) add up over a minibatch's micro-batches and ranks; over minibatches they
+    are averaged instead (the mean minibatch loss).
+    """
+    local = merge_metrics(parts).stats
+    if info.world_size > 1:
+        gathered: list[Any] = [None] * info.world_size
+        dist.all_gather_object(gathered, local)
+        merged = merge_metrics(gathered).stats
+    else:
+        merged = local
+    out = dict(MetricDict(merged))
+    for name, stat in merged.items():
+        if stat.op == "sum" and name.endswith("loss") and name in out and n_minibatches_run > 0:
+            out[name] = stat.a / n_minibatches_run
+    return out
 
 
 def train_step(
     state: TrainState,
     batch: LearnerBatch,
-    objective: Any,
+    objective: ObjectiveConfig,
     cfg: StepConfig,
     info: DistInfo,
     *,
-    loss_fn: LossFn | None = None,
+    ref_model: torch.nn.Module | None = None,
+    loss_fn: LossFn = policy_loss,
 ) -> dict[str, float]:
     """Run one training step on ``batch`` (the whole step batch, identical on every rank).
 
-    ``objective`` is the frozen ``asyncrl.algo.ObjectiveConfig`` handed to ``loss_fn``
-    unchanged. Collective: every rank calls it with the same batch and config. Mutates
-    ``state`` (weights, optimiser, scheduler) and bumps ``state.version`` by one.
-    Returns plain-float metrics, identical on every rank.
+    ``objective`` is handed unchanged to ``loss_fn`` (default ``asyncrl.algo.policy_loss``) and
+    to ``asyncrl.algo.loss_denominators``. ``ref_model`` (sharded like the policy, frozen) is
+    required when ``objective.kl_coef > 0``. Collective: every rank calls it with the same batch
+    and configs. Mutates ``state`` (weights, optimiser, scheduler) and bumps ``state.version``.
+    Returns plain-float metrics, identical on every rank except the ``*_seconds`` timings.
     """
-    loss_fn = _default_loss_fn() if loss_fn is None else loss_fn
+    if objective.kl_coef > 0 and ref_model is None:
+        raise ValueError(f"objective.kl_coef={objective.kl_coef} needs ref_model (a frozen reference policy)")
     t0 = time.perf_counter()
     model, k = state.model, state.version
     model.eval()
     lr = float(state.optimizer.param_groups[0]["lr"])
     plan = _plan(batch, cfg, info)
+    want_entropy = cfg.log_entropy or objective.entropy_coef > 0
 
-    # (a) proximal log-probs with theta_k, before any update.
-    prox = compute_prox_logp(model, plan, cfg.chunk_tokens)
+    # Proximal (and reference) log-probs with theta_k, before any update.
+    prox = _frozen_logp(model, plan, cfg.chunk_tokens)
+    ref = _frozen_logp(ref_model if objective.kl_coef > 0 else None, plan, cfg.chunk_tokens)
     t_prox = time.perf_counter() - t0
 
-    sums = _MetricSums()
-    seen: set[str] = set()
+    parts: list[dict[str, Stat]] = []
     losses, norms = [], []
-    skipped_empty = skipped_nonfinite = 0
+    skipped_empty = skipped_flagged = ran = 0
     total_tokens = total_seqs = 0.0
-    for micros, prox_mb in zip(plan, prox, strict=True):
-        # (b) global denominators for this optimiser-step minibatch.
-        local = torch.tensor(
-            [
-                sum(float(m.loss_mask.sum()) for m in micros),
-                sum(float(m.loss_mask.any(1).sum()) for m in micros),
-            ]
-        )
+    for micros, prox_mb, ref_mb in zip(plan, prox, ref, strict=True):
+        common = [
+            dict(versions=m.versions, learner_version=k, ref_logp=r)
+            for m, r in zip(micros, ref_mb, strict=True)
+        ]
+        # Global denominators of this optimiser-step minibatch: micro-batches, then ranks.
+        local = torch.zeros(2, dtype=torch.float64)
+        for m, p, kw in zip(micros, prox_mb, common, strict=True):
+            den = loss_denominators(p, m.behav_logp, m.advantages, m.loss_mask, objective, **kw)
+            local += torch.tensor([den.num_tokens, den.num_seqs], dtype=torch.float64)
         num_tokens, num_seqs = all_reduce_sum(local, info).tolist()
         total_tokens += num_tokens
         total_seqs += num_seqs
@@ -260,46 +238,31 @@ def train_step(
             skipped_empty += 1
             log.warning("learner step %d: minibatch has no loss token; optimiser update skipped", k)
             continue
+        ran += 1
         state.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for micro, prox_lp in zip(micros, prox_mb, strict=True):
-            logp, entropy = token_logprobs(
-                model, micro, with_entropy=cfg.log_entropy, chunk_tokens=cfg.chunk_tokens
-            )
+        acc = torch.zeros(2, dtype=torch.float64)  # [loss sum, skip flag]
+        for m, p, kw in zip(micros, prox_mb, common, strict=True):
+            logp, entropy = token_logprobs(model, m, with_entropy=want_entropy, chunk_tokens=cfg.chunk_tokens)
             loss, metrics = loss_fn(
-                logp,
-                prox_lp,
-                micro.behav_logp,
-                micro.advantages,
-                micro.loss_mask,
-                objective,
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-                versions=micro.versions,
-                learner_version=k,
-            )
+                logp, p, m.behav_logp, m.advantages, m.loss_mask, objective,
+                num_tokens=num_tokens, num_seqs=num_seqs, entropy=entropy, **kw,
+            )  # fmt: skip
             loss.backward()
-            loss_sum += loss.detach().double().cpu()
-            weight = float(micro.loss_mask.sum())
-            if entropy is not None:
-                metrics = dict(metrics)
-                metrics["actor/entropy"] = (entropy.detach() * micro.loss_mask).sum() / max(weight, 1.0)
-            sums.add(metrics, weight)
-            seen.update(metrics)
-        loss_global = float(all_reduce_sum(loss_sum.reshape(1), info)[0])
+            acc[0] += float(loss.detach())
+            acc[1] = max(float(acc[1]), float(metrics.get("actor/skip_step", 0.0)))
+            parts.append(_stats_of(metrics))
+        loss_global, skip_votes = all_reduce_sum(acc, info).tolist()
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm, info)
-        if math.isfinite(loss_global) and math.isfinite(grad_norm):
+        if skip_votes == 0 and math.isfinite(loss_global) and math.isfinite(grad_norm):
             state.optimizer.step()
             losses.append(loss_global)
             norms.append(grad_norm)
         else:
-            skipped_nonfinite += 1
+            skipped_flagged += 1
             log.warning(
-                "learner step %d: skipped an optimiser update (loss %r, grad norm %r are not both finite)",
-                k,
-                loss_global,
-                grad_norm,
-            )
+                "learner step %d: optimiser update skipped (loss %r, grad norm %r, skip_step votes %d)",
+                k, loss_global, grad_norm, int(skip_votes),
+            )  # fmt: skip
         state.optimizer.zero_grad(set_to_none=True)
 
     with warnings.catch_warnings():
@@ -308,7 +271,7 @@ def train_step(
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
         state.scheduler.step()
     state.version = k + 1
-    out = sums.reduce(info, _agreed_keys(seen, info))
+    out = _step_metrics(parts, ran, info)
     out.update(
         {
             "learner/version": float(state.version),
@@ -320,7 +283,7 @@ def train_step(
             "learner/num_seqs": total_seqs,
             "learner/updates": float(len(losses)),
             "learner/skipped_empty_minibatches": float(skipped_empty),
-            "learner/skipped_nonfinite_minibatches": float(skipped_nonfinite),
+            "learner/skipped_nonfinite_minibatches": float(skipped_flagged),
             "learner/prox_seconds": t_prox,
             "learner/step_seconds": time.perf_counter() - t0,
         }

@@ -1,7 +1,7 @@
 """FSDP2 learner over gloo with real processes: world size 2 trains like world size 1.
 
 The same file is the worker program: ``python test_fsdp_learner.py OUT [--resume CKPT]`` runs a
-few training steps of a tiny seeded Qwen2 on fixed batches, with torchrun-style env vars set by
+few training steps (ACR objective) of a tiny seeded Qwen2 on fixed batches, with torchrun-style env vars set by
 the test (or none, for the one-process group), and writes ``OUT/result.json`` (loss curve,
 hashes) and ``OUT/final.pt`` (the full state dict, rank 0).
 """
@@ -42,21 +42,11 @@ def _batch(step: int):
     return LearnerBatch.from_samples(prompts, responses, lps, vers, advs, temperature=0.9)
 
 
-def _reference_loss(logp, prox, behav, adv, mask, cfg, *, num_tokens, num_seqs, versions, learner_version):
-    """Token-mean decoupled clipped surrogate (eps 0.2), global denominator."""
-    import torch
-
-    mask = mask.to(torch.bool)
-    ratio = torch.exp(torch.where(mask, logp - prox, 0.0).clamp(-20, 20))
-    w = torch.exp(torch.where(mask, prox - behav, 0.0).clamp(-20, 20)).detach()
-    surr = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
-    return torch.where(mask, w * surr, 0.0).sum() / num_tokens, {"actor/ratio_max": ratio.max()}
-
-
 def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from asyncrl.algo import ObjectiveConfig
     from asyncrl.learner import (
         LRSchedule,
         StepConfig,
@@ -92,7 +82,7 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
         opt, LRSchedule(kind="cosine", warmup_steps=1, total_steps=STEPS, min_lr_ratio=0.1)
     )
     state = TrainState(model=model, optimizer=opt, scheduler=sched)
-    result: dict = {"world_size": info.world_size, "losses": [], "grad_norms": []}
+    result: dict = {"world_size": info.world_size, "losses": [], "grad_norms": [], "tokens": []}
     if resume is not None:
         result["extra"] = load_checkpoint(resume, state, info)
         result["loaded_version"] = state.version
@@ -100,9 +90,10 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
     step_cfg = StepConfig(n_minibatches=2, micro_batch_size=2, max_grad_norm=max_grad_norm)
     while state.version < STEPS:
         batch = broadcast_batch(_batch(state.version) if info.is_main else None, info)
-        m = train_step(state, batch, None, step_cfg, info, loss_fn=_reference_loss)
+        m = train_step(state, batch, ObjectiveConfig(kind="acr"), step_cfg, info)
         result["losses"].append(m["learner/loss"])
         result["grad_norms"].append(m["learner/grad_norm"])
+        result["tokens"].append(m["actor/tokens"])
         if state.version == SAVE_AT and resume is None:
             save_checkpoint(out / "ckpt", state, info, extra={"cursor": SAVE_AT})
             result["saved_sha"] = state_dict_sha256(model, info)
@@ -176,6 +167,7 @@ def test_world_size_two_matches_world_size_one_bit_for_bit_and_its_checkpoint_re
     assert min(r1["grad_norms"]) > 0.05, "clipping must be active for this test to mean anything"
     assert r2["losses"] == pytest.approx(r1["losses"], rel=1e-6, abs=1e-8)
     assert r2["losses"] == r1["losses"]
+    assert r2["tokens"] == r1["tokens"]  # objective metrics merged over both ranks
     assert r2["final_sha"] == r1["final_sha"], (
         f"weights differ by up to {_max_weight_diff(tmp_path / 'ws1', tmp_path / 'ws2'):.3g}"
     )

@@ -38,7 +38,7 @@ def test_checkpoint_round_trip_restores_weights_optimizer_schedule_version_and_e
     cfg = StepConfig(n_minibatches=2)
     a = _state(tiny, dist_info, seed=0)
     a.version = 1  # as if resumed once already: the saved version is whatever the state holds
-    train_step(a, tiny.batch(4, seed=0), None, cfg, dist_info, loss_fn=tiny.loss)
+    train_step(a, tiny.batch(4, seed=0, version=1), tiny.objective, cfg, dist_info)
     extra = {"cursor": 17, "queued": [1, 2]}
     path = save_checkpoint(tmp_path, a, dist_info, extra=extra)
     assert path.name == "step_00000002" and latest_checkpoint(tmp_path) == path
@@ -52,8 +52,8 @@ def test_checkpoint_round_trip_restores_weights_optimizer_schedule_version_and_e
     assert b.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]
 
     # Same optimiser moments and schedule position: the next step is identical and makes version 3.
-    ma = train_step(a, tiny.batch(4, seed=7), None, cfg, dist_info, loss_fn=tiny.loss)
-    mb = train_step(b, tiny.batch(4, seed=7), None, cfg, dist_info, loss_fn=tiny.loss)
+    ma = train_step(a, tiny.batch(4, seed=7, version=2), tiny.objective, cfg, dist_info)
+    mb = train_step(b, tiny.batch(4, seed=7, version=2), tiny.objective, cfg, dist_info)
     assert b.version == 3 and ma["learner/lr"] == mb["learner/lr"]
     assert state_dict_sha256(b.model, dist_info) == state_dict_sha256(a.model, dist_info)
 
@@ -101,7 +101,7 @@ def test_export_hf_loads_with_transformers_and_gives_the_same_logits(tiny, dist_
     ).save_pretrained(tok_dir)
 
     s = _state(tiny, dist_info, seed=1, tie=tie)
-    train_step(s, tiny.batch(3), None, StepConfig(), dist_info, loss_fn=tiny.loss)
+    train_step(s, tiny.batch(3), tiny.objective, StepConfig(), dist_info)
     out = export_hf(s.model, tok_dir, tmp_path / "export", dist_info)
     assert (out / "tokenizer.json").exists() and (out / "model.safetensors").exists()
 
