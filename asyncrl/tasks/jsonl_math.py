@@ -36,7 +36,9 @@ def load_jsonl_problems(path: str | os.PathLike[str], *, what: str = "path") -> 
         '{"prompt": "...", "answer": "..."} object per line'
     )
     if not os.path.isfile(resolved):
-        raise ValueError(f"jsonl_math: dataset file {os.fspath(path)!r} does not exist (looked at {resolved}); {fix}")
+        raise ValueError(
+            f"jsonl_math: dataset file {os.fspath(path)!r} does not exist (looked at {resolved}); {fix}"
+        )
     records: list[tuple[str, str]] = []
     try:
         with open(resolved, encoding="utf-8") as f:
@@ -60,7 +62,9 @@ def _parse_record(line: str, where: str, fix: str) -> tuple[str, str]:
         raise ValueError(f"jsonl_math: {where} lacks a 'prompt' or an 'answer' field; {fix}")
     prompt, answer = obj["prompt"], obj["answer"]
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-        raise ValueError(f"jsonl_math: {where} has an answer of type {type(answer).__name__}; use a string or number")
+        raise ValueError(
+            f"jsonl_math: {where} has an answer of type {type(answer).__name__}; use a string or number"
+        )
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"jsonl_math: {where} has an empty or non-string prompt; {fix}")
     answer = str(answer).strip()
@@ -120,7 +124,13 @@ class JsonlMathTask(EpochStreamMixin):
 
     def _problem(self, split: str, item: int, record: tuple[str, str]) -> Problem:
         prompt, answer = record
-        return Problem(problem_id(self.name, split, item), self.prompt_template.format(prompt=prompt), answer, split, item)
+        return Problem(
+            problem_id(self.name, split, item),
+            self.prompt_template.format(prompt=prompt),
+            answer,
+            split,
+            item,
+        )
 
     def train_problem(self, item: int) -> Problem:
         return self._problem("train", item, self._train[item])

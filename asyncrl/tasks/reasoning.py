@@ -91,7 +91,9 @@ class ReasoningGymTask(EpochStreamMixin):
             }
         except TypeError as e:  # an unknown generator setting: the config dataclass rejects it
             fields = sorted(getattr(DATASETS[dataset][1], "__dataclass_fields__", {}))
-            raise ValueError(f"bad config for reasoning-gym {dataset!r} ({e}); its settings are {fields}") from e
+            raise ValueError(
+                f"bad config for reasoning-gym {dataset!r} ({e}); its settings are {fields}"
+            ) from e
         from reasoning_gym.utils import extract_answer
 
         self._extract_tagged = extract_answer
@@ -124,5 +126,7 @@ class ReasoningGymTask(EpochStreamMixin):
 
     def score(self, problem: Problem, response: str) -> float:
         dataset = self._splits[problem.split]
-        reward = dataset.score_answer(answer=self.extract(response), entry=self._entry(problem.split, problem.item))
+        reward = dataset.score_answer(
+            answer=self.extract(response), entry=self._entry(problem.split, problem.item)
+        )
         return check_reward(reward, f"reasoning-gym {self.dataset}.score_answer")

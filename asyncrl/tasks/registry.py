@@ -43,7 +43,9 @@ def make_task(name: str, **kwargs: Any) -> Task:
         raise ValueError(f"task {name!r} takes no argument(s) {unknown}; it accepts {accepted}")
     signature = inspect.signature(TASKS[name])
     missing = [
-        p.name for p in signature.parameters.values() if p.default is inspect.Parameter.empty and p.name not in kwargs
+        p.name
+        for p in signature.parameters.values()
+        if p.default is inspect.Parameter.empty and p.name not in kwargs
     ]
     if missing:
         raise ValueError(f"task {name!r} needs {missing} (for example task.{missing[0]}=...)")

@@ -88,7 +88,9 @@ def test_cursor_refuses_a_checkpoint_of_another_task_or_seed():
         PromptCursor(addition2(seed=1)).load_state_dict(state)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"digits": 3}, "digits"), ({"eval_holdout": 100}, "eval_holdout")])
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"digits": 3}, "digits"), ({"eval_holdout": 100}, "eval_holdout")]
+)
 def test_bad_arguments_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdditionTask(**kwargs)
