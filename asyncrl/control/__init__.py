@@ -12,7 +12,7 @@ Typical wiring (the controller's loop)::
     buffer = GroupBuffer(gate, group_size=G)
     assembler = BatchAssembler(gate, buffer, keep=lambda g: len(set(g.extra["rewards"])) > 1)
 
-    buffer.admit([cursor.next() for _ in range(gate.capacity())])   # on a work request
+    buffer.admit(cursor.next, gate.capacity())                       # on a work request
     buffer.assign(worker_id, worker_version=w)                       # -> Assignments to send
     buffer.on_result(sample_id, worker_id=w_id, payload=p, min_version=v)
     batch = assembler.try_assemble()                                 # when the learner asks

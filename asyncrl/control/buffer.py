@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,13 +155,15 @@ class GroupBuffer:
         self.stats: dict[str, int] = {s.value: 0 for s in ResultStatus}
 
     # ---------------------------------------------------------------- admission
-    def admit(self, metas: list[Any]) -> list[str]:
-        """Ask the gate for ``len(metas)`` groups and add the admitted ones (a prefix of ``metas``).
+    def admit(self, make_meta: Callable[[], Any], n: int = 1) -> list[str]:
+        """Ask the gate for ``n`` groups and add the admitted ones, oldest first.
 
-        Returns the new group ids; fewer than asked (possibly none) when the gate is shut.
+        ``make_meta`` (for example ``cursor.next``) is called once per *admitted* group only, so a
+        dataset cursor advances exactly as far as admission does. Returns the new group ids; fewer
+        than ``n`` (possibly none) when the gate is shut.
         """
-        granted, version = self.gate.admit(len(metas))
-        return [self._add(meta, version) for meta in metas[:granted]]
+        granted, version = self.gate.admit(n)
+        return [self._add(make_meta(), version) for _ in range(granted)]
 
     def _add(self, meta: Any, admit_version: int) -> str:
         group_id = make_group_id(self._next_seq)

@@ -8,6 +8,12 @@ from asyncrl.control import BatchAssembler, GroupBuffer, ManualVersion, Stalenes
 from asyncrl.control.assembler import _feasible
 
 
+def admit(buf, *metas):
+    """Admit groups for ``metas`` (as many as the gate allows); returns the new group ids."""
+    it = iter(metas)
+    return buf.admit(lambda: next(it), len(metas))
+
+
 def _setup(eta=1, B=2, G=2, keep=None, max_filtered=None):
     version = ManualVersion()
     gate = StalenessGate(version, eta=eta, groups_per_step=B)
@@ -26,7 +32,7 @@ def _finish(buf, group_id, worker, min_version=0, rewards=None):
 
 def test_worked_example_batch_waits_for_groups_whose_deadline_is_now():
     asm, buf, gate, version = _setup(eta=1, B=2)
-    buf.admit(["q0", "q1", "q2", "q3"])
+    admit(buf, "q0", "q1", "q2", "q3")
     for w in ("w0", "w1", "w2", "w3"):
         buf.assign(w, worker_version=0)
     _finish(buf, "g3", "w3")
@@ -36,7 +42,7 @@ def test_worked_example_batch_waits_for_groups_whose_deadline_is_now():
     assert b0.step == 0 and [g.group_id for g in b0.groups] == ["g3", "g1"]
     assert b0.sample_ids == ("g3/0", "g3/1", "g1/0", "g1/1")
     version.set(1)
-    assert buf.admit(["q4", "q5", "q6"]) == ["g4", "g5"]
+    assert admit(buf, "q4", "q5", "q6") == ["g4", "g5"]
     buf.assign("w4", worker_version=1)
     buf.assign("w5", worker_version=1)
     _finish(buf, "g4", "w4", min_version=1)
@@ -56,13 +62,13 @@ def test_worked_example_batch_waits_for_groups_whose_deadline_is_now():
 
 def test_a_later_group_overtakes_a_slow_one_when_the_slack_allows():
     asm, buf, gate, version = _setup(eta=2, B=1, G=1)
-    buf.admit(["a", "b", "c"])  # all at version 0, deadline 2
+    admit(buf, "a", "b", "c")  # all at version 0, deadline 2
     for w in ("w0", "w1", "w2"):
         buf.assign(w, worker_version=0)
     _finish(buf, "g2", "w2")
     assert [g.group_id for g in asm.try_assemble().groups] == ["g2"]
     version.set(1)
-    buf.admit(["d"])  # deadline 3
+    admit(buf, "d")  # deadline 3
     buf.assign("w3", worker_version=1)
     _finish(buf, "g3", "w3", min_version=1)
     _finish(buf, "g1", "w1")
@@ -79,14 +85,14 @@ def test_a_later_group_overtakes_a_slow_one_when_the_slack_allows():
 def test_eta_zero_runs_synchronously():
     asm, buf, gate, version = _setup(eta=0, B=2, G=2)
     for step in range(3):
-        ids = buf.admit(["p"] * 5)
+        ids = admit(buf, *["p"] * 5)
         assert len(ids) == 2
         for gid in ids:
             buf.assign(f"w{gid}", worker_version=step)
             _finish(buf, gid, f"w{gid}", min_version=step)
         batch = asm.try_assemble()
         assert batch.step == step and batch.max_staleness == 0
-        assert buf.admit(["p"]) == []  # nothing is generated while the learner trains
+        assert admit(buf, "p") == []  # nothing is generated while the learner trains
         version.set(step + 1)
 
 
@@ -95,11 +101,11 @@ def test_dynamic_sampling_drops_uniform_groups_and_frees_their_slots():
         return len({s.payload["reward"] for s in g.samples}) > 1
 
     asm, buf, gate, _ = _setup(eta=0, B=1, G=2, keep=keep)
-    buf.admit(["a"])
+    admit(buf, "a")
     buf.assign("w", worker_version=0)
     _finish(buf, "g0", "w", rewards=[1.0, 1.0])
     assert asm.try_assemble() is None
-    assert gate.counts().filtered == 1 and buf.admit(["b"]) == ["g1"]
+    assert gate.counts().filtered == 1 and admit(buf, "b") == ["g1"]
     buf.assign("w", worker_version=0)
     _finish(buf, "g1", "w", rewards=[0.0, 1.0])
     batch = asm.try_assemble()
@@ -110,19 +116,19 @@ def test_dynamic_sampling_drops_uniform_groups_and_frees_their_slots():
 def test_filtering_stops_for_the_step_once_the_budget_is_spent():
     asm, buf, gate, version = _setup(eta=0, B=1, G=1, keep=lambda g: False, max_filtered=2)
     for expected_filtered in (1, 2):
-        buf.admit(["x"])
+        admit(buf, "x")
         (a,) = buf.assign("w", worker_version=0)
         _finish(buf, a.group_id, "w")
         assert asm.try_assemble() is None
         assert gate.counts().filtered == expected_filtered
-    buf.admit(["x"])
+    admit(buf, "x")
     buf.assign("w", worker_version=0)
     _finish(buf, "g2", "w")
     batch = asm.try_assemble()
     assert [g.group_id for g in batch.groups] == ["g2"] and batch.unfiltered == 1
     assert len(batch.filtered) == 2
     version.set(1)
-    buf.admit(["y"])
+    admit(buf, "y")
     buf.assign("w", worker_version=1)
     _finish(buf, "g3", "w", min_version=1)
     assert asm.try_assemble() is None  # the budget is per step: filtering is back on
@@ -130,7 +136,7 @@ def test_filtering_stops_for_the_step_once_the_budget_is_spent():
 
 def test_drain_filtered_hands_over_dropped_groups_once():
     asm, buf, _, _ = _setup(eta=0, B=1, G=1, keep=lambda g: False)
-    buf.admit(["x"])
+    admit(buf, "x")
     buf.assign("w", worker_version=0)
     _finish(buf, "g0", "w")
     assert [g.group_id for g in asm.drain_filtered()] == ["g0"]
@@ -139,7 +145,7 @@ def test_drain_filtered_hands_over_dropped_groups_once():
 
 def test_negative_staleness_is_an_internal_error():
     asm, buf, _, _ = _setup(eta=1, B=1, G=1)
-    buf.admit(["x"])
+    admit(buf, "x")
     buf.assign("w", worker_version=0)
     _finish(buf, "g0", "w", min_version=5)  # a worker claiming weights the learner never made
     with pytest.raises(AssertionError, match="staleness -5"):
@@ -158,7 +164,7 @@ def test_state_round_trip_mid_step_keeps_judgements_and_filtered_groups():
         return g.meta != "drop"
 
     asm, buf, gate, _ = _setup(eta=1, B=2, G=1, keep=keep, max_filtered=5)
-    buf.admit(["drop", "keep", "later"])
+    admit(buf, "drop", "keep", "later")
     for w in ("w0", "w1", "w2"):
         buf.assign(w, worker_version=0)
     _finish(buf, "g0", "w0")

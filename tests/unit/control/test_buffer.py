@@ -15,6 +15,12 @@ from asyncrl.control import (
 )
 
 
+def admit(buf, *metas):
+    """Admit groups for ``metas`` (as many as the gate allows); returns the new group ids."""
+    it = iter(metas)
+    return buf.admit(lambda: next(it), len(metas))
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.t = 100.0
@@ -47,16 +53,24 @@ def test_sample_ids_are_group_id_slash_index_and_parse_back():
         assert parse_sample_id(bad) is None
 
 
-def test_admission_numbers_groups_in_order_and_respects_the_gate():
+def test_admission_numbers_groups_in_order_and_draws_metas_only_for_admitted_groups():
     buf, gate, _, _ = _setup(eta=0, B=2)
-    assert buf.admit(["p0", "p1", "p2"]) == ["g0", "g1"]
-    assert buf.admit(["p3"]) == []
+    drawn = []
+
+    def next_problem():
+        drawn.append(f"p{len(drawn)}")
+        return drawn[-1]
+
+    assert buf.admit(next_problem, 3) == ["g0", "g1"]
+    assert buf.admit(next_problem, 1) == []
+    assert drawn == ["p0", "p1"]  # a dataset cursor advances exactly as far as admission
     assert buf.next_seq == 2 and gate.counts().issued == 2
+    assert [a.meta for a in buf.assign("w", worker_version=0, max_groups=2)] == ["p0", "p1"]
 
 
 def test_out_of_order_results_from_several_workers_complete_each_group_once():
     buf, gate, _, _ = _setup(G=3)
-    buf.admit(["a", "b"])
+    admit(buf, "a", "b")
     (a,) = buf.assign("w1", worker_version=0)
     (b,) = buf.assign("w2", worker_version=0)
     assert a.sample_ids == ("g0/0", "g0/1", "g0/2") and a.meta == "a"
@@ -74,7 +88,7 @@ def test_out_of_order_results_from_several_workers_complete_each_group_once():
 
 def test_duplicate_result_is_dropped_and_counted():
     buf, _, _, _ = _setup(G=2)
-    buf.admit(["a"])
+    admit(buf, "a")
     buf.assign("w1", worker_version=0)
     assert _send(buf, "g0/0", "w1", payload="first") is ResultStatus.ACCEPTED
     assert _send(buf, "g0/0", "w1", payload="second") is ResultStatus.DUPLICATE
@@ -86,7 +100,7 @@ def test_duplicate_result_is_dropped_and_counted():
 
 def test_late_result_from_a_worker_whose_group_was_reissued_is_dropped():
     buf, gate, _, _ = _setup(G=3)
-    buf.admit(["a"])
+    admit(buf, "a")
     buf.assign("dead", worker_version=0)
     _send(buf, "g0/0", "dead")
     assert buf.reassign_from("dead") == ["g0/1", "g0/2"]  # finished member is kept
@@ -105,7 +119,7 @@ def test_late_result_from_a_worker_whose_group_was_reissued_is_dropped():
 
 def test_results_for_retired_or_never_issued_groups_are_dropped():
     buf, gate, _, _ = _setup(G=1)
-    buf.admit(["a"])
+    admit(buf, "a")
     buf.assign("w", worker_version=0)
     _send(buf, "g0/0", "w")
     buf.retire(["g0"])
@@ -113,19 +127,19 @@ def test_results_for_retired_or_never_issued_groups_are_dropped():
     assert _send(buf, "g0/0", "w") is ResultStatus.RETIRED
     assert _send(buf, "g7/0", "w") is ResultStatus.UNKNOWN
     assert _send(buf, "nonsense", "w") is ResultStatus.UNKNOWN
-    buf.admit(["b"])
+    admit(buf, "b")
     assert _send(buf, "g1/5", "w") is ResultStatus.UNKNOWN  # index beyond group size
 
 
 def test_assign_skips_groups_admitted_after_the_worker_weights():
     buf, gate, version, _ = _setup(eta=2, B=1, G=1)
-    buf.admit(["old"])
+    admit(buf, "old")
     buf.assign("w", worker_version=0)
     _send(buf, "g0/0", "w")
     buf.retire(["g0"])
     gate.on_consumed(1)
     version.set(1)
-    buf.admit(["new"])  # admitted at version 1
+    admit(buf, "new")  # admitted at version 1
     assert buf.assign("lagging", worker_version=0) == []
     (a,) = buf.assign("fresh", worker_version=1)
     assert a.admit_version == 1
@@ -133,7 +147,7 @@ def test_assign_skips_groups_admitted_after_the_worker_weights():
 
 def test_oldest_pending_group_is_assigned_first_after_a_reissue():
     buf, _, _, _ = _setup(G=1)
-    buf.admit(["a", "b", "c"])
+    admit(buf, "a", "b", "c")
     buf.assign("w1", worker_version=0)
     buf.reassign_group("g0")
     got = [a.group_id for a in buf.assign("w2", worker_version=0, max_groups=3)]
@@ -142,13 +156,13 @@ def test_oldest_pending_group_is_assigned_first_after_a_reissue():
 
 def test_tokens_older_than_admission_raise_value_error():
     buf, gate, version, _ = _setup(eta=2, B=1, G=1)
-    buf.admit(["a"])
+    admit(buf, "a")
     buf.assign("w", worker_version=0)
     _send(buf, "g0/0", "w")
     buf.retire(["g0"])
     gate.on_consumed(1)
     version.set(1)
-    buf.admit(["b"])
+    admit(buf, "b")
     buf.assign("w", worker_version=1)
     with pytest.raises(ValueError, match="admitted at version 1"):
         _send(buf, "g1/0", "w", min_version=0)
@@ -156,7 +170,7 @@ def test_tokens_older_than_admission_raise_value_error():
 
 def test_overdue_lists_assignments_past_their_deadline_and_results_refresh_it():
     buf, _, _, clock = _setup(G=2, timeout=10.0)
-    buf.admit(["a", "b"])
+    admit(buf, "a", "b")
     buf.assign("w1", worker_version=0)
     buf.assign("w2", worker_version=0)
     clock.t += 8
@@ -172,7 +186,7 @@ def test_overdue_lists_assignments_past_their_deadline_and_results_refresh_it():
 
 def test_cancel_frees_the_gate_slot():
     buf, gate, _, _ = _setup(eta=0, B=2)
-    buf.admit(["a", "b"])
+    admit(buf, "a", "b")
     buf.assign("w", worker_version=0)
     buf.cancel_group("g0")
     buf.cancel_group("g1")
@@ -182,14 +196,14 @@ def test_cancel_frees_the_gate_slot():
 
 def test_reissuing_a_group_that_is_not_assigned_is_refused():
     buf, _, _, _ = _setup()
-    buf.admit(["a"])
+    admit(buf, "a")
     with pytest.raises(ValueError, match="only an assigned group"):
         buf.reassign_group("g0")
 
 
 def test_state_round_trip_keeps_results_and_reissues_in_flight_groups():
     buf, gate, _, _ = _setup(G=2)
-    buf.admit(["a", "b", "c"])
+    admit(buf, "a", "b", "c")
     buf.assign("w1", worker_version=0, max_groups=2)
     _send(buf, "g0/0", "w1", payload={"r": 1.0})
     _send(buf, "g0/1", "w1", payload={"r": 0.0})
@@ -214,7 +228,7 @@ def test_state_round_trip_keeps_results_and_reissues_in_flight_groups():
     assert a.sample_ids == ("g1/0",)  # only the missing member is regenerated
     assert _send(buf2, "g1/1", "w9") is ResultStatus.DUPLICATE
     assert _send(buf2, "g1/0", "w9") is ResultStatus.COMPLETED
-    assert buf2.admit(["d"]) == ["g3"]  # numbering continues
+    assert admit(buf2, "d") == ["g3"]  # numbering continues
     assert buf2.stats["duplicate"] == 2
 
 

@@ -39,7 +39,7 @@ class Sim:
     def request(self, w: Worker, refresh: bool, max_groups: int) -> None:
         if refresh:
             w.version = self.version.version
-        self.buf.admit([f"prompt{self.buf.next_seq + i}" for i in range(self.gate.capacity())])
+        self.buf.admit(lambda: f"prompt{self.buf.next_seq}", self.gate.capacity() + 1)
         for a in self.buf.assign(w.name, worker_version=w.version, max_groups=max_groups):
             assert a.admit_version <= w.version
             w.outbox.extend((sid, w.version) for sid in a.sample_ids)
