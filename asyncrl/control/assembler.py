@@ -26,6 +26,9 @@ Invariants and the selection rule:
   predicate is no longer applied until the batch is formed (verl's ``max_num_gen_batches``
   raises instead; [R] here the step goes ahead with unfiltered groups and says how many).
 - Each batch holds exactly ``groups_per_step`` groups; a sample id is consumed at most once.
+- A batch is retained (and checkpointed) until the learner's version passes it
+  (``release_through``), so a learner resumed from an older checkpoint than the controller's gets
+  the very same batch again (``retained_batch``) and no rollout is lost.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class BatchAssembler:
         self._judged: dict[str, bool] = {}  # group_id -> kept only because the filter budget ran out
         self._filtered: list[CompleteGroup] = []  # filtered since the last batch
         self._consumed_by: dict[str, int] = {}
+        self._retained: dict[int, Batch] = {}  # emitted batches the learner has not finished
 
     @property
     def next_step(self) -> int:
@@ -182,49 +186,89 @@ class BatchAssembler:
                 self._consumed_by[sid] = k
         batch = Batch(k, tuple(chosen), tuple(self._filtered), unfiltered, max_staleness)
         self._filtered = []
+        self._retained[k] = batch
+        self.release_through(self.gate.version)
         return batch
+
+    # ------------------------------------------------------- retained batches
+    def release_through(self, version: int) -> None:
+        """The learner reached ``version``: batches ``< version`` are trained and need not be kept."""
+        for step in [k for k in self._retained if k < version]:
+            del self._retained[step]
+
+    def retained_batch(self, step: int) -> Batch:
+        """Batch ``step`` again, for a learner that resumed from a checkpoint taken before it
+        trained on it (the controller's checkpoint may be newer than the learner's)."""
+        if step not in self._retained:
+            raise ValueError(
+                f"batch {step} is not retained (retained: {sorted(self._retained)}); the controller "
+                "checkpoint is older than the learner's or the batch was already released"
+            )
+        return self._retained[step]
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Judgements of complete groups and the filtered groups not yet handed over (payloads as
-        given). The consumed-by index is not included: the trajectory log is its durable record."""
+        """Judgements of complete groups, filtered groups not yet handed over, and batches the
+        learner has not finished (payloads as given). The consumed-by index is not included:
+        the trajectory log is its durable record."""
         return {
             "judged": dict(self._judged),
-            "filtered": [
+            "filtered": [_group_state(g) for g in self._filtered],
+            "retained": [
                 {
-                    "group_id": g.group_id,
-                    "seq": g.seq,
-                    "admit_version": g.admit_version,
-                    "meta": g.meta,
-                    "completion": g.completion,
-                    "extra": dict(g.extra),
-                    "samples": [[s.index, s.payload, s.min_version, s.worker_id] for s in g.samples],
+                    "step": b.step,
+                    "groups": [_group_state(g) for g in b.groups],
+                    "filtered": [_group_state(g) for g in b.filtered],
+                    "unfiltered": b.unfiltered,
+                    "max_staleness": b.max_staleness,
                 }
-                for g in self._filtered
+                for b in self._retained.values()
             ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._judged = {str(k): bool(v) for k, v in state["judged"].items()}
-        self._filtered = []
-        for item in state["filtered"]:
-            gid = item["group_id"]
-            samples = tuple(
-                SampleResult(make_sample_id(gid, int(i)), int(i), payload, int(mv), worker)
-                for i, payload, mv, worker in item["samples"]
+        self._filtered = [_group_from_state(item) for item in state["filtered"]]
+        self._retained = {}
+        for item in state["retained"]:
+            batch = Batch(
+                int(item["step"]),
+                tuple(_group_from_state(g) for g in item["groups"]),
+                tuple(_group_from_state(g) for g in item["filtered"]),
+                int(item["unfiltered"]),
+                int(item["max_staleness"]),
             )
-            self._filtered.append(
-                CompleteGroup(
-                    gid,
-                    int(item["seq"]),
-                    int(item["admit_version"]),
-                    item["meta"],
-                    samples,
-                    int(item["completion"]),
-                    dict(item["extra"]),
-                )
-            )
-        self._consumed_by = {}
+            self._retained[batch.step] = batch
+        self._consumed_by = {sid: b.step for b in self._retained.values() for sid in b.sample_ids}
+
+
+def _group_state(g: CompleteGroup) -> dict[str, Any]:
+    return {
+        "group_id": g.group_id,
+        "seq": g.seq,
+        "admit_version": g.admit_version,
+        "meta": g.meta,
+        "completion": g.completion,
+        "extra": dict(g.extra),
+        "samples": [[s.index, s.payload, s.min_version, s.worker_id] for s in g.samples],
+    }
+
+
+def _group_from_state(item: dict[str, Any]) -> CompleteGroup:
+    gid = item["group_id"]
+    samples = tuple(
+        SampleResult(make_sample_id(gid, int(i)), int(i), payload, int(mv), worker)
+        for i, payload, mv, worker in item["samples"]
+    )
+    return CompleteGroup(
+        gid,
+        int(item["seq"]),
+        int(item["admit_version"]),
+        item["meta"],
+        samples,
+        int(item["completion"]),
+        dict(item["extra"]),
+    )
 
 
 def _feasible(live_deadlines: list[int], chosen_deadlines: list[int], k: int, B: int) -> bool:

@@ -200,3 +200,32 @@ def test_state_round_trip_mid_step_keeps_judgements_and_filtered_groups():
 )
 def test_feasibility_counts_groups_left_per_deadline(live, chosen, k, B, ok):
     assert _feasible(live, chosen, k, B) is ok
+
+
+def test_batch_is_retained_until_the_learner_passes_it_and_survives_a_checkpoint():
+    asm, buf, gate, version = _setup(eta=1, B=1, G=2)
+    admit(buf, "a", "b")
+    buf.assign("w", worker_version=0, max_groups=2)
+    _finish(buf, "g0", "w")
+    b0 = asm.try_assemble()
+    states = gate.state_dict(), buf.state_dict(), asm.state_dict()
+
+    # the learner crashed before finishing step 0: it resumes at version 0, the controller at batch 1
+    gate2 = StalenessGate(ManualVersion(0), eta=1, groups_per_step=1)
+    buf2 = GroupBuffer(gate2, group_size=2)
+    asm2 = BatchAssembler(gate2, buf2)
+    for obj, st in zip((gate2, buf2, asm2), states, strict=True):
+        obj.load_state_dict(st)
+    again = asm2.retained_batch(0)
+    assert again.sample_ids == b0.sample_ids == ("g0/0", "g0/1") and asm2.next_step == 1
+    assert asm2.consumed_step("g0/1") == 0
+    asm2.release_through(1)
+    with pytest.raises(ValueError, match="not retained"):
+        asm2.retained_batch(0)
+
+    version.set(1)
+    _finish(buf, "g1", "w")
+    asm.try_assemble()
+    with pytest.raises(ValueError, match="not retained"):
+        asm.retained_batch(0)  # released when batch 1 was formed at version 1
+    assert asm.retained_batch(1).step == 1
