@@ -284,11 +284,20 @@ class NativeEngine:
             yield from self.step()
 
     def step(self) -> list[GenResult]:
-        """One step boundary plus at most one forward: returns the samples that finished in it."""
+        """One step boundary plus at most one forward: returns the samples that finished in it.
+
+        If loading a pending weight update fails (e.g. a publication whose bytes do not match its
+        checksum), the error propagates from here and nothing else is consumed: the engine keeps serving
+        the previous version and the next ``step`` carries on.
+        """
         with self._step_lock:
-            finished: list[GenResult] = []
             with self._lock:
                 weights, self._pending_weights = self._pending_weights, None
+            if weights is not None and self._model is not None:
+                apply_weights(self._model, weights[1], self.quant_format, weights[0])
+                self._version = weights[0]
+            finished: list[GenResult] = []
+            with self._lock:
                 aborts, self._aborts = self._aborts, set()
                 closed, paused = self._closed, self._paused
                 if aborts or closed:
@@ -299,18 +308,17 @@ class NativeEngine:
                         else:
                             keep.append(s)
                     self._inbox = keep
-                admitted = [] if (paused or closed) else self._admit()
-            if weights is not None:
-                apply_weights(self._model, weights[1], self.quant_format, weights[0])
-                self._version = weights[0]
             for row in reversed(range(len(self._active))):
                 s = self._active[row]
                 if closed or s.req.sample_id in aborts:
                     finished.append(self._result(s, "abort"))
                     self._remove_row(row)
-            if closed or paused or not (self._active or admitted):
+            if closed or paused:
                 return finished
-            self._forward_and_sample(admitted, finished)
+            with self._lock:
+                admitted = self._admit()
+            if self._active or admitted:
+                self._forward_and_sample(admitted, finished)
             return finished
 
     # ----------------------------------------------------------------- internals (engine thread)

@@ -249,3 +249,22 @@ def test_concurrent_submits_updates_and_aborts_from_another_thread_lose_nothing(
         if res.finish_reason != "abort":
             expected = 40 if res.sample_id == "seed" else 6 + int(res.sample_id[-1])
             assert len(res.response_ids) == expected
+
+
+def test_failed_weight_load_loses_nothing_and_keeps_serving_the_old_version(tiny_hf, tiny_hf_v1):
+    quant = pytest.importorskip("asyncrl.quant")
+    engine = NativeEngine(copy.deepcopy(tiny_hf), quant_format="int8_wo")
+    engine.submit([GenRequest("a", ids("1+"), params(6))])
+    engine.step()
+    published = quant.publish(tiny_hf_v1.state_dict(), "int8_wo", version=1)
+    name = next(iter(published.tensors))
+    published.tensors[name] = published.tensors[name].clone()
+    published.tensors[name].view(-1)[0] += 1  # bytes no longer match the manifest digest
+    engine.update_weights(1, published)
+    engine.submit([GenRequest("b", ids("2+"), params(3))])
+    with pytest.raises(ValueError):
+        engine.step()
+    assert engine.version == 0 and engine.num_queued == 1 and engine.num_active == 1
+    got = drain(engine)
+    assert sorted(got) == ["a", "b"]
+    assert got["a"].versions.tolist() == [0] * 6 and len(got["b"].response_ids) == 3
