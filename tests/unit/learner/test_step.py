@@ -197,6 +197,21 @@ def test_kl_to_reference_without_a_reference_model_is_rejected(tiny, dist_info):
         train_step(state, tiny.batch(2), ObjectiveConfig(kind="tis", kl_coef=1e-3), StepConfig(), dist_info)
 
 
+def test_kl_to_reference_uses_the_reference_models_logprobs(tiny, dist_info):
+    objective = ObjectiveConfig(kind="tis", kl_coef=1e-3)
+    batch = tiny.batch(3)
+    same = train_step(
+        _state(tiny.model(seed=1), dist_info), batch, objective, StepConfig(), dist_info,
+        ref_model=shard_model(tiny.model(seed=1), dist_info),
+    )  # fmt: skip
+    other = train_step(
+        _state(tiny.model(seed=1), dist_info), batch, objective, StepConfig(), dist_info,
+        ref_model=shard_model(tiny.model(seed=2), dist_info),
+    )  # fmt: skip
+    assert same["actor/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert other["actor/kl_ref"] > 1e-4
+
+
 def test_step_config_rejects_bad_values():
     with pytest.raises(ValueError, match="n_minibatches"):
         StepConfig(n_minibatches=0)
