@@ -95,6 +95,7 @@ class BatchAssembler:
         self._filtered: list[CompleteGroup] = []  # filtered since the last batch
         self._consumed_by: dict[str, int] = {}
         self._retained: dict[int, Batch] = {}  # emitted batches the learner has not finished
+        self._filtered_this_step = 0
 
     @property
     def next_step(self) -> int:
@@ -116,7 +117,7 @@ class BatchAssembler:
             if group.group_id in self._judged:
                 continue
             budget_left = (
-                self.max_filtered_per_step is None or len(self._filtered) < self.max_filtered_per_step
+                self.max_filtered_per_step is None or self._filtered_this_step < self.max_filtered_per_step
             )
             if self.keep is None:
                 self._judged[group.group_id] = False
@@ -127,6 +128,7 @@ class BatchAssembler:
                     self.buffer.retire([group.group_id])
                     self.gate.on_filtered()
                     self._filtered.append(group)
+                    self._filtered_this_step += 1
             else:
                 self._judged[group.group_id] = True
 
@@ -186,6 +188,7 @@ class BatchAssembler:
                 self._consumed_by[sid] = k
         batch = Batch(k, tuple(chosen), tuple(self._filtered), unfiltered, max_staleness)
         self._filtered = []
+        self._filtered_this_step = 0
         self._retained[k] = batch
         self.release_through(self.gate.version)
         return batch
@@ -213,6 +216,7 @@ class BatchAssembler:
         the trajectory log is its durable record."""
         return {
             "judged": dict(self._judged),
+            "filtered_this_step": self._filtered_this_step,
             "filtered": [_group_state(g) for g in self._filtered],
             "retained": [
                 {
@@ -229,6 +233,7 @@ class BatchAssembler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._judged = {str(k): bool(v) for k, v in state["judged"].items()}
         self._filtered = [_group_from_state(item) for item in state["filtered"]]
+        self._filtered_this_step = int(state["filtered_this_step"])
         self._retained = {}
         for item in state["retained"]:
             batch = Batch(

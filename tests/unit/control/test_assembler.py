@@ -134,13 +134,18 @@ def test_filtering_stops_for_the_step_once_the_budget_is_spent():
     assert asm.try_assemble() is None  # the budget is per step: filtering is back on
 
 
-def test_drain_filtered_hands_over_dropped_groups_once():
-    asm, buf, _, _ = _setup(eta=0, B=1, G=1, keep=lambda g: False)
+def test_drain_filtered_hands_over_dropped_groups_once_and_keeps_the_step_budget():
+    asm, buf, _, _ = _setup(eta=0, B=1, G=1, keep=lambda g: False, max_filtered=1)
     admit(buf, "x")
     buf.assign("w", worker_version=0)
     _finish(buf, "g0", "w")
     assert [g.group_id for g in asm.drain_filtered()] == ["g0"]
     assert asm.drain_filtered() == []
+    admit(buf, "y")
+    buf.assign("w", worker_version=0)
+    _finish(buf, "g1", "w")
+    batch = asm.try_assemble()  # draining did not refill the budget: g1 is kept unfiltered
+    assert [g.group_id for g in batch.groups] == ["g1"] and batch.unfiltered == 1 and batch.filtered == ()
 
 
 def test_negative_staleness_is_an_internal_error():
