@@ -6,7 +6,9 @@ load into a model converted with `quantize_model`.
 
 Publication layout: every target linear weight `P.weight` (selection rule in model.py) is replaced by
 its format tensors `P.qweight`, `P.weight_scale`, ... (formats.py); every other state-dict entry is
-copied untouched. Tensor names are exactly the state-dict keys of the converted model. Manifest
+copied untouched. Names showing the same memory (tied embeddings: `lm_head.weight` and
+`model.embed_tokens.weight`) are published once, under the first name in sorted order; the loader
+fills the other name through the model's own tie. Tensor names are exactly the state-dict keys of the converted model. Manifest
 entries follow the sorted tensor names and record name, dtype, shape, format, role, byte count,
 per-tensor sha256 and, for codes, the logical [N, K] of the weight.
 
@@ -294,10 +296,15 @@ def publish(
     out: dict[str, Tensor] = {}
     entries: list[ManifestEntry] = []
     roles = weight_suffixes(fmt)
+    seen: set[tuple] = set()
     for name in sorted(tensors_in):
         t = tensors_in[name]
         if not isinstance(t, Tensor):
             raise QuantError(f"state dict values must be tensors, got {type(t).__name__}", tensor_name=name)
+        key = _alias_key(t)
+        if key in seen:  # a tied weight (same memory as an earlier name): published once
+            continue
+        seen.add(key)
         if is_target_weight(name, keep_full_precision):
             prefix = name[: -len("weight")]
             for suffix, q in quantize_weight(t, fmt, name=name).items():
@@ -317,6 +324,13 @@ def publish(
     sigma = 0.0 if record is None else record.sigma
     checksum = _checksum(_header(version, fmt, seed, sigma, entries))
     return PublishedWeights(version, fmt, out, entries, checksum, aqn_seed=seed, aqn_sigma=sigma)
+
+
+def _alias_key(t: Tensor) -> tuple:
+    """Identity of the memory a tensor shows: equal keys mean the same values under two names."""
+    if t.numel() == 0:
+        return ("empty", id(t))
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def _snapshot(t: Tensor, source: Tensor) -> Tensor:

@@ -217,3 +217,15 @@ def test_tied_embeddings_load_from_either_name():
 def test_version_must_be_a_non_negative_integer(tiny_model):
     with pytest.raises(QuantError, match="version"):
         publish(tiny_model.state_dict(), "int8", version=-1)
+
+
+def test_tied_weights_are_published_once_and_loaded_through_the_tie(probe_ids):
+    learner = make_tiny_qwen2(seed=1, tie=True)
+    pub = publish(learner.state_dict(), "nvfp4", version=1)
+    # the first name in sorted order is kept
+    assert "lm_head.weight" in pub.tensors and "model.embed_tokens.weight" not in pub.tensors
+    worker = quantize_model(make_tiny_qwen2(seed=2, tie=True), "nvfp4")
+    load_published(worker, pub)
+    direct = quantize_model(copy.deepcopy(learner), "nvfp4")
+    with torch.no_grad():
+        assert torch.equal(worker(probe_ids).logits, direct(probe_ids).logits)
