@@ -258,8 +258,8 @@ class GroupBuffer:
     def on_result(self, sample_id: str, *, worker_id: str, payload: Any, min_version: int) -> ResultStatus:
         """Record one returned sample. ``min_version`` is the oldest behaviour version among its tokens."""
         status = self._classify(sample_id, worker_id)
-        self.stats[status.value] += 1
         if status is not ResultStatus.ACCEPTED:
+            self.stats[status.value] += 1
             return status
         parsed = parse_sample_id(sample_id)
         assert parsed is not None
@@ -273,12 +273,12 @@ class GroupBuffer:
         g.results[parsed[1]] = SampleResult(sample_id, parsed[1], payload, min_version, worker_id)
         g.deadline_s = self.clock() + self.assignment_timeout_s  # progress counts as a heartbeat
         if len(g.results) < g.size:
+            self.stats[ResultStatus.ACCEPTED.value] += 1
             return ResultStatus.ACCEPTED
         g.state, g.worker_id = GroupState.COMPLETE, None
         g.completion = self._next_completion
         self._next_completion += 1
         self.gate.on_group_finished()
-        self.stats[ResultStatus.ACCEPTED.value] -= 1
         self.stats[ResultStatus.COMPLETED.value] += 1
         return ResultStatus.COMPLETED
 
