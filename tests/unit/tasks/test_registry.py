@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
@@ -35,11 +34,12 @@ def test_built_tasks_satisfy_the_task_protocol():
         assert isinstance(task, Task) and task.name == name and task.seed == 3
 
 
-def test_importing_tasks_loads_no_heavy_dependency():
+def test_importing_tasks_loads_no_heavy_dependency(procs):
     code = (
         "import sys, asyncrl.tasks\n"
         "heavy = [m for m in ('torch', 'numpy', 'math_verify', 'sympy', 'reasoning_gym') if m in sys.modules]\n"
         "print(heavy)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
-    assert out.stdout.strip() == "[]"
+    child = procs.python("-c", code, stdout=subprocess.PIPE, text=True)
+    stdout, _ = child.communicate(timeout=60)
+    assert child.returncode == 0 and stdout.strip() == "[]"
