@@ -4,6 +4,7 @@ lose or duplicate a sample, and always let the learner make progress."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from dataclasses import dataclass, field
@@ -68,6 +69,21 @@ class Sim:
         status = self.buf.on_result(sid, worker_id=name, payload={"sid": sid}, min_version=mv)
         assert status in (ResultStatus.LATE, ResultStatus.DUPLICATE, ResultStatus.RETIRED)
 
+    def restart_controller(self) -> None:
+        """Checkpoint (through JSON, so the state is plain data) and resume in a fresh controller;
+        every worker of the old process is gone and its unsent results arrive late, if at all."""
+        states = [json.loads(json.dumps(x.state_dict())) for x in (self.gate, self.buf, self.asm)]
+        keep = self.asm.keep
+        self.gate = StalenessGate(self.version, eta=self.eta, groups_per_step=self.B)
+        self.buf = GroupBuffer(self.gate, group_size=self.G, clock=lambda: 0.0)
+        self.asm = BatchAssembler(self.gate, self.buf, keep=keep, max_filtered_per_step=2)
+        for obj, state in zip((self.gate, self.buf, self.asm), states, strict=True):
+            obj.load_state_dict(state)
+        for w in self.workers:
+            self.stray.extend((w.name, sid, mv) for sid, mv in w.outbox)
+            self.generation += 1
+            w.name, w.outbox = f"{w.name.split('#')[0]}#{self.generation}", []
+
     def learner(self) -> None:
         batch = self.asm.try_assemble()
         if batch is not None:
@@ -110,7 +126,11 @@ class Sim:
 
 # weighted: generation and learner steps dominate; deaths, duplicates and strays are rarer
 ACTIONS = (
-    ["request"] * 3 + ["deliver"] * 5 + ["learner"] * 2 + ["publish"] * 2 + ["deliver_dup", "kill", "stray"]
+    ["request"] * 3
+    + ["deliver"] * 5
+    + ["learner"] * 2
+    + ["publish"] * 2
+    + ["deliver_dup", "kill", "stray", "restart"]
 )
 
 
@@ -148,6 +168,8 @@ def test_random_interleavings_keep_staleness_bounded_and_samples_exactly_once(
             sim.deliver_stray(rng.randrange(11))
         elif action == "learner":
             sim.learner()
+        elif action == "restart":
+            sim.restart_controller()
         else:
             sim.publish()
         sim.check()
