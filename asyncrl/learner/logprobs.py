@@ -62,8 +62,12 @@ def logprobs_from_logits(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     B, S, V = logits.shape
-    assert input_ids.shape == (B, S) and positions.shape == (B, S)
-    assert not bool(positions[:, 0].any()), "position 0 has no predicting logits"
+    if input_ids.shape != (B, S) or positions.shape != (B, S):
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [B, S] = {(B, S)}"
+        )
+    if bool(positions[:, 0].any()):
+        raise ValueError("positions selects position 0, which no logits predict; start at position 1")
     flat_pos = positions.reshape(-1).nonzero().squeeze(-1)  # [N] indices into B*S
     targets = input_ids.reshape(-1)[flat_pos]  # [N]
     src_rows = flat_pos - 1  # logits row that predicts each target (same sequence, t-1)

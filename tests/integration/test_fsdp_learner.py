@@ -17,9 +17,10 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-STEPS = 4
+STEPS = 5
 SAVE_AT = 2  # version after which the run saves a DCP checkpoint
 BATCH = 8
+SHORT_STEP = 4  # this step gets 3 sequences in 2 minibatches: rank 1 runs a filler micro-batch
 
 
 # ----------------------------------------------------------------------------- worker
@@ -32,7 +33,7 @@ def _batch(step: int):
 
     rng = np.random.default_rng(1000 + step)
     prompts, responses, lps, vers, advs = [], [], [], [], []
-    for i in range(BATCH):
+    for i in range(3 if step == SHORT_STEP else BATCH):
         P, R = int(rng.integers(1, 5)), int(rng.integers(1, 8))
         prompts.append(rng.integers(1, 37, P).tolist())
         responses.append(rng.integers(1, 37, R).tolist())
@@ -87,8 +88,9 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
         result["extra"] = load_checkpoint(resume, state, info)
         result["loaded_version"] = state.version
         result["loaded_sha"] = state_dict_sha256(model, info)
-    step_cfg = StepConfig(n_minibatches=2, micro_batch_size=2, max_grad_norm=max_grad_norm)
     while state.version < STEPS:
+        micro = 1 if state.version == SHORT_STEP else 2
+        step_cfg = StepConfig(n_minibatches=2, micro_batch_size=micro, max_grad_norm=max_grad_norm)
         batch = broadcast_batch(_batch(state.version) if info.is_main else None, info)
         m = train_step(state, batch, ObjectiveConfig(kind="acr"), step_cfg, info)
         result["losses"].append(m["learner/loss"])
@@ -156,8 +158,9 @@ def _max_weight_diff(a: Path, b: Path) -> float:
 
 def test_world_size_two_matches_world_size_one_bit_for_bit_and_its_checkpoint_resumes(procs, tmp_path):
     # Gradient clipping is active (norms ~0.2-0.5 > 0.05). Each micro-batch has the same rows and
-    # shape on one rank and on two, gradients are the sum of the same two partials, and the
-    # global norm is summed in float64, so the two runs are expected to be bit-identical.
+    # shape on one rank and on two, gradients are the sum of the same two partials (or one
+    # partial plus the zero of a filler micro-batch in SHORT_STEP), and the global norm is summed
+    # in float64, so the two runs are expected to be bit-identical.
     clip = ("--max-grad-norm", "0.05")
     one = _launch(procs, tmp_path / "ws1", 1, *clip)
     two = _launch(procs, tmp_path / "ws2", 2, *clip)

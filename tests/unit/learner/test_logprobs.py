@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -66,3 +67,11 @@ def test_empty_positions_still_give_a_graph_through_the_model(tiny):
     logp.sum().backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and (g == 0).all() for g in grads)
+
+
+def test_selecting_position_zero_is_rejected(tiny):
+    model, batch = tiny.model(), tiny.batch(2)
+    pos = batch.loss_mask.clone()
+    pos[0, 0] = True
+    with pytest.raises(ValueError, match="position 0"):
+        token_logprobs(model, batch, positions=pos)
