@@ -43,6 +43,10 @@ SEQUENCE_KINDS = ("gspo", "tbpo")
 """Objectives whose trust ratio is the per-response geometric mean (whole-response removal, §2.5)."""
 
 _EPS_DEFAULTS = {"gspo": (3e-4, 4e-4)}  # §11; every other kind: 0.2 / 0.2
+_AGG_DEFAULTS = {
+    "gspo": "seq-mean-token-mean",
+    "tbpo": "seq-mean-token-mean",
+}  # §5 "used by"; else token-mean
 
 
 def parse_rs_threshold(mode: str, threshold: str | float) -> tuple[float | None, float]:
@@ -97,7 +101,8 @@ class ObjectiveConfig:
       ``("0.999_1.001",)``. Used by decoupled, tis, acr, gspo; all masks must pass.
     tbpo_*: TBPO bands (§6.7): positive cap 1+eps_pos_high; negative band
       [1-eps_neg_low, 1+eps_neg_high]; mismatch band w in [w_low, w_high].
-    agg: loss aggregation (§5).
+    agg: loss aggregation (§5); None = the kind's default (seq-mean-token-mean for gspo and tbpo,
+      token-mean otherwise).
     rejection_denominator: ``pre_mask`` (AReaL; rejected tokens stay in the denominator) or
       ``post_mask`` (verl; re-normalise over survivors).
     kl_coef, entropy_coef: weights of the optional k3 KL-to-reference and entropy-bonus terms.
@@ -120,7 +125,7 @@ class ObjectiveConfig:
     tbpo_eps_neg_high: float = 4e-4
     tbpo_w_low: float = 0.5
     tbpo_w_high: float = 2.0
-    agg: str = "token-mean"
+    agg: str | None = None
     rejection_denominator: str = "pre_mask"
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
@@ -136,6 +141,8 @@ class ObjectiveConfig:
                 )
 
         choice("kind", self.kind, KINDS)
+        if self.agg is None:
+            object.__setattr__(self, "agg", _AGG_DEFAULTS.get(self.kind, "token-mean"))
         choice("is_level", self.is_level, IS_LEVELS)
         choice("agg", self.agg, AGGREGATIONS)
         choice("rejection_denominator", self.rejection_denominator, REJECTION_DENOMINATORS)

@@ -83,7 +83,7 @@ def test_overlong_penalty_is_linear_inside_the_buffer_and_validates_its_argument
 
 
 @pytest.mark.parametrize("policy", ["keep", "mask", "overlong_shaping"])
-def test_truncation_policy(policy):
+def test_truncation_policy_keeps_masks_or_shapes_rewards(policy):
     rewards = torch.tensor([1.0, 0.0])
     lengths = torch.tensor([18432, 20480])
     truncated = torch.tensor([False, True])

@@ -24,6 +24,12 @@ def test_gspo_gets_its_own_clip_range_unless_overridden():
     assert ObjectiveConfig(kind="gspo", eps_high=0.5).eps_high == 0.5
 
 
+def test_sequence_objectives_default_to_seq_mean_token_mean():
+    assert ObjectiveConfig(kind="gspo").agg == ObjectiveConfig(kind="tbpo").agg == "seq-mean-token-mean"
+    assert ObjectiveConfig(kind="gspo", agg="token-mean").agg == "token-mean"
+    assert ObjectiveConfig(kind="acr").agg == "token-mean"
+
+
 def test_config_is_frozen_and_hashable_even_from_lists():
     c = ObjectiveConfig(kind="tis", rs_modes=["token_k1"], rs_thresholds=[" 0.5_2.0"])
     assert c.rs_modes == ("token_k1",) and isinstance(c.rs_thresholds, tuple)

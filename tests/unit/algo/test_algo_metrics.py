@@ -112,7 +112,7 @@ def test_mismatch_metrics_of_parts_merge_to_the_whole():
             assert merged[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
 
 
-def test_response_stats():
+def test_response_stats_report_length_extremes_and_truncation_rate():
     m = response_stats(torch.tensor([3, 5, 10]), torch.tensor([False, False, True]))
     assert (m["data/response_length/mean"], m["data/response_length/max"], m["data/response_length/min"]) == (
         6,
