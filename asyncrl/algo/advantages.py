@@ -90,7 +90,7 @@ def group_advantages(
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     b = StatsBuilder()
     b.total("adv/singleton_groups", singleton.sum())
-    b.total("adv/groups", torch.tensor(float(k)))
+    b.total("adv/groups", torch.tensor(float(k), device=r.device))
     b.frac("adv/zero_std_group_frac", zero_var, ~singleton)
     return adv.to(out_dtype), b.build()
 

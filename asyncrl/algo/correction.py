@@ -93,7 +93,11 @@ def rejection_keep(
             stat = seq_mean(stat, mask).unsqueeze(-1)
         elif level == "seq_max":
             masked = torch.where(mask, stat, -math.inf)
-            smax = masked.amax(-1) if masked.shape[-1] else torch.zeros(masked.shape[:-1], dtype=mu.dtype)
+            smax = (
+                masked.amax(-1)
+                if masked.shape[-1]
+                else torch.zeros(masked.shape[:-1], dtype=mu.dtype, device=mu.device)
+            )
             stat = torch.where(seq_any(mask), smax, 0).unsqueeze(-1)
         else:  # pragma: no cover - the config validates modes
             raise AssertionError(mode)

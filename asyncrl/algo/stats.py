@@ -130,12 +130,20 @@ class StatsBuilder:
     def maximum(self, name: str, values: torch.Tensor, where: torch.Tensor) -> None:
         w = where.bool()
         v = torch.where(w, values.to(torch.float64), -math.inf)
-        self._add(name, "max", v.max() if v.numel() else torch.tensor(-math.inf, dtype=torch.float64))
+        self._add(
+            name,
+            "max",
+            v.max() if v.numel() else torch.tensor(-math.inf, dtype=torch.float64, device=v.device),
+        )
 
     def minimum(self, name: str, values: torch.Tensor, where: torch.Tensor) -> None:
         w = where.bool()
         v = torch.where(w, values.to(torch.float64), math.inf)
-        self._add(name, "min", v.min() if v.numel() else torch.tensor(math.inf, dtype=torch.float64))
+        self._add(
+            name,
+            "min",
+            v.min() if v.numel() else torch.tensor(math.inf, dtype=torch.float64, device=v.device),
+        )
 
     def ess(self, name: str, weights: torch.Tensor, where: torch.Tensor) -> None:
         """Normalised effective sample size (sum w)^2 / (N sum w^2) of the weights where True."""
@@ -156,7 +164,11 @@ class StatsBuilder:
     def build(self) -> MetricDict:
         stats: dict[str, Stat] = {}
         flat = [p for parts in self._parts for p in parts]
-        values = torch.stack(flat).cpu().tolist() if flat else []
+        if flat:  # one device, one stack, one device-to-host copy (parts may come from several devices)
+            dev = next((p.device for p in flat if p.device.type != "cpu"), flat[0].device)
+            values = torch.stack([p.to(dev) for p in flat]).cpu().tolist()
+        else:
+            values = []
         i = 0
         for name, op, parts in zip(self._names, self._ops, self._parts, strict=True):
             n = len(parts)
