@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .int8 import int8_linear, quantize_act_int8
+from .int8 import int_mm, quantize_act_int8
 
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -84,9 +84,16 @@ class SiblingGroup:
                 self._x = None
             return out
         qx, sx = quantize_act_int8(x2)
-        y = int8_linear(qx, sx, self.codes, self.scales, self.bias)
-        # contiguous copies: downstream kernels (attention) round differently on strided inputs
-        parts = [y[:, a:b].contiguous() for a, b in self.bounds]
+        acc = int_mm(qx, self.codes.t())  # [M, sum N] int32, exact
+        # Per-member epilogue (same fp32 ops as int8_linear) writing contiguous outputs: downstream
+        # kernels (attention) may round differently on strided inputs, and no copy is needed.
+        parts = []
+        for a, b in self.bounds:
+            y = acc[:, a:b] * sx
+            y.mul_(self.scales[a:b])
+            if self.bias is not None:
+                y.add_(self.bias[a:b])
+            parts.append(y)
         self._kept = {i: p for i, p in enumerate(parts) if i != idx}
         self._x = x
         return parts[idx]
