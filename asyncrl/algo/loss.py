@@ -164,6 +164,7 @@ def policy_loss(
         if cfg.abort_on_nonfinite_theta:
             skip = skip | theta_bad.any()
         b.raw("actor/skip_step", "max", skip.to(torch.float64))
+        b.total("actor/nonfinite_loss", (~finite_loss).to(torch.float64))
         b.total("actor/loss", loss.detach())
         b.total("actor/pg_loss", pg_loss.detach())
         b.total("actor/tokens", prep.clean.sum())
