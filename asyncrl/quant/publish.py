@@ -8,9 +8,9 @@ Publication layout: every target linear weight `P.weight` (selection rule in mod
 its format tensors `P.qweight`, `P.weight_scale`, ... (formats.py); every other state-dict entry is
 copied untouched. Names showing the same memory (tied embeddings: `lm_head.weight` and
 `model.embed_tokens.weight`) are published once, under the first name in sorted order; the loader
-fills the other name through the model's own tie. Tensor names are exactly the state-dict keys of the converted model. Manifest
-entries follow the sorted tensor names and record name, dtype, shape, format, role, byte count,
-per-tensor sha256 and, for codes, the logical [N, K] of the weight.
+fills the other name through the model's own tie. Tensor names are exactly the state-dict keys of
+the converted model. Manifest entries (wire.py) follow the sorted tensor names and record name,
+dtype, shape, format, role, byte count, per-tensor sha256 and, for codes, the logical [N, K].
 
 Checksum: sha256 (hex) of the canonical JSON header (version, fmt, AQN record, manifest; sorted keys,
 no spaces), and the header embeds every tensor's own sha256 over its raw bytes (little-endian, C
@@ -22,11 +22,9 @@ anything, or let `load_published` change the model unless every check has passed
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,83 +49,17 @@ from .formats import (
 )
 from .linear import QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, is_target_weight, model_format
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float8_e4m3fn,
-        torch.float8_e8m0fnu,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise QuantError(f"dtype {name} cannot be published; supported: {sorted(_DTYPES)}")
-    return name
-
-
-def _raw_bytes(t: Tensor) -> memoryview:
-    """Zero-copy little-endian bytes of a contiguous CPU tensor."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _digest(t: Tensor) -> str:
-    return hashlib.sha256(_raw_bytes(t)).hexdigest()
-
-
-@dataclass(frozen=True)
-class ManifestEntry:
-    """One published tensor. `role`: weight | codes | scale | global_scale | full_precision."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    fmt: str
-    role: str
-    nbytes: int
-    sha256: str
-    logical_shape: tuple[int, ...] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        d["logical_shape"] = None if self.logical_shape is None else list(self.logical_shape)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ManifestEntry:
-        ls = d.get("logical_shape")
-        return cls(
-            name=str(d["name"]),
-            dtype=str(d["dtype"]),
-            shape=tuple(int(s) for s in d["shape"]),
-            fmt=str(d["fmt"]),
-            role=str(d["role"]),
-            nbytes=int(d["nbytes"]),
-            sha256=str(d["sha256"]),
-            logical_shape=None if ls is None else tuple(int(s) for s in ls),
-        )
-
-
-class RawTensor(NamedTuple):
-    """What a transport ships per tensor: raw little-endian C-order bytes plus dtype and shape."""
-
-    name: str
-    data: memoryview | bytes | bytearray
-    dtype: str
-    shape: tuple[int, ...]
+from .wire import (
+    DTYPES,
+    ManifestEntry,
+    RawTensor,
+    checksum_of,
+    digest,
+    dtype_name,
+    header_dict,
+    raw_bytes,
+    tensor_from_bytes,
+)
 
 
 @dataclass
@@ -148,13 +80,13 @@ class PublishedWeights:
 
     def header(self) -> dict[str, Any]:
         """JSON/msgpack-able description: everything except the tensor bytes."""
-        return _header(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest) | {
+        return header_dict(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest) | {
             "checksum": self.checksum
         }
 
     def to_raw(self) -> list[RawTensor]:
         """Raw buffers in manifest order (zero-copy views that keep the tensors alive)."""
-        return [RawTensor(e.name, _raw_bytes(self.tensors[e.name]), e.dtype, e.shape) for e in self.manifest]
+        return [RawTensor(e.name, raw_bytes(self.tensors[e.name]), e.dtype, e.shape) for e in self.manifest]
 
     @classmethod
     def from_raw(cls, header: Mapping[str, Any], raw: Sequence[RawTensor | tuple]) -> PublishedWeights:
@@ -163,20 +95,25 @@ class PublishedWeights:
         tensors: dict[str, Tensor] = {}
         for item in raw:
             name, data, dtype, shape = item
-            if dtype not in _DTYPES:
+            if dtype not in DTYPES:
                 raise ManifestMismatchError(f"unknown dtype {dtype!r}", tensor_name=name)
             if name in tensors:
                 raise ManifestMismatchError("sent twice", tensor_name=name)
-            tensors[name] = _tensor_from_bytes(name, data, _DTYPES[dtype], tuple(shape))
-        return cls(
-            version=int(header["version"]),
-            fmt=str(header["fmt"]),
-            tensors=tensors,
-            manifest=[ManifestEntry.from_dict(d) for d in header["manifest"]],
-            checksum=str(header["checksum"]),
-            aqn_seed=header.get("aqn_seed"),
-            aqn_sigma=float(header.get("aqn_sigma", 0.0)),
-        )
+            tensors[name] = tensor_from_bytes(name, data, DTYPES[dtype], tuple(shape))
+        try:
+            return cls(
+                version=int(header["version"]),
+                fmt=str(header["fmt"]),
+                tensors=tensors,
+                manifest=[ManifestEntry.from_dict(d) for d in header["manifest"]],
+                checksum=str(header["checksum"]),
+                aqn_seed=None if header.get("aqn_seed") is None else int(header["aqn_seed"]),
+                aqn_sigma=float(header.get("aqn_sigma", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestMismatchError(
+                f"malformed publication header ({exc!r}); send PublishedWeights.header() unchanged"
+            ) from exc
 
     def verify(self) -> None:
         """Check format, manifest vs tensors, per-tensor digests, checksum, finiteness and scales.
@@ -186,8 +123,9 @@ class PublishedWeights:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ManifestMismatchError("listed twice in the manifest", tensor_name=dup)
+        listed = set(names)
         for name in self.tensors:
-            if name not in set(names):
+            if name not in listed:
                 raise ManifestMismatchError("present in tensors but not in the manifest", tensor_name=name)
         for e in self.manifest:
             t = self.tensors.get(e.name)
@@ -201,12 +139,14 @@ class PublishedWeights:
                 )
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ManifestMismatchError("must be a contiguous CPU tensor", tensor_name=e.name)
-            if _digest(t) != e.sha256:
+            if digest(t) != e.sha256:
                 raise ChecksumMismatchError(
                     "bytes do not match the manifest sha256 (corrupted in transit?); refetch the version",
                     tensor_name=e.name,
                 )
-        expected = _checksum(_header(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest))
+        expected = checksum_of(
+            header_dict(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest)
+        )
         if expected != self.checksum:
             raise ChecksumMismatchError(
                 f"publication checksum {self.checksum[:16]}... does not match its manifest "
@@ -214,21 +154,6 @@ class PublishedWeights:
             )
         for e in self.manifest:
             _check_values(e, self.tensors[e.name])
-
-
-def _tensor_from_bytes(name: str, data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for s in shape:
-        numel *= s
-    buf = bytearray(data)
-    if len(buf) != numel * itemsize:
-        raise ManifestMismatchError(
-            f"{len(buf)} bytes cannot hold shape {shape} of {dtype}", tensor_name=name
-        )
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def _check_values(e: ManifestEntry, t: Tensor) -> None:
@@ -243,23 +168,6 @@ def _check_values(e: ManifestEntry, t: Tensor) -> None:
         # scales may be 0 (a flushed block).
         if (e.role == ROLE_GLOBAL_SCALE or e.fmt != "nvfp4") and not bool((t.float() > 0).all()):
             raise NonFiniteWeightError("scale must be > 0", tensor_name=e.name)
-
-
-def _header(
-    version: int, fmt: str, aqn_seed: int | None, aqn_sigma: float, manifest: Sequence[ManifestEntry]
-) -> dict[str, Any]:
-    return {
-        "version": int(version),
-        "fmt": fmt,
-        "aqn_seed": aqn_seed,
-        "aqn_sigma": float(aqn_sigma),
-        "manifest": [e.to_dict() for e in manifest],
-    }
-
-
-def _checksum(header: Mapping[str, Any]) -> str:
-    blob = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def publish(
@@ -322,7 +230,7 @@ def publish(
     entries.sort(key=lambda e: e.name)
     seed = None if record is None else record.seed
     sigma = 0.0 if record is None else record.sigma
-    checksum = _checksum(_header(version, fmt, seed, sigma, entries))
+    checksum = checksum_of(header_dict(version, fmt, seed, sigma, entries))
     return PublishedWeights(version, fmt, out, entries, checksum, aqn_seed=seed, aqn_sigma=sigma)
 
 
@@ -349,7 +257,7 @@ def _entry(name: str, t: Tensor, fmt: str, role: str, logical: tuple[int, ...] |
         fmt=fmt,
         role=role,
         nbytes=t.numel() * t.element_size(),
-        sha256=_digest(t),
+        sha256=digest(t),
         logical_shape=logical,
     )
 

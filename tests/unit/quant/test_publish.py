@@ -199,10 +199,10 @@ def test_non_finite_value_in_a_received_publication_is_refused_and_model_kept():
 
 
 def _reseal(pub: PublishedWeights, tensors: dict) -> PublishedWeights:
-    from asyncrl.quant.publish import _checksum, _digest, _header
+    from asyncrl.quant.wire import checksum_of, digest, header_dict
 
-    manifest = [dataclasses.replace(e, sha256=_digest(tensors[e.name])) for e in pub.manifest]
-    checksum = _checksum(_header(pub.version, pub.fmt, pub.aqn_seed, pub.aqn_sigma, manifest))
+    manifest = [dataclasses.replace(e, sha256=digest(tensors[e.name])) for e in pub.manifest]
+    checksum = checksum_of(header_dict(pub.version, pub.fmt, pub.aqn_seed, pub.aqn_sigma, manifest))
     return dataclasses.replace(pub, tensors=tensors, manifest=manifest, checksum=checksum)
 
 
@@ -229,3 +229,11 @@ def test_tied_weights_are_published_once_and_loaded_through_the_tie(probe_ids):
     direct = quantize_model(copy.deepcopy(learner), "nvfp4")
     with torch.no_grad():
         assert torch.equal(worker(probe_ids).logits, direct(probe_ids).logits)
+
+
+def test_malformed_header_is_a_manifest_error():
+    pub, _ = _published_and_worker()
+    header = pub.header()
+    del header["manifest"]
+    with pytest.raises(ManifestMismatchError, match="malformed publication header"):
+        PublishedWeights.from_raw(header, pub.to_raw())
