@@ -12,6 +12,8 @@ module of block 0, "model.layers.0.mlp.up_proj" that one module. Embeddings, nor
 never swapped (they are not projections), so the default entries only document that.
 
 Must never: quantise anything `publish` would not, or touch modules other than the swapped linears.
+Cast or move the model before converting it: `.to(dtype)` after conversion would cast float8 codes and
+scales, and `.to(device)` dissolves the int8 sibling fusion (call `fuse_int8_siblings` again).
 """
 
 from __future__ import annotations
