@@ -49,7 +49,7 @@ from .formats import (
 )
 from .linear import QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, is_target_weight, model_format
-from .wire import (
+from .wire import (  # ManifestEntry and RawTensor are also imported from here by asyncrl.transport
     DTYPES,
     ManifestEntry,
     RawTensor,
