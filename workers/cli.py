@@ -7,6 +7,7 @@ line that says what to change, with exit code 2, before any process starts.
   asyncrl train [key=value ...]           continuous asynchronous training (Hydra overrides)
   asyncrl demo                            the main job on the embedded default (= train)
   asyncrl worker controller=ADDR [...]    join a running job as a generation worker
+  asyncrl replay run=runs/NAME [...]      retrain from a run's trajectory log (bit-identical on CPU)
   asyncrl log inspect PATH                summary of a trajectory log
 """
 
@@ -37,6 +38,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_train(["run_name=demo", *args.overrides])
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from workers.launcher import run_replay
+
+    return run_replay(args.overrides)
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     from workers.generator import main as worker_main
 
@@ -46,11 +53,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[6:11]))
+                                     epilog="\n".join(__doc__.splitlines()[6:12]))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("train", _cmd_train, "continuous asynchronous training"),
                              ("demo", _cmd_demo, "train on the embedded default and print where results are"),
-                             ("worker", _cmd_worker, "join a running job as a generation worker")):
+                             ("worker", _cmd_worker, "join a running job as a generation worker"),
+                             ("replay", _cmd_replay, "retrain from a run's trajectory log (run=runs/<name>)")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("overrides", nargs="*", help="key=value settings (see configs/ and asyncrl/config/schema.py)")
         p.set_defaults(func=func)

@@ -70,11 +70,15 @@ class GeneratorWorker:
         self.t_start = time.monotonic()
 
     # ------------------------------------------------------------------------------ handshake
-    def _handshake(self) -> P.Welcome:
-        caps = {"engine": "native", "quant_format": self.requested_fmt, "slots": str(self.requested_slots),
+    def _hello(self) -> P.Hello:
+        fmt = getattr(self, "fmt", self.requested_fmt)
+        caps = {"engine": "native", "quant_format": fmt, "slots": str(self.requested_slots),
                 "pid": str(os.getpid()), "host": socket.gethostname()}
-        hello = P.Hello(protocol_version=P.PROTOCOL_VERSION, role="generator", peer_id=self.worker_id,
-                        capabilities=caps)
+        return P.Hello(protocol_version=P.PROTOCOL_VERSION, role="generator", peer_id=self.worker_id,
+                       capabilities=caps)
+
+    def _handshake(self) -> P.Welcome:
+        hello = self._hello()
         deadline = time.monotonic() + self.hello_timeout_s
         while time.monotonic() < deadline and not self.stop.is_set():
             self.ctl.send(hello)
@@ -175,10 +179,16 @@ class GeneratorWorker:
             elif isinstance(msg, P.Shutdown):
                 log.info("controller asked worker %s to stop: %s", self.worker_id, msg.reason)
                 self.stop.set()
+            elif isinstance(msg, P.Welcome):
+                log.info("worker %s re-registered with the controller", self.worker_id)
             elif isinstance(msg, P.Error):
-                log.warning("controller error: %s %s", msg.code, msg.message)
                 request_in_flight = False
                 next_request = time.monotonic() + 0.5
+                if msg.code == "not_registered":  # declared dead (slow start, pause) or controller restarted
+                    log.warning("controller does not know worker %s; joining again", self.worker_id)
+                    self._send_ctl(self._hello())
+                else:
+                    log.warning("controller error: %s %s", msg.code, msg.message)
 
     def _accept(self, a: P.RolloutAssignment) -> None:
         from asyncrl.engine import GenRequest, SamplingParams

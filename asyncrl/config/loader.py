@@ -65,6 +65,39 @@ def config_from_dict(data: dict) -> TrainConfig:
     return validate(cfg)
 
 
+def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+    """``cfg`` with ``key=value`` and ``group=choice`` overrides applied on top (replay, resume tools).
+
+    A group choice merges that group's YAML delta onto the run's values, so ``algo=tbpo`` changes
+    the objective and what the tbpo file sets, and keeps the rest of the run's algo settings.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    merged = OmegaConf.structured(cfg)
+    dotlist = []
+    for ov in overrides:
+        if "=" not in ov:
+            raise ValueError(f"override {ov!r} is not key=value (e.g. learner.lr=1e-4 or algo=tbpo)")
+        key, value = ov.split("=", 1)
+        if key in GROUPS:
+            path = CONFIG_DIR / key / f"{value}.yaml"
+            if not path.is_file():
+                raise ValueError(f"{key}={value!r} is not a config in configs/{key}/; choose one of "
+                                 f"{', '.join(_group_options(key))}")
+            delta = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k != "defaults"}
+            merged = OmegaConf.merge(merged, {key: delta})
+        else:
+            dotlist.append(ov)
+    try:
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
+        out = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ValueError(f"bad override: {e}".replace("\n", " ")) from None
+    assert isinstance(out, TrainConfig)
+    return validate(out)
+
+
 def read_run_config(run_dir: str | Path) -> TrainConfig:
     path = Path(run_dir) / "config.json"
     if not path.is_file():

@@ -31,10 +31,10 @@ class ModelConfig:
     """HF model folder. Empty for ``tiny``/``smollm2``: the folder is created under ``cache_dir``."""
     cache_dir: str = ".cache/models"
     """Where the embedded models are created (relative to the working directory)."""
-    warmstart_steps: int = 60
+    warmstart_steps: int = 150
     """Supervised warm-start steps on the task's solutions before RL (tiny model only; 0 disables).
     The result is cached beside the model, keyed by task and seed."""
-    warmstart_lr: float = 3e-3
+    warmstart_lr: float = 3e-4
     """Learning rate of the supervised warm start."""
 
 
@@ -115,7 +115,7 @@ class RolloutConfig:
     worker_slots: int = 32
     """Concurrent samples per worker (its credit window)."""
     heartbeat_s: float = 1.0
-    dead_after_s: float = 10.0
+    dead_after_s: float = 30.0
     """A worker silent this long is declared dead and its assignments are reissued."""
     seed: int = 0
 

@@ -2,7 +2,14 @@
 
 from asyncrl.log.framing import Corruption, LogFormatError
 from asyncrl.log.records import SCHEMA_VERSION, BatchRecord, EventRecord, LogHeader, Record, SampleRecord
-from asyncrl.log.trajectory import LogScan, TrajectoryLogWriter, iter_records, read_log, segment_paths
+from asyncrl.log.trajectory import (
+    LogScan,
+    TrajectoryLogWriter,
+    iter_records,
+    read_log,
+    segment_paths,
+    truncate_log,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -18,4 +25,5 @@ __all__ = [
     "iter_records",
     "read_log",
     "segment_paths",
+    "truncate_log",
 ]

@@ -181,5 +181,29 @@ def read_log(path: str | Path) -> LogScan:
     return LogScan(headers, records, corruptions)
 
 
+def truncate_log(log_dir: str | Path, segment: int, offset: int) -> int:
+    """Cut a log back to a checkpointed position (``TrajectoryLogWriter.tell()``); returns bytes dropped.
+
+    Used on resume: records written after the checkpoint belong to work the resumed run redoes
+    (regenerated or re-consumed with the same ids), so keeping them would log them twice.
+    """
+    dropped = 0
+    for p in segment_paths(log_dir):
+        index = int(SEGMENT_RE.match(p.name).group(1))
+        if index > segment:
+            dropped += p.stat().st_size
+            p.unlink()
+        elif index == segment:
+            size = p.stat().st_size
+            if size < offset:
+                raise ValueError(f"{p} has {size} bytes but the checkpoint expects {offset}; the log was "
+                                 "truncated behind the checkpoint and cannot be resumed")
+            with open(p, "r+b") as f:
+                f.truncate(offset)
+                os.fsync(f.fileno())
+            dropped += size - offset
+    return dropped
+
+
 def iter_records(path: str | Path) -> Iterator[Any]:
     yield from read_log(path).records

@@ -1,0 +1,1 @@
+"""Controller logic (no sockets): admission, scoring, groups, batches, the trajectory log."""

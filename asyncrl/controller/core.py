@@ -1,0 +1,343 @@
+"""The controller's logic without sockets: messages in, replies out.
+
+Owns: the dataset cursor, admission under the staleness gate, group assembly and exactly-once
+accounting (through ``asyncrl.control``), scoring with the task's verifier, advantages (through
+``asyncrl.algo``), the trajectory log (every scored sample, every consumed batch), worker liveness,
+learner batches, and the controller's checkpointable state.
+Never: touches a socket, a thread or a signal (``workers/controller.py`` does), or trains anything.
+Not thread-safe: one event loop drives it.
+
+Message handling: ``handle(peer, msg) -> [(peer, reply), ...]`` for control messages, ``on_sample``
+for streamed samples, ``poll(now)`` for timers (dead workers, a batch that became ready).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import protocols as P
+from asyncrl.config import TrainConfig
+from asyncrl.control import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
+from asyncrl.controller.scoring import GroupScorer
+from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
+
+log = logging.getLogger("asyncrl.controller")
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    peer: bytes
+    quant_format: str
+    last_seen: float
+    version: int = -1
+    samples: int = 0
+    tokens_per_s: float = 0.0
+
+
+class ControllerCore:
+    def __init__(self, cfg: TrainConfig, *, run_dir: Path, scorer: GroupScorer, welcome_config: dict[str, str],
+                 publish_formats: list[str], clock=time.monotonic) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.scorer = scorer
+        self.welcome_config = dict(welcome_config)
+        self.publish_formats = publish_formats
+        self.clock = clock
+        self.version = ManualVersion(0)
+        self.gate = StalenessGate(self.version, eta=cfg.rollout.eta, groups_per_step=cfg.rollout.groups_per_step)
+        self.buffer = GroupBuffer(self.gate, group_size=cfg.algo.group_size, clock=clock,
+                                  assignment_timeout_s=cfg.rollout.dead_after_s * 3)
+        keep = (lambda g: len(set(g.extra["rewards"])) > 1) if cfg.algo.dynamic_sampling else None
+        self.assembler = BatchAssembler(self.gate, self.buffer, keep=keep,
+                                        max_filtered_per_step=4 * cfg.rollout.groups_per_step)
+        self.cursor = 0  # index of the next problem of the task's prompt stream
+        self.workers: dict[str, WorkerInfo] = {}
+        self.learner_peer: bytes | None = None
+        self.pending_batch: int | None = None  # step the learner asked for and did not get yet
+        self.learner_ready = False
+        self.done = False
+        self.done_at = 0.0
+        self.counters: Counter = Counter()
+        self.max_consumed_staleness = 0
+        self.samples_logged = 0
+        self.t_start = clock()
+        self.log = TrajectoryLogWriter(self.run_dir / "trajectories", config=dataclasses.asdict(cfg),
+                                       run_name=cfg.run_name, model=welcome_config.get("model_id", ""),
+                                       fsync=cfg.log.fsync, fsync_every=cfg.log.fsync_every,
+                                       rotate_bytes=cfg.log.rotate_mb * 2**20)
+        for c in self.log.repaired:
+            self.counters["log/torn_tail_repaired"] += 1
+            log.warning("trajectory log repaired at start: %s", c)
+
+    # ----------------------------------------------------------------------------- control plane
+    def handle(self, peer: bytes, msg: Any) -> list[tuple[bytes, Any]]:
+        now = self.clock()
+        if isinstance(msg, P.Hello):
+            return [(peer, self._hello(peer, msg, now))]
+        if isinstance(msg, P.WorkRequest):
+            return self._work(peer, msg, now)
+        if isinstance(msg, P.Heartbeat):
+            self._heartbeat(msg, now)
+            return []
+        if isinstance(msg, P.Goodbye):
+            self._forget(msg.peer_id, reason=f"left ({msg.reason})")
+            return []
+        if isinstance(msg, P.BatchRequest):
+            if peer != self.learner_peer:
+                return [(peer, P.Error(code="not_learner", message="only the registered learner may ask for batches"))]
+            self.pending_batch = msg.step
+            return self._try_batch()
+        if isinstance(msg, P.VersionUpdate):
+            return self._version_update(msg)
+        self.counters["control/unexpected"] += 1
+        return [(peer, P.Error(code="unexpected", message=f"{type(msg).__name__} is not a controller request"))]
+
+    def _hello(self, peer: bytes, msg: P.Hello, now: float) -> Any:
+        reject = P.check_hello(msg)
+        if reject is not None:
+            self.counters["control/rejected_hello"] += 1
+            return reject
+        if msg.role == "learner":
+            self.learner_peer = peer
+            self.learner_ready = True
+            self.welcome_config.update({k: v for k, v in msg.capabilities.items() if k.startswith("weights_")})
+            start = int(msg.capabilities.get("version", "0"))
+            if start != self.version.version:
+                log.info("learner starts at version %d", start)
+                self.version.set(start)
+            return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
+                             latest_version=self.version.version)
+        if msg.role != "generator":
+            return P.Reject(reason=f"role {msg.role!r} cannot join; expected generator or learner")
+        if not self.learner_ready:
+            return P.Error(code="not_ready", message="the learner has not published weights yet; retry")
+        fmt = msg.capabilities.get("quant_format") or self.publish_formats[0]
+        if fmt not in self.publish_formats:
+            self.counters["control/rejected_format"] += 1
+            return P.Reject(reason=f"this run publishes weights as {self.publish_formats}; start the worker with "
+                                   f"quant.fmt={self.publish_formats[0]} (or add {fmt} to quant.publish_formats)")
+        self.workers[msg.peer_id] = WorkerInfo(peer=peer, quant_format=fmt, last_seen=now)
+        self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
+                                    logged_at=time.time()))
+        log.info("worker %s joined (%s)", msg.peer_id, fmt)
+        return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
+                         latest_version=self.version.version,
+                         config=self.welcome_config | {"quant_format": fmt})
+
+    def _work(self, peer: bytes, msg: P.WorkRequest, now: float) -> list[tuple[bytes, Any]]:
+        w = self.workers.get(msg.worker_id)
+        if w is None or w.peer != peer:
+            self.counters["control/unknown_worker"] += 1
+            return [(peer, P.Error(code="not_registered", message="send Hello before asking for work"))]
+        w.last_seen = now
+        if self.done:
+            return [(peer, P.Shutdown(reason="training finished"))]
+        n_groups = msg.credits // self.cfg.algo.group_size
+        out: list[tuple[bytes, Any]] = []
+        if n_groups > 0:
+            pending = sum(1 for _, _, st in self.buffer.live() if st.value == "pending")
+            want = min(max(0, n_groups - pending), self.gate.capacity())
+            if want:
+                self.buffer.admit(self._next_problem, want)
+            for a in self.buffer.assign(msg.worker_id, worker_version=w.version, max_groups=n_groups):
+                out.append((peer, self._assignment(a)))
+        if not out:
+            out.append((peer, P.NoWork(retry_after_s=0.05)))
+        return out
+
+    def _next_problem(self) -> dict[str, Any]:
+        problem = self.scorer.problem(self.cursor)
+        self.cursor += 1
+        return problem
+
+    def _assignment(self, a) -> P.RolloutAssignment:
+        prompt = np.asarray(a.meta["prompt_ids"], np.int32)
+        r = self.cfg.rollout
+        params = P.SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens,
+                                  seed=self.cfg.seed * 1_000_003 + r.seed)
+        return P.RolloutAssignment(group_id=a.group_id, sample_ids=list(a.sample_ids),
+                                   prompt_ids=P.Array.from_numpy(prompt), params=params,
+                                   n_samples=len(a.sample_ids))
+
+    def _heartbeat(self, msg: P.Heartbeat, now: float) -> None:
+        w = self.workers.get(msg.peer_id)
+        if w is None:
+            self.counters["control/unknown_heartbeat"] += 1
+            return
+        w.last_seen = now
+        w.version = int(msg.stats.get("version", w.version))
+        w.tokens_per_s = float(msg.stats.get("tokens_per_s", 0.0))
+        self.buffer.heartbeat(msg.peer_id)
+
+    def _forget(self, worker_id: str, *, reason: str) -> None:
+        if self.workers.pop(worker_id, None) is None:
+            return
+        reissued = self.buffer.reassign_from(worker_id)
+        self.counters["workers/left"] += 1
+        self.counters["samples/reissued"] += len(reissued)
+        self.log.append(EventRecord(event="worker_left", logged_at=time.time(),
+                                    data={"worker": worker_id, "reason": reason, "reissued": str(len(reissued))}))
+        log.info("worker %s %s; reissuing %d samples", worker_id, reason, len(reissued))
+
+    # ------------------------------------------------------------------------------- data plane
+    def on_sample(self, msg: P.FinishedSample) -> None:
+        w = self.workers.get(msg.worker_id)
+        if w is not None:
+            w.last_seen = self.clock()
+            w.samples += 1
+        versions = msg.versions.to_numpy()
+        if versions.size == 0:
+            min_version = self.version.version  # an empty response carries no token to be stale
+        else:
+            min_version = int(versions.min())
+        logp = msg.behav_logp.to_numpy()
+        if not np.isfinite(logp).all():
+            self.counters["samples/nonfinite_behav_logp"] += 1  # kept: the learner masks those tokens (§2.5)
+        try:
+            status = self.buffer.on_result(msg.sample_id, worker_id=msg.worker_id, payload=msg,
+                                           min_version=min_version)
+        except ValueError as e:  # a token older than its group's admission: a broken worker
+            self.counters["samples/rejected_version"] += 1
+            log.error("rejected %s from %s: %s", msg.sample_id, msg.worker_id, e)
+            return
+        self.counters[f"samples/{status.value}"] += 1
+        if status is ResultStatus.COMPLETED:
+            self._complete(msg.group_id)
+
+    def _complete(self, group_id: str) -> None:
+        group = self.buffer.get(group_id)
+        samples = [s.payload for s in group.samples]
+        rewards, advantages = self.scorer.score_group(group.meta, samples)
+        self.buffer.annotate(group_id, rewards=rewards, advantages=advantages)
+        for s, r, a in zip(samples, rewards, advantages, strict=True):
+            self.log.append(SampleRecord(sample=s, reward=float(r), advantage=float(a),
+                                         admitted_version=group.admit_version, logged_at=time.time()))
+            self.samples_logged += 1
+
+    # -------------------------------------------------------------------------------- learner
+    def _try_batch(self) -> list[tuple[bytes, Any]]:
+        if self.pending_batch is None or self.learner_peer is None:
+            return []
+        if self.pending_batch != self.assembler.next_step:
+            step = self.pending_batch
+            self.pending_batch = None
+            return [(self.learner_peer, P.Error(code="wrong_step", message=(
+                f"learner asked for batch {step}, the controller is at batch {self.assembler.next_step}; "
+                "resume both from the same checkpoint")))]
+        batch = self.assembler.try_assemble()
+        if batch is None:
+            return []
+        self.counters["data/filtered_groups"] += len(batch.filtered)
+        samples = []
+        rewards = []
+        for g in batch.groups:
+            for s, r, a in zip(g.samples, g.extra["rewards"], g.extra["advantages"], strict=True):
+                fs = s.payload
+                samples.append(P.TrainSample(sample_id=fs.sample_id, group_id=fs.group_id, prompt_ids=fs.prompt_ids,
+                                             response_ids=fs.response_ids, behav_logp=fs.behav_logp,
+                                             versions=fs.versions, advantage=float(a), reward=float(r),
+                                             finish_reason=fs.finish_reason))
+                rewards.append(float(r))
+        self.max_consumed_staleness = max(self.max_consumed_staleness, batch.max_staleness)
+        self.log.append(BatchRecord(step=batch.step, sample_ids=list(batch.sample_ids), logged_at=time.time()))
+        self.log.flush()  # the batch record is durable before the learner trains on it
+        self.pending_batch = None
+        metrics = {
+            "train/reward_mean": float(np.mean(rewards)),
+            "train/reward_std": float(np.std(rewards)),
+            "data/filtered_groups": float(len(batch.filtered)),
+            "staleness/max": float(batch.max_staleness),
+            "gate/capacity": float(self.gate.capacity()),
+            "workers/alive": float(len(self.workers)),
+        }
+        return [(self.learner_peer, P.TrainBatch(step=batch.step, samples=samples, metrics=metrics))]
+
+    def _version_update(self, msg: P.VersionUpdate) -> list[tuple[bytes, Any]]:
+        if msg.version > self.version.version:
+            self.version.set(msg.version)
+            self.assembler.release_through(msg.version)
+        if msg.metrics.get("done", 0.0) >= 1.0 and not self.done:
+            self.done = True
+            self.done_at = self.clock()
+        out = []
+        if msg.metrics.get("checkpoint", 0.0) >= 1.0 and self.learner_peer is not None:
+            # Saved before the learner writes its own checkpoint of this version (it waits for the ack).
+            self.save(self.checkpoint_path(msg.version))
+            out.append((self.learner_peer, P.VersionUpdate(version=msg.version, metrics={"checkpointed": 1.0})))
+        return out + self._try_batch()
+
+    def checkpoint_path(self, version: int) -> Path:
+        return self.run_dir / "checkpoints" / f"controller-{version:08d}.json"
+
+    # --------------------------------------------------------------------------------- timers
+    def poll(self) -> list[tuple[bytes, Any]]:
+        now = self.clock()
+        for wid, w in list(self.workers.items()):
+            if now - w.last_seen > self.cfg.rollout.dead_after_s:
+                self.counters["workers/dead"] += 1
+                self._forget(wid, reason=f"missed heartbeats for {now - w.last_seen:.1f}s")
+        for a in self.buffer.overdue(now):
+            self.counters["samples/overdue_groups"] += 1
+            self.buffer.reassign_group(a.group_id)
+        return self._try_batch()
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"controller/{k}": float(v) for k, v in self.counters.items()}
+        out["controller/samples_logged"] = float(self.samples_logged)
+        out["controller/cursor"] = float(self.cursor)
+        out["throughput/tokens_per_s"] = float(sum(w.tokens_per_s for w in self.workers.values()))
+        return out
+
+    # ----------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "gate": self.gate.state_dict(), "buffer": self.buffer.state_dict(),
+                "assembler": self.assembler.state_dict(), "log_position": list(self.log.tell()),
+                "counters": dict(self.counters), "samples_logged": self.samples_logged,
+                "max_consumed_staleness": self.max_consumed_staleness}
+
+    def save(self, path: Path) -> None:
+        self.log.flush()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state_dict(), default=_jsonable))
+        tmp.replace(path)
+
+    def close(self) -> None:
+        self.log.close()
+
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (``state_dict`` of a previous controller, after ``truncate_log``)."""
+        self.cursor = int(state["cursor"])
+        self.gate.load_state_dict(state["gate"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.assembler.load_state_dict(state["assembler"])
+        self.counters.update(state["counters"])
+        self.samples_logged = int(state["samples_logged"])
+        self.max_consumed_staleness = int(state["max_consumed_staleness"])
+        self.log.append(EventRecord(event="resume", logged_at=time.time(), data={
+            "version": str(self.version.version), "cursor": str(self.cursor)}))
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(), object_hook=_from_jsonable)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, P.FinishedSample):
+        return {"__finished_sample__": P.encode(obj).hex()}
+    raise TypeError(f"cannot checkpoint {type(obj).__name__}")
+
+
+def _from_jsonable(d: dict) -> Any:
+    if "__finished_sample__" in d:
+        return P.decode(bytes.fromhex(d["__finished_sample__"]), P.FinishedSample)
+    return d

@@ -1,0 +1,1 @@
+"""Launch-time preparation (model folders, warm start); imported by the launcher only."""

