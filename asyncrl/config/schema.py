@@ -124,21 +124,21 @@ class RolloutConfig:
 class LearnerConfig:
     world_size: int = 1
     """FSDP2 ranks (torchrun processes); gloo on CPU, NCCL on GPU."""
-    total_steps: int = 60
+    total_steps: int = 400
     """Learner steps (= policy versions) to train."""
-    lr: float = 2e-3
+    lr: float = 3e-4
     lr_schedule: str = "linear"
     """constant, linear or cosine decay after warmup."""
-    warmup_steps: int = 0
+    warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     n_minibatches: int = 1
     """Optimizer updates per step (each over 1/n of the batch)."""
     micro_batch_size: int = 64
     grad_clip: float = 1.0
     weight_decay: float = 0.0
-    ckpt_every: int = 20
+    ckpt_every: int = 50
     """Checkpoint every N steps (0: only at the end)."""
-    eval_every: int = 20
+    eval_every: int = 50
     """Greedy evaluation on the held-out set every N steps (0: only at the end)."""
     seed: int = 0
 
