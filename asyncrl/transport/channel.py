@@ -2,7 +2,9 @@
 
 Owns: socket creation with asyncrl's options (linger 0, high-water marks, receive timeouts),
 binding/connecting (loopback by default; tcp and ipc), decoding with per-reason error counters, and
-the in-process channel with the same interface for unit tests.
+the in-process channel with the same interface for unit tests. With a ``CurveConfig`` (``auth``) the
+socket speaks CurveZMQ: a bound socket accepts only allow-listed client keys, a connected one
+authenticates the server; handshake outcomes are counted in ``stats.auth``.
 Never: blocks forever (every receive takes a timeout; sends past the high-water mark time out);
 lets a malformed frame escape as an exception from ``recv`` (it is counted, optionally answered with
 an ``Error``, and the loop keeps serving); imports torch.
@@ -12,6 +14,7 @@ Interface (ARCHITECTURE.md §3): ``send(msg, to=None, payload=None, timeout_s=No
   ROUTER/DEALER  control and work (request/reply with peer identities)
   PUSH/PULL      streaming finished samples (PUSH blocks at the HWM: backpressure, nothing dropped)
   PUB/SUB        weight announcements (may drop for slow joiners; fetch-by-request fills the gap)
+Without ``curve`` a channel is a plain zmq socket, exactly as before keys existed.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from typing import Any
 import msgspec
 import zmq
 
+from asyncrl.transport.auth import CurveConfig, auth_counter_metrics, is_loopback, secure_socket
 from protocols import Error, ProtocolError, decode_frames, encode, encode_frames
 
 DEFAULT_HWM = 1000
 ZERO_COPY_BYTES = 64 * 1024
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 class ChannelTimeout(TimeoutError):
@@ -59,6 +62,22 @@ class ChannelStats:
     sent: int = 0
     rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     last_errors: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
+    auth: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """CURVE handshake outcomes (``accepted``, ``unknown_key``, ``no_curve``, ...), counted by the ZAP thread."""
+    secured: bool = False
+    _auth_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count_auth(self, reason: str) -> None:
+        with self._auth_lock:
+            self.auth[reason] += 1
+
+    def auth_counts(self) -> dict[str, int]:
+        with self._auth_lock:
+            return dict(self.auth)
+
+    @property
+    def auth_denied(self) -> int:
+        return sum(n for k, n in self.auth_counts().items() if k != "accepted")
 
     def reject(self, reason: str, message: str) -> None:
         self.rejected[reason] += 1
@@ -73,17 +92,9 @@ class ChannelStats:
         out[f"{prefix}/rejected"] = float(self.rejected_total)
         for reason, n in self.rejected.items():
             out[f"{prefix}/rejected/{reason}"] = float(n)
+        if self.secured:
+            out.update(auth_counter_metrics(self.auth_counts(), f"{prefix}/auth"))
         return out
-
-
-def is_loopback(address: str) -> bool:
-    """True for ipc:// and inproc:// addresses and tcp:// addresses on a loopback host."""
-    if address.startswith(("ipc://", "inproc://")):
-        return True
-    if not address.startswith("tcp://"):
-        raise ValueError(f"unsupported address {address!r}: use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
-    host = address[len("tcp://") :].rsplit(":", 1)[0]
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
 _CONTEXT_LOCK = threading.Lock()
@@ -96,7 +107,12 @@ def shared_context() -> zmq.Context:
 
 
 class ZmqChannel:
-    """One zmq socket plus asyncrl's framing. Use the ``bind``/``connect`` constructors."""
+    """One zmq socket plus asyncrl's framing. Use the ``bind``/``connect`` constructors.
+
+    ``curve``: server-side keys (``load_server_keys``) for ``bind``, client-side keys
+    (``load_client_keys``) for ``connect``; None for a plain socket. ``max_message_bytes`` (> 0) makes
+    zmq drop the connection of a peer that sends a larger message (hostile sizes), -1: no limit.
+    """
 
     def __init__(
         self,
@@ -108,6 +124,8 @@ class ZmqChannel:
         context: zmq.Context | None = None,
         identity: bytes | None = None,
         zero_copy_recv: bool = False,
+        curve: CurveConfig | None = None,
+        max_message_bytes: int = -1,
     ) -> None:
         self.kind = kind
         self.name = name or zmq.Socket.__name__
@@ -125,6 +143,12 @@ class ZmqChannel:
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if kind == zmq.SUB:
             self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if max_message_bytes > 0:
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.curve = curve
+        if curve is not None:  # before bind/connect: zmq reads security options at that moment
+            self.stats.secured = True
+            secure_socket(self._sock, curve, self._ctx, count=self.stats.count_auth)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self.address = ""
@@ -137,6 +161,9 @@ class ZmqChannel:
     def bind(cls, kind: int, address: str, **kwargs) -> ZmqChannel:
         """Bind to ``address``; ``tcp://127.0.0.1:0`` picks a free port (see ``.address``)."""
         ch = cls(kind, **kwargs)
+        if ch.curve is not None and not ch.curve.is_server:
+            ch.close()
+            raise ValueError(f"binding {address!r} needs server keys (load_server_keys), got client keys")
         try:
             if address.startswith("tcp://") and address.endswith(":0"):
                 address = address[:-2] + ":*"
@@ -150,6 +177,9 @@ class ZmqChannel:
     @classmethod
     def connect(cls, kind: int, address: str, **kwargs) -> ZmqChannel:
         ch = cls(kind, **kwargs)
+        if ch.curve is not None and ch.curve.is_server:
+            ch.close()
+            raise ValueError(f"connecting to {address!r} needs client keys (load_client_keys), got server keys")
         try:
             ch._sock.connect(address)
         except zmq.ZMQError as e:
@@ -243,7 +273,7 @@ class ZmqChannel:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._sock.close(linger=0)
+            self._sock.close(linger=0)  # a secured socket's monitor stops with it (the ZAP thread sees that)
 
     def __enter__(self) -> ZmqChannel:
         return self

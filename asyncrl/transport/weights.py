@@ -11,6 +11,9 @@ Wire sequence for one fetch: DEALER -> ``WeightFetch(version, fmt)``; ROUTER -> 
 ``count`` x [``WeightChunk`` header frame, raw payload frame], in manifest order. An unknown version
 or format is answered with ``Error(code="unknown_version")``. One version may be published in several
 formats (workers of different quantization formats); the first format published is the primary one.
+
+With ``curve`` keys both server sockets (PUB and ROUTER) accept only allow-listed clients, so an
+unknown client neither hears announcements nor fetches weights (``asyncrl.transport.auth``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections import OrderedDict
 
 import zmq
 
+from asyncrl.transport.auth import CurveConfig
 from asyncrl.transport.channel import ChannelClosed, ChannelTimeout, ZmqChannel
 from protocols import Error, TensorSpec, WeightAnnounce, WeightChunk, WeightFetch
 
@@ -55,9 +59,18 @@ class WeightServer:
         *,
         keep_versions: int = 2,
         send_timeout_s: float = 30.0,
+        curve: CurveConfig | None = None,
+        max_message_bytes: int = -1,
     ) -> None:
-        self._pub = ZmqChannel.bind(zmq.PUB, announce_address, name="weights-pub")
-        self._router = ZmqChannel.bind(zmq.ROUTER, fetch_address, name="weights-router", reply_errors=True)
+        """``curve``: server keys (``load_server_keys``) or None for plain sockets. Requests are tiny
+        ``WeightFetch`` messages: ``max_message_bytes`` > 0 disconnects a peer that sends more (uncounted)."""
+        self._pub = ZmqChannel.bind(zmq.PUB, announce_address, name="weights-pub", curve=curve)
+        try:
+            self._router = ZmqChannel.bind(zmq.ROUTER, fetch_address, name="weights-router", reply_errors=True,
+                                           curve=curve, max_message_bytes=max_message_bytes)
+        except ValueError:
+            self._pub.close()
+            raise
         self.announce_address = self._pub.address
         self.fetch_address = self._router.address
         self.keep_versions = keep_versions
@@ -74,6 +87,15 @@ class WeightServer:
     @property
     def stats(self):
         return self._router.stats
+
+    def as_metrics(self, prefix: str = "transport/weights") -> dict[str, float]:
+        """Fetch-socket counters plus, with keys, the announcement socket's handshake counters."""
+        out = self._router.stats.as_metrics(prefix)
+        if self._pub.stats.secured:
+            out |= {k.replace(f"{prefix}/auth", f"{prefix}/announce_auth"): v
+                    for k, v in self._pub.stats.as_metrics(prefix).items() if k.startswith(f"{prefix}/auth")}
+        out[f"{prefix}/fetches_served"] = float(self.fetches_served)
+        return out
 
     @property
     def latest_version(self) -> int:
@@ -156,10 +178,16 @@ class WeightServer:
 class WeightClient:
     """A worker's side: hears announcements and fetches versions. Use from one thread."""
 
-    def __init__(self, announce_address: str, fetch_address: str, *, identity: bytes | None = None) -> None:
-        self._sub = ZmqChannel.connect(zmq.SUB, announce_address, name="weights-sub")
-        self._dealer = ZmqChannel.connect(zmq.DEALER, fetch_address, name="weights-dealer",
-                                          identity=identity, zero_copy_recv=True, hwm=0)
+    def __init__(self, announce_address: str, fetch_address: str, *, identity: bytes | None = None,
+                 curve: CurveConfig | None = None) -> None:
+        """``curve``: client keys (``load_client_keys``) or None for plain sockets."""
+        self._sub = ZmqChannel.connect(zmq.SUB, announce_address, name="weights-sub", curve=curve)
+        try:
+            self._dealer = ZmqChannel.connect(zmq.DEALER, fetch_address, name="weights-dealer",
+                                              identity=identity, zero_copy_recv=True, hwm=0, curve=curve)
+        except ValueError:
+            self._sub.close()
+            raise
 
     @property
     def stats(self):
