@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-gpu lint bench clean-venv
+.PHONY: demo test test-slow test-fast test-gpu lint clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,12 +20,16 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/asyncrl demo
 
-# The whole CPU suite: unit + integration + slow + interop (never gpu / sglang).
+# The default suite: unit + integration (real processes and sockets) + interop (AReaL parity).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not sglang" -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not sglang and not slow" -q
+
+# End-to-end runs of minutes each (train/replay/resume/chaos, bench smoke runs); CI runs them too.
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "slow and not gpu and not sglang" -q
 
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not sglang and not slow and not interop" -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not sglang and not slow and not interop and not integration" -q
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu -q

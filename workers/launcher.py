@@ -116,7 +116,7 @@ class Launcher:
 
 def run_train(overrides: Sequence[str]) -> int:
     from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
-    from asyncrl.runtime.prepare import prepare_model
+    from asyncrl.runtime.prepare import check_task, prepare_model
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
     if resume:
@@ -130,8 +130,10 @@ def run_train(overrides: Sequence[str]) -> int:
         cfg.resume = str(run_dir)
     else:
         cfg = load_train_config(list(overrides))  # bad configuration fails here, before any process starts
-        run_dir = new_run_dir(cfg)
+        run_dir = None
+    check_task(cfg)
     model_dir = prepare_model(cfg, log=print)
+    run_dir = run_dir or new_run_dir(cfg)
     save_config(cfg, run_dir / "config.json")
     launcher = Launcher(cfg, run_dir, model_dir)
     print(f"asyncrl train: run folder {run_dir}")
@@ -148,6 +150,7 @@ def run_train(overrides: Sequence[str]) -> int:
         launcher.start()
         print(f"controller at {launcher.address}  (join more workers: asyncrl worker controller={launcher.address})")
         offset = 0
+        reported: set = set()
         while True:
             records, offset = tail_metrics(run_dir / "metrics.jsonl", offset)
             for r in records:
@@ -167,13 +170,16 @@ def run_train(overrides: Sequence[str]) -> int:
                 launcher.controller.proc.wait(timeout=60) if _alive(launcher.controller) else None
                 launcher.stop()
                 break
-            dead = [c for c in launcher.children if c is not launcher.learner and c.proc.poll() not in (None, 0)]
-            if dead and not launcher.stopping:
-                c = dead[0]
-                rc = c.proc.returncode or 1
-                print(f"\n{c.name} died (exit {c.proc.returncode}):\n{c.tail()}")
+            if launcher.controller.proc.poll() is not None:
+                rc = launcher.controller.proc.returncode or 1
+                print(f"\ncontroller died (exit {rc}):\n{launcher.controller.tail()}")
                 launcher.stop()
                 break
+            for w in launcher.workers:
+                if w.proc.poll() not in (None, 0) and w not in reported:
+                    reported.add(w)  # elastic: the controller reissues its work; the run goes on
+                    print(f"\n{w.name} exited with {w.proc.returncode}; its assignments are reissued "
+                          f"(add workers with: asyncrl worker controller={launcher.address})")
             time.sleep(0.5)
         records, offset = tail_metrics(run_dir / "metrics.jsonl", offset)
         for r in records:
@@ -222,8 +228,9 @@ def run_replay(overrides: Sequence[str]) -> int:
     (``algo=tbpo``, ``learner.lr=...``) it is a counterfactual on the same data, in its own run folder.
     """
     from asyncrl.config.loader import apply_overrides, read_run_config
+    from asyncrl.controller.replay import check_replayable
     from asyncrl.metrics import format_summary, make_plots, write_summary
-    from asyncrl.runtime.prepare import prepare_model
+    from asyncrl.runtime.prepare import model_id, prepare_model
 
     runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
     if not runs:
@@ -237,6 +244,7 @@ def run_replay(overrides: Sequence[str]) -> int:
     cfg.resume = ""
     cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
     model_dir = prepare_model(cfg, log=print)
+    check_replayable(src / "trajectories", model_id=model_id(cfg, model_dir))
     run_dir = new_run_dir(cfg)
     save_config(cfg, run_dir / "config.json")
     print(f"asyncrl replay: {src}/trajectories -> {run_dir}")

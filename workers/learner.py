@@ -148,14 +148,29 @@ class ControllerSource:
                 raise RuntimeError(f"controller refused batch {step}: {env.msg.message}")
         return None
 
-    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False) -> None:
-        """Announce ``version``; with ``checkpoint`` wait until the controller saved its own state."""
+    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False) -> bool:
+        """Announce ``version``. With ``checkpoint``, the controller saves its state for this version
+        and acknowledges; returns whether it did (the learner checkpoints only then)."""
         extra = {"checkpoint": 1.0} if checkpoint else {}
         self.ctl.send(P.VersionUpdate(version=version, metrics=_finite(metrics) | extra))
-        while checkpoint and not self.stop.is_set():
-            env = self.ctl.recv(1.0)
+        return self._await_ack(version, 60.0) if checkpoint else False
+
+    def _await_ack(self, version: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            env = self.ctl.recv(0.5)
             if env is not None and isinstance(env.msg, P.VersionUpdate) and env.msg.version == version:
-                return
+                return True
+        log.warning("controller did not acknowledge the checkpoint of version %d", version)
+        return False
+
+    def sync_checkpoint(self, version: int, timeout_s: float = 15.0) -> bool:
+        """On the way out: ask the controller to save its state for ``version``; False if it cannot."""
+        try:
+            self.ctl.send(P.VersionUpdate(version=version, metrics={"checkpoint": 1.0}), timeout_s=2.0)
+        except ChannelTimeout:
+            return False
+        return self._await_ack(version, timeout_s)
 
     def close(self) -> None:
         time.sleep(0.2)  # let the last message leave before linger=0 drops it
@@ -178,8 +193,12 @@ class ReplaySource:
             return None
         return self.batches[step]
 
-    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False) -> None:
+    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False) -> bool:
         self.writer.log(version, _finite(metrics))
+        return checkpoint
+
+    def sync_checkpoint(self, version: int, timeout_s: float = 15.0) -> bool:
+        return True
 
     def close(self) -> None:
         self.writer.close()
@@ -246,10 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             k = state.version
             t0 = time.perf_counter()
             msg = source.next_batch(k) if info.is_main else None
-            flag = torch.tensor([0 if (info.is_main and msg is None) else 1])
-            if info.world_size > 1:
-                torch.distributed.broadcast(flag, src=0)
-            if int(flag) == 0:
+            if _agree(info.is_main and msg is None, info):
                 log.info("learner stopping before step %d", k)
                 break
             batch = batch_from_message(msg, cfg.rollout.temperature, pad_id) if info.is_main else None
@@ -270,14 +286,14 @@ def main(argv: list[str] | None = None) -> int:
                     metrics |= evaluator.evaluate(sd, state.version)
                 # The controller saves its state for this version before the learner's checkpoint
                 # exists, so every learner checkpoint has a matching controller state.
-                source.report(state.version, metrics, checkpoint=ckpt)
-            if ckpt:
+                acked = source.report(state.version, metrics, checkpoint=ckpt)
+            if ckpt and _agree(info.is_main and acked, info):
                 save_checkpoint(ckpt_root, state, info, keep_last=3)
-        save_checkpoint(ckpt_root, state, info, keep_last=3)
-        stopped = torch.tensor([1 if stop.is_set() else 0])
-        if info.world_size > 1:
-            torch.distributed.broadcast(stopped, src=0)
-        if not int(stopped):  # finished (or the replayed log ran out): export, hash, final eval
+        # A final checkpoint only with the controller's state of the same version (it may be gone:
+        # then the last periodic checkpoint stays the resume point).
+        if _agree(info.is_main and source.sync_checkpoint(state.version), info):
+            save_checkpoint(ckpt_root, state, info, keep_last=3)
+        if not _agree(info.is_main and stop.is_set(), info):  # finished (or the replayed log ran out): export, hash, final eval
             finish_run(cfg, state, model, model_dir, run_dir, info, evaluator, source, t_run)
     except ChannelTimeout as e:
         log.error("controller unreachable: %s", e)
@@ -310,6 +326,14 @@ def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluato
         (run_dir / "learner_final.json").write_text(json.dumps(
             {"version": state.version, "state_dict_sha256": sha, **final}, indent=2))
         source.report(state.version, final | {"done": 1.0})
+
+
+def _agree(flag: bool, info) -> bool:
+    """Rank 0's decision, shared with every rank (collective)."""
+    t = torch.tensor([1 if flag else 0])
+    if info.world_size > 1:
+        torch.distributed.broadcast(t, src=0)
+    return bool(int(t))
 
 
 def _finite(metrics: dict) -> dict[str, float]:

@@ -11,19 +11,34 @@ from __future__ import annotations
 from pathlib import Path
 
 import protocols as P
-from asyncrl.log import BatchRecord, LogFormatError, SampleRecord, read_log
+from asyncrl.log import BatchRecord, LogFormatError, SampleRecord, read_log, segment_paths
+from asyncrl.log.framing import read_header
 
 
 class ReplayError(ValueError):
     """The log cannot be replayed; the message says why and what to do."""
 
 
-def load_replay_batches(log_dir: str | Path, *, model_id: str = "") -> list[P.TrainBatch]:
-    scan = read_log(log_dir)  # LogFormatError (a ValueError) names a schema mismatch
-    logged_model = scan.header.model
+def check_replayable(log_dir: str | Path, *, model_id: str) -> None:
+    """Cheap up-front check (first segment's header only): schema version and model."""
+    paths = segment_paths(log_dir)
+    if not paths:
+        raise ReplayError(f"no trajectory log in {log_dir}; pass run=runs/<name> of a run that logged samples")
+    with open(paths[0], "rb") as f:
+        head = f.read(1 << 20)
+    header, _ = read_header(memoryview(head), str(paths[0]))  # LogFormatError names a schema mismatch
+    _check_model(log_dir, header.model, model_id)
+
+
+def _check_model(log_dir, logged_model: str, model_id: str) -> None:
     if model_id and logged_model and logged_model != model_id:
         raise ReplayError(f"{log_dir} was written for model {logged_model!r}, this replay builds {model_id!r}; "
                           "replay with the run's own model settings")
+
+
+def load_replay_batches(log_dir: str | Path, *, model_id: str = "") -> list[P.TrainBatch]:
+    scan = read_log(log_dir)  # LogFormatError (a ValueError) names a schema mismatch
+    _check_model(log_dir, scan.header.model, model_id)
     samples: dict[str, SampleRecord] = {}
     batches: list[P.TrainBatch] = []
     for rec in scan.records:

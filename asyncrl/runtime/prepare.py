@@ -34,6 +34,17 @@ def check_model_folder(path: Path) -> Path:
     return path
 
 
+def check_task(cfg) -> None:
+    """Build the task once, so a missing dataset file or a bad task argument fails before any process."""
+    from asyncrl.controller.scoring import task_kwargs
+    from asyncrl.tasks import make_task
+
+    task = make_task(cfg.task.name, **task_kwargs(cfg))
+    close = getattr(task, "close", None)
+    if close is not None:
+        close()
+
+
 def prepare_model(cfg, log: Callable[[str], None] = print) -> Path:
     """The HF folder this run's learner loads (and whose architecture the workers build)."""
     from asyncrl.models import ensure_smollm2, ensure_tiny_model

@@ -208,12 +208,17 @@ class WeightClient:
     def fetch(self, version: int = -1, timeout_s: float = 60.0, fmt: str = "") -> tuple[WeightAnnounce, list]:
         """All tensors of ``version`` (-1: latest), checked against the manifest, in manifest order."""
         deadline = time.monotonic() + timeout_s
-        self._dealer.send(WeightFetch(version=version, fmt=fmt), timeout_s=timeout_s)
+        try:
+            self._dealer.send(WeightFetch(version=version, fmt=fmt), timeout_s=timeout_s)
+        except ChannelTimeout:
+            raise WeightFetchError(f"timed out after {timeout_s}s sending the request for version {version}: the "
+                                   f"weight server is unreachable{self._refused_hint()}") from None
 
         def next_msg(what: str):
             env = self._dealer.recv(max(0.0, deadline - time.monotonic()))
             if env is None:
-                raise WeightFetchError(f"timed out after {timeout_s}s waiting for {what} of version {version}")
+                raise WeightFetchError(f"timed out after {timeout_s}s waiting for {what} of version {version}"
+                                       f"{self._refused_hint()}")
             if isinstance(env.msg, Error):
                 raise WeightFetchError(f"weight server refused: {env.msg.message}")
             return env
@@ -229,6 +234,11 @@ class WeightClient:
                 raise WeightFetchError(f"chunk {i} does not match manifest entry {spec.name!r}: {chunk!r}")
             buffers.append(env.payload)
         return ann, buffers
+
+    def _refused_hint(self) -> str:
+        if self._dealer.stats.auth.get("refused"):
+            return "; the server refused this client's CURVE key (not in its allow-list: `asyncrl keys add`)"
+        return ""
 
     def close(self) -> None:
         self._sub.close()

@@ -1,0 +1,192 @@
+"""End-to-end runs of ``asyncrl train`` / ``replay`` / ``resume`` with real processes (marker ``slow``).
+
+One short asynchronous run (controller, FSDP learner, two int8 workers) is shared by the tests of
+this module; each test then checks one promise of the system against its run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from asyncrl.log import BatchRecord, SampleRecord, read_log
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+ETA = 1
+SHORT = ["learner.total_steps=12", "learner.ckpt_every=4", "learner.eval_every=0", f"rollout.eta={ETA}",
+         "rollout.groups_per_step=4", "model.warmstart_steps=30", "rollout.dead_after_s=60"]
+
+
+def asyncrl(procs, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = procs.python("-m", "asyncrl", *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(errors="replace"), "")
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    from tests.conftest import ProcessTracker
+
+    runs = tmp_path_factory.mktemp("runs")
+    tracker = ProcessTracker()
+    try:
+        res = asyncrl(tracker, "train", f"runs_dir={runs}", "run_name=short", *SHORT)
+    finally:
+        tracker.stop_all()
+    assert res.returncode == 0, res.stdout[-4000:]
+    return runs / "short", res.stdout
+
+
+def _log(run_dir: Path):
+    scan = read_log(run_dir / "trajectories")
+    assert not scan.corruptions
+    samples = [r for r in scan.records if isinstance(r, SampleRecord)]
+    batches = [r for r in scan.records if isinstance(r, BatchRecord)]
+    return samples, batches
+
+
+def test_run_folder_holds_every_artifact(short_run):
+    run_dir, out = short_run
+    for name in ("config.json", "metrics.jsonl", "summary.json", "controller.json", "learner_final.json"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert (run_dir / "model" / "config.json").is_file() and (run_dir / "model" / "model.safetensors").is_file()
+    assert (run_dir / "checkpoints" / "latest").is_file()
+    for png in (run_dir / "plots").glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "plots" / "reward.png").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("final_train_reward", "eval_accuracy", "learner_steps", "wall_seconds", "max_consumed_staleness",
+                "samples_logged", "state_dict_sha256"):
+        assert key in summary
+    assert summary["learner_steps"] == 12 and summary["state_dict_sha256"] in out
+
+
+def test_no_consumed_token_is_staler_than_eta_and_every_sample_is_logged_once(short_run):
+    run_dir, _ = short_run
+    samples, batches = _log(run_dir)
+    ids = Counter(r.sample.sample_id for r in samples)
+    assert ids and max(ids.values()) == 1, [k for k, v in ids.items() if v > 1][:5]
+    assert [b.step for b in batches] == list(range(12))
+    consumed = Counter(sid for b in batches for sid in b.sample_ids)
+    assert max(consumed.values()) == 1 and set(consumed) <= set(ids)
+    by_id = {r.sample.sample_id: r for r in samples}
+    worst = 0
+    for b in batches:
+        for sid in b.sample_ids:
+            v = by_id[sid].sample.versions.to_numpy()
+            if v.size:
+                worst = max(worst, b.step - int(v.min()))
+                assert b.step - int(v.min()) <= ETA and b.step - int(v.max()) >= 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["max_consumed_staleness"] == worst
+
+
+def test_replay_reproduces_the_final_weights_bit_for_bit(short_run, procs):
+    """The learner consumed exactly the logged batches: retraining from the log alone gives the same hash."""
+    run_dir, _ = short_run
+    res = asyncrl(procs, "replay", f"run={run_dir}", "run_name=short-replay")
+    assert res.returncode == 0, res.stdout[-4000:]
+    original = json.loads((run_dir / "summary.json").read_text())["state_dict_sha256"]
+    replayed = json.loads((run_dir.parent / "short-replay" / "summary.json").read_text())["state_dict_sha256"]
+    assert replayed == original
+
+
+def test_replay_at_world_size_two_gives_the_same_loss_curve(short_run, procs):
+    run_dir, _ = short_run
+    curves = {}
+    for ws in (1, 2):
+        name = f"short-ws{ws}"
+        res = asyncrl(procs, "replay", f"run={run_dir}", f"run_name={name}", f"learner.world_size={ws}")
+        assert res.returncode == 0, res.stdout[-4000:]
+        lines = [json.loads(x) for x in (run_dir.parent / name / "metrics.jsonl").read_text().splitlines()]
+        curves[ws] = [(r["step"], r["actor/pg_loss"]) for r in lines if r.get("actor/pg_loss") is not None]
+    assert len(curves[1]) == 12
+    assert [s for s, _ in curves[1]] == [s for s, _ in curves[2]]
+    for (_, a), (_, b) in zip(curves[1], curves[2], strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
+
+
+def test_counterfactual_replay_with_another_objective_writes_its_own_run(short_run, procs):
+    run_dir, _ = short_run
+    res = asyncrl(procs, "replay", f"run={run_dir}", "run_name=short-tbpo", "algo=tbpo")
+    assert res.returncode == 0, res.stdout[-4000:]
+    cfg = json.loads((run_dir.parent / "short-tbpo" / "config.json").read_text())
+    assert cfg["algo"]["objective"] == "tbpo"
+    lines = (run_dir.parent / "short-tbpo" / "metrics.jsonl").read_text().splitlines()
+    assert any("tbpo/seq_masked_frac" in json.loads(x) for x in lines)
+
+
+def test_replay_refuses_a_log_of_another_model(short_run, procs):
+    run_dir, _ = short_run
+    res = asyncrl(procs, "replay", f"run={run_dir}", "run_name=short-other", "model.warmstart_steps=31")
+    assert res.returncode != 0
+    assert res.returncode == 2 and "was written for model" in res.stdout
+
+
+def _learner_rank_pids(root_pid: int) -> list[int]:
+    kids = psutil.Process(root_pid).children(recursive=True)
+    return [p.pid for p in kids if "workers/learner.py" in " ".join(p.cmdline()) and
+            "torch.distributed.run" not in " ".join(p.cmdline())]
+
+
+def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before the step was reached"
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and any(json.loads(x)["step"] >= step for x in path.read_text().splitlines() if x):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"step {step} not reached")
+
+
+def test_killed_learner_resumes_with_the_next_version_and_loses_no_group(tmp_path, procs):
+    proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=crash", *SHORT,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    run_dir = tmp_path / "crash"
+    _wait_for_step(run_dir, 6, proc)
+    for pid in _learner_rank_pids(proc.pid):  # fault injection: the learner dies without warning
+        psutil.Process(pid).send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and b"learner failed" in out
+    ckpt = json.loads((run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text() /
+                       "learner.json").read_text())["version"]
+    assert ckpt in (4, 8)
+    res = asyncrl(procs, "train", f"resume={run_dir}")
+    assert res.returncode == 0, res.stdout[-4000:]
+    samples, batches = _log(run_dir)
+    assert [b.step for b in batches] == list(range(12))  # continued at the next version, nothing twice
+    ids = Counter(r.sample.sample_id for r in samples)
+    assert max(ids.values()) == 1
+    consumed = Counter(sid for b in batches for sid in b.sample_ids)
+    assert max(consumed.values()) == 1
+    groups = Counter(sid.split("/")[0] for sid in consumed)
+    assert set(groups.values()) == {8}  # every consumed group is whole
+    events = [r for r in read_log(run_dir / "trajectories").records if getattr(r, "event", "") == "resume"]
+    assert events and events[0].data["version"] == str(ckpt)
+    assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == 12
+
+
+def test_bad_configuration_fails_before_any_process_starts(tmp_path):
+    cases = {
+        "algo.objective=foo": "choose one of",
+        "rollout.eta=-1": "rollout.eta=-1 must be >= 0",
+        f"task.name=jsonl_math task.path={tmp_path}/missing.jsonl": "missing.jsonl",
+        f"model.name=path model.path={tmp_path}": "no config.json",
+    }
+    for override, message in cases.items():
+        res = subprocess.run([sys.executable, "-m", "asyncrl", "train", f"runs_dir={tmp_path}/runs",
+                              *override.split()], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, (override, res.stdout, res.stderr)
+        assert message in res.stderr, (override, res.stderr)
+        assert not (tmp_path / "runs").exists(), "a run folder was created"
