@@ -20,9 +20,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def parser(name: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"{name}.py", description=description)
+def parser(name: str, description: str, *, smoke: bool = False) -> argparse.ArgumentParser:
+    """The shared options. ``smoke=True`` adds ``--smoke``: the smallest run that exercises every code
+    path of the script (seconds to a minute; its figures mean nothing), used by the tests."""
+    p = argparse.ArgumentParser(prog=f"{name}.py", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a run of a minute or two (smaller sizes, fewer repeats)")
+    if smoke:
+        p.add_argument("--smoke", action="store_true",
+                       help="smallest run that exercises every code path (tests; figures are meaningless)")
     p.add_argument("--json", metavar="PATH", default=str(ROOT / "benchmarks" / "results" / f"{name}.json"),
                    help="write the table as JSON here (default: %(default)s)")
     return p
@@ -57,6 +63,7 @@ def write_json(path: str, name: str, tables: dict[str, list[dict[str, Any]]], ar
                **extra: Any) -> None:
     out = {"benchmark": name, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "quick": bool(args.quick),
+           "smoke": bool(getattr(args, "smoke", False)),
            "machine": machine(), "tables": tables, **extra}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))

@@ -10,7 +10,6 @@ import json
 import random
 import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
