@@ -170,8 +170,8 @@ def run_train(overrides: Sequence[str]) -> int:
                 launcher.controller.proc.wait(timeout=60) if _alive(launcher.controller) else None
                 launcher.stop()
                 break
-            if launcher.controller.proc.poll() is not None:
-                rc = launcher.controller.proc.returncode or 1
+            if launcher.controller.proc.poll() not in (None, 0):  # 0: it finished with the learner
+                rc = launcher.controller.proc.returncode
                 print(f"\ncontroller died (exit {rc}):\n{launcher.controller.tail()}")
                 launcher.stop()
                 break
