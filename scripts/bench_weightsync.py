@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""Whole weight-sync cost per policy version, stage by stage, next to a plain memory copy of the same bytes.
+
+One version travels the path a training run uses (workers/learner.py -> workers/generator.py):
+
+1. gather   -- ``asyncrl.learner.full_state_dict`` of an FSDP2-sharded fp32 model (world size 1,
+               one-rank gloo group in this process: the learner's own code path, DTensor parameters
+               and all; at world size 1 the "all-gather" is a local copy, so this is a lower bound of
+               the multi-rank cost);
+2. quantize -- ``asyncrl.quant.publish`` (quantize-on-send, sha256 digest per tensor, checksum);
+3. send     -- ``WeightServer`` (this process) -> ``WeightClient.fetch`` in a child process over tcp
+               loopback, timed in the child from the request to the last byte;
+4. load     -- in the child: ``asyncrl.transport.publication.from_wire`` (one copy per tensor) and
+               ``asyncrl.quant.load_published`` (verifies digests and checksum, copies into the
+               ``quantize_model``-converted actor, refreshes the quantised linears).
+
+Beside it, ``memcpy``: ``np.copyto`` of the published buffers into preallocated ones (the same
+bytes, once), the floor any transport could approach on one machine. Key columns:
+``total_vs_memcpy`` (whole sync time / memcpy time) and ``bytes_vs_fp32``.
+
+Models: a seeded random Qwen2 of ~22M parameters with the proportions of Qwen2-0.5B (the one
+bench_quant.py builds) and the embedded tiny char-level Qwen2 (asyncrl.models). Each stage is timed
+--repeats times in rotating format order; the table shows the median of each stage and the median
+of the per-repeat totals (the machine is shared). One torch thread in both processes.
+
+Run: ``python scripts/bench_weightsync.py [--quick|--smoke] [--formats fp32,bf16,int8,nvfp4]
+[--models qwen2-22m,tiny] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import copy  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts import benchlib  # noqa: E402
+
+FORMATS = ("fp32", "bf16", "int8", "nvfp4")
+MODELS = ("qwen2-22m", "tiny")
+STAGES = ("gather_s", "quantize_s", "send_s", "unpack_s", "load_s")
+
+
+def build_model(name: str):
+    """A freshly built fp32 model (identical in the parent and the child: seeded / read from disk)."""
+    import torch
+
+    if name == "tiny":
+        from transformers import AutoModelForCausalLM
+
+        from asyncrl.models import ensure_tiny_model
+
+        folder = ensure_tiny_model(benchlib.ROOT / ".cache" / "models" / "tiny-qwen2-char-seed0", seed=0)
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if name != "qwen2-22m":
+        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from scripts.bench_quant import MODEL_CONFIG
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIG)).eval()
+
+
+def _worker(conn, model_name: str, formats: list[str]) -> None:
+    """The child: a generation worker's side of the sync (fetch, rebuild, load), timed per version."""
+    import torch
+
+    from asyncrl.quant import load_published, quantize_model
+    from asyncrl.transport import WeightClient
+    from asyncrl.transport.publication import from_wire
+
+    torch.set_num_threads(1)
+    base = build_model(model_name)
+    actors = {f: quantize_model(copy.deepcopy(base), f) for f in formats}
+    announce_addr, fetch_addr = conn.recv()
+    client = WeightClient(announce_addr, fetch_addr, identity=b"bench-worker")
+    conn.send("ready")
+    while True:
+        req = conn.recv()
+        if req is None:
+            break
+        version, fmt = req
+        t0 = time.perf_counter()
+        ann, buffers = client.fetch(version, timeout_s=120.0, fmt=fmt)
+        t1 = time.perf_counter()
+        pub = from_wire(ann, buffers)
+        t2 = time.perf_counter()
+        load_published(actors[fmt], pub)
+        t3 = time.perf_counter()
+        conn.send({"send_s": t1 - t0, "unpack_s": t2 - t1, "load_s": t3 - t2,
+                   "received_bytes": sum(memoryview(b).nbytes for b in buffers)})
+    client.close()
+
+
+def memcpy_seconds(buffers: list, repeats: int) -> float:
+    """Best time to copy the published bytes once into preallocated buffers (np.copyto)."""
+    import numpy as np
+
+    src = [np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8) for b in buffers]
+    dst = [np.empty_like(a) for a in src]
+    best = float("inf")
+    for _ in range(max(3, repeats)):
+        t0 = time.perf_counter()
+        for d, a in zip(dst, src, strict=True):
+            np.copyto(d, a)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_model(model_name: str, formats: list[str], repeats: int) -> tuple[list[dict], list[dict]]:
+    from asyncrl.learner import full_state_dict, init_distributed, shard_model
+    from asyncrl.quant import publish
+    from asyncrl.transport import WeightServer
+    from asyncrl.transport.publication import to_wire
+
+    info = init_distributed()
+    base = build_model(model_name)
+    n_params = sum(p.numel() for p in base.parameters())
+    learner = shard_model(copy.deepcopy(base), info)
+    del base
+    server = WeightServer("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", keep_versions=2)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_worker, args=(child, model_name, formats), daemon=True)
+    proc.start()
+    raw: list[dict] = []
+    try:
+        parent.send((server.announce_address, server.fetch_address))
+        if not parent.poll(600) or parent.recv() != "ready":
+            raise RuntimeError("the worker child did not start")
+        version = 0
+        for rep in range(repeats + 1):  # repeat 0 warms every path up and is not reported
+            order = formats[rep % len(formats):] + formats[: rep % len(formats)]
+            for fmt in order:
+                version += 1
+                t0 = time.perf_counter()
+                sd = full_state_dict(learner)
+                t1 = time.perf_counter()
+                pub = publish(sd, fmt, version=version)
+                t2 = time.perf_counter()
+                announce, buffers = to_wire(pub)
+                server.publish(announce, buffers)
+                t3 = time.perf_counter()
+                parent.send((version, fmt))
+                if not parent.poll(600):
+                    raise RuntimeError(f"the worker child did not load version {version} ({fmt})")
+                child_t = parent.recv()
+                assert child_t["received_bytes"] == pub.total_bytes()
+                if rep == 0:
+                    continue
+                raw.append({"model": model_name, "format": fmt, "repeat": rep, "params": n_params,
+                            "bytes": pub.total_bytes(), "gather_s": t1 - t0, "quantize_s": t2 - t1,
+                            "serve_s": t3 - t2, **{k: child_t[k] for k in ("send_s", "unpack_s", "load_s")},
+                            "memcpy_s": memcpy_seconds(buffers, 3)})
+                del sd
+        parent.send(None)
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
+        server.close()
+    del learner
+    rows = []
+    fp32_bytes = next((r["bytes"] for r in raw if r["format"] == "fp32"), None)
+    for fmt in formats:
+        rs = [r for r in raw if r["format"] == fmt]
+        med = {k: statistics.median(r[k] for r in rs) for k in (*STAGES, "serve_s", "memcpy_s")}
+        total = statistics.median(sum(r[k] for k in STAGES) + r["serve_s"] for r in rs)
+        rows.append({"model": model_name, "params_M": n_params / 1e6, "format": fmt, "MB": rs[0]["bytes"] / 1e6,
+                     "bytes_vs_fp32": rs[0]["bytes"] / fp32_bytes if fp32_bytes else float("nan"),
+                     **{k: med[k] for k in STAGES}, "total_s": total, "memcpy_s": med["memcpy_s"],
+                     "total_vs_memcpy": total / med["memcpy_s"], "send_vs_memcpy": med["send_s"] / med["memcpy_s"]})
+    return rows, raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = benchlib.parser("bench_weightsync", __doc__.split("\n\n")[0], smoke=True)
+    p.epilog = __doc__.split("\n\n", 1)[1]
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma list (default: %(default)s)")
+    p.add_argument("--models", default=None, help=f"comma list of {MODELS} (default: both; --smoke: tiny)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per format (default 7, quick 3, "
+                                                                  "smoke 1)")
+    args = p.parse_args(argv)
+    import torch
+
+    from asyncrl.learner import close_distributed
+    from asyncrl.quant import FORMATS as ALL
+
+    torch.set_num_threads(1)
+    formats = [f for f in args.formats.split(",") if f]
+    bad = [f for f in formats if f not in ALL]
+    if bad:
+        raise SystemExit(f"unknown format(s) {bad}; choose from {ALL}")
+    if "fp32" not in formats:
+        formats.insert(0, "fp32")  # the bytes_vs_fp32 baseline
+    models = [m for m in (args.models or ("tiny" if args.smoke else ",".join(MODELS))).split(",") if m]
+    repeats = args.repeats or (1 if args.smoke else 3 if args.quick else 7)
+    rows, raw = [], []
+    try:
+        for m in models:
+            r, x = bench_model(m, formats, repeats)
+            rows += r
+            raw += x
+            print(f"  {m}: done ({len(x)} timed syncs)", flush=True)
+    finally:
+        close_distributed()
+    benchlib.print_table(
+        f"weight sync per version: gather (FSDP2 full state dict) + quantize + send (tcp loopback, child process) "
+        f"+ load (from_wire + load_published); median of {repeats}", rows,
+        ["model", "params_M", "format", "MB", "bytes_vs_fp32", *STAGES, "total_s", "memcpy_s", "total_vs_memcpy",
+         "send_vs_memcpy"])
+    benchlib.write_json(args.json, "bench_weightsync", {"sync": rows, "raw": raw}, args, repeats=repeats,
+                        formats=formats, models=models)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
