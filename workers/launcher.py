@@ -81,6 +81,7 @@ class Launcher:
     def start(self) -> None:
         fmts = ",".join(publish_formats(self.cfg))
         common = ["--run-dir", str(self.run_dir), "--model-dir", str(self.model_dir), "--publish-formats", fmts]
+        (self.run_dir / "controller.json").unlink(missing_ok=True)  # a resumed run must not read the old address
         self.controller = self.spawn("controller", [sys.executable, "-m", "workers.controller", *common])
         addr_file = self.run_dir / "controller.json"
         deadline = time.monotonic() + 120

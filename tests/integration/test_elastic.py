@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 G = 8
 RUN = ["learner.total_steps=16", "learner.ckpt_every=4", "learner.eval_every=0", "rollout.eta=2",
-       "rollout.groups_per_step=4", "model.warmstart_steps=30", "rollout.heartbeat_s=0.5",
+       "rollout.groups_per_step=4", "rollout.heartbeat_s=0.5",
        "rollout.dead_after_s=3"]
 
 

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 ETA = 1
 SHORT = ["learner.total_steps=12", "learner.ckpt_every=4", "learner.eval_every=0", f"rollout.eta={ETA}",
-         "rollout.groups_per_step=4", "model.warmstart_steps=30", "rollout.dead_after_s=60"]
+         "rollout.groups_per_step=4", "rollout.dead_after_s=60"]
 
 
 def asyncrl(procs, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -128,7 +128,7 @@ def test_counterfactual_replay_with_another_objective_writes_its_own_run(short_r
 
 def test_replay_refuses_a_log_of_another_model(short_run, procs):
     run_dir, _ = short_run
-    res = asyncrl(procs, "replay", f"run={run_dir}", "run_name=short-other", "model.warmstart_steps=31")
+    res = asyncrl(procs, "replay", f"run={run_dir}", "run_name=short-other", "model.warmstart_steps=151")
     assert res.returncode != 0
     assert res.returncode == 2 and "was written for model" in res.stdout
 
