@@ -1,0 +1,229 @@
+"""Weight-update payloads for an SGLang server, and the learner side of a broadcast update group.
+
+Owns: turning what ``SGLangEngine.update_weights`` accepts into SGLang 0.5.23 request bodies --
+  * a full-precision HF state dict, or an ``asyncrl.quant.PublishedWeights`` in ``fp32``/``bf16``
+    -> ``/update_weights_from_tensor`` bodies: ``serialized_named_tensors`` is one base64 string per
+    tensor-parallel rank holding a pickled ``[(hf_name, tensor), ...]`` list. The tensors are pickled
+    *by value* (plain ``pickle``, not SGLang's ``ForkingPickler``, whose CPU tensors travel as shared-memory
+    handles that another process on another machine cannot open). SGLang's ``SafeUnpickler`` accepts
+    exactly these globals (``torch._utils._rebuild_tensor_v2``, ``torch.storage._load_from_bytes``);
+  * a folder (``str``/``Path``) -> ``/update_weights_from_disk`` with ``model_path``;
+  * ``BroadcastWeights`` (names, dtypes, shapes) -> ``/update_weights_from_distributed`` while the learner
+    broadcasts the tensors from rank 0 of a group built with ``WeightBroadcaster``.
+and ``WeightBroadcaster``, the learner (rank 0) end of SGLang's ``/init_weights_update_group``.
+
+Must never: quantize (SGLang quantizes on load in ``--quantization fp8 --load-format flash_rl``), send a
+quantized publication (its ``qweight``/``weight_scale`` names and per-row scales match no SGLang 0.5.23
+loader that can be re-loaded in place, see docs/sglang.md), or mutate the caller's tensors.
+
+Invariants: chunks keep the caller's tensor order; every tensor is in exactly one chunk; a chunk exceeds
+``max_chunk_bytes`` only when one tensor alone does.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+FULL_PRECISION_PUBLICATIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class BroadcastWeights:
+    """An update whose tensors the learner broadcasts from rank 0 of group ``group_name``.
+
+    ``names``/``dtypes``/``shapes`` describe, in broadcast order, what rank 0 sends (HF names; dtypes as
+    torch attribute names such as ``"float32"``). Build it with ``WeightBroadcaster.describe``.
+    """
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = "weight_update_group"
+
+    def __post_init__(self) -> None:
+        if not self.names or not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError("BroadcastWeights needs equally long, non-empty names, dtypes and shapes")
+
+    def body(self, version: int) -> dict[str, Any]:
+        return {
+            "names": list(self.names),
+            "dtypes": list(self.dtypes),
+            "shapes": [list(s) for s in self.shapes],
+            "group_name": self.group_name,
+            "weight_version": str(version),
+            "flush_cache": False,
+        }
+
+
+@dataclass(frozen=True)
+class TensorUpdate:
+    """A validated tensor update: ``named`` is ``[(hf_name, cpu tensor)]`` in the order given."""
+
+    named: list[tuple[str, Any]] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.named)
+
+
+def prepare_update(weights: Any) -> TensorUpdate | Path | BroadcastWeights:
+    """Validate what ``update_weights`` was given (any thread, before queueing); ``ValueError`` with the fix."""
+    if isinstance(weights, BroadcastWeights):
+        return weights
+    if isinstance(weights, (str, Path)):
+        folder = Path(weights)
+        if not folder.is_dir():
+            raise ValueError(
+                f"weights folder {str(folder)!r} does not exist; save the HF checkpoint there first"
+            )
+        return folder
+    import torch
+
+    if isinstance(weights, Mapping):
+        bad = [k for k, v in weights.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad or not weights:
+            raise ValueError(f"a state dict update needs str -> tensor entries; bad entries: {bad[:5]}")
+        return TensorUpdate([(k, _detached(v)) for k, v in weights.items()])
+    try:
+        from asyncrl.quant import PublishedWeights
+    except ImportError:  # pragma: no cover - asyncrl.quant is part of the package
+        PublishedWeights = ()  # type: ignore[assignment]
+    if PublishedWeights and isinstance(weights, PublishedWeights):
+        if weights.fmt not in FULL_PRECISION_PUBLICATIONS:
+            raise ValueError(
+                f"SGLang takes full-precision updates; got a {weights.fmt!r} publication. Publish in 'fp32' or "
+                "'bf16' (a server started with quant_format='fp8' quantizes them on load)"
+            )
+        weights.verify()
+        return TensorUpdate([(e.name, _detached(weights.tensors[e.name])) for e in weights.manifest])
+    raise ValueError(
+        "weights must be a state dict, an asyncrl.quant.PublishedWeights (fp32/bf16), a checkpoint folder "
+        f"or a BroadcastWeights; got {type(weights).__name__}"
+    )
+
+
+def _detached(t: Any) -> Any:
+    """A CPU tensor owning exactly its bytes (pickling a view would ship its whole storage)."""
+    t = t.detach().to("cpu")
+    if t.storage_offset() != 0 or not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
+        t = t.contiguous().clone()
+    return t
+
+
+def chunk_update(update: TensorUpdate, max_chunk_bytes: int) -> list[list[tuple[str, Any]]]:
+    """Split into consecutive chunks of at most ``max_chunk_bytes`` (one oversized tensor = own chunk)."""
+    chunks: list[list[tuple[str, Any]]] = []
+    size = 0
+    for name, t in update.named:
+        n = t.numel() * t.element_size()
+        if not chunks or (size + n > max_chunk_bytes and chunks[-1]):
+            chunks.append([])
+            size = 0
+        chunks[-1].append((name, t))
+        size += n
+    return chunks
+
+
+def serialize_named_tensors(named: Sequence[tuple[str, Any]]) -> str:
+    """Base64 of a by-value pickle of ``[(name, tensor)]`` (what SGLang's ``MultiprocessingSerializer``
+    deserializes for one tensor-parallel rank)."""
+    return base64.b64encode(pickle.dumps(list(named), protocol=4)).decode("ascii")
+
+
+def tensor_bodies(
+    update: TensorUpdate, version: int, *, tp_size: int = 1, max_chunk_bytes: int = 256 << 20
+) -> list[dict[str, Any]]:
+    """``/update_weights_from_tensor`` bodies; only the last carries ``weight_version`` (the version moves
+    once every chunk is loaded). ``flush_cache`` is off: the engine pauses in place, and SGLang refuses
+    (fails the update) to flush while requests are running."""
+    bodies = []
+    chunks = chunk_update(update, max_chunk_bytes)
+    for i, chunk in enumerate(chunks):
+        payload = serialize_named_tensors(chunk)
+        body: dict[str, Any] = {"serialized_named_tensors": [payload] * tp_size, "flush_cache": False}
+        if i == len(chunks) - 1:
+            body["weight_version"] = str(version)
+        bodies.append(body)
+    return bodies
+
+
+def disk_body(folder: Path, version: int) -> dict[str, Any]:
+    """``/update_weights_from_disk`` body (needs no begin/end session in SGLang 0.5.23)."""
+    return {"model_path": str(folder), "weight_version": str(version), "flush_cache": False}
+
+
+class WeightBroadcaster:
+    """Rank 0 (the learner) of the process group SGLang joins through ``/init_weights_update_group``.
+
+    Build it while the engine's ``init_broadcast_group`` call is in flight (the two meet in the rendezvous
+    at ``tcp://master_address:master_port``, whose store this side hosts). The group is made exactly as
+    SGLang 0.5.23 makes its side (``init_custom_process_group``: ``rendezvous`` + ``PrefixStore(group_name)``
+    + ``_new_process_group_helper``), so both sides agree on store keys; ``backend`` is ``"gloo"`` for CPU
+    tensors and ``"nccl"`` for CUDA tensors.
+    """
+
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        group_name: str = "weight_update_group",
+        timeout_s: float = 300.0,
+    ) -> None:
+        import torch
+        from torch.distributed.distributed_c10d import (
+            Backend,
+            PrefixStore,
+            _new_process_group_helper,
+            _world,
+            rendezvous,
+        )
+
+        if world_size < 2:
+            raise ValueError(
+                f"world_size must count the learner and every server rank (>= 2), got {world_size}"
+            )
+        self.group_name = group_name
+        self.backend = backend
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, size = next(
+            rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout)
+        )
+        store.set_timeout(timeout)
+        store = PrefixStore(group_name, store)
+        self.group, _ = _new_process_group_helper(
+            size,
+            rank,
+            [],
+            Backend(backend),
+            store,
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
+        _world.pg_group_ranks[self.group] = {i: i for i in range(size)}
+        self._torch = torch
+
+    @staticmethod
+    def describe(state_dict: Mapping[str, Any], group_name: str = "weight_update_group") -> BroadcastWeights:
+        """The ``BroadcastWeights`` for broadcasting ``state_dict`` in its iteration order."""
+        names = tuple(state_dict)
+        dtypes = tuple(str(state_dict[n].dtype).removeprefix("torch.") for n in names)
+        shapes = tuple(tuple(state_dict[n].shape) for n in names)
+        return BroadcastWeights(names, dtypes, shapes, group_name)
+
+    def broadcast(self, state_dict: Mapping[str, Any]) -> None:
+        """Send every tensor of ``state_dict`` (same order as ``describe``) from rank 0; blocks until sent."""
+        for tensor in state_dict.values():
+            self._torch.distributed.broadcast(tensor.detach().contiguous(), src=0, group=self.group)
+
+    def close(self) -> None:
+        self._torch.distributed.destroy_process_group(self.group)
