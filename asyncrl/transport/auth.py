@@ -24,9 +24,11 @@ sessions are not cut).
 Counting: every secured socket gets a zmq monitor; the ZAP thread reads the monitor events and
 counts per socket (``ChannelStats.auth``) and per process (``auth_metrics()``). Reasons:
 ``unknown_key`` (a CURVE client whose key is not in the allow-list), ``no_curve`` (a plain client at a
-CURVE socket), ``bad_key`` (a client holding the wrong server public key, or a corrupt handshake),
-``handshake`` (anything else), and on the client side ``refused`` (the server denied our key). A client
-that keeps retrying is counted at every attempt (zmq reconnects every 100 ms by default).
+CURVE socket, when this side notices the mechanism mismatch first), ``aborted`` (the peer hung up
+mid-handshake: a plain client that noticed the mismatch first, or a port scanner), ``bad_key`` (a client
+holding the wrong server public key, or a corrupt handshake), ``protocol`` (any other ZMTP error), and
+on the client side ``refused`` (the server denied our key). A client that keeps retrying is counted at
+every attempt (zmq reconnects every 100 ms by default).
 """
 
 from __future__ import annotations
@@ -294,16 +296,19 @@ class _Security:
             reason = "no_curve"
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
             reason = "bad_key"
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            reason = "aborted"  # the peer hung up mid-handshake (value: errno), e.g. a plain client that saw CURVE
         else:
-            reason = "handshake"
+            reason = "protocol"
         with self._lock:
             self.totals[reason] += 1
             n = self.totals[reason]
         if count is not None:
             count(reason)
         if reason != "accepted" and n & (n - 1) == 0:  # 1st, 2nd, 4th, ...: a retrying client cannot flood the log
-            log.warning("%s-side CURVE handshake failed: %s (%d so far)%s", "server" if server else "client", reason,
-                        n, "; this key is not in the server's allow-list" if reason == "refused" else "")
+            log.warning("%s-side CURVE handshake failed: %s (%d so far; zmq event %#x value %#x)%s",
+                        "server" if server else "client", reason, n, int(kind), int(value),
+                        "; this key is not in the server's allow-list" if reason == "refused" else "")
         return True
 
     def _run(self) -> None:

@@ -7,6 +7,9 @@ Run as ``python tests/integration/curve_peer.py ROLE ...``:
   client ADDRS_JSON [KEYS_DIR NAME]  with keys (or plain without): Hello on control, push one sample,
                                   fetch the weights; print one JSON line of what worked; exit 0
   bind HOST [KEYS_DIR]            apply the bind policy to tcp://HOST:0 and bind; exit 0 if it bound
+  weights OUT_JSON                a plain WeightServer (what learner rank 0 runs) serving version 1 of
+                                  WEIGHTS, for the fuzz test; prints its addresses; on SIGTERM writes
+                                  its counters to OUT_JSON and exits 0
 """
 
 from __future__ import annotations
@@ -68,6 +71,23 @@ def server(keys_dir: str, out_path: str) -> int:
     return 0
 
 
+def weights(out_path: str) -> int:
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    server = WeightServer()
+    spec = P.TensorSpec(name="w", dtype="uint8", shape=(len(WEIGHTS),), nbytes=len(WEIGHTS))
+    server.publish(P.WeightAnnounce(version=1, fmt="int8", manifest=[spec], checksum="00",
+                                    total_bytes=len(WEIGHTS)), [WEIGHTS])
+    print(json.dumps({"announce": server.announce_address, "fetch": server.fetch_address}), flush=True)
+    while not stop["flag"]:
+        time.sleep(0.02)
+    server.close()  # joins the serving thread: the counters are final
+    out = {"fetches_served": server.fetches_served, **server.as_metrics("transport/weights")}
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
 def client(addrs_path: str, keys_dir: str = "", name: str = "") -> int:
     addrs = json.loads(open(addrs_path).read())
     curve = load_client_keys(keys_dir, name) if keys_dir else None
@@ -76,8 +96,11 @@ def client(addrs_path: str, keys_dir: str = "", name: str = "") -> int:
     with ZmqChannel.connect(zmq.DEALER, addrs["control"], curve=curve) as ctl, \
             ZmqChannel.connect(zmq.PUSH, addrs["samples"], curve=curve) as push:
         hello = P.Hello(protocol_version=P.PROTOCOL_VERSION, role="generator", peer_id=who)
-        ctl.send(hello, timeout_s=1.0)
-        env = ctl.recv(3.0)
+        try:
+            ctl.send(hello, timeout_s=1.0)
+            env = ctl.recv(3.0)
+        except TimeoutError:  # a refused connection leaves zmq no pipe to queue on
+            env = None
         result["hello_echoed"] = env is not None and env.msg == hello
         sample = next(m for m in example_messages() if isinstance(m, P.FinishedSample))
         try:
@@ -114,4 +137,4 @@ def bind(host: str, keys_dir: str = "") -> int:
 
 if __name__ == "__main__":
     role, rest = sys.argv[1], sys.argv[2:]
-    sys.exit({"server": server, "client": client, "bind": bind}[role](*rest))
+    sys.exit({"server": server, "client": client, "bind": bind, "weights": weights}[role](*rest))

@@ -53,7 +53,9 @@ def test_only_the_allow_listed_process_is_served_and_the_others_are_counted(proc
     assert final["samples_from"] == ["worker"] and final["fetches_served"] == 1
     for sock in ("control", "samples", "weights"):
         assert final[f"transport/{sock}/auth/denied/unknown_key"] >= 1, sock
-        assert final[f"transport/{sock}/auth/denied/no_curve"] >= 1, sock
+        denied = f"transport/{sock}/auth/denied"
+        plain = final.get(f"{denied}/no_curve", 0) + final.get(f"{denied}/aborted", 0)
+        assert plain >= 1, sock  # which side notices the mechanism mismatch first is a race
         assert final[f"transport/{sock}/rejected"] == 0  # no stranger's byte reached a decoder
     assert final["transport/control/auth/accepted"] == 1 and final["transport/samples/auth/accepted"] == 1
     assert final["transport/auth/denied"] >= 6
