@@ -38,6 +38,7 @@ Mapping (SGLang 0.5.23):
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections import deque
@@ -118,6 +119,7 @@ class SGLangEngine:
         if not isinstance(info, dict) or not info.get("is_generation", False):
             raise SGLangRequestError(f"{self.url}/model_info does not describe a generation model: {info!r}")
         self.model_path = info.get("model_path")
+        self.model_eos_ids = model_eos_ids(self.model_path)
         self.server_info = self._server_info()
         self.http.post(
             "/update_weight_version", {"new_version": str(int(version)), "abort_all_requests": False}
@@ -166,6 +168,8 @@ class SGLangEngine:
         ``extra_args``). The process is tracked by PID and ended by ``close``.
         """
         port = port or free_port(host)
+        if Path(model_path).exists():
+            model_path = Path(model_path).resolve()
         argv = server_command(
             model_path,
             python=python,
@@ -393,7 +397,19 @@ class SGLangEngine:
         self._aborts.discard(p.req.sample_id)
         self._cond.notify_all()
 
+    def _stop_set(self, p: _Pending) -> frozenset[int] | None:
+        """The exact stop tokens of a request; None = whatever the server's default EOS is."""
+        stop = p.req.params.stop_token_ids
+        if stop is None:
+            stop = self.eos_token_ids
+        return None if stop is None else frozenset(stop)
+
     def _body(self, p: _Pending) -> dict[str, Any]:
+        """SGLang 0.5.23 stops on the model's EOS unless ``ignore_eos``, and ``ignore_eos`` also disables
+        ``stop_token_ids`` (schedule_batch.py ``_check_token_based_finish``). So an explicit stop set that
+        contains the model's EOS ids is sent as ``stop_token_ids``; any other explicit set is sent with
+        ``ignore_eos`` and applied here by cutting the response after its first stop token (exact, since
+        sampling is causal; the tokens after it are wasted compute)."""
         sp = p.req.params
         params: dict[str, Any] = {
             "max_new_tokens": sp.max_new_tokens,
@@ -402,10 +418,12 @@ class SGLangEngine:
             "top_k": sp.top_k,
             "sampling_seed": request_seed(sp.seed, p.req.sample_id),
         }
-        stop = sp.stop_token_ids if sp.stop_token_ids is not None else self.eos_token_ids
-        if stop is not None:  # exact stop set: the model's EOS must not stop it implicitly
-            params["ignore_eos"] = True
-            params["stop_token_ids"] = list(stop)
+        stop = self._stop_set(p)
+        if stop is not None:
+            if self.model_eos_ids is not None and self.model_eos_ids <= stop:
+                params["stop_token_ids"] = sorted(stop)
+            else:
+                params["ignore_eos"] = True
         return {
             "input_ids": list(p.req.prompt_ids),
             "rid": p.rid,
@@ -418,6 +436,16 @@ class SGLangEngine:
         try:
             out = self.http.post("/generate", self._body(p), timeout=self.request_timeout_s)
             ids, logps, versions, reason = parse_generate_output(out, p.req)
+            stop = self._stop_set(p)
+            if stop is not None:
+                cut = next((i for i, t in enumerate(ids) if t in stop), None)
+                if cut is not None:
+                    ids, logps, versions, reason = (
+                        ids[: cut + 1],
+                        logps[: cut + 1],
+                        versions[: cut + 1],
+                        "stop",
+                    )
         except (SGLangError, ValueError) as exc:
             with self._lock:
                 self._finish_locked(p, [], [], [], "abort")
@@ -497,6 +525,21 @@ class SGLangEngine:
         finally:
             if not user_paused:
                 self.http.post("/continue_generation", {})
+
+
+def model_eos_ids(model_path: str | None) -> frozenset[int] | None:
+    """EOS ids SGLang stops on by default, from the model folder's config.json / generation_config.json;
+    None when the folder is not readable from here (then explicit stop sets are applied client-side)."""
+    if not model_path or not Path(model_path).is_dir():
+        return None
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        try:
+            eos = json.loads((Path(model_path) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        ids |= {eos} if isinstance(eos, int) else set(eos or ())
+    return frozenset(ids) if ids else None
 
 
 def parse_generate_output(out: Any, req: GenRequest) -> tuple[list[int], list[float], list[int], str]:

@@ -34,6 +34,7 @@ class FaultInjectionStub:
         self.faults: dict[str, object] = {}
         self.hang_s = 2.0
         self.version = "default"
+        self.model_path = "/m"
         self.gen_delay_s = 0.0
         self.release = threading.Event()
         self.release.set()
@@ -76,7 +77,7 @@ class FaultInjectionStub:
 
     def answer(self, path: str, payload: dict) -> object:
         if path == "/model_info":
-            return {"model_path": "/m", "is_generation": True, "weight_version": self.version}
+            return {"model_path": self.model_path, "is_generation": True, "weight_version": self.version}
         if path == "/server_info":
             return {"device": "cpu", "tp_size": 1, "enable_deterministic_inference": False}
         if path == "/update_weight_version":
@@ -180,8 +181,7 @@ def test_attach_sets_version_and_generate_payload_is_sglang_native(stub):
         "top_k": 20,
         "sampling_seed": request_seed(3, "s0"),
         "ignore_eos": True,
-        "stop_token_ids": [2],
-    }
+    }  # the stub's model folder is unreadable from here, so the stop set is applied client-side
     assert res.versions.tolist() == [5] * 4 and res.behav_logp.dtype == np.float32
     assert res.finish_reason == "length" and res.timings["total_s"] >= 0
     engine.close()
@@ -193,7 +193,22 @@ def test_default_stop_leaves_eos_to_the_server_and_explicit_empty_stop_disables_
     list(engine.generate())
     bodies = {p["rid"][-2:]: p["sampling_params"] for path, p in stub.calls if path == "/generate"}
     assert "ignore_eos" not in bodies["s0"] and "stop_token_ids" not in bodies["s0"]
-    assert bodies["s1"]["ignore_eos"] is True and bodies["s1"]["stop_token_ids"] == []
+    assert bodies["s1"]["ignore_eos"] is True and "stop_token_ids" not in bodies["s1"]
+    engine.close()
+
+
+def test_stop_set_with_model_eos_goes_to_server_and_other_sets_are_cut_client_side(stub, tmp_path):
+    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
+    stub.model_path = str(tmp_path)
+    engine = SGLangEngine(stub.url, eos_token_ids=[2, 30])
+    first = stub.answer("/generate", {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 6}})
+    stop = first["output_ids"][2]
+    got = {r.sample_id: r for r in engine.generate([req(0, n=6), req(1, n=6, stop_token_ids=(stop,))])}
+    bodies = {p["rid"][-2:]: p["sampling_params"] for path, p in stub.calls if path == "/generate"}
+    assert bodies["s0"]["stop_token_ids"] == [2, 30] and "ignore_eos" not in bodies["s0"]
+    assert bodies["s1"]["ignore_eos"] is True
+    assert got["s1"].response_ids == first["output_ids"][:3] and got["s1"].finish_reason == "stop"
+    assert got["s1"].behav_logp.shape == (3,) and got["s1"].versions.shape == (3,)
     engine.close()
 
 
