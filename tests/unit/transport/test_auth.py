@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import time
 
+import numpy as np
 import pytest
 import zmq
 import zmq.auth
@@ -267,3 +269,18 @@ def test_a_key_added_or_revoked_at_run_time_takes_effect_on_the_next_connection(
             try_send(revoked)
             assert wait_for(lambda: srv.stats.auth["unknown_key"] >= 1)
             assert srv.recv(0.2) is None
+
+
+def test_raw_tcp_bytes_at_a_curve_socket_never_reach_the_decoder(keys):
+    """On a plain socket libzmq frames signature-less bytes as ZMTP/1.0 messages; CURVE refuses them."""
+    rng = np.random.default_rng(0)
+    with ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0", curve=load_server_keys(keys)) as pull, \
+            ZmqChannel.connect(zmq.PUSH, pull.address, curve=load_client_keys(keys, "client")) as push:
+        host, port = pull.address[len("tcp://"):].rsplit(":", 1)
+        for _ in range(20):
+            with socket.create_connection((host, int(port)), timeout=2.0) as s:
+                s.sendall(rng.bytes(int(rng.integers(1, 2048))))
+        push.send(HB)  # after the garbage: once it arrives, the garbage had its chance
+        assert pull.recv(5.0).msg == HB
+        assert pull.recv(0.1) is None
+        assert pull.stats.received == 1 and pull.stats.rejected_total == 0
