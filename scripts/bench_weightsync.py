@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per format (default 7, quick 3, "
                                                                   "smoke 1)")
     args = p.parse_args(argv)
+    benchlib.exit_on_sigterm()
     import torch
 
     from asyncrl.learner import close_distributed

@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,65 @@ def write_json(path: str, name: str, tables: dict[str, list[dict[str, Any]]], ar
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {path}")
+
+
+# ------------------------------------------------------------------ training runs as subprocesses
+def train_env() -> dict[str, str]:
+    """Environment of an ``asyncrl train`` child: one thread per process, offline, repo on the path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_train(overrides: list[str], *, runs_dir: Path, run_name: str, log_path: Path,
+              timeout_s: float = 3600.0) -> Path:
+    """Run ``asyncrl train runs_dir=RUNS run_name=NAME *overrides`` to completion; return the run folder.
+
+    The launcher's output goes to ``log_path``. On ``timeout_s`` the launcher gets SIGTERM (it stops its
+    own children by PID and writes a checkpoint), then SIGKILL after two minutes. A failed run raises
+    ``RuntimeError`` with the tail of its log. The working directory is the repository root, so the
+    tiny model and its warm starts are cached in ``.cache/models`` across runs.
+    """
+    cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs_dir}", f"run_name={run_name}", *overrides]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=train_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            rc = -1
+        except BaseException:  # Ctrl-C or SIGTERM (exit_on_sigterm): stop the run we started, then leave
+            _stop(proc)
+            raise
+    text = log_path.read_text(errors="replace")
+    if rc != 0:
+        tail = "\n".join(text.splitlines()[-25:])
+        raise RuntimeError(f"asyncrl train {' '.join(overrides)} failed (exit {rc}); log {log_path}:\n{tail}")
+    for line in text.splitlines():
+        if line.startswith("asyncrl train: run folder "):
+            return Path(line.split("run folder ", 1)[1].strip())
+    return Path(runs_dir) / run_name
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher (it stops its own children by PID), SIGKILL after two minutes."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` so the script's ``finally`` blocks stop what it started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def step_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The controller's one-per-learner-step metrics records (those carrying the learner's timings)."""
+    from asyncrl.metrics import read_metrics
+
+    return [r for r in read_metrics(run_dir) if r.get("time/learner_train_s") is not None]

@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Asynchronous vs synchronous training: the same task, model and workers at eta in {0, 1, 2, 4}.
+
+Each point is a real ``asyncrl train`` run (subprocess, run folder in a temporary directory) with
+``rollout.eta=E`` and a fixed ``learner.total_steps``; evaluation and checkpoints happen only at
+the end (``learner.eval_every=0 learner.ckpt_every=0``) so they do not sit inside the timed steps.
+The first tenth of the steps (at least 2) is warm-up and not counted. Per run, from its own files:
+
+* ``samples_per_s``: samples consumed by the learner per second of wall time over the window
+  (steps x groups_per_step x group_size / controller ``time/wall_s`` difference);
+* ``learner_busy``: mean of the learner's own ``time/learner_busy_frac`` (train time / whole step
+  including waiting for the batch and publishing);
+* ``gen_busy``: fraction of the window during which a worker's engine held at least one admitted
+  sample, averaged over workers. Derived from the trajectory log: each FinishedSample carries the
+  engine's ``timings`` (``queue_s``: submit -> admitted, ``total_s``: submit -> finished) and every
+  sample of a group is submitted together (one RolloutAssignment), so the group's submit time is its
+  log time (``SampleRecord.logged_at``) minus the longest ``total_s`` of its samples (exact up to the
+  ms the last sample takes to reach the controller); the busy intervals [admitted, finished] of each
+  worker are merged. This is wall time with work in the engine, not CPU time: on 2 shared cores a
+  busy engine may be waiting for a core;
+* stage times: ``G_s`` = busy seconds per worker per learner step (generation time per batch),
+  ``T_s`` = mean ``time/learner_train_s + time/publish_s`` (the learner's work per step),
+  ``wait_s`` = mean ``time/learner_wait_s``.
+
+The ideal pipelining bound is ``(G + T) / max(G, T)`` with G and T measured in the eta=0 run of the
+same invocation (there the stages do not overlap, so they are measured without contention).
+``speedup`` = samples/s over the eta=0 run's samples/s, printed next to the bound.
+``latency_bound`` = eta=0 step time / max(G, T): the eta=0 step also waits for things that are not
+stage work (weight propagation, the worker's version report, request retries); asynchrony hides
+those too, so the speedup can exceed (G + T) / max(G, T) but not this.
+
+Run: ``python scripts/bench_async.py [--quick|--smoke] [--etas 0,1,2,4] [--steps N]
+[--heartbeat-s 1.0,0.05] [--set key=value ...] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts import benchlib  # noqa: E402
+
+
+def busy_intervals(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
+    """Per worker: [admitted, finished] wall-clock intervals (time.time) of every logged sample."""
+    from asyncrl.log import SampleRecord, read_log
+
+    groups: dict[str, list] = collections.defaultdict(list)
+    for rec in read_log(run_dir / "trajectories").records:
+        if isinstance(rec, SampleRecord):
+            groups[rec.sample.group_id].append(rec)
+    out: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for recs in groups.values():
+        timed = [r for r in recs if "total_s" in r.sample.timings]
+        if not timed:
+            continue
+        submit = min(r.logged_at for r in timed) - max(r.sample.timings["total_s"] for r in timed)
+        for r in timed:
+            t = r.sample.timings
+            out[r.sample.worker_id].append((submit + t.get("queue_s", 0.0), submit + t["total_s"]))
+    return out
+
+
+def merged_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of ``intervals`` clipped to [lo, hi]."""
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= a:
+            continue
+        if cur_b is None or a > cur_b:
+            total += 0.0 if cur_b is None else cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    return total + (0.0 if cur_b is None else cur_b - cur_a)
+
+
+def measure(run_dir: Path, batch_samples: int, n_workers: int) -> dict:
+    import json
+
+    recs = benchlib.step_records(run_dir)
+    steps = len(recs)
+    skip = max(2, steps // 10)
+    win = recs[skip - 1:]  # the window starts when version `skip` is announced
+    n = len(win) - 1
+    if n < 1:
+        raise RuntimeError(f"{run_dir}: only {steps} timed steps; use more --steps")
+    wall = win[-1]["time/wall_s"] - win[0]["time/wall_s"]
+    body = win[1:]
+    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in body)  # noqa: E731
+    lo, hi = win[0]["time"], win[-1]["time"]
+    busy = busy_intervals(run_dir)
+    per_worker = {w: merged_seconds(iv, lo, hi) for w, iv in busy.items()}
+    workers = max(n_workers, len(per_worker))
+    gen_busy = sum(per_worker.values()) / (workers * (hi - lo))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "steps_timed": n, "samples_per_s": n * batch_samples / wall, "step_s": wall / n,
+        "learner_busy": mean("time/learner_busy_frac"), "gen_busy": gen_busy,
+        "G_s": sum(per_worker.values()) / workers / n,
+        "T_s": mean("time/learner_train_s") + mean("time/publish_s"),
+        "wait_s": mean("time/learner_wait_s"), "train_s": mean("time/learner_train_s"),
+        "publish_s": mean("time/publish_s"),
+        "max_staleness": max(r.get("staleness/max", 0.0) for r in body),
+        "eval_acc": summary.get("eval_accuracy"), "final_reward": summary.get("final_train_reward"),
+        "worker_busy_s": per_worker,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = benchlib.parser("bench_async", __doc__.split("\n\n")[0], smoke=True)
+    p.epilog = __doc__.split("\n\n", 1)[1]
+    p.add_argument("--etas", default=None, help="staleness bounds; 0 (synchronous) is the baseline "
+                                                "(default 0,1,2,4; smoke 0,1)")
+    p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 120, quick 50, smoke 6)")
+    p.add_argument("--workers", type=int, default=2, help="generation workers (default %(default)s)")
+    p.add_argument("--heartbeat-s", default=None,
+                   help="comma list of rollout.heartbeat_s values, one eta sweep each (default 1.0,0.05; quick "
+                        "and smoke 1.0). The controller learns a worker's weight version from its heartbeat, so "
+                        "this bounds how long an eta=0 step waits for it")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra asyncrl train overrides for every run (e.g. quant.fmt=nvfp4 algo=tis)")
+    args = p.parse_args(argv)
+    benchlib.exit_on_sigterm()
+    etas = [int(e) for e in (args.etas or ("0,1" if args.smoke else "0,1,2,4")).split(",") if e]
+    steps = args.steps or (6 if args.smoke else 50 if args.quick else 120)
+    hbs = [float(h) for h in (args.heartbeat_s or ("1.0" if args.smoke or args.quick else "1.0,0.05")).split(",")]
+    from asyncrl.config import load_train_config
+
+    base = [f"learner.total_steps={steps}", f"rollout.num_workers={args.workers}", "learner.eval_every=0",
+            "learner.ckpt_every=0", *args.set]
+    cfg = load_train_config(base)  # fails here, not in a child, on a bad override
+    batch = cfg.rollout.groups_per_step * cfg.algo.group_size
+    rows, logs = [], {}
+    with tempfile.TemporaryDirectory(prefix="bench_async-") as tmp:
+        for hb in hbs:
+            for eta in etas:
+                name = f"eta{eta}-hb{hb:g}"
+                print(f"  run {name}: asyncrl train {' '.join(base)} rollout.eta={eta} rollout.heartbeat_s={hb}",
+                      flush=True)
+                run_dir = benchlib.run_train([*base, f"rollout.eta={eta}", f"rollout.heartbeat_s={hb}"],
+                                             runs_dir=Path(tmp), run_name=name, log_path=Path(tmp) / f"{name}.log")
+                m = measure(run_dir, batch, args.workers)
+                rows.append({"heartbeat_s": hb, "eta": eta, **m})
+                print(f"    {m['samples_per_s']:.1f} samples/s, step {m['step_s']:.3f}s, G {m['G_s']:.3f}s, "
+                      f"T {m['T_s']:.3f}s, learner busy {m['learner_busy']:.2f}, gen busy {m['gen_busy']:.2f}",
+                      flush=True)
+                logs[name] = str(run_dir)
+    for hb in hbs:
+        series = [r for r in rows if r["heartbeat_s"] == hb]
+        ref = next((r for r in series if r["eta"] == 0), series[0])
+        g, t = ref["G_s"], ref["T_s"]
+        for r in series:
+            r["speedup"] = r["samples_per_s"] / ref["samples_per_s"]
+            r["bound"] = (g + t) / max(g, t)
+            r["latency_bound"] = ref["step_s"] / max(g, t)
+            r["own_bound"] = (r["G_s"] + r["T_s"]) / max(r["G_s"], r["T_s"])
+    table = [{k: v for k, v in r.items() if k != "worker_busy_s"} for r in rows]
+    benchlib.print_table(
+        f"asyncrl train at eta in {etas}: {cfg.model.name} model, task {cfg.task.name}, {args.workers} "
+        f"{cfg.quant.fmt} workers, {cfg.algo.objective}, {steps} steps ({batch} samples/step); speedup vs eta=0 "
+        f"next to the pipelining bound (G+T)/max(G,T) from the eta=0 run's stage times",
+        table, ["heartbeat_s", "eta", "samples_per_s", "speedup", "bound", "latency_bound", "learner_busy",
+                "gen_busy", "G_s", "T_s", "wait_s", "step_s", "max_staleness", "eval_acc"])
+    benchlib.write_json(args.json, "bench_async", {"runs": rows}, args, steps=steps, workers=args.workers,
+                        overrides=base, batch_samples=batch, heartbeats=hbs, etas=etas)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Every benchmark script runs in its smallest mode and writes well-formed JSON with the expected keys.
+
+The new scripts (async, weight sync, controller, algorithms) run with ``--smoke``; the earlier ones
+(transport, quant, engine) with ``--quick`` and their smallest size options. No benchmark figure is
+asserted: only that the script exits 0 and that its JSON has the documented tables, columns and
+numeric types (a figure may legitimately be NaN, e.g. a KL that PPO does not log).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+COMMON_KEYS = {"benchmark", "date", "command", "quick", "smoke", "machine", "tables"}
+
+
+def run_bench(procs, tmp_path, name: str, *args: str, timeout_s: float = 280.0) -> dict:
+    out = tmp_path / f"{name}.json"
+    log = tmp_path / f"{name}.log"
+    with open(log, "wb") as f:
+        proc = procs.python(os.path.join(SCRIPTS, f"{name}.py"), *args, "--json", str(out),
+                            stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not finish in {timeout_s}s:\n{log.read_text()[-3000:]}")
+    assert rc == 0, f"{name} exited {rc}:\n{log.read_text()[-3000:]}"
+    data = json.loads(out.read_text())
+    assert COMMON_KEYS <= set(data), f"{name}: missing {COMMON_KEYS - set(data)}"
+    assert data["benchmark"] == name
+    assert data["machine"]["cpus"] >= 1
+    return data
+
+
+def check_rows(rows: list[dict], numeric: list[str], text: tuple[str, ...] = ()) -> None:
+    assert rows, "empty table"
+    for row in rows:
+        for key in numeric:
+            assert key in row, f"missing column {key!r} in {sorted(row)}"
+            value = row[key]
+            assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{key}={value!r}"
+            assert not math.isinf(value), f"{key} is infinite"
+        for key in text:
+            assert isinstance(row.get(key), str), f"{key}={row.get(key)!r}"
+
+
+def test_bench_async_smoke_writes_rows_per_eta_with_speedup_and_bound(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "bench_async", "--smoke", timeout_s=280)
+    rows = data["tables"]["runs"]
+    assert [r["eta"] for r in rows] == data["etas"] == [0, 1]
+    check_rows(rows, ["samples_per_s", "speedup", "bound", "latency_bound", "learner_busy", "gen_busy", "G_s",
+                      "T_s", "wait_s", "step_s", "max_staleness"])
+    assert all(isinstance(r["worker_busy_s"], dict) for r in rows)
+
+
+def test_bench_weightsync_smoke_writes_every_stage_per_format(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "bench_weightsync", "--smoke")
+    rows = data["tables"]["sync"]
+    assert [r["format"] for r in rows] == ["fp32", "bf16", "int8", "nvfp4"]
+    check_rows(rows, ["params_M", "MB", "bytes_vs_fp32", "gather_s", "quantize_s", "send_s", "unpack_s", "load_s",
+                      "total_s", "memcpy_s", "total_vs_memcpy", "send_vs_memcpy"], text=("model", "format"))
+    check_rows(data["tables"]["raw"], ["bytes", "gather_s", "quantize_s", "serve_s", "send_s", "load_s", "memcpy_s"])
+
+
+def test_bench_controller_smoke_drives_the_real_controller_with_1_and_4_workers(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "bench_controller", "--smoke")
+    rows = data["tables"]["controller"]
+    assert [r["workers"] for r in rows] == [1, 4]
+    check_rows(rows, ["accepted_per_s", "vs_1_worker", "consumed_per_s", "learner_steps", "rss_idle_MB",
+                      "rss_peak_MB", "samples_logged"])
+
+
+def test_bench_algos_smoke_writes_summary_curves_and_plots(procs, tmp_path):
+    plots = tmp_path / "plots"
+    data = run_bench(procs, tmp_path, "bench_algos", "--smoke", "--plots", str(plots), timeout_s=280)
+    rows = data["tables"]["summary"]
+    assert [r["config"] for r in rows] == ["sync-fp32", "acr-nvfp4"]
+    check_rows(rows, ["seeds", "eval_acc", "eval_std", "eval_vs_sync", "final_reward", "reward_auc", "auc_vs_sync",
+                      "kl_k3", "kl_eta0", "wall_s"], text=("config",))
+    for name, runs in data["runs"].items():
+        assert len(runs) == 1, name
+        assert runs[0]["reward"], f"{name}: no reward curve"
+    assert data["plots"] and all(os.path.exists(p) for p in data["plots"])
+
+
+@pytest.mark.parametrize(("name", "args"), [
+    ("bench_transport", ["--quick"]),
+    ("bench_quant", ["--quick", "--formats", "int8", "--batch-sizes", "1", "--steps", "4", "--rounds", "1"]),
+    ("bench_engine", ["--quick", "--formats", "fp32,int8", "--batch-sizes", "1", "--new-tokens", "4"]),
+])
+def test_earlier_bench_scripts_write_well_formed_json(procs, tmp_path, name, args):
+    data = run_bench(procs, tmp_path, name, *args)
+    assert data["tables"] and all(isinstance(rows, list) and rows for rows in data["tables"].values())
+    for rows in data["tables"].values():
+        check_rows(rows, [k for k, v in rows[0].items() if isinstance(v, float)])
+
+
+def test_bench_scripts_explain_themselves_with_help(procs):
+    for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos"):
+        proc = procs.python(os.path.join(SCRIPTS, f"{name}.py"), "--help", stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, name
+        assert "--quick" in out and "--smoke" in out and "--json" in out, name
