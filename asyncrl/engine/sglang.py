@@ -284,6 +284,32 @@ class SGLangEngine:
             self._controls.append(("flush",))
             self._cond.notify_all()
 
+    def init_broadcast_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        *,
+        rank_offset: int = 1,
+        backend: str = "gloo",
+        group_name: str = "weight_update_group",
+    ) -> None:
+        """Join the learner's broadcast group (``/init_weights_update_group``); blocks until every rank has
+        joined, so the learner must build its ``WeightBroadcaster`` concurrently. ``backend``: ``"gloo"`` on
+        CPU, ``"nccl"`` on GPU. Call it once, before the first ``BroadcastWeights`` update."""
+        body = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        self.http.post("/init_weights_update_group", body)
+
+    def destroy_broadcast_group(self, group_name: str = "weight_update_group") -> None:
+        self.http.post("/destroy_weights_update_group", {"group_name": group_name})
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Abort everything live (yielded as ``"abort"`` by the next ``generate``), wait up to ``timeout_s``
         for in-flight calls to return, stop the control thread and an owned server. Idempotent."""

@@ -61,6 +61,15 @@ def sglang_python() -> str | None:
 
 
 @pytest.fixture(scope="session")
+def sglang_python_path() -> str:
+    """Interpreter with SGLang installed (skips without one)."""
+    python = sglang_python()
+    if python is None:
+        pytest.skip(SKIP_REASON)
+    return python
+
+
+@pytest.fixture(scope="session")
 def sglang_device() -> str:
     return os.environ.get("ASYNCRL_SGLANG_DEVICE", "cpu")
 
