@@ -5,7 +5,8 @@ Where the server comes from, first match wins:
     weights are reset from the tiny model folder before every engine, so it must be able to read it);
   * an interpreter with SGLang installed: ``ASYNCRL_SGLANG_PYTHON`` or ``.cache/sglang-venv/bin/python``.
     One server is launched for the session (``ASYNCRL_SGLANG_DEVICE``: ``cpu`` by default, which uses
-    asyncrl's CPU setup, see scripts/sglang_cpu_server.py) and ended by its PID at the end;
+    asyncrl's CPU setup, see scripts/sglang_cpu_server.py; ``cuda`` adds ``--attention-backend triton
+    --enable-deterministic-inference`` so the seeded contract tests run too) and ended by its PID;
   * neither: every test here is skipped with the command that builds the venv.
 
 Nothing here fakes a server: without SGLang the tests skip.
@@ -84,8 +85,13 @@ def sglang_url(tiny_dir, sglang_device, tmp_path_factory):
     python = sglang_python()
     if python is None:
         pytest.skip(SKIP_REASON)
+    gpu = (
+        {}
+        if sglang_device == "cpu"
+        else {"deterministic": True, "extra_args": ["--attention-backend", "triton"]}
+    )
     argv = server_command(
-        tiny_dir, python=python, port=free_port(), device=sglang_device, max_total_tokens=16384
+        tiny_dir, python=python, port=free_port(), device=sglang_device, max_total_tokens=16384, **gpu
     )
     env = cpu_env(shim_dir=tmp_path_factory.mktemp("sglang-shim")) if sglang_device == "cpu" else None
     log = tmp_path_factory.mktemp("sglang-log") / "server.log"
