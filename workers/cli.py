@@ -9,6 +9,7 @@ line that says what to change, with exit code 2, before any process starts.
   asyncrl worker controller=ADDR [...]    join a running job as a generation worker
   asyncrl replay run=runs/NAME [...]      retrain from a run's trajectory log (bit-identical on CPU)
   asyncrl log inspect PATH                summary of a trajectory log
+  asyncrl keys generate DIR               CurveZMQ keys for transport.keys_dir=DIR
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return run_replay(args.overrides)
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from asyncrl.transport.auth import keys_main
+
+    return keys_main(args.rest)
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     from workers.generator import main as worker_main
 
@@ -53,7 +60,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[6:12]))
+                                     epilog="\n".join(__doc__.splitlines()[6:13]))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("train", _cmd_train, "continuous asynchronous training"),
                              ("demo", _cmd_demo, "train on the embedded default and print where results are"),
@@ -62,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("overrides", nargs="*", help="key=value settings (see configs/ and asyncrl/config/schema.py)")
         p.set_defaults(func=func)
+
+    keys = sub.add_parser("keys", help="CurveZMQ keys: generate DIR [--clients N] | add DIR NAME")
+    keys.add_argument("rest", nargs=argparse.REMAINDER)
+    keys.set_defaults(func=_cmd_keys)
 
     log = sub.add_parser("log", help="trajectory-log tools")
     log_sub = log.add_subparsers(dest="log_command", required=True)

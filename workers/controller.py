@@ -23,7 +23,15 @@ import protocols as P
 from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore
 from asyncrl.runtime.prepare import model_id
-from asyncrl.transport import ChannelClosed, ChannelTimeout, ZmqChannel, is_loopback
+from asyncrl.transport import (
+    ChannelClosed,
+    ChannelTimeout,
+    ZmqChannel,
+    advertised,
+    auth_metrics,
+    check_bind_security,
+    server_curve,
+)
 
 log = logging.getLogger("asyncrl.controller")
 
@@ -50,9 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
     cfg = read_run_config(run_dir)
     host = cfg.transport.host
-    if not is_loopback(f"tcp://{host}:1") and not cfg.transport.insecure and not cfg.transport.keys_dir:
-        raise SystemExit(f"refusing to bind {host}: a non-loopback address needs CURVE keys "
-                         "(transport.keys_dir=DIR from `asyncrl keys generate DIR`) or transport.insecure=true")
+    curve = server_curve(cfg.transport)
+    try:
+        check_bind_security(f"tcp://{host}:{cfg.transport.port}", keys=curve is not None,
+                            insecure=cfg.transport.insecure)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
@@ -60,17 +71,23 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.controller.scoring import build_scorer
     from asyncrl.metrics import MetricsWriter
 
-    ctl = ZmqChannel.bind(zmq.ROUTER, f"tcp://{host}:{cfg.transport.port}", name="controller", reply_errors=True)
-    pull = ZmqChannel.bind(zmq.PULL, f"tcp://{host}:0", name="samples", hwm=10_000)
+    limit = 256 * 2**20  # zmq reads a whole message before asyncrl sees it: bound what a peer can make us hold
+    ctl = ZmqChannel.bind(zmq.ROUTER, f"tcp://{host}:{cfg.transport.port}", name="controller", reply_errors=True,
+                          curve=curve, max_message_bytes=limit)
+    pull = ZmqChannel.bind(zmq.PULL, f"tcp://{host}:0", name="samples", hwm=10_000, curve=curve,
+                           max_message_bytes=limit)
+    adv = cfg.transport.advertise_host
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
     resume_state, resume_version = resume_point(cfg, run_dir)
     core = ControllerCore(cfg, run_dir=run_dir, scorer=build_scorer(cfg, model_dir),
-                          welcome_config=welcome_config(cfg, model_dir, pull.address), publish_formats=formats)
+                          welcome_config=welcome_config(cfg, model_dir, advertised(pull.address, adv)),
+                          publish_formats=formats)
     if resume_state is not None:
         core.version.set(resume_version)
         core.load_state(resume_state)
         log.info("resumed at version %d, dataset position %d", resume_version, core.cursor)
-    (run_dir / "controller.json").write_text(json.dumps({"control": ctl.address, "samples": pull.address}))
+    (run_dir / "controller.json").write_text(json.dumps({"control": advertised(ctl.address, adv),
+                                                         "samples": advertised(pull.address, adv)}))
     log.info("controller listening on %s (samples on %s)", ctl.address, pull.address)
     writer = MetricsWriter(run_dir, purge_step=resume_version + 1 if resume_state is not None else None)
     poller = zmq.Poller()
@@ -157,7 +174,7 @@ def resume_point(cfg, run_dir: Path) -> tuple[dict | None, int]:
 
 
 def _transport_metrics(ctl: ZmqChannel, pull: ZmqChannel) -> dict[str, float]:
-    return ctl.stats.as_metrics("transport/control") | pull.stats.as_metrics("transport/samples")
+    return ctl.stats.as_metrics("transport/control") | pull.stats.as_metrics("transport/samples") | auth_metrics()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import numpy as np
 import zmq
 
 import protocols as P
-from asyncrl.transport import ChannelTimeout, WeightClient, WeightFetchError, ZmqChannel
+from asyncrl.transport import ChannelTimeout, WeightClient, WeightFetchError, ZmqChannel, load_client_keys
 
 log = logging.getLogger("asyncrl.worker")
 
@@ -54,7 +54,8 @@ def _build_engine(model_config_json: str, fmt: str, eos_ids: list[int], slots: i
 
 class GeneratorWorker:
     def __init__(self, controller: str, *, worker_id: str = "", quant_fmt: str = "", slots: int = 0,
-                 drain_s: float = 10.0, hello_timeout_s: float = 120.0) -> None:
+                 drain_s: float = 10.0, hello_timeout_s: float = 120.0, curve=None) -> None:
+        self.curve = curve  # CurveConfig (client keys) when the job runs with transport.keys_dir
         self.controller = controller
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.requested_fmt = quant_fmt
@@ -100,7 +101,7 @@ class GeneratorWorker:
     # ------------------------------------------------------------------------------------ run
     def run(self) -> int:
         self.ctl = ZmqChannel.connect(zmq.DEALER, self.controller, name="worker-ctl",
-                                      identity=self.worker_id.encode())
+                                      identity=self.worker_id.encode(), curve=self.curve)
         try:
             welcome = self._handshake()
         except SystemExit:
@@ -112,9 +113,9 @@ class GeneratorWorker:
         self.heartbeat_s = float(cfg.get("heartbeat_s", "1.0"))
         self.engine = _build_engine(cfg["model_config"], self.fmt, json.loads(cfg["eos_token_ids"]), self.slots,
                                     int(cfg.get("max_seq_len", "0")))
-        self.push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name="worker-samples")
+        self.push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name="worker-samples", curve=self.curve)
         self.weights = WeightClient(cfg["weights_announce"], cfg["weights_fetch"],
-                                    identity=f"{self.worker_id}-w".encode())
+                                    identity=f"{self.worker_id}-w".encode(), curve=self.curve)
         self._load_weights(welcome.latest_version)
         log.info("worker %s ready: %s actor, weights v%d, %d slots", self.worker_id, self.fmt,
                  self.weights_version, self.slots)
@@ -270,7 +271,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             p.error(f"{ov!r} is not key=value")
         k, v = ov.split("=", 1)
         kv[k] = v
-    known = {"controller", "quant.fmt", "worker_id", "slots", "drain_s", "log_level"}
+    known = {"controller", "quant.fmt", "worker_id", "slots", "drain_s", "log_level", "transport.keys_dir",
+             "transport.key_name"}
     unknown = set(kv) - known
     if unknown:
         p.error(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -282,9 +284,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    keys_dir = getattr(args, "transport_keys_dir", "")
+    curve = load_client_keys(keys_dir, getattr(args, "transport_key_name", "")) if keys_dir else None
     worker = GeneratorWorker(args.controller, worker_id=getattr(args, "worker_id", ""),
                              quant_fmt=getattr(args, "quant_fmt", ""), slots=int(getattr(args, "slots", 0)),
-                             drain_s=float(getattr(args, "drain_s", 10.0)))
+                             drain_s=float(getattr(args, "drain_s", 10.0)), curve=curve)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
     return worker.run()

@@ -61,6 +61,17 @@ def new_run_dir(cfg: TrainConfig) -> Path:
     return run_dir
 
 
+def check_transport(cfg: TrainConfig) -> None:
+    """Keys load and the bind address is allowed, before any process starts (children run from ROOT)."""
+    from asyncrl.transport import check_bind_security, server_curve
+
+    if cfg.transport.keys_dir:
+        cfg.transport.keys_dir = str(Path(cfg.transport.keys_dir).resolve())
+    curve = server_curve(cfg.transport)
+    check_bind_security(f"tcp://{cfg.transport.host}:{cfg.transport.port}", keys=curve is not None,
+                        insecure=cfg.transport.insecure)
+
+
 def publish_formats(cfg: TrainConfig) -> list[str]:
     return [cfg.quant.fmt]
 
@@ -76,6 +87,8 @@ class Launcher:
     def spawn(self, name: str, args: list[str]) -> Child:
         child = Child(name, args, self.run_dir / "logs" / f"{name}.log", self.env)
         self.children.append(child)
+        # Operators (and tests) can see exactly which processes this run started.
+        (self.run_dir / "pids.json").write_text(json.dumps({c.name: c.proc.pid for c in self.children}))
         return child
 
     def start(self) -> None:
@@ -94,8 +107,9 @@ class Launcher:
         self.learner = self.spawn("learner", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                               f"--nproc_per_node={W}", str(ROOT / "workers" / "learner.py"),
                                               "--controller", self.address, *common])
+        keys = [f"transport.keys_dir={self.cfg.transport.keys_dir}"] if self.cfg.transport.keys_dir else []
         self.workers = [self.spawn(f"worker-{i}", [sys.executable, "-m", "workers.generator",
-                                                    f"controller={self.address}", f"worker_id=worker-{i}"])
+                                                    f"controller={self.address}", f"worker_id=worker-{i}", *keys])
                         for i in range(self.cfg.rollout.num_workers)]
 
     def stop(self, children: Sequence[Child] | None = None, grace_s: float = 30.0) -> None:
@@ -133,6 +147,7 @@ def run_train(overrides: Sequence[str]) -> int:
         cfg = load_train_config(list(overrides))  # bad configuration fails here, before any process starts
         run_dir = None
     check_task(cfg)
+    check_transport(cfg)
     model_dir = prepare_model(cfg, log=print)
     run_dir = run_dir or new_run_dir(cfg)
     save_config(cfg, run_dir / "config.json")

@@ -45,7 +45,15 @@ from asyncrl.learner import (
 )
 from asyncrl.learner.fsdp import broadcast_batch, close_distributed
 from asyncrl.runtime.prepare import model_id
-from asyncrl.transport import ChannelTimeout, WeightServer, ZmqChannel
+from asyncrl.transport import (
+    ChannelTimeout,
+    WeightServer,
+    ZmqChannel,
+    advertised,
+    check_bind_security,
+    client_curve,
+    server_curve,
+)
 from asyncrl.transport.publication import to_wire
 
 log = logging.getLogger("asyncrl.learner")
@@ -124,12 +132,15 @@ class Evaluator:
 class ControllerSource:
     """Rank 0's link to the controller: batches in, versions out, checkpoints acknowledged."""
 
-    def __init__(self, address: str, server: WeightServer, version: int, stop: threading.Event) -> None:
+    def __init__(self, address: str, server: WeightServer, version: int, stop: threading.Event, transport) -> None:
         self.stop = stop
-        self.ctl = ZmqChannel.connect(zmq.DEALER, address, name="learner-ctl", identity=b"learner")
+        self.ctl = ZmqChannel.connect(zmq.DEALER, address, name="learner-ctl", identity=b"learner",
+                                      curve=client_curve(transport))
+        adv = transport.advertise_host
         self.ctl.send(P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner",
-                              capabilities={"weights_announce": server.announce_address,
-                                            "weights_fetch": server.fetch_address, "version": str(version)}))
+                              capabilities={"weights_announce": advertised(server.announce_address, adv),
+                                            "weights_fetch": advertised(server.fetch_address, adv),
+                                            "version": str(version)}))
         env = self.ctl.recv(120.0)
         if env is None or not isinstance(env.msg, P.Welcome):
             raise SystemExit(f"controller at {address} did not welcome the learner: {env}")
@@ -255,10 +266,12 @@ def main(argv: list[str] | None = None) -> int:
             source = ReplaySource(Path(args.replay_log), run_dir, model_id(cfg, model_dir), stop)
         else:
             host = cfg.transport.host
-            server = WeightServer(f"tcp://{host}:0", f"tcp://{host}:0")
+            curve = server_curve(cfg.transport)
+            check_bind_security(f"tcp://{host}:0", keys=curve is not None, insecure=cfg.transport.insecure)
+            server = WeightServer(f"tcp://{host}:0", f"tcp://{host}:0", curve=curve)
             publisher = Publisher(cfg, formats, server)
             publisher.publish(sd, state.version)
-            source = ControllerSource(args.controller, server, state.version, stop)
+            source = ControllerSource(args.controller, server, state.version, stop, cfg.transport)
     t_run = time.perf_counter()
     try:
         while state.version < L.total_steps:

@@ -149,8 +149,13 @@ class TransportConfig:
     """Address the controller binds; non-loopback needs CURVE keys or ``insecure=true``."""
     port: int = 0
     """Controller port (0 = any free port)."""
+    advertise_host: str = ""
+    """Host name workers use to reach this job when ``host`` is a wildcard (0.0.0.0); default: this
+    machine's host name."""
     insecure: bool = False
+    """Allow a non-loopback bind without CURVE keys (traffic unauthenticated and in clear)."""
     keys_dir: str = ""
+    """A folder from ``asyncrl keys generate DIR``: every socket uses CurveZMQ with its allow-list."""
 
 
 @dataclass(kw_only=True)

@@ -84,18 +84,26 @@ class ControllerCore:
             return [(peer, self._hello(peer, msg, now))]
         if isinstance(msg, P.WorkRequest):
             return self._work(peer, msg, now)
-        if isinstance(msg, P.Heartbeat):
-            self._heartbeat(msg, now)
-            return []
-        if isinstance(msg, P.Goodbye):
-            self._forget(msg.peer_id, reason=f"left ({msg.reason})")
+        if isinstance(msg, (P.Heartbeat, P.Goodbye)):
+            w = self.workers.get(msg.peer_id)
+            if w is None or w.peer != peer:  # a peer may only speak for itself
+                self.counters["control/unknown_worker"] += 1
+                return [(peer, P.Error(code="not_registered", message="send Hello before heartbeats or goodbyes"))]
+            if isinstance(msg, P.Heartbeat):
+                self._heartbeat(msg, now)
+            else:
+                self._forget(msg.peer_id, reason=f"left ({msg.reason})")
             return []
         if isinstance(msg, P.BatchRequest):
             if peer != self.learner_peer:
+                self.counters["control/not_learner"] += 1
                 return [(peer, P.Error(code="not_learner", message="only the registered learner may ask for batches"))]
             self.pending_batch = msg.step
             return self._try_batch()
         if isinstance(msg, P.VersionUpdate):
+            if peer != self.learner_peer:
+                self.counters["control/not_learner"] += 1
+                return [(peer, P.Error(code="not_learner", message="only the registered learner reports versions"))]
             return self._version_update(msg)
         self.counters["control/unexpected"] += 1
         return [(peer, P.Error(code="unexpected", message=f"{type(msg).__name__} is not a controller request"))]
@@ -106,6 +114,9 @@ class ControllerCore:
             self.counters["control/rejected_hello"] += 1
             return reject
         if msg.role == "learner":
+            if self.learner_peer is not None and self.learner_peer != peer:
+                self.counters["control/rejected_hello"] += 1
+                return P.Reject(reason="a learner is already registered with this controller")
             self.learner_peer = peer
             self.learner_ready = True
             self.welcome_config.update({k: v for k, v in msg.capabilities.items() if k.startswith("weights_")})

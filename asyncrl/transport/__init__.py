@@ -22,6 +22,7 @@ from asyncrl.transport.channel import (
     Envelope,
     InProcChannel,
     ZmqChannel,
+    advertised,
     is_loopback,
     shared_context,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "WeightFetchError",
     "WeightServer",
     "ZmqChannel",
+    "advertised",
     "auth_metrics",
     "check_bind_security",
     "client_curve",

@@ -97,6 +97,16 @@ class ChannelStats:
         return out
 
 
+def advertised(address: str, advertise_host: str = "") -> str:
+    """The address peers should dial for a socket bound to ``address`` (wildcards replaced)."""
+    import socket
+
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if address.startswith(wildcard):
+            return f"tcp://{advertise_host or socket.gethostname()}:{address[len(wildcard):]}"
+    return address
+
+
 _CONTEXT_LOCK = threading.Lock()
 
 
@@ -340,6 +350,7 @@ __all__ = [
     "Envelope",
     "InProcChannel",
     "ZmqChannel",
+    "advertised",
     "encode",
     "is_loopback",
     "shared_context",

@@ -19,7 +19,7 @@ import pytest
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, read_log
 from tests.integration.test_train_e2e import _wait_for_step, asyncrl
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 G = 8
 RUN = ["learner.total_steps=16", "learner.ckpt_every=4", "learner.eval_every=0", "rollout.eta=2",

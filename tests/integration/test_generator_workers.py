@@ -54,7 +54,7 @@ def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(p
         todo = [f"g{i}" for i in range(N_GROUPS)]
         params = P.SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=7)
         got: dict[str, P.FinishedSample] = {}
-        duplicates, joined, published_v1 = 0, {}, False
+        duplicates, joined, published_v1, given = 0, {}, False, {}
         deadline = time.monotonic() + 180
         while len(got) < N_GROUPS * GROUP and time.monotonic() < deadline:
             env = ctl.recv(0.01)
@@ -65,11 +65,13 @@ def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(p
                     ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in",
                                        latest_version=server.latest_version, config=config), to=env.peer)
                 elif isinstance(m, P.WorkRequest):
-                    n = min(m.credits // GROUP, len(todo), 2)  # share the groups between both workers
+                    # half the groups for each worker, however late one of them starts
+                    n = min(m.credits // GROUP, len(todo), N_GROUPS // 2 - given.get(m.worker_id, 0))
                     if n == 0:
                         ctl.send(P.NoWork(retry_after_s=0.05), to=env.peer)
                     for _ in range(n):
                         g = todo.pop(0)
+                        given[m.worker_id] = given.get(m.worker_id, 0) + 1
                         ctl.send(P.RolloutAssignment(group_id=g, sample_ids=[f"{g}/{i}" for i in range(GROUP)],
                                                      prompt_ids=prompt, params=params, n_samples=GROUP), to=env.peer)
             while (s := pull.recv(0.0)) is not None:

@@ -19,7 +19,7 @@ import pytest
 
 from asyncrl.log import BatchRecord, SampleRecord, read_log
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 ETA = 1
 SHORT = ["learner.total_steps=12", "learner.ckpt_every=4", "learner.eval_every=0", f"rollout.eta={ETA}",
@@ -190,3 +190,28 @@ def test_bad_configuration_fails_before_any_process_starts(tmp_path):
         assert res.returncode == 2, (override, res.stdout, res.stderr)
         assert message in res.stderr, (override, res.stderr)
         assert not (tmp_path / "runs").exists(), "a run folder was created"
+
+
+def test_ctrl_c_stops_everything_and_leaves_a_resumable_checkpoint(tmp_path, procs):
+    proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=ctrlc", *SHORT,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    run_dir = tmp_path / "ctrlc"
+    _wait_for_step(run_dir, 6, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, out.decode(errors="replace")[-2000:]
+    pids = json.loads((run_dir / "pids.json").read_text())
+    assert set(pids) >= {"controller", "learner", "worker-0", "worker-1"}
+    alive = [n for n, pid in pids.items() if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not alive, f"still running after Ctrl-C: {alive}"
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    version = json.loads((run_dir / "checkpoints" / latest / "learner.json").read_text())["version"]
+    assert version >= 6  # the learner checkpointed where it stopped, with the controller's matching state
+    state = json.loads((run_dir / "checkpoints" / f"controller-{version:08d}.json").read_text())
+    res = asyncrl(procs, "train", f"resume={run_dir}")
+    assert res.returncode == 0, res.stdout[-4000:]
+    events = [r for r in read_log(run_dir / "trajectories").records if getattr(r, "event", "") == "resume"]
+    assert events[0].data == {"version": str(version), "cursor": str(state["cursor"])}  # same dataset position
+    samples, batches = _log(run_dir)
+    assert [b.step for b in batches] == list(range(12))
+    assert max(Counter(r.sample.sample_id for r in samples).values()) == 1
