@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-fast test-gpu lint clean-venv
+.PHONY: demo test test-slow test-sglang test-fast test-gpu lint clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,17 @@ test: $(STAMP)
 # End-to-end runs of minutes each (train/replay/resume/chaos, bench smoke runs); CI runs them too.
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m "slow and not gpu and not sglang" -q
+
+# The engine contract suite against a real SGLang 0.5.23 server on this CPU (docs/sglang.md). SGLang
+# pins torch 2.14.1, so it lives in its own venv (about 11 GB, built once); nothing in it is patched.
+SGLANG_VENV := .cache/sglang-venv
+$(SGLANG_VENV)/.installed:
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --disable-pip-version-check sglang==0.5.23
+	touch $@
+
+test-sglang: $(STAMP) $(SGLANG_VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests/sglang -m "sglang and not gpu" -q
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not sglang and not slow and not interop and not integration" -q
