@@ -142,7 +142,8 @@ def test_abort_finishes_live_sample_with_partial_tokens(make_engine, ref_v0, ref
     got = by_id(results)
     aborted = got["s1"]
     assert aborted.finish_reason == "abort"
-    assert 3 <= len(aborted.response_ids) < 200
+    # Live when s0 finished (3 tokens); an HTTP engine may have started it a step later than s0.
+    assert 1 <= len(aborted.response_ids) < 200
     ref = reference.plain(ref_v0, aborted.prompt_ids, aborted.response_ids, 1.0).numpy()
     np.testing.assert_allclose(aborted.behav_logp, ref, atol=logp_atol, rtol=0)
 
