@@ -165,10 +165,12 @@ class SamplingParams(_Base, tag="sampling_params"):
 
 
 class WorkRequest(_Base, tag="work_request"):
-    """A worker asks for up to ``credits`` more samples (its free generation slots)."""
+    """A worker asks for up to ``credits`` more samples (its free generation slots). ``version`` is the
+    newest weights version its engine will use for new work (-1: unknown; then heartbeats tell)."""
 
     worker_id: str
     credits: int
+    version: int = -1
 
     def __post_init__(self) -> None:
         if self.credits < 0:

@@ -156,7 +156,8 @@ class GeneratorWorker:
             if now - last_hb >= self.heartbeat_s:
                 self._send_ctl(P.Heartbeat(peer_id=self.worker_id, time=time.time(), stats=self._stats()))
                 last_hb = now
-            self._maybe_update_weights()
+            if self._maybe_update_weights():
+                next_request = 0.0  # new weights: ask for the work they unlock now, not after a back-off
             self._flush_results()
             if draining_since is not None:
                 if not self.outstanding or now - draining_since > self.drain_s:
@@ -165,7 +166,8 @@ class GeneratorWorker:
             elif not request_in_flight and now >= next_request:
                 free = self.slots - len(self.outstanding)
                 if free > 0:
-                    self._send_ctl(P.WorkRequest(worker_id=self.worker_id, credits=free))
+                    self._send_ctl(P.WorkRequest(worker_id=self.worker_id, credits=free,
+                                                 version=self.weights_version))
                     request_in_flight = True
             env = self.ctl.recv(0.01)
             if env is None:
@@ -229,14 +231,17 @@ class GeneratorWorker:
             self.samples_sent += 1
             self.tokens_generated += len(res.response_ids)
 
-    def _maybe_update_weights(self) -> None:
+    def _maybe_update_weights(self) -> bool:
+        """Fetch and hand over the newest announced version; True if the engine got new weights."""
         ann = self.weights.poll_announce(0.0, fmt=self.fmt)
         if ann is None or ann.version <= self.weights_version:
-            return
+            return False
         try:
             self._load_weights(ann.version, timeout_s=60.0)
         except (WeightFetchError, ValueError) as e:  # QuantError is a ValueError: keep the old version
             log.error("could not load weights v%d, keeping v%d: %s", ann.version, self.engine.version, e)
+            return False
+        return True
 
     def _stats(self) -> dict[str, float]:
         dt = max(1e-6, time.monotonic() - self.t_start)

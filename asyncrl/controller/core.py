@@ -149,6 +149,7 @@ class ControllerCore:
             self.counters["control/unknown_worker"] += 1
             return [(peer, P.Error(code="not_registered", message="send Hello before asking for work"))]
         w.last_seen = now
+        w.version = max(w.version, msg.version)  # fresh weights are usable at once, not at the next heartbeat
         if self.done:
             return [(peer, P.Shutdown(reason="training finished"))]
         n_groups = msg.credits // self.cfg.algo.group_size
