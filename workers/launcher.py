@@ -73,7 +73,8 @@ def check_transport(cfg: TrainConfig) -> None:
 
 
 def publish_formats(cfg: TrainConfig) -> list[str]:
-    return [cfg.quant.fmt]
+    """The run's format first (the primary), then the extra ones, without repeats."""
+    return list(dict.fromkeys([cfg.quant.fmt, *cfg.quant.extra_formats]))
 
 
 class Launcher:

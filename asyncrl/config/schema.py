@@ -90,7 +90,9 @@ class AlgoConfig:
 class QuantConfig:
     fmt: str = "int8"
     """Format of the generation workers' actor (quantize-on-send): fp32, bf16, int8, int8_wo, fp8,
-    nvfp4, mxfp4. A worker may override it (``asyncrl worker quant.fmt=...``)."""
+    nvfp4, mxfp4. A worker may override it (``asyncrl worker quant.fmt=...``) with a published format."""
+    extra_formats: list[str] = field(default_factory=list)
+    """More formats the learner publishes every version, for workers of a mixed fleet (e.g. [fp32])."""
     uaq: bool = False
     """Update-aware quantization: fold scale ``uaq_scale`` into RMSNorm gains before step 0."""
     uaq_scale: float = 1.5
@@ -194,6 +196,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("algo.advantage", cfg.algo.advantage, ADVANTAGES)
     _choice("algo.is_level", cfg.algo.is_level, ("token", "sequence"))
     _choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
+    for fmt in cfg.quant.extra_formats:
+        _choice("quant.extra_formats[]", fmt, QUANT_FORMATS)
     _choice("task.name", cfg.task.name, TASKS)
     _choice("learner.lr_schedule", cfg.learner.lr_schedule, LR_SCHEDULES)
     _choice("log.fsync", cfg.log.fsync, FSYNC)

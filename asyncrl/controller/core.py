@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -62,7 +63,6 @@ class ControllerCore:
         self.workers: dict[str, WorkerInfo] = {}
         self.learner_peer: bytes | None = None
         self.pending_batch: int | None = None  # step the learner asked for and did not get yet
-        self.learner_ready = False
         self.done = False
         self.done_at = 0.0
         self.counters: Counter = Counter()
@@ -117,24 +117,28 @@ class ControllerCore:
             if self.learner_peer is not None and self.learner_peer != peer:
                 self.counters["control/rejected_hello"] += 1
                 return P.Reject(reason="a learner is already registered with this controller")
+            start = msg.capabilities.get("version", "0")
+            if not start.isdigit() or int(start) < self.version.version:
+                self.counters["control/rejected_hello"] += 1
+                return P.Reject(reason=f"learner version {start!r} is not a version >= {self.version.version}; "
+                                       "resume the learner and the controller from the same run folder")
             self.learner_peer = peer
-            self.learner_ready = True
             self.welcome_config.update({k: v for k, v in msg.capabilities.items() if k.startswith("weights_")})
-            start = int(msg.capabilities.get("version", "0"))
-            if start != self.version.version:
-                log.info("learner starts at version %d", start)
-                self.version.set(start)
+            if int(start) != self.version.version:
+                log.info("learner starts at version %s", start)
+                self.version.set(int(start))
             return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
                              latest_version=self.version.version)
         if msg.role != "generator":
             return P.Reject(reason=f"role {msg.role!r} cannot join; expected generator or learner")
-        if not self.learner_ready:
+        if self.learner_peer is None:
             return P.Error(code="not_ready", message="the learner has not published weights yet; retry")
         fmt = msg.capabilities.get("quant_format") or self.publish_formats[0]
         if fmt not in self.publish_formats:
             self.counters["control/rejected_format"] += 1
             return P.Reject(reason=f"this run publishes weights as {self.publish_formats}; start the worker with "
-                                   f"quant.fmt={self.publish_formats[0]} (or add {fmt} to quant.publish_formats)")
+                                   f"quant.fmt={self.publish_formats[0]} (or start the run with "
+                                   f"quant.extra_formats=[{fmt}])")
         self.workers[msg.peer_id] = WorkerInfo(peer=peer, quant_format=fmt, last_seen=now)
         self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
                                     logged_at=time.time()))
@@ -185,8 +189,10 @@ class ControllerCore:
             self.counters["control/unknown_heartbeat"] += 1
             return
         w.last_seen = now
-        w.version = int(msg.stats.get("version", w.version))
-        w.tokens_per_s = float(msg.stats.get("tokens_per_s", 0.0))
+        version, tps = msg.stats.get("version", w.version), msg.stats.get("tokens_per_s", 0.0)
+        if math.isfinite(version):  # stats are the peer's word: never let a NaN reach int()
+            w.version = max(w.version, int(version))
+        w.tokens_per_s = tps if math.isfinite(tps) else 0.0
         self.buffer.heartbeat(msg.peer_id)
 
     def _forget(self, worker_id: str, *, reason: str) -> None:
