@@ -244,18 +244,35 @@ class ControllerCore:
     def _try_batch(self) -> list[tuple[bytes, Any]]:
         if self.pending_batch is None or self.learner_peer is None:
             return []
-        if self.pending_batch != self.assembler.next_step:
-            step = self.pending_batch
+        step, next_step = self.pending_batch, self.assembler.next_step
+        if step < next_step:
+            # The learner resumed from a checkpoint taken while this batch was on its way to it
+            # (stopped between receiving and training): serve the same batch again; it is logged once.
+            try:
+                batch = self.assembler.retained_batch(step)
+            except ValueError as e:
+                self.pending_batch = None
+                return [(self.learner_peer, P.Error(code="wrong_step", message=str(e)))]
+            self.pending_batch = None
+            self.counters["batches/resent"] += 1
+            return [(self.learner_peer, self._train_batch(batch))]
+        if step > next_step:
             self.pending_batch = None
             return [(self.learner_peer, P.Error(code="wrong_step", message=(
-                f"learner asked for batch {step}, the controller is at batch {self.assembler.next_step}; "
+                f"learner asked for batch {step}, the controller is at batch {next_step}; "
                 "resume both from the same checkpoint")))]
         batch = self.assembler.try_assemble()
         if batch is None:
             return []
         self.counters["data/filtered_groups"] += len(batch.filtered)
-        samples = []
-        rewards = []
+        self.max_consumed_staleness = max(self.max_consumed_staleness, batch.max_staleness)
+        self.log.append(BatchRecord(step=batch.step, sample_ids=list(batch.sample_ids), logged_at=time.time()))
+        self.log.flush()  # the batch record is durable before the learner trains on it
+        self.pending_batch = None
+        return [(self.learner_peer, self._train_batch(batch))]
+
+    def _train_batch(self, batch) -> P.TrainBatch:
+        samples, rewards = [], []
         for g in batch.groups:
             for s, r, a in zip(g.samples, g.extra["rewards"], g.extra["advantages"], strict=True):
                 fs = s.payload
@@ -264,10 +281,6 @@ class ControllerCore:
                                              versions=fs.versions, advantage=float(a), reward=float(r),
                                              finish_reason=fs.finish_reason))
                 rewards.append(float(r))
-        self.max_consumed_staleness = max(self.max_consumed_staleness, batch.max_staleness)
-        self.log.append(BatchRecord(step=batch.step, sample_ids=list(batch.sample_ids), logged_at=time.time()))
-        self.log.flush()  # the batch record is durable before the learner trains on it
-        self.pending_batch = None
         metrics = {
             "train/reward_mean": float(np.mean(rewards)),
             "train/reward_std": float(np.std(rewards)),
@@ -276,7 +289,7 @@ class ControllerCore:
             "gate/capacity": float(self.gate.capacity()),
             "workers/alive": float(len(self.workers)),
         }
-        return [(self.learner_peer, P.TrainBatch(step=batch.step, samples=samples, metrics=metrics))]
+        return P.TrainBatch(step=batch.step, samples=samples, metrics=metrics)
 
     def _version_update(self, msg: P.VersionUpdate) -> list[tuple[bytes, Any]]:
         if msg.version > self.version.version:
