@@ -27,7 +27,9 @@ same invocation (there the stages do not overlap, so they are measured without c
 ``speedup`` = samples/s over the eta=0 run's samples/s, printed next to the bound.
 ``latency_bound`` = eta=0 step time / max(G, T): the eta=0 step also waits for things that are not
 stage work (weight propagation, the worker's version report, request retries); asynchrony hides
-those too, so the speedup can exceed (G + T) / max(G, T) but not this.
+those too, so the speedup can exceed (G + T) / max(G, T) but not this. A second table splits the
+eta=0 step into consecutive segments (learner, propagation of the new version to an engine,
+generation, collection into a batch) from the same timestamps (see ``Timeline.sync_breakdown``).
 
 Run: ``python scripts/bench_async.py [--quick|--smoke] [--etas 0,1,2,4] [--steps N]
 [--heartbeat-s 1.0,0.05] [--set key=value ...] [--json PATH]``.
@@ -46,24 +48,66 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts import benchlib  # noqa: E402
 
 
-def busy_intervals(run_dir: Path) -> dict[str, list[tuple[float, float]]]:
-    """Per worker: [admitted, finished] wall-clock intervals (time.time) of every logged sample."""
-    from asyncrl.log import SampleRecord, read_log
+class Timeline:
+    """Wall-clock (time.time) timeline of a run, rebuilt from its trajectory log.
 
-    groups: dict[str, list] = collections.defaultdict(list)
-    for rec in read_log(run_dir / "trajectories").records:
-        if isinstance(rec, SampleRecord):
-            groups[rec.sample.group_id].append(rec)
-    out: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
-    for recs in groups.values():
-        timed = [r for r in recs if "total_s" in r.sample.timings]
-        if not timed:
-            continue
-        submit = min(r.logged_at for r in timed) - max(r.sample.timings["total_s"] for r in timed)
-        for r in timed:
-            t = r.sample.timings
-            out[r.sample.worker_id].append((submit + t.get("queue_s", 0.0), submit + t["total_s"]))
-    return out
+    ``samples[id] = (worker, submitted, admitted, finished)``: every sample of a group is submitted
+    together (one RolloutAssignment), so the group's submit time is its log time (the earliest
+    ``SampleRecord.logged_at`` of the group, written when its last sample arrived) minus the longest
+    engine ``timings["total_s"]`` among its samples; admitted = submit + ``queue_s``, finished =
+    submit + ``total_s``. ``batches[k] = (logged_at, sample ids)`` of learner step k.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        from asyncrl.log import BatchRecord, SampleRecord, read_log
+
+        groups: dict[str, list] = collections.defaultdict(list)
+        self.batches: dict[int, tuple[float, list[str]]] = {}
+        for rec in read_log(run_dir / "trajectories").records:
+            if isinstance(rec, SampleRecord):
+                groups[rec.sample.group_id].append(rec)
+            elif isinstance(rec, BatchRecord):
+                self.batches[rec.step] = (rec.logged_at, list(rec.sample_ids))
+        self.samples: dict[str, tuple[str, float, float, float]] = {}
+        for recs in groups.values():
+            timed = [r for r in recs if "total_s" in r.sample.timings]
+            if not timed:
+                continue
+            submit = min(r.logged_at for r in timed) - max(r.sample.timings["total_s"] for r in timed)
+            for r in timed:
+                t = r.sample.timings
+                self.samples[r.sample.sample_id] = (r.sample.worker_id, submit, submit + t.get("queue_s", 0.0),
+                                                    submit + t["total_s"])
+
+    def busy_intervals(self) -> dict[str, list[tuple[float, float]]]:
+        """Per worker: the [admitted, finished] interval of every logged sample."""
+        out: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        for worker, _, admitted, finished in self.samples.values():
+            out[worker].append((admitted, finished))
+        return out
+
+    def sync_breakdown(self, version_times: dict[int, float], steps: range) -> dict[str, float]:
+        """Mean split of a synchronous (eta=0) step k -> k+1 into consecutive segments:
+        ``learner_s`` (batch k sent -> version k+1 announced: receive, train, gather, publish),
+        ``propagate_s`` (version k+1 announced -> first sample of batch k+1 submitted to an engine:
+        weight fetch and load, the worker's version report, the work request and assignment),
+        ``generate_s`` (first submit -> last finish of batch k+1's samples) and ``collect_s`` (last
+        finish -> batch k+1 sent: push, scoring, logging, assembly). They add up to the step time only
+        when nothing overlaps, i.e. at eta=0."""
+        parts: dict[str, list[float]] = collections.defaultdict(list)
+        for k in steps:
+            if k not in self.batches or k + 1 not in self.batches or k + 1 not in version_times:
+                continue
+            ids = [i for i in self.batches[k + 1][1] if i in self.samples]
+            if not ids:
+                continue
+            first = min(self.samples[i][1] for i in ids)
+            last = max(self.samples[i][3] for i in ids)
+            parts["learner_s"].append(version_times[k + 1] - self.batches[k][0])
+            parts["propagate_s"].append(first - version_times[k + 1])
+            parts["generate_s"].append(last - first)
+            parts["collect_s"].append(self.batches[k + 1][0] - last)
+        return {k: statistics.fmean(v) for k, v in parts.items()}
 
 
 def merged_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -94,7 +138,8 @@ def measure(run_dir: Path, batch_samples: int, n_workers: int) -> dict:
     body = win[1:]
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in body)  # noqa: E731
     lo, hi = win[0]["time"], win[-1]["time"]
-    busy = busy_intervals(run_dir)
+    timeline = Timeline(run_dir)
+    busy = timeline.busy_intervals()
     per_worker = {w: merged_seconds(iv, lo, hi) for w, iv in busy.items()}
     workers = max(n_workers, len(per_worker))
     gen_busy = sum(per_worker.values()) / (workers * (hi - lo))
@@ -109,6 +154,9 @@ def measure(run_dir: Path, batch_samples: int, n_workers: int) -> dict:
         "max_staleness": max(r.get("staleness/max", 0.0) for r in body),
         "eval_acc": summary.get("eval_accuracy"), "final_reward": summary.get("final_train_reward"),
         "worker_busy_s": per_worker,
+        # the controller logs VersionUpdate(k) as the metrics record of step k, stamped "time"
+        "sync_breakdown": timeline.sync_breakdown({int(r["step"]): r["time"] for r in recs},
+                                                  range(int(win[0]["step"]), int(win[-1]["step"]))),
     }
 
 
@@ -160,14 +208,21 @@ def main(argv: list[str] | None = None) -> int:
             r["bound"] = (g + t) / max(g, t)
             r["latency_bound"] = ref["step_s"] / max(g, t)
             r["own_bound"] = (r["G_s"] + r["T_s"]) / max(r["G_s"], r["T_s"])
-    table = [{k: v for k, v in r.items() if k != "worker_busy_s"} for r in rows]
+    table = [{k: v for k, v in r.items() if k not in ("worker_busy_s", "sync_breakdown")} for r in rows]
     benchlib.print_table(
         f"asyncrl train at eta in {etas}: {cfg.model.name} model, task {cfg.task.name}, {args.workers} "
         f"{cfg.quant.fmt} workers, {cfg.algo.objective}, {steps} steps ({batch} samples/step); speedup vs eta=0 "
         f"next to the pipelining bound (G+T)/max(G,T) from the eta=0 run's stage times",
         table, ["heartbeat_s", "eta", "samples_per_s", "speedup", "bound", "latency_bound", "learner_busy",
                 "gen_busy", "G_s", "T_s", "wait_s", "step_s", "max_staleness", "eval_acc"])
-    benchlib.write_json(args.json, "bench_async", {"runs": rows}, args, steps=steps, workers=args.workers,
+    sync = [{"heartbeat_s": r["heartbeat_s"], "step_s": r["step_s"], **r["sync_breakdown"],
+             "G_s": r["G_s"], "T_s": r["T_s"]} for r in rows if r["eta"] == 0 and r["sync_breakdown"]]
+    if sync:
+        benchlib.print_table(
+            "where a synchronous (eta=0) step goes: consecutive segments from the trajectory log and the controller's "
+            "metrics timestamps (mean over the window)", sync,
+            ["heartbeat_s", "step_s", "learner_s", "propagate_s", "generate_s", "collect_s", "G_s", "T_s"])
+    benchlib.write_json(args.json, "bench_async", {"runs": rows, "sync_breakdown": sync}, args, steps=steps, workers=args.workers,
                         overrides=base, batch_samples=batch, heartbeats=hbs, etas=etas)
     return 0
 

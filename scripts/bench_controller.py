@@ -17,8 +17,9 @@ Around it, synthetic peers that speak the real protocol over tcp loopback, each 
   BatchRequest(k) -> TrainBatch; it announces version k+1 and sends VersionUpdate(k+1) at once (no
   training), so the staleness gate keeps opening as fast as the controller can fill batches.
 
-Measured over a window after a warm-up: samples/s accepted by the controller (its own counter
-``controller/samples/accepted`` from metrics.jsonl against its ``time/wall_s``), samples/s the
+Measured over a window after a warm-up: samples/s accepted by the controller (its own counters
+``controller/samples/accepted`` + ``controller/samples/completed``, i.e. every result recorded into
+its group, from metrics.jsonl against its ``time/wall_s``), samples/s the
 learner received in TrainBatches, and the controller's resident memory (VmRSS of its PID, sampled
 every 0.2 s: at idle before any peer, and the peak). Key column: ``vs_1_worker`` (accepted samples/s
 over the 1-worker run of the same invocation). All processes share the machine's cores: with 16
@@ -245,17 +246,20 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
     t0 = arrivals[0][0] + warmup_s
     win = [(t, n) for t, n in arrivals if t >= t0]
     consumed = sum(n for _, n in win[1:]) / (win[-1][0] - win[0][0]) if len(win) > 1 else float("nan")
+    # a result is taken in as "accepted" or, when it completes its group, "completed" (ResultStatus.accepted)
     recs = [r for r in read_metrics(run_dir) if "controller/samples/accepted" in r and "time/wall_s" in r]
+    taken = [r["controller/samples/accepted"] + r.get("controller/samples/completed", 0.0) for r in recs]
     w0 = recs[0]["time/wall_s"] + warmup_s if recs else 0.0
-    rwin = [r for r in recs if r["time/wall_s"] >= w0]
-    accepted = ((rwin[-1]["controller/samples/accepted"] - rwin[0]["controller/samples/accepted"])
-                / (rwin[-1]["time/wall_s"] - rwin[0]["time/wall_s"])) if len(rwin) > 1 else float("nan")
+    idx = [i for i, r in enumerate(recs) if r["time/wall_s"] >= w0]
+    i0, i1 = (idx[0], idx[-1]) if idx else (0, 0)
+    span = recs[i1]["time/wall_s"] - recs[i0]["time/wall_s"] if i1 > i0 else 0.0
+    accepted = (taken[i1] - taken[i0]) / span if span > 0 else float("nan")
     final = json.loads((run_dir / "controller_final.json").read_text())
     return {"workers": n_workers, "accepted_per_s": accepted, "consumed_per_s": consumed,
             "learner_steps": learner["steps"], "samples_sent": sent,
             "samples_logged": final.get("samples_logged"), "rss_idle_MB": rss_idle / 2**20,
-            "rss_peak_MB": rss_peak / 2**20, "window_s": (rwin[-1]["time/wall_s"] - rwin[0]["time/wall_s"])
-            if len(rwin) > 1 else 0.0, "rejected": final.get("transport/samples/rejected", 0.0)}
+            "rss_peak_MB": rss_peak / 2**20, "window_s": span,
+            "rejected": final.get("transport/samples/rejected", 0.0)}
 
 
 def main(argv: list[str] | None = None) -> int:

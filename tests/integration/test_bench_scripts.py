@@ -57,6 +57,7 @@ def test_bench_async_smoke_writes_rows_per_eta_with_speedup_and_bound(procs, tmp
     check_rows(rows, ["samples_per_s", "speedup", "bound", "latency_bound", "learner_busy", "gen_busy", "G_s",
                       "T_s", "wait_s", "step_s", "max_staleness"])
     assert all(isinstance(r["worker_busy_s"], dict) for r in rows)
+    check_rows(data["tables"]["sync_breakdown"], ["step_s", "learner_s", "propagate_s", "generate_s", "collect_s"])
 
 
 def test_bench_weightsync_smoke_writes_every_stage_per_format(procs, tmp_path):
