@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+_LOADAVG_AT_START = list(os.getloadavg())  # the machine is shared: record how busy it was
 
 
 def parser(name: str, description: str, *, smoke: bool = False) -> argparse.ArgumentParser:
@@ -36,13 +37,24 @@ def parser(name: str, description: str, *, smoke: bool = False) -> argparse.Argu
 
 
 def machine() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=False).stdout.strip()
-    except OSError:
-        commit = ""
+    """Where the numbers come from. ``commit`` is HEAD of the checkout the script runs from, with
+    ``dirty`` true when tracked files differ from it; a snapshot exported with ``git archive`` (no
+    ``.git``; used to benchmark a fixed commit while others edit the shared checkout) names its commit
+    in ``$ASYNCRL_BENCH_COMMIT``."""
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        except OSError:
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else False
+    if not commit:
+        commit = os.environ.get("ASYNCRL_BENCH_COMMIT", "")
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "processor": platform.processor(), "commit": commit}
+            "processor": platform.processor(), "commit": commit, "dirty": dirty,
+            "loadavg_at_start": _LOADAVG_AT_START, "loadavg_at_write": list(os.getloadavg())}
 
 
 def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
