@@ -116,7 +116,7 @@ class GeneratorWorker:
         self.push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name="worker-samples", curve=self.curve)
         self.weights = WeightClient(cfg["weights_announce"], cfg["weights_fetch"],
                                     identity=f"{self.worker_id}-w".encode(), curve=self.curve)
-        self._load_weights(welcome.latest_version)
+        self._load_weights(-1)  # the newest the learner serves (the controller's view can lag behind it)
         log.info("worker %s ready: %s actor, weights v%d, %d slots", self.worker_id, self.fmt,
                  self.weights_version, self.slots)
         comms = threading.Thread(target=self._comms_loop, name="worker-comms", daemon=True)

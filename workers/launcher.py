@@ -23,6 +23,7 @@ from pathlib import Path
 from asyncrl.config import TrainConfig, load_train_config, save_config
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_WORKER_RESTARTS = 8  # a worker that keeps crashing is a bug to see, not to hide forever
 
 
 class Child:
@@ -82,6 +83,7 @@ class Launcher:
         self.cfg, self.run_dir, self.model_dir = cfg, run_dir, model_dir
         self.children: list[Child] = []
         self.stopping = False
+        self.restarts = 0
         self.env = child_env()
         (run_dir / "logs").mkdir(exist_ok=True)
 
@@ -108,10 +110,18 @@ class Launcher:
         self.learner = self.spawn("learner", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                               f"--nproc_per_node={W}", str(ROOT / "workers" / "learner.py"),
                                               "--controller", self.address, *common])
-        keys = [f"transport.keys_dir={self.cfg.transport.keys_dir}"] if self.cfg.transport.keys_dir else []
-        self.workers = [self.spawn(f"worker-{i}", [sys.executable, "-m", "workers.generator",
-                                                    f"controller={self.address}", f"worker_id=worker-{i}", *keys])
+        self.workers = [self.spawn(f"worker-{i}", self.worker_args(f"worker-{i}"))
                         for i in range(self.cfg.rollout.num_workers)]
+
+    def worker_args(self, name: str) -> list[str]:
+        keys = [f"transport.keys_dir={self.cfg.transport.keys_dir}"] if self.cfg.transport.keys_dir else []
+        return [sys.executable, "-m", "workers.generator", f"controller={self.address}", f"worker_id={name}", *keys]
+
+    def restart_worker(self, dead: Child) -> None:
+        """Replace a worker that died (its work was reissued by the controller)."""
+        self.restarts += 1
+        name = f"{dead.name.split('-r')[0]}-r{self.restarts}"
+        self.workers.append(self.spawn(name, self.worker_args(name)))
 
     def stop(self, children: Sequence[Child] | None = None, grace_s: float = 30.0) -> None:
         targets = [c for c in (self.children if children is None else children) if c.proc.poll() is None]
@@ -192,11 +202,14 @@ def run_train(overrides: Sequence[str]) -> int:
                 print(f"\ncontroller died (exit {rc}):\n{launcher.controller.tail()}")
                 launcher.stop()
                 break
-            for w in launcher.workers:
+            for w in list(launcher.workers):
                 if w.proc.poll() not in (None, 0) and w not in reported:
                     reported.add(w)  # elastic: the controller reissues its work; the run goes on
-                    print(f"\n{w.name} exited with {w.proc.returncode}; its assignments are reissued "
-                          f"(add workers with: asyncrl worker controller={launcher.address})")
+                    print(f"\n{w.name} exited with {w.proc.returncode}; its assignments are reissued")
+                    if launcher.restarts < MAX_WORKER_RESTARTS:
+                        launcher.restart_worker(w)
+                        print(f"restarted {w.name} (restart {launcher.restarts} of {MAX_WORKER_RESTARTS}; "
+                              f"add more with: asyncrl worker controller={launcher.address})")
             time.sleep(0.5)
         records, offset = tail_metrics(run_dir / "metrics.jsonl", offset)
         for r in records:

@@ -139,6 +139,8 @@ class ControllerCore:
             return P.Reject(reason=f"this run publishes weights as {self.publish_formats}; start the worker with "
                                    f"quant.fmt={self.publish_formats[0]} (or start the run with "
                                    f"quant.extra_formats=[{fmt}])")
+        if msg.peer_id in self.workers:  # joined again (restart, lost Welcome): its old work is reissued
+            self._forget(msg.peer_id, reason="joined again")
         self.workers[msg.peer_id] = WorkerInfo(peer=peer, quant_format=fmt, last_seen=now)
         self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
                                     logged_at=time.time()))
