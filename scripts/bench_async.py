@@ -30,6 +30,9 @@ stage work (weight propagation, the worker's version report, request retries); a
 those too, so the speedup can exceed (G + T) / max(G, T) but not this. A second table splits the
 eta=0 step into consecutive segments (learner, propagation of the new version to an engine,
 generation, collection into a batch) from the same timestamps (see ``Timeline.sync_breakdown``).
+``efficiency`` = max(G, T) / step time of the run itself (its own stage times): how close the run
+comes to the ideal pipelined step. On a shared machine T moves by tens of percent between runs,
+which moves ``speedup`` with it; ``efficiency`` is the steadier figure.
 
 Run: ``python scripts/bench_async.py [--quick|--smoke] [--etas 0,1,2,4] [--steps N]
 [--heartbeat-s 1.0,0.05] [--set key=value ...] [--json PATH]``.
@@ -208,13 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             r["bound"] = (g + t) / max(g, t)
             r["latency_bound"] = ref["step_s"] / max(g, t)
             r["own_bound"] = (r["G_s"] + r["T_s"]) / max(r["G_s"], r["T_s"])
+            r["efficiency"] = max(r["G_s"], r["T_s"]) / r["step_s"]
     table = [{k: v for k, v in r.items() if k not in ("worker_busy_s", "sync_breakdown")} for r in rows]
     benchlib.print_table(
         f"asyncrl train at eta in {etas}: {cfg.model.name} model, task {cfg.task.name}, {args.workers} "
         f"{cfg.quant.fmt} workers, {cfg.algo.objective}, {steps} steps ({batch} samples/step); speedup vs eta=0 "
         f"next to the pipelining bound (G+T)/max(G,T) from the eta=0 run's stage times",
-        table, ["heartbeat_s", "eta", "samples_per_s", "speedup", "bound", "latency_bound", "learner_busy",
-                "gen_busy", "G_s", "T_s", "wait_s", "step_s", "max_staleness", "eval_acc"])
+        table, ["heartbeat_s", "eta", "samples_per_s", "speedup", "bound", "latency_bound", "efficiency",
+                "learner_busy", "gen_busy", "G_s", "T_s", "wait_s", "step_s", "max_staleness", "eval_acc"])
     sync = [{"heartbeat_s": r["heartbeat_s"], "step_s": r["step_s"], **r["sync_breakdown"],
              "G_s": r["G_s"], "T_s": r["T_s"]} for r in rows if r["eta"] == 0 and r["sync_breakdown"]]
     if sync:

@@ -54,7 +54,7 @@ def test_bench_async_smoke_writes_rows_per_eta_with_speedup_and_bound(procs, tmp
     data = run_bench(procs, tmp_path, "bench_async", "--smoke", timeout_s=280)
     rows = data["tables"]["runs"]
     assert [r["eta"] for r in rows] == data["etas"] == [0, 1]
-    check_rows(rows, ["samples_per_s", "speedup", "bound", "latency_bound", "learner_busy", "gen_busy", "G_s",
+    check_rows(rows, ["samples_per_s", "speedup", "bound", "latency_bound", "efficiency", "learner_busy", "gen_busy", "G_s",
                       "T_s", "wait_s", "step_s", "max_staleness"])
     assert all(isinstance(r["worker_busy_s"], dict) for r in rows)
     check_rows(data["tables"]["sync_breakdown"], ["step_s", "learner_s", "propagate_s", "generate_s", "collect_s"])
