@@ -212,8 +212,13 @@ def train_step(
     plan = _plan(batch, cfg, info)
     want_entropy = cfg.log_entropy or objective.entropy_coef > 0
 
-    # Proximal (and reference) log-probs with theta_k, before any update.
-    prox = _frozen_logp(model, plan, cfg.chunk_tokens)
+    # Proximal (and reference) log-probs with theta_k, before any update. Coupled PPO (§6.1) has no
+    # proximal policy: the sampler's own log-probs are the old policy (verl bypass mode); on stale,
+    # quantized rollouts that is the naive baseline QuRL reports collapsing.
+    if objective.kind == "ppo":
+        prox = [[m.behav_logp for m in micros] for micros in plan]
+    else:
+        prox = _frozen_logp(model, plan, cfg.chunk_tokens)
     ref = _frozen_logp(ref_model if objective.kl_coef > 0 else None, plan, cfg.chunk_tokens)
     t_prox = time.perf_counter() - t0
 

@@ -217,3 +217,17 @@ def test_step_config_rejects_bad_values():
         StepConfig(n_minibatches=0)
     with pytest.raises(ValueError, match="micro_batch_size"):
         StepConfig(micro_batch_size=0)
+
+
+def test_coupled_ppo_uses_the_sampler_log_probs_as_the_old_policy(tiny, dist_info):
+    """§6.1: kind=ppo has no proximal policy; the ratio is current / behaviour (the naive baseline)."""
+    batch = tiny.batch(4, seed=2, temperature=1.0)
+    model = tiny.model(seed=3)
+    with torch.no_grad():
+        current, _ = token_logprobs(copy.deepcopy(model), batch)
+    mask = batch.loss_mask
+    expected = float(torch.exp(torch.where(mask, current - batch.behav_logp, 0.0))[mask].mean())
+    state = _state(model, dist_info, lr=1e-6)
+    metrics = train_step(state, batch, ObjectiveConfig(kind="ppo"), StepConfig(micro_batch_size=8), dist_info)
+    assert metrics["actor/ratio_mean"] == pytest.approx(expected, rel=1e-4)
+    assert abs(metrics["actor/ratio_mean"] - 1.0) > 1e-3  # behav differs from the learner: not a recompute
