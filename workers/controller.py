@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                     if env is None:
                         break
                     if isinstance(env.msg, P.FinishedSample):
-                        core.on_sample(env.msg)
+                        replies += core.on_sample(env.msg)
                     else:
                         core.counters["samples/unexpected_message"] += 1
             if ctl._sock in ready:

@@ -208,7 +208,8 @@ class ControllerCore:
         log.info("worker %s %s; reissuing %d samples", worker_id, reason, len(reissued))
 
     # ------------------------------------------------------------------------------- data plane
-    def on_sample(self, msg: P.FinishedSample) -> None:
+    def on_sample(self, msg: P.FinishedSample) -> list[tuple[bytes, Any]]:
+        """Record one streamed sample; returns the learner's batch if this sample completed it."""
         w = self.workers.get(msg.worker_id)
         if w is not None:
             w.last_seen = self.clock()
@@ -227,10 +228,12 @@ class ControllerCore:
         except ValueError as e:  # a token older than its group's admission: a broken worker
             self.counters["samples/rejected_version"] += 1
             log.error("rejected %s from %s: %s", msg.sample_id, msg.worker_id, e)
-            return
+            return []
         self.counters[f"samples/{status.value}"] += 1
         if status is ResultStatus.COMPLETED:
             self._complete(msg.group_id)
+            return self._try_batch()  # a waiting learner gets its batch now, not at the next timer tick
+        return []
 
     def _complete(self, group_id: str) -> None:
         group = self.buffer.get(group_id)
