@@ -82,7 +82,6 @@ class Launcher:
     def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path) -> None:
         self.cfg, self.run_dir, self.model_dir = cfg, run_dir, model_dir
         self.children: list[Child] = []
-        self.stopping = False
         self.restarts = 0
         self.env = child_env()
         (run_dir / "logs").mkdir(exist_ok=True)

@@ -68,7 +68,6 @@ class ControllerCore:
         self.counters: Counter = Counter()
         self.max_consumed_staleness = 0
         self.samples_logged = 0
-        self.t_start = clock()
         self.log = TrajectoryLogWriter(self.run_dir / "trajectories", config=dataclasses.asdict(cfg),
                                        run_name=cfg.run_name, model=welcome_config.get("model_id", ""),
                                        fsync=cfg.log.fsync, fsync_every=cfg.log.fsync_every,
@@ -280,11 +279,7 @@ class ControllerCore:
         samples, rewards = [], []
         for g in batch.groups:
             for s, r, a in zip(g.samples, g.extra["rewards"], g.extra["advantages"], strict=True):
-                fs = s.payload
-                samples.append(P.TrainSample(sample_id=fs.sample_id, group_id=fs.group_id, prompt_ids=fs.prompt_ids,
-                                             response_ids=fs.response_ids, behav_logp=fs.behav_logp,
-                                             versions=fs.versions, advantage=float(a), reward=float(r),
-                                             finish_reason=fs.finish_reason))
+                samples.append(train_sample(s.payload, advantage=float(a), reward=float(r)))
                 rewards.append(float(r))
         metrics = {
             "train/reward_mean": float(np.mean(rewards)),
@@ -361,6 +356,13 @@ class ControllerCore:
         self.max_consumed_staleness = int(state["max_consumed_staleness"])
         self.log.append(EventRecord(event="resume", logged_at=time.time(), data={
             "version": str(self.version.version), "cursor": str(self.cursor)}))
+
+
+def train_sample(fs: P.FinishedSample, *, advantage: float, reward: float) -> P.TrainSample:
+    """What the learner consumes of a scored sample (the controller's batches and replay agree on it)."""
+    return P.TrainSample(sample_id=fs.sample_id, group_id=fs.group_id, prompt_ids=fs.prompt_ids,
+                         response_ids=fs.response_ids, behav_logp=fs.behav_logp, versions=fs.versions,
+                         advantage=advantage, reward=reward, finish_reason=fs.finish_reason)
 
 
 def read_state(path: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import protocols as P
+from asyncrl.controller.core import train_sample
 from asyncrl.log import BatchRecord, LogFormatError, SampleRecord, read_log, segment_paths
 from asyncrl.log.framing import read_header
 
@@ -54,18 +55,13 @@ def load_replay_batches(log_dir: str | Path, *, model_id: str = "") -> list[P.Tr
                                   f"hold (first: {missing[0]})")
             chosen = [samples[s] for s in rec.sample_ids]
             reward = sum(r.reward for r in chosen) / len(chosen)
-            batches.append(P.TrainBatch(step=rec.step, samples=[_train_sample(r) for r in chosen],
+            batches.append(P.TrainBatch(step=rec.step,
+                                        samples=[train_sample(r.sample, advantage=r.advantage, reward=r.reward)
+                                                 for r in chosen],
                                         metrics={"train/reward_mean": reward}))
     if not batches:
         raise ReplayError(f"{log_dir} holds no consumed batch; nothing to replay")
     return batches
-
-
-def _train_sample(rec: SampleRecord) -> P.TrainSample:
-    s = rec.sample
-    return P.TrainSample(sample_id=s.sample_id, group_id=s.group_id, prompt_ids=s.prompt_ids,
-                         response_ids=s.response_ids, behav_logp=s.behav_logp, versions=s.versions,
-                         advantage=rec.advantage, reward=rec.reward, finish_reason=s.finish_reason)
 
 
 __all__ = ["LogFormatError", "ReplayError", "load_replay_batches"]

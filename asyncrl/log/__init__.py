@@ -5,7 +5,6 @@ from asyncrl.log.records import SCHEMA_VERSION, BatchRecord, EventRecord, LogHea
 from asyncrl.log.trajectory import (
     LogScan,
     TrajectoryLogWriter,
-    iter_records,
     read_log,
     segment_paths,
     truncate_log,
@@ -22,7 +21,6 @@ __all__ = [
     "Record",
     "SampleRecord",
     "TrajectoryLogWriter",
-    "iter_records",
     "read_log",
     "segment_paths",
     "truncate_log",

@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +203,3 @@ def truncate_log(log_dir: str | Path, segment: int, offset: int) -> int:
             dropped += size - offset
     return dropped
 
-
-def iter_records(path: str | Path) -> Iterator[Any]:
-    yield from read_log(path).records
