@@ -50,14 +50,24 @@ def decoder_for(typ: Any) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(type=typ)
 
 
+# The hot decoders, looked up by identity: hashing a union type for the cache costs more than
+# decoding a small message.
+_DECODERS: dict[int, msgspec.msgpack.Decoder] = {id(Message): decoder_for(Message)}
+
+
 def encode(msg: msgspec.Struct) -> bytes:
     return _ENCODER.encode(msg)
 
 
 def decode(buf: bytes | memoryview, typ: Any = Message) -> Any:
     """Decode one message of ``typ`` (default: any asyncrl message). Raises only ``ProtocolError``."""
+    dec = _DECODERS.get(id(typ))
+    if dec is None:
+        dec = decoder_for(typ)
+        if isinstance(typ, type):
+            _DECODERS[id(typ)] = dec
     try:
-        return decoder_for(typ).decode(buf)
+        return dec.decode(buf)
     except msgspec.ValidationError as e:
         text = str(e)
         if "`$.type`" in text or "Missing required field `type`" in text:

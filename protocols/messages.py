@@ -54,12 +54,14 @@ class _Base(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fie
     """Common options: keyword-only construction, defaults omitted on the wire."""
 
 
-class Array(msgspec.Struct, frozen=True, array_like=True):
+class Array(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """An n-d array as raw little-endian bytes. ``len(data) == prod(shape) * itemsize(dtype)``.
 
     The size rule is checked by every message that carries arrays (``check_array`` in its
     ``__post_init__``), at construction and at decode; one check per message is cheaper than a
-    ``__post_init__`` per nested array on the hot path of sample streaming.
+    ``__post_init__`` per nested array on the hot path of sample streaming. ``gc=False``: an Array
+    holds only a str, a tuple of ints and bytes, so it can never be part of a reference cycle, and the
+    garbage collector need not track the thousands a batch decodes (not a wire change).
     """
 
     dtype: str
@@ -198,8 +200,11 @@ class NoWork(_Base, tag="no_work"):
     retry_after_s: float = 0.05
 
 
-class FinishedSample(_Base, tag="finished_sample"):
-    """One finished response. ``behav_logp[t]`` and ``versions[t]`` belong to ``response_ids[t]``."""
+class FinishedSample(_Base, tag="finished_sample", gc=False):
+    """One finished response. ``behav_logp[t]`` and ``versions[t]`` belong to ``response_ids[t]``.
+
+    ``gc=False`` (untracked by the garbage collector; not a wire change): its fields are strings,
+    Arrays and a dict of floats, none of which can point back to it. Do not store cyclic objects on it."""
 
     sample_id: str
     group_id: str
@@ -221,12 +226,12 @@ class FinishedSample(_Base, tag="finished_sample"):
 
 def _check_token_arrays(m: FinishedSample | TrainSample) -> None:
     p, r, b, v = m.prompt_ids, m.response_ids, m.behav_logp, m.versions
-    ps, rs, bs, vs = p.shape, r.shape, b.shape, v.shape
-    if (  # fast path for the common, valid case: 1-d, right dtypes, 4-byte items, sizes agree
-        len(ps) == 1 and len(rs) == 1 and len(bs) == 1 and len(vs) == 1
-        and p.dtype == r.dtype == v.dtype == "int32" and b.dtype == "float32"
-        and ps[0] >= 0 and rs[0] >= 0 and bs[0] == rs[0] and vs[0] == rs[0]
-        and len(p.data) == 4 * ps[0] and len(r.data) == len(b.data) == len(v.data) == 4 * rs[0]
+    np_, nr = len(p.data), len(r.data)
+    if (  # fast path for the common, valid case: 1-d, right dtypes, 4-byte items, sizes agree. Shapes
+        # are compared as whole tuples against the byte lengths (no per-dimension Python arithmetic).
+        p.dtype == "int32" and r.dtype == "int32" and v.dtype == "int32" and b.dtype == "float32"
+        and not (np_ & 3 or nr & 3) and len(b.data) == nr and len(v.data) == nr
+        and p.shape == (np_ >> 2,) and r.shape == b.shape == v.shape == (nr >> 2,)
     ):
         return
     _check_vectors((("prompt_ids", p, "int32"), ("response_ids", r, "int32"), ("behav_logp", b, "float32"),
@@ -285,8 +290,8 @@ class WeightChunk(_Base, tag="weight_chunk"):
 
 
 # ---------------------------------------------------------------------------------------- learning
-class TrainSample(_Base, tag="train_sample"):
-    """A scored sample as the learner consumes it."""
+class TrainSample(_Base, tag="train_sample", gc=False):
+    """A scored sample as the learner consumes it (``gc=False`` as ``FinishedSample``)."""
 
     sample_id: str
     group_id: str

@@ -12,9 +12,12 @@ import datetime
 import json
 import os
 import platform
+import random
 import signal
+import statistics
 import subprocess
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,69 @@ def write_json(path: str, name: str, tables: dict[str, list[dict[str, Any]]], ar
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {path}")
+
+
+# ------------------------------------------------------------------ ratios that hold still
+def interleaved(paths: Mapping[str, Callable[[], float]], rounds: int, *, warmup: int = 1,
+                seed: int = 0) -> dict[str, Any]:
+    """Run every compared path once per round, ``rounds`` times, the order shuffled each round (seeded).
+
+    Each callable measures itself once and returns its figure (seconds, or a rate). ``warmup`` rounds
+    run first and are dropped. Paths measured in the same round saw the same machine load, so the
+    ratio of two paths is taken per round (``ratio_stats``) before any summary: a neighbour's burst
+    moves both figures of one round, not one path's best against another's worst. Returns
+    ``{"values": {path: [figure per round]}, "load": [1-min load average after each round], "order":
+    [[paths in the order run] per round]}``.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    rng = random.Random(seed)
+    names = list(paths)
+    values: dict[str, list[float]] = {n: [] for n in names}
+    load: list[float] = []
+    order: list[list[str]] = []
+    for r in range(warmup + rounds):
+        this = names[:]
+        rng.shuffle(this)
+        got = {n: float(paths[n]()) for n in this}
+        if r < warmup:
+            continue
+        for n in names:
+            values[n].append(got[n])
+        load.append(os.getloadavg()[0])
+        order.append(this)
+    return {"values": values, "load": load, "order": order}
+
+
+def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
+    """Per-round ratios ``num[i] / den[i]`` summarised: median, min, max, and the interquartile spread
+    relative to the median (``spread`` = (q3 - q1) / median; 0.05 means the middle half of the rounds
+    lies within 5% of each other)."""
+    if len(num) != len(den) or not num:
+        raise ValueError(f"need the same non-zero number of rounds, got {len(num)} and {len(den)}")
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    med = statistics.median(ratios)
+    if len(ratios) >= 2:
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    else:
+        q1 = q3 = med
+    return {"ratio_median": med, "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "spread": (q3 - q1) / med if med else float("nan"), "rounds": len(ratios)}
+
+
+def load_stats(load: Sequence[float]) -> dict[str, float]:
+    """The 1-min load average seen across the rounds (median, max) and the machine's core count."""
+    return {"load_median": statistics.median(load) if load else float("nan"),
+            "load_max": max(load) if load else float("nan"), "cpus": float(os.cpu_count() or 0)}
+
+
+def print_ratio(label: str, stats: Mapping[str, float], load: Mapping[str, float] | None = None) -> None:
+    """One line: median ratio, [min, max], spread, rounds, and the load average during the rounds."""
+    line = (f"{label}: {stats['ratio_median']:.3f}x median of {int(stats['rounds'])} interleaved rounds "
+            f"[min {stats['ratio_min']:.3f}, max {stats['ratio_max']:.3f}, IQR/median {stats['spread']:.1%}]")
+    if load is not None:
+        line += f"; load average {load['load_median']:.2f} (max {load['load_max']:.2f}) on {int(load['cpus'])} cpus"
+    print(line, flush=True)
 
 
 # ------------------------------------------------------------------ training runs as subprocesses

@@ -31,10 +31,11 @@ import msgspec
 import zmq
 
 from asyncrl.transport.auth import CurveConfig, auth_counter_metrics, is_loopback, secure_socket
-from protocols import Error, ProtocolError, decode_frames, encode, encode_frames
+from protocols import Error, Message, ProtocolError, decode_frames, encode, encode_frames
 
 DEFAULT_HWM = 1000
 ZERO_COPY_BYTES = 64 * 1024
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class ChannelTimeout(TimeoutError):
@@ -122,6 +123,8 @@ class ZmqChannel:
     ``curve``: server-side keys (``load_server_keys``) for ``bind``, client-side keys
     (``load_client_keys``) for ``connect``; None for a plain socket. ``max_message_bytes`` (> 0) makes
     zmq drop the connection of a peer that sends a larger message (hostile sizes), -1: no limit.
+    ``accept``: the message type (or union) this socket receives, decoded by that type's own cached
+    decoder; anything else is rejected as ``unknown_tag`` like a foreign tag (default: any message).
     """
 
     def __init__(
@@ -136,8 +139,10 @@ class ZmqChannel:
         zero_copy_recv: bool = False,
         curve: CurveConfig | None = None,
         max_message_bytes: int = -1,
+        accept: Any = Message,
     ) -> None:
         self.kind = kind
+        self.accept = accept
         self.name = name or zmq.Socket.__name__
         self.stats = ChannelStats()
         self.reply_errors = reply_errors and kind == zmq.ROUTER
@@ -218,6 +223,18 @@ class ZmqChannel:
     def send_frames(self, frames: Sequence[Any], *, timeout_s: float | None = 10.0) -> None:
         if self._closed:
             raise ChannelClosed(f"channel {self.name} is closed")
+        if len(frames) == 1:  # the hot path (samples, control): one small frame, copied, no bookkeeping
+            frame = frames[0]
+            try:
+                self._sock.send(frame, _NOBLOCK, copy=len(frame) < ZERO_COPY_BYTES)
+                self.stats.sent += 1
+                return
+            except zmq.Again:
+                pass
+        self._send_slow(frames, timeout_s)
+
+    def _send_slow(self, frames: Sequence[Any], timeout_s: float | None) -> None:
+        """Multipart frames, or a send that met the high-water mark: retry until ``timeout_s``."""
         # Small messages are cheaper copied; large payloads (weights) go zero-copy.
         copy = sum(len(f) for f in frames) < ZERO_COPY_BYTES
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -244,29 +261,45 @@ class ZmqChannel:
         """Next valid message, or None after ``timeout_s``. Bad frames are counted and skipped."""
         if self._closed:
             raise ChannelClosed(f"channel {self.name} is closed")
-        deadline = time.monotonic() + max(0.0, timeout_s)
+        deadline = None
         while True:
             try:  # fast path: a message is already queued, no poll needed
-                raw = self._sock.recv_multipart(zmq.NOBLOCK, copy=not self._zero_copy_recv)
+                frames = self._recv_frames()
             except zmq.Again:
+                if deadline is None:
+                    deadline = time.monotonic() + max(0.0, timeout_s)
                 remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
                 if not self._poller.poll(remaining_ms):
                     return None
                 continue
-            frames = [f.buffer for f in raw] if self._zero_copy_recv else raw
             env = self._parse(frames)
             if env is not None:
                 self.stats.received += 1
                 return env
+            if deadline is None:
+                deadline = time.monotonic() + max(0.0, timeout_s)
             if time.monotonic() >= deadline:
                 return None
+
+    def _recv_frames(self) -> list:
+        """Every frame of the next message (raises ``zmq.Again`` if none is queued). Small messages are
+        copied out of one zmq frame whose ``more`` flag is read in place (no ``RCVMORE`` round trip,
+        which costs as much as the receive itself); payloads of a zero-copy channel stay zmq buffers."""
+        if self._zero_copy_recv:
+            return [f.buffer for f in self._sock.recv_multipart(_NOBLOCK, copy=False)]
+        frame = self._sock.recv(_NOBLOCK, copy=False)
+        frames = [frame.bytes]
+        while frame.more:  # the rest of a multipart message is already here (zmq delivers it atomically)
+            frame = self._sock.recv(0, copy=False)
+            frames.append(frame.bytes)
+        return frames
 
     def _parse(self, frames: list) -> Envelope | None:
         peer = None
         if self.kind == zmq.ROUTER:
             peer, frames = bytes(frames[0]), frames[1:]
         try:
-            msg, payload = decode_frames(frames)
+            msg, payload = decode_frames(frames, self.accept)
         except ProtocolError as e:
             self.stats.reject(e.reason, str(e))
             if self.reply_errors and peer is not None:

@@ -91,7 +91,7 @@ def test_bench_algos_smoke_writes_summary_curves_and_plots(procs, tmp_path):
 
 
 @pytest.mark.parametrize(("name", "args"), [
-    ("bench_transport", ["--quick"]),
+    ("bench_transport", ["--quick", "--rounds", "5"]),
     ("bench_quant", ["--quick", "--formats", "int8", "--batch-sizes", "1", "--steps", "4", "--rounds", "1"]),
     ("bench_engine", ["--quick", "--formats", "fp32,int8", "--batch-sizes", "1", "--new-tokens", "4"]),
 ])

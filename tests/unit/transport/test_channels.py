@@ -45,6 +45,29 @@ def test_recv_returns_none_after_its_timeout_instead_of_blocking():
         assert time.monotonic() - t0 < 5.0  # returned, did not hang
 
 
+def _sample(n: int = 5) -> P.FinishedSample:
+    return P.FinishedSample(
+        sample_id="g/0", group_id="g", prompt_ids=P.Array.from_numpy(np.arange(3, dtype=np.int32)),
+        response_ids=P.Array.from_numpy(np.arange(n, dtype=np.int32)),
+        behav_logp=P.Array.from_numpy(np.zeros(n, np.float32)), versions=P.Array.from_numpy(np.ones(n, np.int32)),
+        finish_reason="stop", worker_id="w")
+
+
+def test_typed_channel_rejects_other_messages_and_multipart_frames_then_keeps_serving():
+    with ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0", accept=P.FinishedSample) as pull, \
+            ZmqChannel.connect(zmq.PUSH, pull.address) as push:
+        push.send(P.Shutdown(reason="not a sample"))  # a valid message of the wrong type
+        push.send_frames([P.encode(_sample()), b"extra", b"frames"])  # a sample with hostile extra frames
+        push.send_frames([P.encode(_sample())[:-3]])  # truncated
+        push.send(_sample(7))
+        env = pull.recv(5.0)
+        assert env is not None and env.msg == _sample(7) and env.payload is None
+        assert pull.stats.rejected == {"unknown_tag": 1, "frames": 1, "malformed": 1}
+        assert pull.stats.received == 1
+        push.send(_sample(2))  # the frame after a rejected multipart message starts a new message
+        assert pull.recv(5.0).msg == _sample(2)
+
+
 def test_closed_channel_refuses_use():
     ch = ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0")
     ch.close()
