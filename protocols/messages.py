@@ -25,7 +25,7 @@ import math
 import msgspec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1.1: TensorSpec.digest
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 # dtype name -> item size in bytes. The names are numpy's (``np.dtype(name)`` round-trips them).
@@ -246,7 +246,8 @@ def _check_token_arrays(m: FinishedSample | TrainSample) -> None:
 
 # ------------------------------------------------------------------------------------------ weights
 class TensorSpec(_Base, tag="tensor_spec"):
-    """One entry of a weight manifest."""
+    """One entry of a weight manifest. ``digest`` ("xxh3_128:<hex>", since 1.1) is the integrity
+    digest of the tensor's bytes; ``sha256`` is what 1.0 publishers sent instead (still honoured)."""
 
     name: str
     dtype: str
@@ -256,6 +257,7 @@ class TensorSpec(_Base, tag="tensor_spec"):
     fmt: str = ""
     sha256: str = ""
     logical_shape: tuple[int, ...] = ()
+    digest: str = ""
 
 
 class WeightAnnounce(_Base, tag="weight_announce"):

@@ -7,10 +7,10 @@ One version travels the path a training run uses (workers/learner.py -> workers/
                one-rank gloo group in this process: the learner's own code path, DTensor parameters
                and all; at world size 1 the "all-gather" is a local copy, so this is a lower bound of
                the multi-rank cost);
-2. quantize -- ``asyncrl.quant.publish`` (quantize-on-send, sha256 digest per tensor, checksum);
+2. quantize -- ``asyncrl.quant.publish`` (quantize-on-send, XXH3 digest per tensor, checksum);
 3. send     -- ``WeightServer`` (this process) -> ``WeightClient.fetch`` in a child process over tcp
                loopback, timed in the child from the request to the last byte;
-4. load     -- in the child: ``asyncrl.transport.publication.from_wire`` (one copy per tensor) and
+4. load     -- in the child: ``asyncrl.transport.publication.from_wire`` (views of the frames) and
                ``asyncrl.quant.load_published`` (verifies digests and checksum, copies into the
                ``quantize_model``-converted actor, refreshes the quantised linears).
 
@@ -21,7 +21,9 @@ bytes, once), the floor any transport could approach on one machine. Key columns
 Models: a seeded random Qwen2 of ~22M parameters with the proportions of Qwen2-0.5B (the one
 bench_quant.py builds) and the embedded tiny char-level Qwen2 (asyncrl.models). Each stage is timed
 --repeats times in rotating format order; the table shows the median of each stage and the median
-of the per-repeat totals (the machine is shared). One torch thread in both processes.
+of the per-repeat totals (the machine is shared). The headline ratios (int8 / fp32 total, int8 /
+memcpy, nvfp4 / int8 quantize) are taken per repeat, then summarised (median, min, max, spread), next
+to the load average seen during the repeats. One torch thread in both processes.
 
 Run: ``python scripts/bench_weightsync.py [--quick|--smoke] [--formats fp32,bf16,int8,nvfp4]
 [--models qwen2-22m,tiny] [--json PATH]``.
@@ -163,6 +165,8 @@ def bench_model(model_name: str, formats: list[str], repeats: int) -> tuple[list
                             "serve_s": t3 - t2, **{k: child_t[k] for k in ("send_s", "unpack_s", "load_s")},
                             "memcpy_s": memcpy_seconds(buffers, 3)})
                 del sd
+            if rep:
+                raw[-1]["load_avg"] = os.getloadavg()[0]
         parent.send(None)
         proc.join(60)
     finally:
@@ -171,6 +175,8 @@ def bench_model(model_name: str, formats: list[str], repeats: int) -> tuple[list
             proc.join(10)
         server.close()
     del learner
+    for r in raw:
+        r["total_s"] = sum(r[k] for k in STAGES) + r["serve_s"]
     rows = []
     fp32_bytes = next((r["bytes"] for r in raw if r["format"] == "fp32"), None)
     for fmt in formats:
@@ -182,6 +188,29 @@ def bench_model(model_name: str, formats: list[str], repeats: int) -> tuple[list
                      **{k: med[k] for k in STAGES}, "total_s": total, "memcpy_s": med["memcpy_s"],
                      "total_vs_memcpy": total / med["memcpy_s"], "send_vs_memcpy": med["send_s"] / med["memcpy_s"]})
     return rows, raw
+
+
+def headline_ratios(raw: list[dict], models: list[str], formats: list[str]) -> dict:
+    """Per-round ratios (a round = one repeat, every format synced once, in rotating order), as
+    ``{(model, label): (ratio_stats, aim)}``: int8 / fp32 total, int8 total / memcpy of its bytes,
+    nvfp4 / int8 quantize stage."""
+    out = {}
+    for m in models:
+        by = {(r["format"], r["repeat"]): r for r in raw if r["model"] == m}
+        reps = sorted({rep for (_, rep) in by})
+
+        def series(fmt: str, key: str, by: dict = by, reps: list = reps) -> list[float]:
+            return [by[(fmt, rep)][key] for rep in reps]
+
+        if "int8" in formats:
+            out[(m, "int8 total / fp32 total")] = (benchlib.ratio_stats(series("int8", "total_s"),
+                                                                        series("fp32", "total_s")), "<= 0.4")
+            out[(m, "int8 total / memcpy of its bytes")] = (benchlib.ratio_stats(
+                series("int8", "total_s"), series("int8", "memcpy_s")), "<= 20")
+        if "int8" in formats and "nvfp4" in formats:
+            out[(m, "nvfp4 quantize / int8 quantize")] = (benchlib.ratio_stats(
+                series("nvfp4", "quantize_s"), series("int8", "quantize_s")), "<= 2")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,13 +245,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {m}: done ({len(x)} timed syncs)", flush=True)
     finally:
         close_distributed()
+    ratios = headline_ratios(raw, models, formats)
     benchlib.print_table(
         f"weight sync per version: gather (FSDP2 full state dict) + quantize + send (tcp loopback, child process) "
         f"+ load (from_wire + load_published); median of {repeats}", rows,
         ["model", "params_M", "format", "MB", "bytes_vs_fp32", *STAGES, "total_s", "memcpy_s", "total_vs_memcpy",
          "send_vs_memcpy"])
+    for (m, label), (st, aim) in ratios.items():
+        benchlib.print_ratio(f"{m}: {label} (aim {aim})", st)
+    load = benchlib.load_stats([r["load_avg"] for r in raw if "load_avg" in r])
+    print(f"load average during the rounds: {load['load_median']:.2f} (max {load['load_max']:.2f}) on "
+          f"{int(load['cpus'])} cpus", flush=True)
     benchlib.write_json(args.json, "bench_weightsync", {"sync": rows, "raw": raw}, args, repeats=repeats,
-                        formats=formats, models=models)
+                        formats=formats, models=models, load=load,
+                        ratios={f"{m}: {label}": {**st, "aim": aim} for (m, label), (st, aim) in ratios.items()})
     return 0
 
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .fp8 import E4M3_MAX, FP8_DTYPE
-from .int8 import check_matrix
+from .int8 import check_finite_amax, check_matrix, row_chunks
 
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
@@ -57,14 +57,22 @@ _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 _TIE_UP = torch.tensor([False, True, False, True, False, True, False])
 _BOUNDARIES = torch.where(_TIE_UP, torch.nextafter(_MIDPOINTS, torch.zeros(7)), _MIDPOINTS)
+_BOUNDARY_VALUES = tuple(float(b) for b in _BOUNDARIES)  # exact: fp32 values are exact Python floats
 E2M1_VALUES = torch.tensor(_MAGNITUDES + tuple(-m for m in _MAGNITUDES), dtype=torch.float32)
 
 
 def e2m1_encode(v: Tensor) -> Tensor:
     """v: fp32 (already divided by its scale) -> uint8 codes 0..15, same shape. NaN is not allowed
     (the callers validate weights first)."""
-    mag = torch.bucketize(v.abs(), _BOUNDARIES.to(v.device), right=False).to(torch.uint8)
-    return mag | (torch.signbit(v).to(torch.uint8) << 3)
+    # The magnitude index is the number of boundaries |v| exceeds: exactly what
+    # torch.bucketize(|v|, _BOUNDARIES, right=False) returns, at a few ns per element instead of
+    # ~100 (seven vectorised compares into one reused bool buffer, accumulated in uint8).
+    a = v.abs()
+    mag = torch.gt(a, _BOUNDARY_VALUES[0]).to(torch.uint8)
+    above = torch.empty_like(a, dtype=torch.bool)
+    for b in _BOUNDARY_VALUES[1:]:
+        mag.add_(torch.gt(a, b, out=above))
+    return mag.bitwise_or_(torch.signbit(v).to(torch.uint8).bitwise_left_shift_(3))
 
 
 def e2m1_decode(codes: Tensor) -> Tensor:
@@ -95,16 +103,29 @@ def _pad_blocks(w: Tensor, block: int) -> Tensor:
 def quantize_nvfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """w: [N, K] float -> (packed [N, Kp/2] uint8, block scales [N, Kp/16] float8_e4m3fn,
     global scale [] fp32); Kp = ceil(K/16)*16. Rule in the module docstring."""
-    check_matrix(w, name)
+    check_matrix(w, name, finite=False)
     blocks = _pad_blocks(w.float(), NVFP4_BLOCK)
-    amax = blocks.abs().amax(dim=2)  # [N, nb]
+    lo, hi = torch.aminmax(blocks, dim=2)  # max |w| per block, without an |w| temporary
+    amax = torch.maximum(lo.neg_(), hi).abs_()  # [N, nb]; abs_: max(+0, -0) may be -0
+    check_finite_amax(w, amax, name)
     gs = amax.amax() / NVFP4_GLOBAL_DIV
     gs = torch.where(gs == 0, torch.ones_like(gs), gs)
     sb = (amax / E2M1_MAX / gs).clamp_(max=E4M3_MAX).to(FP8_DTYPE)
     s_eff = sb.float() * gs
     denom = torch.where(s_eff == 0, torch.full_like(s_eff, math.inf), s_eff)
-    codes = e2m1_encode(blocks / denom[:, :, None])
-    return pack_fp4(codes.reshape(w.shape[0], -1)), sb, gs.reshape(())
+    return _encode_blocks(blocks, denom), sb, gs.reshape(())
+
+
+def _encode_blocks(blocks: Tensor, denom: Tensor) -> Tensor:
+    """Packed codes of e2m1_rne(blocks / denom) ([N, nb, B] / [N, nb] -> [N, nb*B/2] uint8), a chunk of
+    rows at a time through one scratch buffer (int8.row_chunks: no full-size temporaries)."""
+    n, nb, block = blocks.shape
+    packed = torch.empty((n, nb * block // 2), dtype=torch.uint8, device=blocks.device)
+    flat = blocks.reshape(n, nb * block)
+    for r0, r1, buf in row_chunks(flat):
+        q = torch.div(blocks[r0:r1], denom[r0:r1, :, None], out=buf.view(r1 - r0, nb, block))
+        packed[r0:r1] = pack_fp4(e2m1_encode(q).reshape(r1 - r0, -1))
+    return packed
 
 
 def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, k: int) -> Tensor:
@@ -125,15 +146,16 @@ def _e8m0_to_fp32(biased: Tensor) -> Tensor:
 def quantize_mxfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tensor]:
     """w: [N, K] float -> (packed [N, Kp/2] uint8, scales [N, Kp/32] float8_e8m0fnu);
     Kp = ceil(K/32)*32. Rule in the module docstring."""
-    check_matrix(w, name)
+    check_matrix(w, name, finite=False)
     blocks = _pad_blocks(w.float(), MXFP4_BLOCK)
-    amax = blocks.abs().amax(dim=2)
+    lo, hi = torch.aminmax(blocks, dim=2)
+    amax = torch.maximum(lo.neg_(), hi).abs_()  # abs_: an all-zero row or block has amax +0, never -0
+    check_finite_amax(w, amax, name)
     _, e = torch.frexp(amax)  # amax = m * 2**e, m in [0.5, 1): floor(log2(amax)) = e - 1
     exp = torch.where(amax > 0, e - 1 - 2, torch.full_like(e, -127)).clamp_(-127, 127)
     biased = (exp + 127).to(torch.uint8)
     scale = _e8m0_to_fp32(biased)
-    codes = e2m1_encode(blocks / scale[:, :, None])
-    return pack_fp4(codes.reshape(w.shape[0], -1)), biased.view(E8M0_DTYPE)
+    return _encode_blocks(blocks, scale), biased.view(E8M0_DTYPE)
 
 
 def dequantize_mxfp4(packed: Tensor, scale: Tensor, k: int) -> Tensor:

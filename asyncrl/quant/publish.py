@@ -10,11 +10,17 @@ copied untouched. Names showing the same memory (tied embeddings: `lm_head.weigh
 `model.embed_tokens.weight`) are published once, under the first name in sorted order; the loader
 fills the other name through the model's own tie. Tensor names are exactly the state-dict keys of
 the converted model. Manifest entries (wire.py) follow the sorted tensor names and record name,
-dtype, shape, format, role, byte count, per-tensor sha256 and, for codes, the logical [N, K].
+dtype, shape, format, role, byte count, per-tensor digest and, for codes, the logical [N, K].
 
 Checksum: sha256 (hex) of the canonical JSON header (version, fmt, AQN record, manifest; sorted keys,
-no spaces), and the header embeds every tensor's own sha256 over its raw bytes (little-endian, C
-order). So the checksum covers manifest and bytes, and a byte mismatch is reported by tensor name.
+no spaces), and the header embeds every tensor's own integrity digest (XXH3-128, wire.py) over its
+raw bytes (little-endian, C order). So the checksum covers manifest and bytes, and a byte mismatch is
+reported by tensor name.
+
+Cost: each published tensor is read a bounded number of times (quantisation reads the weight once
+for its scale and once for its codes; finiteness of a quantised weight is read off its row/block
+amax, not a separate pass; the digest runs at memory speed). The loader verifies and copies in
+place into the model's existing tensors (references held by an engine stay valid).
 
 Must never: mutate the state dict it publishes (every published tensor is a fresh CPU copy), pickle
 anything, or let `load_published` change the model unless every check has passed.
@@ -47,6 +53,7 @@ from .formats import (
     quantize_weight,
     weight_suffixes,
 )
+from .int8 import all_finite
 from .linear import QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, is_target_weight, model_format
 from .wire import (  # ManifestEntry and RawTensor are also imported from here by asyncrl.transport
@@ -55,6 +62,7 @@ from .wire import (  # ManifestEntry and RawTensor are also imported from here b
     RawTensor,
     checksum_of,
     digest,
+    digest_matches,
     dtype_name,
     header_dict,
     raw_bytes,
@@ -89,9 +97,11 @@ class PublishedWeights:
         return [RawTensor(e.name, raw_bytes(self.tensors[e.name]), e.dtype, e.shape) for e in self.manifest]
 
     @classmethod
-    def from_raw(cls, header: Mapping[str, Any], raw: Sequence[RawTensor | tuple]) -> PublishedWeights:
-        """Rebuild from `header()` and `to_raw()` output (copies each buffer once). Only the layout
-        is checked here; `verify()` / `load_published` check manifest, digests and checksum."""
+    def from_raw(cls, header: Mapping[str, Any], raw: Sequence[RawTensor | tuple], *,
+                 copy: bool = True) -> PublishedWeights:
+        """Rebuild from `header()` and `to_raw()` output (copies each buffer once; ``copy=False``:
+        tensors are views of the buffers, `wire.tensor_from_bytes`). Only the layout is checked
+        here; `verify()` / `load_published` check manifest, digests and checksum."""
         tensors: dict[str, Tensor] = {}
         for item in raw:
             name, data, dtype, shape = item
@@ -99,7 +109,7 @@ class PublishedWeights:
                 raise ManifestMismatchError(f"unknown dtype {dtype!r}", tensor_name=name)
             if name in tensors:
                 raise ManifestMismatchError("sent twice", tensor_name=name)
-            tensors[name] = tensor_from_bytes(name, data, DTYPES[dtype], tuple(shape))
+            tensors[name] = tensor_from_bytes(name, data, DTYPES[dtype], tuple(shape), copy=copy)
         try:
             return cls(
                 version=int(header["version"]),
@@ -139,9 +149,9 @@ class PublishedWeights:
                 )
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ManifestMismatchError("must be a contiguous CPU tensor", tensor_name=e.name)
-            if digest(t) != e.sha256:
+            if not digest_matches(t, e.digest):
                 raise ChecksumMismatchError(
-                    "bytes do not match the manifest sha256 (corrupted in transit?); refetch the version",
+                    "bytes do not match the manifest digest (corrupted in transit?); refetch the version",
                     tensor_name=e.name,
                 )
         expected = checksum_of(
@@ -161,7 +171,7 @@ def _check_values(e: ManifestEntry, t: Tensor) -> None:
         if bool((t.view(torch.uint8) == 255).any()):
             raise NonFiniteWeightError("E8M0 scale byte 255 (NaN)", tensor_name=e.name)
         return
-    if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+    if t.is_floating_point() and not all_finite(t):
         raise NonFiniteWeightError("non-finite value(s) in a published tensor", tensor_name=e.name)
     if e.role in (ROLE_SCALE, ROLE_GLOBAL_SCALE) and e.fmt in ("int8", "int8_wo", "fp8", "nvfp4"):
         # int8/fp8 row scales and the nvfp4 global scale are > 0 by construction; nvfp4 block
@@ -221,7 +231,7 @@ def publish(
                 out[qname] = _snapshot(q, t)
                 entries.append(_entry(qname, out[qname], fmt, roles[suffix], logical))
         else:
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if t.is_floating_point() and not all_finite(t):
                 raise NonFiniteWeightError(
                     "non-finite value(s); fix the learner update before publishing", tensor_name=name
                 )
@@ -257,7 +267,7 @@ def _entry(name: str, t: Tensor, fmt: str, role: str, logical: tuple[int, ...] |
         fmt=fmt,
         role=role,
         nbytes=t.numel() * t.element_size(),
-        sha256=digest(t),
+        digest=digest(t),
         logical_shape=logical,
     )
 

@@ -1,11 +1,18 @@
 """Wire form of a publication: dtype names, raw bytes, digests, manifest entries, header checksum.
 
 Owns: how a tensor becomes (name, raw bytes, dtype string, shape) and back, the `ManifestEntry`
-record, and the canonical header whose sha256 is a publication's checksum.
+record, the per-tensor integrity digests, and the canonical header whose sha256 is a publication's
+checksum.
 
 Raw bytes are the tensor's memory in C order, little-endian (the byte order of every platform torch
 supports here). The header is canonical JSON (sorted keys, no spaces, no NaN) of version, fmt,
-aqn_seed, aqn_sigma and the manifest; every manifest entry holds the sha256 of its tensor's bytes.
+aqn_seed, aqn_sigma and the manifest; every manifest entry holds the digest of its tensor's bytes.
+
+Digests are integrity checks against corruption in transit, not identities: XXH3-128 (the `xxhash`
+package, tens of GB/s, written "xxh3_128:<32 hex>"), so hashing never costs more than the copy it
+guards. "sha256:<64 hex>" digests (older publishers) are still verified. The header checksum stays
+sha256: it is the version's fingerprint, over a few kB of JSON. Identities of whole states
+(`state_dict_sha256` in checkpoints) are sha256 and live elsewhere.
 
 Must never: pickle, or accept a dtype outside `DTYPES`.
 """
@@ -14,11 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import torch
+import xxhash
 from torch import Tensor
 
 from .errors import ManifestMismatchError, QuantError
@@ -55,9 +64,25 @@ def raw_bytes(t: Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+DIGEST_ALGO = "xxh3_128"
+
+
 def digest(t: Tensor) -> str:
-    """sha256 hex of a contiguous CPU tensor's raw bytes."""
-    return hashlib.sha256(raw_bytes(t)).hexdigest()
+    """Integrity digest of a contiguous CPU tensor's raw bytes: ``"xxh3_128:<hex>"``."""
+    return f"{DIGEST_ALGO}:{xxhash.xxh3_128_hexdigest(raw_bytes(t))}"
+
+
+def digest_matches(t: Tensor, expected: str) -> bool:
+    """Whether ``t``'s bytes have the digest ``expected`` ("xxh3_128:..." or "sha256:...").
+    Raises ManifestMismatchError for any other algorithm (a manifest this version cannot check)."""
+    algo, _, hexdigest = expected.partition(":")
+    if algo == DIGEST_ALGO:
+        return xxhash.xxh3_128_hexdigest(raw_bytes(t)) == hexdigest
+    if algo == "sha256":
+        return hashlib.sha256(raw_bytes(t)).hexdigest() == hexdigest
+    raise ManifestMismatchError(
+        f"digest {expected[:24]!r} names no known algorithm (xxh3_128, sha256); publish with this asyncrl version"
+    )
 
 
 @dataclass(frozen=True)
@@ -70,7 +95,7 @@ class ManifestEntry:
     fmt: str
     role: str
     nbytes: int
-    sha256: str
+    digest: str  # "xxh3_128:<hex>" (or "sha256:<hex>" from older publishers)
     logical_shape: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,7 +114,7 @@ class ManifestEntry:
             fmt=str(d["fmt"]),
             role=str(d["role"]),
             nbytes=int(d["nbytes"]),
-            sha256=str(d["sha256"]),
+            digest=str(d["digest"]) if "digest" in d else f"sha256:{d['sha256']}",
             logical_shape=None if ls is None else tuple(int(s) for s in ls),
         )
 
@@ -103,20 +128,39 @@ class RawTensor(NamedTuple):
     shape: tuple[int, ...]
 
 
-def tensor_from_bytes(name: str, data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
-    """Copy raw bytes into a new tensor of `dtype` and `shape`; the byte count must match."""
+def tensor_from_bytes(name: str, data: Any, dtype: torch.dtype, shape: tuple[int, ...], *,
+                      copy: bool = True) -> Tensor:
+    """A tensor of `dtype` and `shape` over raw bytes; the byte count must match.
+
+    ``copy=True``: a new tensor owning a copy. ``copy=False``: a view of ``data`` itself (kept alive by
+    the tensor; a read-only buffer, such as a received zmq frame, is fine as long as nobody writes to
+    the tensor), copied only when the buffer is not aligned to the item size. For a publication that
+    is loaded into a model and dropped, this saves one full copy of the received bytes."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = 1
     for s in shape:
         numel *= s
-    buf = bytearray(data)
-    if len(buf) != numel * itemsize:
+    if copy:
+        buf = bytearray(data)
+        nbytes = len(buf)
+    else:
+        buf = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
+        nbytes = buf.nbytes
+    if nbytes != numel * itemsize:
         raise ManifestMismatchError(
-            f"{len(buf)} bytes cannot hold shape {shape} of {dtype}", tensor_name=name
+            f"{nbytes} bytes cannot hold shape {shape} of {dtype}", tensor_name=name
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+    if copy or not buf.readonly:
+        u8 = torch.frombuffer(buf, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():  # torch warns that it cannot make the tensor read-only
+            warnings.simplefilter("ignore", UserWarning)
+            u8 = torch.frombuffer(buf, dtype=torch.uint8)
+    if u8.data_ptr() % itemsize:
+        u8 = u8.clone()
+    return u8.view(dtype).reshape(shape)
 
 
 def header_dict(
