@@ -33,7 +33,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import copy  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -66,7 +65,7 @@ def build_parser():
     p.add_argument(
         "--steps", type=int, default=None, help="decode steps per timed run (default 48, quick 16)"
     )
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per format (default 5, quick 2)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per format (default 7, quick 5)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens before decoding (default 16)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -144,7 +143,7 @@ def bench_decode(models, fmts, args, steps, rounds):
                 flush=True,
             )
         for f in fmts:
-            ratios = [tf / tx for tf, tx in zip(times["fp32"], times[f], strict=True)]
+            st = benchlib.ratio_stats(times["fp32"], times[f])
             rows.append(
                 {
                     "format": f,
@@ -152,7 +151,11 @@ def bench_decode(models, fmts, args, steps, rounds):
                     "tok_per_s": b * steps / min(times[f]),
                     "wall_tok_per_s": b * steps / min(walls[f]),
                     "speedup_vs_fp32": min(times["fp32"]) / min(times[f]),
-                    "speedup_round_median": statistics.median(ratios),
+                    "speedup_round_median": st["ratio_median"],
+                    "speedup_round_min": st["ratio_min"],
+                    "speedup_round_max": st["ratio_max"],
+                    "spread": st["spread"],
+                    "load_avg": os.getloadavg()[0],
                     "mean_abs_dlogp": acc[f][0],
                     "mean_kl_vs_fp32": acc[f][1],
                 }
@@ -235,7 +238,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown format(s) {bad}; choose from {FORMATS}")
     fmts = ["fp32"] + [f for f in args.formats if f != "fp32"]
     steps = args.steps or (16 if args.quick else 48)
-    rounds = args.rounds or (2 if args.quick else 5)
+    rounds = args.rounds or (5 if args.quick else 7)
 
     base = build_model(args.seed)
     n_params = sum(p.numel() for p in base.parameters())
@@ -259,6 +262,7 @@ def main(argv=None) -> int:
             "wall_tok_per_s",
             "speedup_vs_fp32",
             "speedup_round_median",
+            "spread",
             "mean_abs_dlogp",
             "mean_kl_vs_fp32",
         ],
