@@ -34,7 +34,13 @@ generation, collection into a batch) from the same timestamps (see ``Timeline.sy
 comes to the ideal pipelined step. On a shared machine T moves by tens of percent between runs,
 which moves ``speedup`` with it; ``efficiency`` is the steadier figure.
 
-Run: ``python scripts/bench_async.py [--quick|--smoke] [--etas 0,1,2,4] [--steps N]
+``--regime rollout`` makes generation dominate (longer responses, one worker; ``G_over_T`` and
+``rollout_bound`` = G >= 2T say whether it did) and, by default, runs the sweep for fp32 and int8
+workers: ``vs_first_fmt`` is the end-to-end samples/s of each format over the first one at the
+same eta.
+
+Run: ``python scripts/bench_async.py [--quick|--smoke] [--regime learner|rollout] [--quant-formats
+fp32,int8] [--etas 0,1,2,4] [--steps N]
 [--heartbeat-s 1.0,0.05] [--set key=value ...] [--json PATH]``.
 """
 
@@ -49,6 +55,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import benchlib  # noqa: E402
+
+# Generation-dominated sizes: long responses from one worker (the learner's step stays as it is).
+ROLLOUT_REGIME = ("rollout.max_new_tokens=96",)
 
 
 class Timeline:
@@ -169,7 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--etas", default=None, help="staleness bounds; 0 (synchronous) is the baseline "
                                                 "(default 0,1,2,4; smoke 0,1)")
     p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 120, quick 50, smoke 6)")
-    p.add_argument("--workers", type=int, default=2, help="generation workers (default %(default)s)")
+    p.add_argument("--workers", type=int, default=None, help="generation workers (default 2; --regime rollout: 1)")
+    p.add_argument("--regime", choices=("learner", "rollout"), default="learner",
+                   help="learner: the default task sizes (the learner's step dominates on this machine); rollout: "
+                        f"{' '.join(ROLLOUT_REGIME)} and one worker, so generation dominates (G >= 2T is checked "
+                        "and reported as rollout_bound)")
+    p.add_argument("--quant-formats", default=None,
+                   help="comma list of worker formats (quant.fmt), one eta sweep each; the table adds samples/s "
+                        "vs the first format at the same eta (default: the config's; --regime rollout: fp32,int8)")
     p.add_argument("--heartbeat-s", default=None,
                    help="comma list of rollout.heartbeat_s values, one eta sweep each (default 1.0,0.05; quick "
                         "and smoke 1.0). The controller learns a worker's weight version from its heartbeat, so "
@@ -178,35 +194,44 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra asyncrl train overrides for every run (e.g. quant.fmt=nvfp4 algo=tis)")
     args = p.parse_args(argv)
     benchlib.exit_on_sigterm()
+    workers = args.workers or (1 if args.regime == "rollout" else 2)
+    regime = list(ROLLOUT_REGIME) if args.regime == "rollout" else []
+    fmts = [f for f in (args.quant_formats or ("fp32,int8" if args.regime == "rollout" else "")).split(",") if f]
     etas = [int(e) for e in (args.etas or ("0,1" if args.smoke else "0,1,2,4")).split(",") if e]
     steps = args.steps or (6 if args.smoke else 50 if args.quick else 120)
     hbs = [float(h) for h in (args.heartbeat_s or ("1.0" if args.smoke or args.quick else "1.0,0.05")).split(",")]
     from asyncrl.config import load_train_config
 
-    base = [f"learner.total_steps={steps}", f"rollout.num_workers={args.workers}", "learner.eval_every=0",
-            "learner.ckpt_every=0", *args.set]
+    base = [f"learner.total_steps={steps}", f"rollout.num_workers={workers}", "learner.eval_every=0",
+            "learner.ckpt_every=0", *regime, *args.set]
     cfg = load_train_config(base)  # fails here, not in a child, on a bad override
     batch = cfg.rollout.groups_per_step * cfg.algo.group_size
     rows, logs = [], {}
     with tempfile.TemporaryDirectory(prefix="bench_async-") as tmp:
-        for hb in hbs:
-            for eta in etas:
-                name = f"eta{eta}-hb{hb:g}"
-                print(f"  run {name}: asyncrl train {' '.join(base)} rollout.eta={eta} rollout.heartbeat_s={hb}",
-                      flush=True)
-                run_dir = benchlib.run_train([*base, f"rollout.eta={eta}", f"rollout.heartbeat_s={hb}"],
-                                             runs_dir=Path(tmp), run_name=name, log_path=Path(tmp) / f"{name}.log")
-                m = measure(run_dir, batch, args.workers)
-                rows.append({"heartbeat_s": hb, "eta": eta, **m})
-                print(f"    {m['samples_per_s']:.1f} samples/s, step {m['step_s']:.3f}s, G {m['G_s']:.3f}s, "
-                      f"T {m['T_s']:.3f}s, learner busy {m['learner_busy']:.2f}, gen busy {m['gen_busy']:.2f}",
-                      flush=True)
-                logs[name] = str(run_dir)
-    for hb in hbs:
-        series = [r for r in rows if r["heartbeat_s"] == hb]
+        for fmt in fmts or [cfg.quant.fmt]:
+            for hb in hbs:
+                for eta in etas:
+                    name = f"{fmt}-eta{eta}-hb{hb:g}"
+                    extra = [f"rollout.eta={eta}", f"rollout.heartbeat_s={hb}", *([f"quant={fmt}"] if fmts else [])]
+                    print(f"  run {name}: asyncrl train {' '.join(base)} {' '.join(extra)}", flush=True)
+                    run_dir = benchlib.run_train([*base, *extra], runs_dir=Path(tmp), run_name=name,
+                                                 log_path=Path(tmp) / f"{name}.log")
+                    m = measure(run_dir, batch, workers)
+                    rows.append({"fmt": fmt, "heartbeat_s": hb, "eta": eta, **m})
+                    print(f"    {m['samples_per_s']:.1f} samples/s, step {m['step_s']:.3f}s, G {m['G_s']:.3f}s, "
+                          f"T {m['T_s']:.3f}s, learner busy {m['learner_busy']:.2f}, gen busy {m['gen_busy']:.2f}",
+                          flush=True)
+                    logs[name] = str(run_dir)
+    for fmt, hb in {(r["fmt"], r["heartbeat_s"]) for r in rows}:
+        series = [r for r in rows if r["heartbeat_s"] == hb and r["fmt"] == fmt]
         ref = next((r for r in series if r["eta"] == 0), series[0])
         g, t = ref["G_s"], ref["T_s"]
         for r in series:
+            r["G_over_T"] = g / t if t else float("nan")
+            r["rollout_bound"] = bool(g >= 2 * t)
+            first = next((x for x in rows if x["fmt"] == rows[0]["fmt"] and x["heartbeat_s"] == hb
+                          and x["eta"] == r["eta"]), r)
+            r["vs_first_fmt"] = r["samples_per_s"] / first["samples_per_s"]
             r["speedup"] = r["samples_per_s"] / ref["samples_per_s"]
             r["bound"] = (g + t) / max(g, t)
             r["latency_bound"] = ref["step_s"] / max(g, t)
@@ -214,10 +239,11 @@ def main(argv: list[str] | None = None) -> int:
             r["efficiency"] = max(r["G_s"], r["T_s"]) / r["step_s"]
     table = [{k: v for k, v in r.items() if k not in ("worker_busy_s", "sync_breakdown")} for r in rows]
     benchlib.print_table(
-        f"asyncrl train at eta in {etas}: {cfg.model.name} model, task {cfg.task.name}, {args.workers} "
-        f"{cfg.quant.fmt} workers, {cfg.algo.objective}, {steps} steps ({batch} samples/step); speedup vs eta=0 "
+        f"asyncrl train at eta in {etas} ({args.regime}-bound regime): {cfg.model.name} model, task "
+        f"{cfg.task.name}, {workers} workers of format {','.join(fmts) or cfg.quant.fmt}, {cfg.algo.objective}, {steps} steps ({batch} samples/step); speedup vs eta=0 "
         f"next to the pipelining bound (G+T)/max(G,T) from the eta=0 run's stage times",
-        table, ["heartbeat_s", "eta", "samples_per_s", "speedup", "bound", "latency_bound", "efficiency",
+        table, ["fmt", "heartbeat_s", "eta", "samples_per_s", "vs_first_fmt", "speedup", "bound", "latency_bound",
+                "efficiency", "G_over_T", "rollout_bound",
                 "learner_busy", "gen_busy", "G_s", "T_s", "wait_s", "step_s", "max_staleness", "eval_acc"])
     sync = [{"heartbeat_s": r["heartbeat_s"], "step_s": r["step_s"], **r["sync_breakdown"],
              "G_s": r["G_s"], "T_s": r["T_s"]} for r in rows if r["eta"] == 0 and r["sync_breakdown"]]
@@ -226,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             "where a synchronous (eta=0) step goes: consecutive segments from the trajectory log and the controller's "
             "metrics timestamps (mean over the window)", sync,
             ["heartbeat_s", "step_s", "learner_s", "propagate_s", "generate_s", "collect_s", "G_s", "T_s"])
-    benchlib.write_json(args.json, "bench_async", {"runs": rows, "sync_breakdown": sync}, args, steps=steps, workers=args.workers,
-                        overrides=base, batch_samples=batch, heartbeats=hbs, etas=etas)
+    benchlib.write_json(args.json, "bench_async", {"runs": rows, "sync_breakdown": sync}, args, steps=steps,
+                        workers=workers, overrides=base, batch_samples=batch, heartbeats=hbs, etas=etas,
+                        regime=args.regime, formats=fmts)
     return 0
 
 
