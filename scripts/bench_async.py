@@ -34,7 +34,8 @@ generation, collection into a batch) from the same timestamps (see ``Timeline.sy
 comes to the ideal pipelined step. On a shared machine T moves by tens of percent between runs,
 which moves ``speedup`` with it; ``efficiency`` is the steadier figure.
 
-``--regime rollout`` makes generation dominate (longer responses, one worker; ``G_over_T`` and
+``--regime rollout`` makes generation dominate (longer responses, one worker holding one group at a
+time; ``G_over_T`` and
 ``rollout_bound`` = G >= 2T say whether it did) and, by default, runs the sweep for fp32 and int8
 workers: ``vs_first_fmt`` is the end-to-end samples/s of each format over the first one at the
 same eta.
@@ -56,8 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import benchlib  # noqa: E402
 
-# Generation-dominated sizes: long responses from one worker (the learner's step stays as it is).
-ROLLOUT_REGIME = ("rollout.max_new_tokens=96",)
+# Generation-dominated sizes: longer responses from one worker whose engine holds one group at a time
+# (worker_slots = the default group size), so a step's groups are generated one after another while the
+# learner's step stays as it is. (A smoke run with only longer responses stayed learner-bound: G/T 0.4.)
+ROLLOUT_REGIME = ("rollout.max_new_tokens=96", "rollout.worker_slots=8")
 
 
 class Timeline:
