@@ -8,14 +8,69 @@ to change (they become ``ValueError``).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
+import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncrl.config.schema import TrainConfig, to_dict, validate
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 GROUPS = ("model", "task", "algo", "quant", "rollout", "learner")
+GLOBAL_GROUPS = ("experiment",)
+"""Groups whose files set keys anywhere (``# @package _global_``), chosen with ``+experiment=NAME``."""
+
+
+def schema_keys(schema: type = TrainConfig, prefix: str = "") -> dict[str, type | None]:
+    """Every dotted key of ``schema`` -> its dataclass type for sections, ``None`` for leaves."""
+    out: dict[str, type | None] = {}
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            out[key] = kind
+            out |= schema_keys(kind, prefix=f"{key}.")
+        else:
+            out[key] = None
+    return out
+
+
+def nearest_key(key: str, known: Sequence[str]) -> str | None:
+    """The valid key closest to ``key`` (same section first, then by leaf name, then anywhere)."""
+    section, _, leaf = key.rpartition(".")
+    same = [k for k in known if k.rpartition(".")[0] == section]
+    for pool, word, name in ((same, key, lambda k: k), (list(known), leaf, lambda k: k.rpartition(".")[2]),
+                             (list(known), key, lambda k: k)):
+        names = {name(k): k for k in pool}
+        hit = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
+        if hit:
+            return names[hit[0]]
+    return None
+
+
+def check_known_keys(tree: Any, *, source: str = "configuration") -> None:
+    """``ValueError`` for the first key of ``tree`` (nested dicts) the schema does not have, naming the
+    nearest valid key. Values of dict-typed keys (free-form settings) are not checked."""
+    known = schema_keys()
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, dict):
+            return
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if key not in known:
+                near = nearest_key(key, list(known))
+                hint = f"did you mean {near}?" if near else "no valid key is close to it."
+                raise ValueError(f"unknown configuration key {key!r} (in the {source}); {hint} A '+' never adds "
+                                 "a key: every valid key is in asyncrl/config/schema.py")
+            if known[key] is not None:
+                walk(v, f"{key}.")
+
+    walk(tree, "")
 
 
 def _group_options(group: str) -> list[str]:
@@ -34,21 +89,40 @@ def load_train_config(overrides: Sequence[str] = (), *, config_name: str = "trai
         key = ov.split("=", 1)[0].lstrip("+~")
         if "=" not in ov:
             raise ValueError(f"override {ov!r} is not key=value (e.g. rollout.eta=2 or algo=tbpo)")
-        if key in GROUPS:
+        if key in GROUPS + GLOBAL_GROUPS:
             choice = ov.split("=", 1)[1]
             if choice not in _group_options(key):
                 raise ValueError(f"{key}={choice!r} is not a config in configs/{key}/; choose one of "
                                  f"{', '.join(_group_options(key))} (or set single keys, e.g. {key}.X=...)")
+            if key in GLOBAL_GROUPS and not ov.startswith("+"):
+                raise ValueError(f"{key} is an optional group: write +{ov}")
+        elif "." in key or key in schema_keys():
+            check_known_keys(_nested(key), source=f"override {ov!r}")
+        else:
+            check_known_keys({key: None}, source=f"override {ov!r}")
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             composed = compose(config_name=config_name, overrides=list(overrides))
+        tree = OmegaConf.to_container(composed, resolve=False)
+        check_known_keys(tree, source="composed configuration (an override or a configs/ file)")
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), composed)
         cfg = OmegaConf.to_object(merged)
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(f"bad configuration: {e}".replace("\n", " ")) from None
     assert isinstance(cfg, TrainConfig)
     return validate(cfg)
+
+
+def is_global(path: Path) -> bool:
+    """A group file that sets keys of several sections (``# @package _global_`` in its header)."""
+    head = [line for line in path.read_text().splitlines()[:5] if line.startswith("#")]
+    return any("@package _global_" in line for line in head)
+
+
+def _nested(dotted: str) -> dict[str, Any]:
+    head, _, rest = dotted.partition(".")
+    return {head: _nested(rest) if rest else None}
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
@@ -80,13 +154,15 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
         if "=" not in ov:
             raise ValueError(f"override {ov!r} is not key=value (e.g. learner.lr=1e-4 or algo=tbpo)")
         key, value = ov.split("=", 1)
+        if key.lstrip("+~") not in GROUPS:
+            check_known_keys(_nested(key.lstrip("+~")), source=f"override {ov!r}")
         if key in GROUPS:
             path = CONFIG_DIR / key / f"{value}.yaml"
             if not path.is_file():
                 raise ValueError(f"{key}={value!r} is not a config in configs/{key}/; choose one of "
                                  f"{', '.join(_group_options(key))}")
             delta = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k != "defaults"}
-            merged = OmegaConf.merge(merged, {key: delta})
+            merged = OmegaConf.merge(merged, delta if is_global(path) else {key: delta})
         else:
             dotlist.append(ov)
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 OBJECTIVES = ("ppo", "decoupled", "tis", "acr", "tbpo", "gspo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -20,6 +21,8 @@ QUANT_FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
 TASKS = ("addition", "addition2", "jsonl_math", "reasoning_gym")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 FSYNC = ("always", "every_n", "rotation", "never")
+PROMPT_FORMATS = ("auto", "chat", "raw")
+ANSWER_FORMATS = ("math_verify", "tag", "boxed", "last_number", "plain")
 
 
 @dataclass(kw_only=True)
@@ -51,6 +54,26 @@ class TaskConfig:
     """Problems in the fixed held-out evaluation set."""
     seed: int = 0
     """Seed of the prompt stream (the dataset cursor is saved in checkpoints)."""
+    prompt_format: str = "auto"
+    """``chat`` (the tokenizer's chat template with the generation prompt), ``raw`` (the text as is: base
+    models, the tiny model) or ``auto`` (chat when the tokenizer has a chat template)."""
+    system_prompt: str = ""
+    """Optional system message of ``chat`` prompts (empty: the template's own default, if any)."""
+    prompt_key: str = "prompt"
+    """Column (JSONL field) holding the problem text, for ``jsonl_math`` files (JSONL, Parquet, Arrow)."""
+    answer_key: str = "answer"
+    """Column holding the reference answer, for ``jsonl_math`` files."""
+    eval_path: str = ""
+    """``jsonl_math``: a separate evaluation file (problems also in training are removed from training)."""
+    answer_format: str = ""
+    """How the answer is taken from a response: ``math_verify`` (free-form, jsonl_math's default),
+    ``tag`` (the ``<answer>...</answer>`` content; reasoning_gym's default), ``boxed`` (``\\boxed{}``),
+    ``last_number``, ``plain`` (first line, reasoning_gym). Strict modes score 0 when a response
+    offers several different answers. Empty: the task's default."""
+    rg_config: Any = None
+    """reasoning-gym generator settings, e.g. ``task.rg_config={min_terms:2,max_terms:2,max_digits:1}``."""
+    size: int = 10_000
+    """reasoning_gym: training problems generated (the evaluation problems are drawn apart from them)."""
 
 
 @dataclass(kw_only=True)
@@ -225,6 +248,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    _choice("task.prompt_format", cfg.task.prompt_format, PROMPT_FORMATS)
+    if cfg.task.answer_format:
+        _choice("task.answer_format", cfg.task.answer_format, ANSWER_FORMATS)
     if cfg.task.name == "jsonl_math" and not cfg.task.path:
         raise ValueError("task.name=jsonl_math needs task.path=FILE.jsonl (lines of {\"prompt\", \"answer\"})")
     if cfg.model.name == "path" and not cfg.model.path:

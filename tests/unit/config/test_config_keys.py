@@ -1,0 +1,72 @@
+"""Configuration that says no: unknown keys are refused before any process starts (also with '+'),
+naming the nearest valid key; model group files carry model-specific defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import load_train_config
+from asyncrl.config.loader import apply_overrides, check_known_keys, nearest_key, schema_keys
+
+
+@pytest.mark.parametrize(
+    ("override", "suggested"),
+    [
+        ("+learner.gradient_checkpointing=true", None),
+        ("+rollout.top_p=0.9", None),
+        ("learner.lrr=1e-4", "learner.lr"),
+        ("+model.warmstart_stepz=3", "model.warmstart_steps"),
+        ("+task.answer_fromat=tag", "task.answer_format"),
+        ("rollout.max_new_token=32", "rollout.max_new_tokens"),
+    ],
+)
+def test_unknown_key_is_refused_even_with_plus(override: str, suggested: str | None) -> None:
+    with pytest.raises(ValueError, match="unknown configuration key") as info:
+        load_train_config([override])
+    if suggested is not None:
+        assert f"did you mean {suggested}?" in str(info.value)
+
+
+def test_unknown_top_level_key_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown configuration key 'foo'"):
+        load_train_config(["+foo=1"])
+
+
+def test_replay_overrides_refuse_unknown_keys_too() -> None:
+    base = load_train_config([])
+    with pytest.raises(ValueError, match="did you mean learner.lr"):
+        apply_overrides(base, ["learner.lrr=1e-4"])
+
+
+def test_free_form_generator_settings_are_not_checked_as_keys() -> None:
+    cfg = load_train_config(["task=chain_sum", "task.rg_config={min_terms:2,max_digits:1}"])
+    assert cfg.task.rg_config == {"min_terms": 2, "max_digits": 1}
+    cfg = load_train_config(["task=chain_sum", "+task.rg_config.min_terms=3"])
+    assert cfg.task.rg_config == {"min_terms": 3}
+
+
+def test_nearest_key_prefers_the_same_section() -> None:
+    known = list(schema_keys())
+    assert nearest_key("algo.kl_coeff", known) == "algo.kl_coef"
+    assert nearest_key("learner.seed", known) == "learner.seed"
+
+
+def test_check_known_keys_walks_nested_sections() -> None:
+    check_known_keys({"learner": {"lr": 1.0}, "task": {"rg_config": {"anything": 1}}})
+    with pytest.raises(ValueError, match="'transport.hots'.*transport.host"):
+        check_known_keys({"transport": {"hots": "x"}})
+
+
+def test_model_smollm2_alone_is_sized_for_this_machine() -> None:
+    cfg = load_train_config(["model=smollm2"])
+    assert cfg.model.name == "smollm2" and cfg.model.warmstart_steps == 0
+    assert cfg.task.prompt_format == "chat"
+    assert cfg.learner.lr <= 1e-4 and cfg.learner.micro_batch_size <= 16
+    assert cfg.rollout.max_new_tokens >= 32 and cfg.rollout.num_workers == 1
+    # an explicit override still wins over the model file
+    assert load_train_config(["model=smollm2", "learner.lr=3e-5"]).learner.lr == 3e-5
+
+
+def test_replay_applies_a_global_model_file() -> None:
+    cfg = apply_overrides(load_train_config([]), ["model=smollm2"])
+    assert cfg.model.name == "smollm2" and cfg.task.prompt_format == "chat" and cfg.learner.lr == 1e-5
