@@ -141,7 +141,7 @@ class Launcher:
 
 def run_train(overrides: Sequence[str]) -> int:
     from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
-    from asyncrl.runtime.prepare import check_task, prepare_model
+    from asyncrl.runtime.prepare import check_prompts, check_task, prepare_model
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
     if resume:
@@ -159,6 +159,7 @@ def run_train(overrides: Sequence[str]) -> int:
     check_task(cfg)
     check_transport(cfg)
     model_dir = prepare_model(cfg, log=print)
+    print(f"asyncrl train: prompts in {check_prompts(cfg, model_dir)} format")
     run_dir = run_dir or new_run_dir(cfg)
     save_config(cfg, run_dir / "config.json")
     launcher = Launcher(cfg, run_dir, model_dir)

@@ -179,7 +179,8 @@ class ControllerCore:
         prompt = np.asarray(a.meta["prompt_ids"], np.int32)
         r = self.cfg.rollout
         params = P.SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens,
-                                  seed=self.cfg.seed * 1_000_003 + r.seed)
+                                  seed=self.cfg.seed * 1_000_003 + r.seed,
+                                  stop_token_ids=list(getattr(self.scorer, "stop_ids", ())))
         return P.RolloutAssignment(group_id=a.group_id, sample_ids=list(a.sample_ids),
                                    prompt_ids=P.Array.from_numpy(prompt), params=params,
                                    n_samples=len(a.sample_ids))

@@ -1,6 +1,6 @@
 """Scoring: prompts from the task stream, verifiable rewards and group advantages, greedy evaluation.
 
-Owns: turning a task problem into prompt token ids, a group of finished samples into rewards
+Owns: turning a task problem into prompt token ids (in the model's prompt format, ``prompts.py``), a group of finished samples into rewards
 (the task's verifier on the decoded response, EOS removed) and advantages (``asyncrl.algo``), and
 the held-out greedy accuracy used by the learner's periodic evaluation.
 Never: decides admission or batching; talks to sockets.
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from asyncrl.algo import group_advantages
+from asyncrl.controller.prompts import PromptEncoder, stop_token_ids
 from asyncrl.tasks import Problem, Task, make_task
 
 
@@ -29,15 +30,21 @@ def task_kwargs(cfg) -> dict[str, Any]:
 
 
 class GroupScorer:
-    def __init__(self, task: Task, tokenizer, *, estimator: str = "grpo", max_new_tokens: int = 8) -> None:
+    """``prompt_format``/``system_prompt``: see ``asyncrl.controller.prompts``; ``stop_ids``: the tokens that
+    end a response (sent with every assignment and used by the greedy evaluation)."""
+
+    def __init__(self, task: Task, tokenizer, *, estimator: str = "grpo", max_new_tokens: int = 8,
+                 prompt_format: str = "raw", system_prompt: str = "", stop_ids: Sequence[int] = ()) -> None:
         self.task = task
         self.tokenizer = tokenizer
         self.estimator = estimator
         self.max_new_tokens = max_new_tokens
         self.special_ids = set(tokenizer.all_special_ids)
+        self.encoder = PromptEncoder(tokenizer, prompt_format, system_prompt)
+        self.stop_ids = [int(i) for i in stop_ids]
 
     def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt)["input_ids"])
+        return self.encoder.encode(prompt)
 
     def decode(self, response_ids: Sequence[int]) -> str:
         return self.tokenizer.decode([i for i in response_ids if i not in self.special_ids])
@@ -65,7 +72,9 @@ def build_scorer(cfg, model_dir: str | Path) -> GroupScorer:
 
     task = make_task(cfg.task.name, **task_kwargs(cfg))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return GroupScorer(task, tokenizer, estimator=cfg.algo.advantage, max_new_tokens=cfg.rollout.max_new_tokens)
+    return GroupScorer(task, tokenizer, estimator=cfg.algo.advantage, max_new_tokens=cfg.rollout.max_new_tokens,
+                       prompt_format=cfg.task.prompt_format, system_prompt=cfg.task.system_prompt,
+                       stop_ids=stop_token_ids(model_dir, tokenizer))
 
 
 def evaluate_greedy(engine, scorer: GroupScorer, *, max_new_tokens: int, limit: int | None = None) -> dict[str, float]:
@@ -73,7 +82,8 @@ def evaluate_greedy(engine, scorer: GroupScorer, *, max_new_tokens: int, limit: 
     from asyncrl.engine import GenRequest, SamplingParams
 
     problems = scorer.task.eval_set()[:limit]
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                            stop_token_ids=tuple(scorer.stop_ids) or None)
     reqs = [GenRequest(sample_id=f"eval/{i}", prompt_ids=scorer.encode(p.prompt), params=params)
             for i, p in enumerate(problems)]
     by_id = {r.sample_id: r for r in engine.generate(reqs)}

@@ -45,6 +45,17 @@ def check_task(cfg) -> None:
         close()
 
 
+def check_prompts(cfg, model_dir: Path) -> str:
+    """The resolved prompt format (``chat``/``raw``) of this run; ``ValueError`` (naming the fix) when the
+    model's tokenizer cannot give it, before any process starts."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.controller.prompts import PromptEncoder
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return PromptEncoder(tokenizer, cfg.task.prompt_format, cfg.task.system_prompt).format
+
+
 def prepare_model(cfg, log: Callable[[str], None] = print) -> Path:
     """The HF folder this run's learner loads (and whose architecture the workers build)."""
     from asyncrl.models import ensure_smollm2, ensure_tiny_model
