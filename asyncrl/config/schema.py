@@ -71,7 +71,8 @@ class TaskConfig:
     ``last_number``, ``plain`` (first line, reasoning_gym). Strict modes score 0 when a response
     offers several different answers. Empty: the task's default."""
     rg_config: Any = None
-    """reasoning-gym generator settings, e.g. ``task.rg_config={min_terms:2,max_terms:2,max_digits:1}``."""
+    """reasoning-gym generator settings (a mapping; null = the generator's defaults), e.g.
+    ``task.rg_config={min_terms:2,max_terms:2,max_digits:2}`` or ``+task.rg_config.max_digits=2``."""
     size: int = 10_000
     """reasoning_gym: training problems generated (the evaluation problems are drawn apart from them)."""
 
@@ -251,6 +252,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("task.prompt_format", cfg.task.prompt_format, PROMPT_FORMATS)
     if cfg.task.answer_format:
         _choice("task.answer_format", cfg.task.answer_format, ANSWER_FORMATS)
+    if cfg.task.rg_config is not None and not isinstance(cfg.task.rg_config, dict):
+        raise ValueError(f"task.rg_config={cfg.task.rg_config!r} must be a mapping, e.g. task.rg_config={{min_terms:2}}")
+    if cfg.task.rg_config and cfg.task.name != "reasoning_gym":
+        raise ValueError(f"task.rg_config is for task.name=reasoning_gym (this run uses {cfg.task.name}); drop it")
     if cfg.task.name == "jsonl_math" and not cfg.task.path:
         raise ValueError("task.name=jsonl_math needs task.path=FILE.jsonl (lines of {\"prompt\", \"answer\"})")
     if cfg.model.name == "path" and not cfg.model.path:

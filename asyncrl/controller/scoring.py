@@ -25,8 +25,11 @@ def task_kwargs(cfg) -> dict[str, Any]:
     if t.name in ("addition", "addition2"):
         return {"seed": t.seed}
     if t.name == "jsonl_math":
-        return {"path": t.path, "eval_size": t.eval_size, "seed": t.seed}
-    return {"dataset": t.dataset, "seed": t.seed, "eval_size": t.eval_size}
+        return {"path": t.path, "eval_size": t.eval_size, "seed": t.seed, "eval_path": t.eval_path or None,
+                "prompt_key": t.prompt_key, "answer_key": t.answer_key,
+                "answer_format": t.answer_format or "math_verify"}
+    return {"dataset": t.dataset, "seed": t.seed, "eval_size": t.eval_size, "size": t.size,
+            "config": dict(t.rg_config or {}), "answer_format": t.answer_format or "tag"}
 
 
 class GroupScorer:

@@ -9,14 +9,18 @@ Must never: import ``reasoning_gym`` at module import (it takes about a second a
 
 Invariants:
 - reasoning-gym generates item ``i`` of a dataset with ``random.Random(seed + i)``. Training uses
-  ``seed`` with ``size`` items; evaluation uses ``eval_seed`` (default ``seed + size``, so the two
-  never share a generator seed) with ``eval_size`` items. Different seeds do not guarantee
-  different questions when a generator's space is small (two-term single-digit sums repeat).
-- ``answer_format="tag"`` (default) appends an instruction to answer inside
-  ``<answer>...</answer>`` and scores the last tagged answer (``reasoning_gym.utils.extract_answer``;
-  no tag scores like an empty answer). ``"plain"`` feeds the question unchanged and scores the
-  first line of the response. Rewards are the package's own, in ``[0, 1]`` (``gsm_symbolic`` gives
-  0.01 to a numeric but wrong answer, ``chain_sum`` partial credit to a superstring).
+  ``seed`` with ``size`` items; evaluation draws from the stream of ``eval_seed`` (default
+  ``seed + size``) the first ``eval_size`` items whose question is not a training question, so the
+  held-out set never overlaps the training stream (a generator whose space is too small for that is
+  refused with the fix: widen ``config`` or lower ``size``).
+- ``answer_format`` (``answers.py``) says how the answer is taken from a response, and what the prompt
+  asks for: ``"tag"`` (default) appends an instruction to answer inside ``<answer>...</answer>`` and
+  takes the tagged answer (several different tagged answers: none); ``"boxed"`` asks for
+  ``\\boxed{}``; ``"last_number"`` feeds the question unchanged and takes the last number of the final
+  line (an inconsistent equation chain or several different numbers there: none); ``"plain"`` feeds
+  the question unchanged and takes the first line. No answer scores like an empty answer. Rewards are
+  the package's own, in ``[0, 1]`` (``gsm_symbolic`` gives 0.01 to a numeric but wrong answer,
+  ``chain_sum`` partial credit to a superstring).
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from __future__ import annotations
 import functools
 from typing import Any, Literal
 
+from asyncrl.tasks.answers import extract
 from asyncrl.tasks.base import EpochStreamMixin, Problem, check_reward, problem_id
 
-AnswerFormat = Literal["tag", "plain"]
+AnswerFormat = Literal["tag", "boxed", "last_number", "plain"]
 TAG_INSTRUCTION = "\nGive only the final answer, between <answer> and </answer>."
+INSTRUCTIONS = {"tag": TAG_INSTRUCTION, "boxed": "\nPut the final answer in \\boxed{}.", "last_number": "",
+                "plain": ""}
+EVAL_DRAW_FACTOR = 50
+"""Evaluation candidates scanned per held-out item before the generator is called too small."""
 PIN = "reasoning-gym==0.1.25"
 
 
@@ -71,8 +80,8 @@ class ReasoningGymTask(EpochStreamMixin):
             raise ValueError(
                 f"unknown reasoning-gym dataset {dataset!r}; choose one of: {', '.join(sorted(DATASETS))}"
             )
-        if answer_format not in ("tag", "plain"):
-            raise ValueError(f"answer_format must be 'tag' or 'plain', got {answer_format!r}")
+        if answer_format not in INSTRUCTIONS:
+            raise ValueError(f"answer_format must be one of {', '.join(INSTRUCTIONS)}, got {answer_format!r}")
         if size < 1 or eval_size < 1:
             raise ValueError(f"size and eval_size must be >= 1, got size={size}, eval_size={eval_size}")
         settings = dict(config or {})
@@ -85,22 +94,34 @@ class ReasoningGymTask(EpochStreamMixin):
         self.answer_format = answer_format
         self.eval_seed = seed + size if eval_seed is None else eval_seed
         try:
-            self._splits = {
-                "train": rg.create_dataset(dataset, seed=seed, size=size, **settings),
-                "eval": rg.create_dataset(dataset, seed=self.eval_seed, size=eval_size, **settings),
-            }
+            train = rg.create_dataset(dataset, seed=seed, size=size, **settings)
+            draws = rg.create_dataset(dataset, seed=self.eval_seed, size=eval_size * EVAL_DRAW_FACTOR, **settings)
         except TypeError as e:  # an unknown generator setting: the config dataclass rejects it
             fields = sorted(getattr(DATASETS[dataset][1], "__dataclass_fields__", {}))
             raise ValueError(
                 f"bad config for reasoning-gym {dataset!r} ({e}); its settings are {fields}"
             ) from e
-        from reasoning_gym.utils import extract_answer
-
-        self._extract_tagged = extract_answer
+        except (ValueError, AssertionError) as e:  # the generator's own validation of its settings
+            raise ValueError(f"reasoning-gym {dataset!r} refused config {settings} ({e}); fix task.rg_config") from e
+        seen = {train[i]["question"] for i in range(len(train))}
+        self._eval_index: list[int] = []
+        for j in range(len(draws)):
+            if len(self._eval_index) == eval_size:
+                break
+            if draws[j]["question"] not in seen:
+                self._eval_index.append(j)
+        if len(self._eval_index) < eval_size:
+            raise ValueError(
+                f"reasoning-gym {dataset!r} with config {settings} found only {len(self._eval_index)} of "
+                f"eval_size={eval_size} evaluation questions that are not among the {size} training items: its "
+                "space is too small; widen task.rg_config (more terms or digits), lower task.size or lower "
+                "task.eval_size")
+        self._splits = {"train": train, "eval": draws}
+        self._extract = functools.partial(extract, fmt=answer_format)
         self._entry = functools.lru_cache(maxsize=8192)(self._make_entry)
 
     def _make_entry(self, split: str, item: int) -> dict[str, Any]:
-        return self._splits[split][item]
+        return self._splits[split][item if split == "train" else self._eval_index[item]]
 
     @property
     def train_size(self) -> int:
@@ -108,21 +129,18 @@ class ReasoningGymTask(EpochStreamMixin):
 
     def _problem(self, split: str, item: int) -> Problem:
         entry = self._entry(split, item)
-        prompt = entry["question"] + (TAG_INSTRUCTION if self.answer_format == "tag" else "")
+        prompt = entry["question"] + INSTRUCTIONS[self.answer_format]
         return Problem(problem_id(self.name, split, item), prompt, str(entry["answer"]), split, item)
 
     def train_problem(self, item: int) -> Problem:
         return self._problem("train", item)
 
     def eval_set(self) -> list[Problem]:
-        return [self._problem("eval", i) for i in range(len(self._splits["eval"]))]
+        return [self._problem("eval", i) for i in range(len(self._eval_index))]
 
     def extract(self, response: str) -> str | None:
-        """The answer text the scorer sees (``None`` when a tagged answer is missing)."""
-        if self.answer_format == "tag":
-            return self._extract_tagged(response)
-        lines = response.strip().splitlines()
-        return lines[0].strip() if lines else ""
+        """The answer text the scorer sees (``None`` when the response gives no single answer)."""
+        return self._extract(response)
 
     def score(self, problem: Problem, response: str) -> float:
         dataset = self._splits[problem.split]

@@ -105,7 +105,8 @@ def test_eval_path_and_prompt_template(tmp_path):
         eval_path=_write(tmp_path, RECORDS[:1], name="eval.jsonl"),
         prompt_template="Question: {prompt}\nAnswer:",
     )
-    assert task.train_size == 5 and len(task.eval_set()) == 1
+    # the evaluation problem is also in the training file: it is removed from training
+    assert task.train_size == 4 and len(task.eval_set()) == 1 and task.removed_from_train == 1
     assert task.eval_set()[0].prompt == "Question: What is 1/2 + 1/4?\nAnswer:"
     with pytest.raises(ValueError, match="prompt_template"):
         JsonlMathTask(path=task_path(tmp_path), prompt_template="no field")

