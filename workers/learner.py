@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             publisher = Publisher(cfg, formats, server)
             publisher.publish(sd, state.version)
             source = ControllerSource(args.controller, server, state.version, stop, cfg.transport)
+        if state.version == 0 and L.eval_every:  # the step-0 baseline every later evaluation is read against
+            source.report(0, evaluator.evaluate(sd, 0) | {"eval/baseline": 1.0})
     t_run = time.perf_counter()
     try:
         while state.version < L.total_steps:

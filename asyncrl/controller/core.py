@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +286,8 @@ class ControllerCore:
         metrics = {
             "train/reward_mean": float(np.mean(rewards)),
             "train/reward_std": float(np.std(rewards)),
+            **response_metrics([g.extra["rewards"] for g in batch.groups], [s.response_ids for s in samples],
+                               getattr(self.scorer, "stop_ids", ())),
             "data/filtered_groups": float(len(batch.filtered)),
             "staleness/max": float(batch.max_staleness),
             "gate/capacity": float(self.gate.capacity()),
@@ -357,6 +360,19 @@ class ControllerCore:
         self.max_consumed_staleness = int(state["max_consumed_staleness"])
         self.log.append(EventRecord(event="resume", logged_at=time.time(), data={
             "version": str(self.version.version), "cursor": str(self.cursor)}))
+
+
+def response_metrics(group_rewards: list[list[float]], responses: list[P.Array],
+                     stop_ids: Sequence[int]) -> dict[str, float]:
+    """What a batch's responses look like: mean/max length in tokens, the share of groups whose rewards
+    are all equal (zero advantage: no gradient), and the share of samples that stopped at their first
+    token (a chat model answering with its end-of-turn token at once)."""
+    lengths = [r.to_numpy().size for r in responses]
+    stops = set(stop_ids)
+    first = [n == 1 and int(r.to_numpy()[0]) in stops for n, r in zip(lengths, responses, strict=True)]
+    return {"train/response_len_mean": float(np.mean(lengths)), "train/response_len_max": float(max(lengths)),
+            "train/zero_variance_groups": float(np.mean([len(set(g)) <= 1 for g in group_rewards])),
+            "train/first_token_stop_frac": float(np.mean(first))}
 
 
 def train_sample(fs: P.FinishedSample, *, advantage: float, reward: float) -> P.TrainSample:

@@ -7,14 +7,21 @@ metrics is present is not written), invents points (a key logged only on some st
 N steps, is drawn only at the steps that have it; ``null`` values, i.e. non-finite ones, are gaps).
 
 Plots (file: metrics):
-- ``reward.png``: ``train/reward_mean`` and, when present, ``eval/accuracy``.
+- ``reward.png``: ``train/reward_mean``, its moving average over ``SMOOTH_WINDOW`` steps and, when
+  present, ``eval/accuracy`` with the step-0 evaluation drawn as a horizontal baseline.
 - ``eval_accuracy.png``: ``eval/accuracy``.
 - ``kl_by_staleness.png``: ``mismatch/by_staleness/eta=J/kl_k3`` for every J (ALGORITHMS.md §7 spells
   it ``η=J``; both spellings are accepted), one line per J, plus ``mismatch/kl_k3`` over all tokens.
 - ``clip_fractions.png``: keys starting ``actor/clipfrac`` or ``acr/clipfrac``, ``acr/empty_band_frac``,
   ``tbpo/seq_masked_frac``.
 - ``throughput.png``: ``throughput/samples_per_s``, ``throughput/tokens_per_s`` (one panel each) and
-  ``time/learner_busy_frac``, ``time/gen_busy_frac`` (one panel).
+  ``time/learner_busy_frac``, ``time/gen_busy_frac`` (one panel). The run's closing report (``done``)
+  is not a training step and is left out here (its rate over export and final evaluation would be a
+  spike at the last step).
+- ``responses.png``: ``train/response_len_mean``; ``train/zero_variance_groups`` and
+  ``train/first_token_stop_frac``.
+- ``learner.png``: ``learner/loss``, ``learner/grad_norm``, ``learner/lr`` and ``actor/entropy``, one panel
+  each, for those the run logged.
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ from typing import Any
 from asyncrl.metrics.writer import read_metrics
 
 PLOTS_DIR = "plots"
+SMOOTH_WINDOW = 10
+SMOOTHED = "~smoothed:"
+"""Prefix of a derived line: the trailing moving average of the metric after it."""
+BASELINE = "~baseline:"
+"""Prefix of a derived line: the metric's value at step 0, drawn across the plot."""
 _STALENESS_KL = re.compile(r"^mismatch/by_staleness/(?:eta|η)=(\d+)/kl_k3$")
 
 
@@ -46,6 +58,7 @@ class Panel:
     lines: list[Line]
     ylim: tuple[float, float] | None = None
     log_if_positive: bool = False  # log y-axis when every plotted value is > 0
+    skip_final: bool = False  # leave out the run's closing report (a record with ``done``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +68,40 @@ class PlotSpec:
     panels: Callable[[set[str]], list[Panel]]  # from the keys present in the run
 
 
-def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def derived_series(records: Sequence[dict[str, Any]], key: str, skip_final: bool = False
+                   ) -> tuple[list[int], list[float]]:
+    """``series`` for a plain key; for ``SMOOTHED + key`` its moving average; for ``BASELINE + key`` the
+    step-0 value held across every step the run reached."""
+    if key.startswith(SMOOTHED):
+        xs, ys = series(records, key[len(SMOOTHED):], skip_final)
+        return (xs, moving_average(ys, SMOOTH_WINDOW)) if len(xs) >= 3 else ([], [])
+    if key.startswith(BASELINE):
+        xs, ys = series(records, key[len(BASELINE):], skip_final)
+        last = max((r["step"] for r in records), default=0)
+        if not xs or xs[0] != 0 or last == 0:
+            return [], []
+        return [0, last], [ys[0], ys[0]]
+    return series(records, key, skip_final)
+
+
+def series(records: Sequence[dict[str, Any]], key: str, skip_final: bool = False) -> tuple[list[int], list[float]]:
     """(steps, values) of the records that have ``key`` with a finite value, in file order."""
     steps: list[int] = []
     values: list[float] = []
     for rec in records:
+        if skip_final and rec.get("done"):
+            continue
         v = rec.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             steps.append(rec["step"])
@@ -72,8 +114,12 @@ def _reward(keys: set[str]) -> list[Panel]:
         Panel(
             "reward / accuracy",
             [
-                Line("train/reward_mean", "train reward (sampled, mean)"),
-                Line("eval/accuracy", "eval accuracy (greedy)", {"marker": "o"}),
+                Line("train/reward_mean", "train reward (sampled, mean)", {"alpha": 0.45}),
+                Line(SMOOTHED + "train/reward_mean", f"train reward, mean of last {SMOOTH_WINDOW} steps",
+                     {"color": "C0", "linewidth": 2.2}),
+                Line("eval/accuracy", "eval accuracy (greedy)", {"marker": "o", "color": "C1"}),
+                Line(BASELINE + "eval/accuracy", "eval accuracy at step 0 (baseline)",
+                     {"color": "C1", "linestyle": ":"}),
             ],
             ylim=(-0.02, 1.02),
         )
@@ -103,13 +149,32 @@ def _clip_fractions(keys: set[str]) -> list[Panel]:
 
 def _throughput(keys: set[str]) -> list[Panel]:
     return [
-        Panel("tokens / s", [Line("throughput/tokens_per_s", "generated tokens/s")]),
-        Panel("samples / s", [Line("throughput/samples_per_s", "samples/s")]),
+        Panel("tokens / s", [Line("throughput/tokens_per_s", "generated tokens/s")], skip_final=True),
+        Panel("samples / s", [Line("throughput/samples_per_s", "samples/s")], skip_final=True),
         Panel(
             "busy fraction",
             [Line("time/learner_busy_frac", "learner busy"), Line("time/gen_busy_frac", "generation busy")],
-            ylim=(-0.02, 1.02),
+            ylim=(-0.02, 1.02), skip_final=True,
         ),
+    ]
+
+
+def _responses(keys: set[str]) -> list[Panel]:
+    return [
+        Panel("response tokens", [Line("train/response_len_mean", "mean response length"),
+                                  Line("train/response_len_max", "longest response", {"alpha": 0.5})]),
+        Panel("fraction", [Line("train/zero_variance_groups", "groups with equal rewards (no gradient)"),
+                           Line("train/first_token_stop_frac", "samples ending at their first token")],
+              ylim=(-0.02, 1.02)),
+    ]
+
+
+def _learner(keys: set[str]) -> list[Panel]:
+    return [
+        Panel("loss", [Line("learner/loss", "loss")]),
+        Panel("gradient norm", [Line("learner/grad_norm", "grad norm (before clipping)")], log_if_positive=True),
+        Panel("learning rate", [Line("learner/lr", "lr")]),
+        Panel("entropy (nats/token)", [Line("actor/entropy", "policy entropy")]),
     ]
 
 
@@ -123,6 +188,8 @@ PLOTS: tuple[PlotSpec, ...] = (
     ),
     PlotSpec("clip_fractions.png", "Clip / mask fractions of the objective vs learner step", _clip_fractions),
     PlotSpec("throughput.png", "Throughput and busy time vs learner step", _throughput),
+    PlotSpec("responses.png", "What the model writes: response length, zero-variance groups", _responses),
+    PlotSpec("learner.png", "Learner: loss, gradient norm, learning rate, entropy vs learner step", _learner),
 )
 
 
@@ -138,7 +205,7 @@ def _draw(
             style = dict(line.style)
             if len(xs) == 1:
                 style.setdefault("marker", "o")
-            ax.plot(xs, ys, label=line.label, linewidth=1.4, markersize=3.5, **style)
+            ax.plot(xs, ys, label=line.label, **({"linewidth": 1.4, "markersize": 3.5} | style))
         if panel.log_if_positive and all(y > 0 for _, _, ys in drawn for y in ys):
             ax.set_yscale("log")
         if panel.ylim is not None:
@@ -154,6 +221,13 @@ def _draw(
     os.replace(tmp, path)
 
 
+def _base_key(key: str) -> str:
+    for prefix in (SMOOTHED, BASELINE):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
 def make_plots(run_dir: str | Path, records: Sequence[dict[str, Any]] | None = None) -> list[Path]:
     """Writes the plots that have data under ``run_dir/plots/``; returns the files written, in the
     order of ``PLOTS``. ``records`` defaults to ``read_metrics(run_dir)``."""
@@ -165,7 +239,8 @@ def make_plots(run_dir: str | Path, records: Sequence[dict[str, Any]] | None = N
     for spec in PLOTS:
         panels = []
         for panel in spec.panels(keys):
-            drawn = [(line, *series(records, line.key)) for line in panel.lines if line.key in keys]
+            drawn = [(line, *derived_series(records, line.key, panel.skip_final)) for line in panel.lines
+                     if _base_key(line.key) in keys]
             drawn = [d for d in drawn if d[1]]
             if drawn:
                 panels.append((panel, drawn))

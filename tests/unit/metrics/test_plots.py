@@ -74,3 +74,30 @@ def test_kl_by_staleness_plot_has_one_line_per_staleness_level(key):
 
     (panel,) = _kl_by_staleness({key, "mismatch/by_staleness/eta=10/kl_k3", "mismatch/kl_k3_other"})
     assert [ln.label for ln in panel.lines] == ["staleness 7", "staleness 10", "all tokens"]
+
+
+def test_smoothed_reward_baseline_and_the_final_report_left_out_of_throughput():
+    from asyncrl.metrics.plots import BASELINE, SMOOTHED, derived_series, moving_average
+
+    assert moving_average([0.0, 1.0, 2.0, 3.0], 2) == [0.0, 0.5, 1.5, 2.5]
+    recs = [{"step": 0, "eval/accuracy": 0.25}] + [
+        {"step": s, "train/reward_mean": float(s), "throughput/samples_per_s": 10.0} for s in range(1, 6)]
+    recs.append({"step": 5, "done": 1.0, "eval/accuracy": 0.5, "throughput/samples_per_s": 900.0})
+    assert derived_series(recs, BASELINE + "eval/accuracy") == ([0, 5], [0.25, 0.25])
+    xs, ys = derived_series(recs, SMOOTHED + "train/reward_mean")
+    assert xs == [1, 2, 3, 4, 5] and ys[-1] == pytest.approx(3.0)  # mean of 1..5 (window 10)
+    assert derived_series(recs, "throughput/samples_per_s", skip_final=True)[1] == [10.0] * 5
+    assert 900.0 in derived_series(recs, "throughput/samples_per_s")[1]
+    # no step-0 evaluation: no baseline line
+    assert derived_series(recs[1:], BASELINE + "eval/accuracy") == ([], [])
+
+
+def test_response_and_learner_panels_are_drawn_when_their_metrics_exist(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as w:
+        w.log(0, {"eval/accuracy": 0.2, "eval/baseline": 1.0})
+        for s in range(1, 6):
+            w.log(s, {"train/reward_mean": 0.1 * s, "train/response_len_mean": 10.0 + s,
+                      "train/zero_variance_groups": 0.5, "train/first_token_stop_frac": 0.0,
+                      "learner/loss": 0.1, "learner/grad_norm": 1.0 + s, "learner/lr": 1e-5})
+    names = [p.name for p in make_plots(tmp_path)]
+    assert names == ["reward.png", "eval_accuracy.png", "responses.png", "learner.png"]
