@@ -9,6 +9,7 @@ line that says what to change, with exit code 2, before any process starts.
   asyncrl worker controller=ADDR [...]    join a running job as a generation worker
   asyncrl replay run=runs/NAME [...]      retrain from a run's trajectory log (bit-identical on CPU)
   asyncrl log inspect PATH                summary of a trajectory log
+  asyncrl log show RUN [--last N|--step K] decoded prompts and completions with rewards and versions
   asyncrl keys generate DIR               CurveZMQ keys for transport.keys_dir=DIR
 """
 
@@ -23,6 +24,12 @@ def _cmd_log_inspect(args: argparse.Namespace) -> int:
     from asyncrl.log.inspect import inspect_main
 
     return inspect_main(args.path, as_json=args.json)
+
+
+def _cmd_log_show(args: argparse.Namespace) -> int:
+    from asyncrl.log.show import show_main
+
+    return show_main(args.run, last=args.last, step=args.step, tokenizer=args.tokenizer)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -60,7 +67,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[6:13]))
+                                     epilog="\n".join(__doc__.splitlines()[6:14]))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("train", _cmd_train, "continuous asynchronous training"),
                              ("demo", _cmd_demo, "train on the embedded default and print where results are"),
@@ -80,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("path", help="a trajectory log file, or a run folder holding trajectories.log")
     insp.add_argument("--json", action="store_true", help="print the summary as JSON")
     insp.set_defaults(func=_cmd_log_inspect)
+    show = log_sub.add_parser("show", help="decoded prompts and completions with rewards, advantages, versions")
+    show.add_argument("run", help="a run folder (runs/NAME) or its trajectories/ folder")
+    show.add_argument("--last", type=int, default=None, help="the last N samples logged (default 8)")
+    show.add_argument("--step", type=int, default=None, help="the samples learner step K trained on")
+    show.add_argument("--tokenizer", default=None, help="a folder with the run's tokenizer (default: the run's model)")
+    show.set_defaults(func=_cmd_log_show)
     return parser
 
 

@@ -45,6 +45,20 @@ def check_task(cfg) -> None:
         close()
 
 
+def model_folder(cfg) -> Path:
+    """Where ``prepare_model`` puts (or found) this run's model folder, without building anything."""
+    m = cfg.model
+    cache = Path(m.cache_dir)
+    if m.name == "path":
+        return Path(m.path)
+    if m.name == "smollm2":
+        return Path(m.path) if m.path else cache / "smollm2-135m-instruct"
+    base = Path(m.path) if m.path else cache / f"tiny-qwen2-char-seed{cfg.seed}"
+    if m.warmstart_steps <= 0:
+        return base
+    return cache / f"{base.name}-warm-{cfg.task.name}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
+
+
 def check_prompts(cfg, model_dir: Path) -> str:
     """The resolved prompt format (``chat``/``raw``) of this run; ``ValueError`` (naming the fix) when the
     model's tokenizer cannot give it, before any process starts."""

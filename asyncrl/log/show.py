@@ -1,0 +1,96 @@
+"""``asyncrl log show RUN [--last N] [--step K]``: what the model wrote, decoded, with rewards and versions.
+
+Owns: picking samples out of a trajectory log (the last N logged, or the ones learner step K consumed),
+grouping them by prompt group, and printing each prompt once (decoded exactly as the model saw it,
+chat template included) followed by its completions with reward, advantage, finish reason, length and
+the policy versions that produced their tokens.
+Never: modifies the log, or builds a model: the tokenizer comes from ``--tokenizer`` or from the model
+folder the run's config names, which must already exist (a run creates it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from asyncrl.log.framing import LogFormatError
+from asyncrl.log.records import BatchRecord, SampleRecord
+from asyncrl.log.trajectory import read_log
+
+
+def run_tokenizer(run: Path, tokenizer_dir: str | None) -> Any:
+    """The tokenizer of ``--tokenizer DIR``, else of the model folder the run's ``config.json`` names."""
+    from transformers import AutoTokenizer
+
+    if tokenizer_dir:
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
+    from asyncrl.config.loader import read_run_config
+    from asyncrl.runtime.prepare import model_folder
+
+    folder = model_folder(read_run_config(run))
+    if not (folder / "tokenizer_config.json").is_file():
+        raise ValueError(f"the run's model folder {folder} is not here (run from the folder the run was started "
+                         "in, or pass --tokenizer DIR)")
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def select(records: list[Any], *, last: int | None, step: int | None) -> list[tuple[SampleRecord, int | None]]:
+    """(sample, consuming step or None) for ``--step K`` (in batch order) or the last ``last`` samples."""
+    samples = {r.sample.sample_id: r for r in records if isinstance(r, SampleRecord)}
+    consumed_at = {sid: r.step for r in records if isinstance(r, BatchRecord) for sid in r.sample_ids}
+    if step is not None:
+        batches = [r for r in records if isinstance(r, BatchRecord) and r.step == step]
+        if not batches:
+            steps = sorted({r.step for r in records if isinstance(r, BatchRecord)})
+            span = f"{steps[0]}..{steps[-1]}" if steps else "none yet"
+            raise ValueError(f"no batch for learner step {step} in this log (steps logged: {span})")
+        chosen = [samples[sid] for sid in batches[-1].sample_ids if sid in samples]
+        if last is not None:
+            chosen = chosen[:last]
+    else:
+        chosen = list(samples.values())[-(last or 8):]
+    return [(s, consumed_at.get(s.sample.sample_id)) for s in chosen]
+
+
+def format_samples(chosen: list[tuple[SampleRecord, int | None]], decode: Callable[[list[int]], str]) -> str:
+    out: list[str] = []
+    current_group = None
+    for rec, step in chosen:
+        s = rec.sample
+        if s.group_id != current_group:
+            current_group = s.group_id
+            prompt = s.prompt_ids.to_numpy().tolist()
+            out.append(f"=== group {s.group_id}  (admitted at version {rec.admitted_version}, "
+                       f"{len(prompt)} prompt tokens)")
+            out.append(_indent(decode(prompt), "  | "))
+        response = s.response_ids.to_numpy().tolist()
+        versions = s.versions.to_numpy()
+        vspan = f"v{int(versions.min())}" if versions.size and versions.min() == versions.max() else (
+            f"v{int(versions.min())}..v{int(versions.max())}" if versions.size else "-")
+        used = f"step {step}" if step is not None else "not consumed yet"
+        out.append(f"--- {s.sample_id}  reward {rec.reward:.3f}  advantage {rec.advantage:+.3f}  "
+                   f"{s.finish_reason}  {len(response)} tokens  {vspan}  {used}  worker {s.worker_id}")
+        out.append(_indent(decode(response), "  > "))
+    return "\n".join(out)
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in (text.splitlines() or [""]))
+
+
+def show_main(run: str, *, last: int | None = None, step: int | None = None, tokenizer: str | None = None) -> int:
+    path = Path(run)
+    try:
+        scan = read_log(path)
+    except (LogFormatError, OSError) as e:
+        raise ValueError(f"cannot read the trajectory log of {run}: {e}") from e
+    chosen = select(scan.records, last=last, step=step)
+    if not chosen:
+        print("no samples logged yet")
+        return 0
+    tok = run_tokenizer(path if (path / "config.json").is_file() else path.parent, tokenizer)
+    print(format_samples(chosen, lambda ids: tok.decode(ids)))
+    for c in scan.corruptions:
+        print(f"CORRUPT    {c} (records before it are intact and were read)")
+    return 0
