@@ -4,12 +4,13 @@ Owns: ``Problem`` (what the controller sends to a worker and logs), the ``Task``
 task implements, ``EpochOrder`` (the deterministic order in which a finite training set is
 visited) and ``PromptCursor`` (the controller's position in that order, saved in checkpoints).
 
-Must never: import torch or a tokenizer (prompts are plain text; the engine tokenizes), touch the
+Must never: import torch or a tokenizer (prompts are plain text; the controller tokenizes them in the
+model's prompt format, ``asyncrl/controller/prompts.py``), touch the
 network, or depend on wall-clock time or on the global ``random`` state.
 
 Invariants:
-- Formatting convention: ``Problem.prompt`` is the exact text fed to the model (no chat template
-  is added here) and the model's response is scored as the text generated after it, with the end
+- Formatting convention: ``Problem.prompt`` is the user's text (a chat template, if any, is added
+  by the controller, never here) and the model's response is scored as the text generated after it, with the end
   of sequence token removed. For the character-level arithmetic tasks prompts look like ``"3+5="``
   and the expected response is ``"8"`` followed by EOS.
 - ``score`` is a rule-based verifiable reward in ``[0, 1]``; it is a pure function of the problem
