@@ -17,15 +17,17 @@ import math
 import time
 from pathlib import Path
 
-CANDIDATES: dict[str, tuple[str, dict]] = {
-    "chain_sum_2x2": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
-    "basic_arithmetic_small": ("basic_arithmetic", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2,
-                                                    "operators": ["+", "-"], "allow_parentheses": False,
-                                                    "allow_negation": False}),
-    "products_2x2": ("products", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
+CANDIDATES: dict[str, tuple[str, dict, int]] = {
+    # name: (reasoning-gym dataset, generator settings, training items the held-out problems avoid)
+    "chain_sum_2x1": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 100),
+    "chain_sum_2x2": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 2000),
+    "basic_arithmetic_2x1": ("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                                  "operators": ["+", "-", "*"], "allow_parentheses": False,
+                                                  "allow_negation": False}, 100),
+    "products_1x1": ("products", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 30),
     "leg_counting_small": ("leg_counting", {"min_animals": 1, "max_animals": 2, "min_instances": 1,
-                                            "max_instances": 4}),
-    "gsm_symbolic": ("gsm_symbolic", {}),
+                                            "max_instances": 4}, 2000),
+    "gsm_symbolic": ("gsm_symbolic", {}, 2000),
 }
 
 
@@ -38,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default=".cache/models/smollm2-135m-instruct")
     ap.add_argument("--n", type=int, default=64, help="problems per candidate")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--size", type=int, default=2000, help="training items the held-out problems avoid")
     ap.add_argument("--prompt-format", default="auto", choices=("auto", "chat", "raw"))
     ap.add_argument("--answer-format", default="tag", choices=("tag", "plain", "last_number"))
     ap.add_argument("--only", nargs="*", default=None, help=f"a subset of {', '.join(CANDIDATES)}")
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_token_ids=stops)
     rows = []
     for name in args.only or list(CANDIDATES):
-        dataset, settings = CANDIDATES[name]
-        task = make_task("reasoning_gym", dataset=dataset, config=settings, eval_size=args.n, size=args.size,
+        dataset, settings, size = CANDIDATES[name]
+        task = make_task("reasoning_gym", dataset=dataset, config=settings, eval_size=args.n, size=size,
                          answer_format=args.answer_format)
         problems = task.eval_set()
         t0 = time.perf_counter()

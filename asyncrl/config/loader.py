@@ -92,8 +92,9 @@ def load_train_config(overrides: Sequence[str] = (), *, config_name: str = "trai
         if key in GROUPS + GLOBAL_GROUPS:
             choice = ov.split("=", 1)[1]
             if choice not in _group_options(key):
+                more = "" if key in GLOBAL_GROUPS else f" (or set single keys, e.g. {key}.X=...)"
                 raise ValueError(f"{key}={choice!r} is not a config in configs/{key}/; choose one of "
-                                 f"{', '.join(_group_options(key))} (or set single keys, e.g. {key}.X=...)")
+                                 f"{', '.join(_group_options(key))}{more}")
             if key in GLOBAL_GROUPS and not ov.startswith("+"):
                 raise ValueError(f"{key} is an optional group: write +{ov}")
         elif "." in key or key in schema_keys():

@@ -70,3 +70,15 @@ def test_model_smollm2_alone_is_sized_for_this_machine() -> None:
 def test_replay_applies_a_global_model_file() -> None:
     cfg = apply_overrides(load_train_config([]), ["model=smollm2"])
     assert cfg.model.name == "smollm2" and cfg.task.prompt_format == "chat" and cfg.learner.lr == 1e-5
+
+
+def test_the_smollm2_preset_composes_with_or_without_model_smollm2() -> None:
+    for overrides in (["+experiment=smollm2_chain_sum"], ["model=smollm2", "+experiment=smollm2_chain_sum"]):
+        cfg = load_train_config(overrides)
+        assert cfg.model.name == "smollm2" and cfg.task.name == "reasoning_gym"
+        assert cfg.task.answer_format == "last_number"  # a strict grader is the preset's default
+        assert cfg.task.prompt_format == "chat" and cfg.task.rg_config
+    with pytest.raises(ValueError, match=r"write \+experiment=smollm2_chain_sum"):
+        load_train_config(["experiment=smollm2_chain_sum"])
+    with pytest.raises(ValueError, match="not a config in configs/experiment/"):
+        load_train_config(["+experiment=nope"])
