@@ -16,8 +16,8 @@ Plots (file: metrics):
   ``tbpo/seq_masked_frac``.
 - ``throughput.png``: ``throughput/samples_per_s``, ``throughput/tokens_per_s`` (one panel each) and
   ``time/learner_busy_frac``, ``time/gen_busy_frac`` (one panel). The run's closing report (``done``)
-  is not a training step and is left out here (its rate over export and final evaluation would be a
-  spike at the last step).
+  and the step-0 evaluation report (``eval/baseline``) are not training steps and are left out here
+  (the closing one's rate over export and final evaluation would be a spike at the last step).
 - ``responses.png``: ``train/response_len_mean``; ``train/zero_variance_groups`` and
   ``train/first_token_stop_frac``.
 - ``learner.png``: ``learner/loss``, ``learner/grad_norm``, ``learner/lr`` and ``actor/entropy``, one panel
@@ -58,7 +58,7 @@ class Panel:
     lines: list[Line]
     ylim: tuple[float, float] | None = None
     log_if_positive: bool = False  # log y-axis when every plotted value is > 0
-    skip_final: bool = False  # leave out the run's closing report (a record with ``done``)
+    skip_final: bool = False  # leave out the closing report (``done``) and the step-0 evaluation report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ def series(records: Sequence[dict[str, Any]], key: str, skip_final: bool = False
     steps: list[int] = []
     values: list[float] = []
     for rec in records:
-        if skip_final and rec.get("done"):
+        if skip_final and (rec.get("done") or rec.get("eval/baseline")):
             continue
         v = rec.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):

@@ -80,7 +80,7 @@ def test_smoothed_reward_baseline_and_the_final_report_left_out_of_throughput():
     from asyncrl.metrics.plots import BASELINE, SMOOTHED, derived_series, moving_average
 
     assert moving_average([0.0, 1.0, 2.0, 3.0], 2) == [0.0, 0.5, 1.5, 2.5]
-    recs = [{"step": 0, "eval/accuracy": 0.25}] + [
+    recs = [{"step": 0, "eval/accuracy": 0.25, "eval/baseline": 1.0, "throughput/samples_per_s": 0.0}] + [
         {"step": s, "train/reward_mean": float(s), "throughput/samples_per_s": 10.0} for s in range(1, 6)]
     recs.append({"step": 5, "done": 1.0, "eval/accuracy": 0.5, "throughput/samples_per_s": 900.0})
     assert derived_series(recs, BASELINE + "eval/accuracy") == ([0, 5], [0.25, 0.25])
