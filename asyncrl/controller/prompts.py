@@ -17,7 +17,6 @@ request for a tokenizer without a chat template is a ``ValueError`` that names `
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 

@@ -34,9 +34,6 @@ from asyncrl.tasks.base import EpochStreamMixin, Problem, check_reward, problem_
 from asyncrl.tasks.math_verifier import Isolation, MathVerifyGrader
 
 
-DATASET_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
-
-
 def _fix(what: str, prompt_key: str, answer_key: str) -> str:
     return (f"set jsonl_math's `{what}` (for example task.{what}=/data/math.jsonl) to a JSONL file with one "
             f'{{"{prompt_key}": "...", "{answer_key}": "..."}} object per line, or a Parquet/Arrow file or '
