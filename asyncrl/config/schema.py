@@ -280,6 +280,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"rollout.engine=sglang serves {', '.join(SGLANG_SERVING)} (fp8: GPU only), not "
                          f"quant.fmt={cfg.quant.fmt}; set quant.fmt=fp32, or keep native workers for "
                          f"{cfg.quant.fmt} and join SGLang workers with `asyncrl worker engine=sglang`")
+    if cfg.rollout.engine == "sglang" and cfg.sglang.url and cfg.rollout.num_workers > 1:
+        raise ValueError(f"sglang.url={cfg.sglang.url} is one server, and one worker drives a server (it pauses it "
+                         "for weight updates); set rollout.num_workers=1, or leave sglang.url empty so each "
+                         "worker starts its own")
     if cfg.task.name == "jsonl_math" and not cfg.task.path:
         raise ValueError("task.name=jsonl_math needs task.path=FILE.jsonl (lines of {\"prompt\", \"answer\"})")
     if cfg.model.name == "path" and not cfg.model.path:
