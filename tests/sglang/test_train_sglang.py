@@ -1,0 +1,55 @@
+"""``asyncrl train rollout.engine=sglang`` end to end on the tiny model (marker ``sglang``).
+
+The launcher starts the controller, the learner and one worker whose engine is a real SGLang 0.5.23
+server that the worker starts itself (on this CPU: asyncrl's CPU setup, docs/sglang.md). Every learner
+version reaches the server as a weight update in the published fp32 format. The run must train (the
+sampled reward rises) and keep the trajectory log's promises: each sample logged once, consumed at most
+once, no consumed token older than ``eta`` versions, and every sample made by the SGLang engine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.sglang.runs import check_trajectory_log, rewards
+
+pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(3000)]
+
+ETA, STEPS = 1, 60
+RUN = [f"learner.total_steps={STEPS}", "learner.eval_every=0", "learner.ckpt_every=0", f"rollout.eta={ETA}",
+       "rollout.groups_per_step=4", "learner.lr_schedule=constant", "learner.warmup_steps=0", "learner.lr=1e-3",
+       "rollout.dead_after_s=300"]
+
+
+def test_train_with_an_sglang_worker_raises_the_reward_and_keeps_the_log_promises(procs, tmp_path,
+                                                                                   sglang_python_path):
+    runs = tmp_path / "runs"
+    proc = procs.python("-m", "asyncrl", "train", f"runs_dir={runs}", "run_name=sgl", "rollout.engine=sglang",
+                        "quant.fmt=fp32", "rollout.num_workers=1", "sglang.device=cpu",
+                        f"sglang.python={sglang_python_path}", "sglang.startup_timeout_s=1500", *RUN,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = proc.communicate(timeout=2700)
+    text = out.decode(errors="replace")
+    run_dir = runs / "sgl"
+    assert proc.returncode == 0, text[-4000:] + _worker_logs(run_dir)
+    by_id = check_trajectory_log(run_dir, eta=ETA, steps=STEPS)
+    assert {r.sample.engine for r in by_id.values()} == {"sglang"}
+    assert {r.sample.quant_format for r in by_id.values()} == {"fp32"}
+    # no token came from the server's own start-up weights (version -1): each carries a learner version
+    assert all((r.sample.versions.to_numpy() >= 0).all() for r in by_id.values())
+    r = rewards(run_dir)
+    assert len(r) == STEPS
+    first, last = sum(r[:15]) / 15, sum(r[-15:]) / 15
+    assert last > first, (first, last, r)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["learner_steps"] == STEPS and summary["max_consumed_staleness"] <= ETA
+    assert list((run_dir / "logs").glob("sglang-*.log")), "the worker's SGLang server wrote no log"
+
+
+def _worker_logs(run_dir: Path) -> str:
+    return "".join(f"\n--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
+                   for p in sorted((run_dir / "logs").glob("*.log")))
