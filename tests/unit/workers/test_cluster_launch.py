@@ -64,3 +64,19 @@ def test_cluster_settings_are_checked_before_any_process_starts():
         _cfg("rollout.engine=sglang", "quant.fmt=fp32", "sglang.url=http://h:1", "rollout.num_workers=2")
     with pytest.raises(ValueError, match="learner.device"):
         _cfg("learner.device=tpu")
+
+
+@pytest.mark.parametrize("command, phrases", [
+    ("controller", ("docs/cluster.md", "asyncrl learner controller=", "asyncrl worker controller=", "filesystem")),
+    ("learner", ("torchrun", "--rdzv-backend=c10d", "--nnodes=N", "controller=tcp://HOST:PORT", "run_dir=DIR")),
+    ("worker", ("engine=native|sglang", "device=auto|cpu|cuda[:N]", "sglang.url=", "exits with status 1")),
+])
+def test_role_commands_document_the_cluster_path_in_their_help(command, phrases, capsys):
+    from workers.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for phrase in phrases:
+        assert phrase in text, (command, phrase)
