@@ -19,10 +19,11 @@ from tests.sglang.runs import check_trajectory_log, rewards
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(3000)]
 
-ETA, STEPS = 1, 60
+# The default learning-rate schedule over 100 steps of 64 samples: with the native engine (same settings,
+# fp32) the sampled reward went from 0.33 (mean of the first 20 steps) to 0.48 (last 20) on this machine.
+ETA, STEPS, WINDOW = 1, 100, 20
 RUN = [f"learner.total_steps={STEPS}", "learner.eval_every=0", "learner.ckpt_every=0", f"rollout.eta={ETA}",
-       "rollout.groups_per_step=4", "learner.lr_schedule=constant", "learner.warmup_steps=0", "learner.lr=1e-3",
-       "rollout.dead_after_s=300"]
+       "rollout.heartbeat_s=0.05", "rollout.dead_after_s=300"]
 
 
 def test_train_with_an_sglang_worker_raises_the_reward_and_keeps_the_log_promises(procs, tmp_path,
@@ -43,7 +44,7 @@ def test_train_with_an_sglang_worker_raises_the_reward_and_keeps_the_log_promise
     assert all((r.sample.versions.to_numpy() >= 0).all() for r in by_id.values())
     r = rewards(run_dir)
     assert len(r) == STEPS
-    first, last = sum(r[:15]) / 15, sum(r[-15:]) / 15
+    first, last = sum(r[:WINDOW]) / WINDOW, sum(r[-WINDOW:]) / WINDOW
     assert last > first, (first, last, r)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["learner_steps"] == STEPS and summary["max_consumed_staleness"] <= ETA
