@@ -146,7 +146,7 @@ class GeneratorWorker:
             self.stop.set()
             if comms is not None:
                 comms.join(timeout=self.drain_s + 30)
-            if self.fatal is not None and self.push is not None and not (comms is not None and comms.is_alive()):
+            if self.fatal is not None and not (comms is not None and comms.is_alive()):
                 self._leave(reason=f"fatal: {self.fatal!r}"[:200])  # no-op when the comms thread already left
             if self.engine is not None:
                 self.engine.close()
