@@ -80,3 +80,25 @@ def test_role_commands_document_the_cluster_path_in_their_help(command, phrases,
     text = " ".join(capsys.readouterr().out.split())
     for phrase in phrases:
         assert phrase in text, (command, phrase)
+
+
+def test_slurm_example_is_valid_bash_and_uses_only_settings_the_role_commands_know():
+    import re
+    import subprocess
+
+    from workers.generator import SGLANG_KEYS
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "slurm" / "asyncrl.sbatch"
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    text = path.read_text()
+    known = {
+        "worker": {"controller", "quant.fmt", "worker_id", "slots", "drain_s", "log_level", "transport.keys_dir",
+                   "transport.key_name", "engine", "device", "log_dir", *(f"sglang.{k}" for k in SGLANG_KEYS)},
+        "learner": {"controller", "run_dir", "model_dir", "transport.keys_dir", "transport.key_name"},
+    }
+    for role, keys in known.items():
+        m = re.search(rf"asyncrl {role} (.*?)(?:&&|&$|\n\s*\n)", text, re.S | re.M)
+        assert m, role
+        used = set(re.findall(r"(?<![\w-])([a-z_]+(?:\.[a-z_]+)?)=", m.group(1)))
+        assert used and used <= keys, (role, used - keys)
+    assert "asyncrl controller" in text and "--rdzv-backend=c10d" in text and "-m asyncrl learner" in text
