@@ -27,6 +27,7 @@ reissues them; aborted partial samples are never sent as results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -128,11 +129,13 @@ class GeneratorWorker:
         old_hook = threading.excepthook
         threading.excepthook = self._thread_died  # any thread of this process, the engine's included
         try:
-            self.engine = build_engine(self._engine_spec(cfg))
-            self.push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name="worker-samples", curve=self.curve)
-            self.weights = WeightClient(cfg["weights_announce"], cfg["weights_fetch"],
-                                        identity=f"{self.worker_id}-w".encode(), curve=self.curve)
-            self._load_weights(-1)  # the newest the learner serves (the controller's view can lag behind it)
+            with self._heartbeats_while_starting():  # an SGLang server can take minutes to start
+                self.engine = build_engine(self._engine_spec(cfg))
+                self.push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name="worker-samples",
+                                               curve=self.curve)
+                self.weights = WeightClient(cfg["weights_announce"], cfg["weights_fetch"],
+                                            identity=f"{self.worker_id}-w".encode(), curve=self.curve)
+                self._load_weights(-1)  # the newest the learner serves (the controller's view can lag behind it)
             log.info("worker %s ready: %s engine, %s actor, weights v%d, %d slots", self.worker_id,
                      self.engine_kind, self.fmt, self.weights_version, self.slots)
             comms = threading.Thread(target=self._comms_main, name="worker-comms", daemon=True)
@@ -155,6 +158,26 @@ class GeneratorWorker:
                     ch.close()
             threading.excepthook = old_hook
         return 1 if self.fatal is not None else 0
+
+    @contextlib.contextmanager
+    def _heartbeats_while_starting(self):
+        """Heartbeats from a helper thread while the engine is built and loaded, so the controller does not
+        declare a worker dead whose server is still starting. The helper owns the control socket meanwhile
+        (nothing else uses it until the comms thread starts, after this block)."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.heartbeat_s):
+                self._send_ctl(P.Heartbeat(peer_id=self.worker_id, time=time.time(),
+                                           stats={"version": -1.0, "outstanding": 0.0, "samples": 0.0}))
+
+        helper = threading.Thread(target=beat, name="worker-start-heartbeat", daemon=True)
+        helper.start()
+        try:
+            yield
+        finally:
+            done.set()
+            helper.join()
 
     def _engine_spec(self, cfg: dict[str, str]) -> EngineSpec:
         sg = self.sglang

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.log import EventRecord, read_log
 from tests.sglang.runs import check_trajectory_log, rewards
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(3000)]
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(3
 # fp32) the sampled reward went from 0.33 (mean of the first 20 steps) to 0.48 (last 20) on this machine.
 ETA, STEPS, WINDOW = 1, 100, 20
 RUN = [f"learner.total_steps={STEPS}", "learner.eval_every=0", "learner.ckpt_every=0", f"rollout.eta={ETA}",
-       "rollout.heartbeat_s=0.05", "rollout.dead_after_s=300"]
+       "rollout.heartbeat_s=0.05"]  # the default rollout.dead_after_s (30 s) is shorter than a CPU server's start
 
 
 def test_train_with_an_sglang_worker_raises_the_reward_and_keeps_the_log_promises(procs, tmp_path,
@@ -38,6 +39,9 @@ def test_train_with_an_sglang_worker_raises_the_reward_and_keeps_the_log_promise
     run_dir = runs / "sgl"
     assert proc.returncode == 0, text[-4000:] + _worker_logs(run_dir)
     by_id = check_trajectory_log(run_dir, eta=ETA, steps=STEPS)
+    # the worker heartbeats while its server starts: it joins once and is never declared dead
+    events = [r for r in read_log(run_dir / "trajectories").records if isinstance(r, EventRecord)]
+    assert [e.data["worker"] for e in events if e.event == "worker_joined"] == ["worker-0"], events
     assert {r.sample.engine for r in by_id.values()} == {"sglang"}
     assert {r.sample.quant_format for r in by_id.values()} == {"fp32"}
     # no token came from the server's own start-up weights (version -1): each carries a learner version
