@@ -7,6 +7,8 @@ line that says what to change, with exit code 2, before any process starts.
   asyncrl train [key=value ...]           continuous asynchronous training (Hydra overrides)
   asyncrl demo                            the main job on the embedded default (= train)
   asyncrl worker controller=ADDR [...]    join a running job as a generation worker
+  asyncrl controller [key=value ...]      a run's controller alone (cluster: each role its own command)
+  asyncrl learner controller=ADDR [...]   one learner rank, under torchrun (any number of nodes)
   asyncrl replay run=runs/NAME [...]      retrain from a run's trajectory log (bit-identical on CPU)
   asyncrl log inspect PATH                summary of a trajectory log
   asyncrl log show RUN [--last N|--step K] decoded prompts and completions with rewards and versions
@@ -64,18 +66,55 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return worker_main(args.overrides)
 
 
+def _cmd_controller(args: argparse.Namespace) -> int:
+    from workers.roles import run_controller
+
+    return run_controller(args.overrides)
+
+
+def _cmd_learner(args: argparse.Namespace) -> int:
+    from workers.roles import run_learner
+
+    return run_learner(args.rest)
+
+
+CONTROLLER_HELP = """a run's controller alone, in the foreground (docs/cluster.md)
+Prepares the run folder and the model like `asyncrl train` (same key=value settings; resume=RUN resumes),
+binds transport.host:transport.port, prints its addresses, then serves until the learner finishes:
+
+  asyncrl controller transport.host=0.0.0.0 transport.port=5555 transport.keys_dir=keys/ [key=value ...]
+  torchrun --nnodes=N ... -m asyncrl learner controller=tcp://THIS_HOST:5555      (training nodes)
+  asyncrl worker controller=tcp://THIS_HOST:5555 [engine=sglang ...]             (generation nodes)
+
+Put the run folder (runs_dir) on a filesystem the learner nodes share: both write checkpoints into it."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[6:14]))
+                                     epilog="\n".join(__doc__.splitlines()[6:16]))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("train", _cmd_train, "continuous asynchronous training"),
                              ("demo", _cmd_demo, "train on the embedded default and print where results are"),
-                             ("worker", _cmd_worker, "join a running job as a generation worker"),
                              ("replay", _cmd_replay, "retrain from a run's trajectory log (run=runs/<name>)")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("overrides", nargs="*", help="key=value settings (see configs/ and asyncrl/config/schema.py)")
         p.set_defaults(func=func)
+    wrk = sub.add_parser("worker", help="join a running job as a generation worker (worker --help: settings)",
+                         add_help=False)
+    wrk.add_argument("overrides", nargs=argparse.REMAINDER)
+    wrk.set_defaults(func=_cmd_worker)
+    ctl = sub.add_parser("controller", help="a run's controller alone (cluster: each role its own command)",
+                         description=CONTROLLER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ctl.add_argument("overrides", nargs="*", help="key=value settings, as for `asyncrl train`")
+    ctl.set_defaults(func=_cmd_controller)
+    from workers.roles import LEARNER_HELP  # no heavy import: roles imports torch/zmq only inside functions
+
+    lrn = sub.add_parser("learner", help="one learner rank under torchrun: learner controller=ADDR",
+                         description=LEARNER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                         add_help=False)
+    lrn.add_argument("rest", nargs=argparse.REMAINDER)
+    lrn.set_defaults(func=_cmd_learner)
 
     keys = sub.add_parser("keys", help="CurveZMQ keys: generate DIR [--clients N] | add DIR NAME")
     keys.add_argument("rest", nargs=argparse.REMAINDER)
@@ -98,7 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("worker", "learner"):  # their own parsers: `asyncrl worker --help` shows their settings
+        args = argparse.Namespace(command=argv[0], overrides=argv[1:], rest=argv[1:],
+                                  func=_cmd_worker if argv[0] == "worker" else _cmd_learner)
+    else:
+        args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return int(func(args) or 0)

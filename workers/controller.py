@@ -45,7 +45,7 @@ def welcome_config(cfg, model_dir: Path, samples_address: str) -> dict[str, str]
     return {"samples_address": samples_address, "model_config": config.to_json_string(use_diff=False),
             "eos_token_ids": json.dumps(eos_ids), "worker_slots": str(cfg.rollout.worker_slots),
             "heartbeat_s": str(cfg.rollout.heartbeat_s), "model_id": model_id(cfg, model_dir),
-            "max_seq_len": "0"}
+            "max_seq_len": "0", "model_dir": str(Path(model_dir).resolve())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--publish-formats", default="")
+    ap.add_argument("--announce", action="store_true", help="print the addresses and the other roles' commands")
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
@@ -89,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "controller.json").write_text(json.dumps({"control": advertised(ctl.address, adv),
                                                          "samples": advertised(pull.address, adv)}))
     log.info("controller listening on %s (samples on %s)", ctl.address, pull.address)
+    from workers.roles import SETUP_REQUEST, announce, setup_reply
+
+    setup = setup_reply(run_dir, model_dir, formats)
+    if args.announce:
+        announce(json.loads((run_dir / "controller.json").read_text()), run_dir)
     writer = MetricsWriter(run_dir, purge_step=resume_version + 1 if resume_state is not None else None)
     poller = zmq.Poller()
     for ch in (ctl, pull):
@@ -115,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                     env = ctl.recv(0.0)
                     if env is None:
                         break
+                    if (isinstance(env.msg, P.Hello) and env.msg.role == "client"
+                            and env.msg.capabilities.get("request") == SETUP_REQUEST):
+                        # `asyncrl learner`: where the run folder and the model are (before it loads anything)
+                        replies.append((env.peer, P.Welcome(protocol_version=P.PROTOCOL_VERSION,
+                                                            server_id="controller", config=setup)))
+                        continue
                     if isinstance(env.msg, P.VersionUpdate):
                         now = time.monotonic()
                         m = dict(env.msg.metrics) | core.metrics() | _transport_metrics(ctl, pull)

@@ -5,9 +5,19 @@ One process = one rollout engine. Joins a running job at any time from any host:
 the worker fetches the newest weights in its quantization format, then asks for work with a credit
 window and streams every finished sample at once.
 
-Threads: the *main thread* drives the engine (decode steps); the *comms thread* owns every socket
+The engine is any ``RolloutEngine`` (``engine=native``: torch on ``device=auto|cpu|cuda[:N]``;
+``engine=sglang``: an SGLang server the worker starts, or attaches to with ``sglang.url=``); this file
+calls only the interface (submit / poll / update_weights / abort / close / version), so both kinds keep
+per-token versions, behaviour log-probs, interruptible weight updates and exactly-once accounting alike.
+
+Threads: the *main thread* drives the engine (``poll``); the *comms thread* owns every socket
 (control DEALER, sample PUSH, weight SUB/DEALER) and talks to the engine only through its
 thread-safe surface (submit / update_weights / abort). Weight swaps land at a decode-step boundary.
+
+No thread dies while the process lives: an exception in any thread of the worker (an engine that fails,
+a request it refuses, a broken socket) is fatal. The worker then hands its unfinished samples back in a
+``Goodbye`` (the controller reissues them at once), closes its engine (and a server it started), and
+the process exits with status 1, so a launcher restarts it instead of waiting on a worker that hangs.
 
 Leaving: on SIGTERM (or ``Shutdown``) the worker stops asking for work, lets in-flight samples finish
 for up to ``drain_s``, aborts the rest and hands them back in a ``Goodbye`` so the controller
@@ -17,6 +27,7 @@ reissues them; aborted partial samples are never sent as results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -32,30 +43,26 @@ import numpy as np
 import zmq
 
 import protocols as P
+from asyncrl.engine.factory import EngineSpec, build_engine
 from asyncrl.transport import ChannelTimeout, WeightClient, WeightFetchError, ZmqChannel, load_client_keys
 
 log = logging.getLogger("asyncrl.worker")
-
-
-def _build_engine(model_config_json: str, fmt: str, eos_ids: list[int], slots: int, max_seq_len: int):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from asyncrl.engine.native import NativeEngine
-
-    torch.set_num_threads(1)
-    cfg_dict = json.loads(model_config_json)
-    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    torch.manual_seed(0)  # weights are replaced by the first fetch; the seed only makes init cheap to reason about
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return NativeEngine(model, quant_format=fmt, version=-1, max_batch_size=slots,
-                        max_seq_len=max_seq_len or None, eos_token_ids=eos_ids)
+SGLANG_KEYS = ("url", "device", "python", "model_path", "max_total_tokens", "startup_timeout_s", "extra_args")
 
 
 class GeneratorWorker:
     def __init__(self, controller: str, *, worker_id: str = "", quant_fmt: str = "", slots: int = 0,
-                 drain_s: float = 10.0, hello_timeout_s: float = 120.0, curve=None) -> None:
+                 drain_s: float = 10.0, hello_timeout_s: float = 120.0, curve=None, engine: str = "native",
+                 device: str = "auto", sglang: dict[str, str] | None = None, log_dir: str = "") -> None:
         self.curve = curve  # CurveConfig (client keys) when the job runs with transport.keys_dir
+        self.engine_kind = engine
+        self.device = device
+        self.sglang = dict(sglang or {})
+        self.log_dir = log_dir
+        self.fatal: BaseException | None = None  # the first error of any thread; the process exits with 1
+        self.left = False
+        # checked before any socket: a known engine, and SGLang serves full-precision formats only
+        EngineSpec(kind=engine, quant_format=quant_fmt or ("fp32" if engine == "sglang" else "int8"))
         self.controller = controller
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.requested_fmt = quant_fmt
@@ -71,9 +78,15 @@ class GeneratorWorker:
         self.t_start = time.monotonic()
 
     # ------------------------------------------------------------------------------ handshake
-    def _hello(self) -> P.Hello:
+    def _wire_format(self) -> str:
+        """The published format to fetch: a native actor fetches its own; SGLang fetches fp32/bf16."""
         fmt = getattr(self, "fmt", self.requested_fmt)
-        caps = {"engine": "native", "quant_format": fmt, "slots": str(self.requested_slots),
+        if self.engine_kind != "sglang":
+            return fmt
+        return EngineSpec(kind="sglang", quant_format=fmt or "fp32").wire_format
+
+    def _hello(self) -> P.Hello:
+        caps = {"engine": self.engine_kind, "quant_format": self._wire_format(), "slots": str(self.requested_slots),
                 "pid": str(os.getpid()), "host": socket.gethostname()}
         return P.Hello(protocol_version=P.PROTOCOL_VERSION, role="generator", peer_id=self.worker_id,
                        capabilities=caps)
@@ -108,42 +121,105 @@ class GeneratorWorker:
             self.ctl.close()
             raise
         cfg = welcome.config
-        self.fmt = self.requested_fmt or cfg["quant_format"]
+        self.fmt = self.requested_fmt or (cfg["quant_format"] if self.engine_kind == "native" else "fp32")
+        self.wire_fmt = self._wire_format()
         self.slots = self.requested_slots or int(cfg["worker_slots"])
         self.heartbeat_s = float(cfg.get("heartbeat_s", "1.0"))
-        self.engine = _build_engine(cfg["model_config"], self.fmt, json.loads(cfg["eos_token_ids"]), self.slots,
-                                    int(cfg.get("max_seq_len", "0")))
-        self.push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name="worker-samples", curve=self.curve)
-        self.weights = WeightClient(cfg["weights_announce"], cfg["weights_fetch"],
-                                    identity=f"{self.worker_id}-w".encode(), curve=self.curve)
-        self._load_weights(-1)  # the newest the learner serves (the controller's view can lag behind it)
-        log.info("worker %s ready: %s actor, weights v%d, %d slots", self.worker_id, self.fmt,
-                 self.weights_version, self.slots)
-        comms = threading.Thread(target=self._comms_loop, name="worker-comms", daemon=True)
-        comms.start()
+        self.engine = self.push = self.weights = comms = None
+        old_hook = threading.excepthook
+        threading.excepthook = self._thread_died  # any thread of this process, the engine's included
         try:
-            while not self.stop.is_set():
-                if self.engine.wait(0.1):
-                    for res in self.engine.step():
-                        self.results.put(res)
+            with self._heartbeats_while_starting():  # an SGLang server can take minutes to start
+                self.engine = build_engine(self._engine_spec(cfg))
+                self.push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name="worker-samples",
+                                               curve=self.curve)
+                self.weights = WeightClient(cfg["weights_announce"], cfg["weights_fetch"],
+                                            identity=f"{self.worker_id}-w".encode(), curve=self.curve)
+                self._load_weights(-1)  # the newest the learner serves (the controller's view can lag behind it)
+            log.info("worker %s ready: %s engine, %s actor, weights v%d, %d slots", self.worker_id,
+                     self.engine_kind, self.fmt, self.weights_version, self.slots)
+            comms = threading.Thread(target=self._comms_main, name="worker-comms", daemon=True)
+            comms.start()
+            while comms.is_alive() and self.fatal is None:  # also while draining: in-flight samples finish
+                for res in self.engine.poll(0.1):
+                    self.results.put(res)
+        except BaseException as exc:  # noqa: B036 - every failure of the engine thread ends the process
+            self._fail(exc, "engine thread")
         finally:
             self.stop.set()
-            comms.join(timeout=self.drain_s + 30)
-            self.engine.close()
+            if comms is not None:
+                comms.join(timeout=self.drain_s + 30)
+            if self.fatal is not None and not (comms is not None and comms.is_alive()):
+                self._leave(reason=f"fatal: {self.fatal!r}"[:200])  # no-op when the comms thread already left
+            if self.engine is not None:
+                self.engine.close()
             for ch in (self.ctl, self.push, self.weights):
-                ch.close()
-        return 0
+                if ch is not None:
+                    ch.close()
+            threading.excepthook = old_hook
+        return 1 if self.fatal is not None else 0
+
+    @contextlib.contextmanager
+    def _heartbeats_while_starting(self):
+        """Heartbeats from a helper thread while the engine is built and loaded, so the controller does not
+        declare a worker dead whose server is still starting. The helper owns the control socket meanwhile
+        (nothing else uses it until the comms thread starts, after this block)."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.heartbeat_s):
+                self._send_ctl(P.Heartbeat(peer_id=self.worker_id, time=time.time(),
+                                           stats={"version": -1.0, "outstanding": 0.0, "samples": 0.0}))
+
+        helper = threading.Thread(target=beat, name="worker-start-heartbeat", daemon=True)
+        helper.start()
+        try:
+            yield
+        finally:
+            done.set()
+            helper.join()
+
+    def _engine_spec(self, cfg: dict[str, str]) -> EngineSpec:
+        sg = self.sglang
+        extra = [a for a in sg.get("extra_args", "").strip("[]").split(",") if a]
+        return EngineSpec(kind=self.engine_kind, quant_format=self.fmt, device=self.device, slots=self.slots,
+                          eos_token_ids=json.loads(cfg["eos_token_ids"]), max_seq_len=int(cfg.get("max_seq_len", "0")),
+                          model_config_json=cfg["model_config"], model_path=sg.get("model_path") or cfg.get("model_dir", ""),
+                          sglang_url=sg.get("url", ""), sglang_device=sg.get("device", "auto"),
+                          sglang_python=sg.get("python", ""), sglang_max_total_tokens=int(sg.get("max_total_tokens", 0)),
+                          sglang_startup_timeout_s=float(sg.get("startup_timeout_s", 600.0)), sglang_extra_args=extra,
+                          log_dir=self.log_dir)
+
+    def _fail(self, exc: BaseException, where: str) -> None:
+        """Record the first fatal error of any thread and stop the worker (the process exits with 1)."""
+        if self.fatal is None:
+            self.fatal = exc
+            log.critical("worker %s: fatal error in the %s; handing back its samples and exiting", self.worker_id,
+                         where, exc_info=(type(exc), exc, exc.__traceback__))
+        self.stop.set()
+
+    def _thread_died(self, args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        self._fail(args.exc_value or args.exc_type(), f"thread {args.thread.name if args.thread else '?'}")
 
     def _load_weights(self, version: int, timeout_s: float = 120.0) -> None:
         from asyncrl.transport.publication import from_wire
 
-        ann, buffers = self.weights.fetch(version, timeout_s=timeout_s, fmt=self.fmt)
+        ann, buffers = self.weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt)
         if ann.version <= self.weights_version:
             return
         self.engine.update_weights(ann.version, from_wire(ann, buffers))
         self.weights_version = ann.version
 
     # -------------------------------------------------------------------------- comms thread
+    def _comms_main(self) -> None:
+        try:
+            self._comms_loop()
+        except BaseException as exc:  # noqa: B036 - a comms thread that died would leave a worker that hangs
+            self._fail(exc, "comms thread")
+            self._leave(reason=f"fatal: {exc!r}"[:200])
+
     def _comms_loop(self) -> None:
         draining_since: float | None = None
         next_request = 0.0
@@ -153,6 +229,9 @@ class GeneratorWorker:
             now = time.monotonic()
             if self.stop.is_set() and draining_since is None:
                 draining_since = now
+            if self.fatal is not None:
+                self._leave(reason=f"fatal: {self.fatal!r}"[:200])
+                return
             if now - last_hb >= self.heartbeat_s:
                 self._send_ctl(P.Heartbeat(peer_id=self.worker_id, time=time.time(), stats=self._stats()))
                 last_hb = now
@@ -218,7 +297,7 @@ class GeneratorWorker:
                 prompt_ids=P.Array.from_numpy(np.asarray(res.prompt_ids, np.int32)),
                 response_ids=P.Array.from_numpy(np.asarray(res.response_ids, np.int32)),
                 behav_logp=P.Array.from_numpy(res.behav_logp), versions=P.Array.from_numpy(res.versions),
-                finish_reason=res.finish_reason, worker_id=self.worker_id, engine="native",
+                finish_reason=res.finish_reason, worker_id=self.worker_id, engine=self.engine_kind,
                 quant_format=self.fmt, timings=res.timings,
             )
             try:
@@ -233,7 +312,7 @@ class GeneratorWorker:
 
     def _maybe_update_weights(self) -> bool:
         """Fetch and hand over the newest announced version; True if the engine got new weights."""
-        ann = self.weights.poll_announce(0.0, fmt=self.fmt)
+        ann = self.weights.poll_announce(0.0, fmt=self.wire_fmt)
         if ann is None or ann.version <= self.weights_version:
             return False
         try:
@@ -254,20 +333,33 @@ class GeneratorWorker:
         except ChannelTimeout:
             log.warning("control channel stalled; dropped %s", type(msg).__name__)
 
-    def _leave(self) -> None:
+    def _leave(self, reason: str = "stopping") -> None:
+        if self.left:
+            return
+        self.left = True
         unfinished = list(self.outstanding)
         if unfinished:
             self.engine.abort(unfinished)
-        self._send_ctl(P.Goodbye(peer_id=self.worker_id, unfinished=unfinished, reason="stopping"))
+        self._send_ctl(P.Goodbye(peer_id=self.worker_id, unfinished=unfinished, reason=reason))
         log.info("worker %s left: %d samples sent, %d handed back", self.worker_id, self.samples_sent,
                  len(unfinished))
         time.sleep(0.2)  # let the Goodbye leave before linger=0 closes the socket
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="asyncrl worker", description="join a running asyncrl job as a "
-                                "generation worker", epilog="also accepts key=value: controller=ADDR, "
-                                "quant.fmt=int8, worker_id=NAME, slots=N")
+    p = argparse.ArgumentParser(
+        prog="asyncrl worker", description="join a running asyncrl job as a generation worker (any host, any "
+        "time; docs/cluster.md)", formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""settings (key=value):
+  controller=tcp://HOST:PORT   required: the address `asyncrl controller` / `asyncrl train` prints
+  engine=native|sglang         rollout engine (default native)
+  device=auto|cpu|cuda[:N]     native engine device (default auto: a GPU when one is visible)
+  quant.fmt=FMT                actor format (native: a published format; sglang: fp32, bf16 or fp8)
+  sglang.url=http://H:P        attach to a running SGLang server instead of starting one
+  sglang.device=auto|cpu|cuda  device of a server this worker starts; sglang.python=PATH its interpreter
+  sglang.model_path=DIR        model folder for that server (default: the run's, from the controller)
+  sglang.max_total_tokens=N, sglang.startup_timeout_s=S, sglang.extra_args=[--flag,value]
+  worker_id=NAME slots=N drain_s=S log_dir=DIR log_level=INFO transport.keys_dir=DIR transport.key_name=NAME
+A fatal error in any thread hands the worker's samples back and exits with status 1.""")
     p.add_argument("overrides", nargs="*", help="controller=tcp://HOST:PORT and other key=value settings")
     args = p.parse_args(argv)
     kv = {}
@@ -277,7 +369,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         k, v = ov.split("=", 1)
         kv[k] = v
     known = {"controller", "quant.fmt", "worker_id", "slots", "drain_s", "log_level", "transport.keys_dir",
-             "transport.key_name"}
+             "transport.key_name", "engine", "device", "log_dir", *(f"sglang.{k}" for k in SGLANG_KEYS)}
     unknown = set(kv) - known
     if unknown:
         p.error(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -291,12 +383,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(message)s")
     keys_dir = getattr(args, "transport_keys_dir", "")
     curve = load_client_keys(keys_dir, getattr(args, "transport_key_name", "")) if keys_dir else None
+    sglang = {k: getattr(args, f"sglang_{k}") for k in SGLANG_KEYS if hasattr(args, f"sglang_{k}")}
     worker = GeneratorWorker(args.controller, worker_id=getattr(args, "worker_id", ""),
                              quant_fmt=getattr(args, "quant_fmt", ""), slots=int(getattr(args, "slots", 0)),
-                             drain_s=float(getattr(args, "drain_s", 10.0)), curve=curve)
+                             drain_s=float(getattr(args, "drain_s", 10.0)), curve=curve,
+                             engine=getattr(args, "engine", "native"), device=getattr(args, "device", "auto"),
+                             sglang=sglang, log_dir=getattr(args, "log_dir", ""))
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
-    return worker.run()
+    rc = worker.run()
+    if rc != 0:  # fatal: leave now, even if a thread of a library is still blocked somewhere
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":

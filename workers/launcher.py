@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from asyncrl.config import TrainConfig, load_train_config, save_config
+from asyncrl.config import TrainConfig, save_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_WORKER_RESTARTS = 8  # a worker that keeps crashing is a bug to see, not to hide forever
@@ -74,8 +74,38 @@ def check_transport(cfg: TrainConfig) -> None:
 
 
 def publish_formats(cfg: TrainConfig) -> list[str]:
-    """The run's format first (the primary), then the extra ones, without repeats."""
-    return list(dict.fromkeys([cfg.quant.fmt, *cfg.quant.extra_formats]))
+    """The run's format first (the primary), then the extra ones, without repeats. SGLang workers fetch a
+    full-precision publication (an fp8 server quantizes bf16 on load), so that one is published too."""
+    from asyncrl.config.schema import sglang_wire_format
+
+    extra = [sglang_wire_format(cfg.quant.fmt)] if cfg.rollout.engine == "sglang" else []
+    return list(dict.fromkeys([cfg.quant.fmt, *cfg.quant.extra_formats, *extra]))
+
+
+def visible_gpus() -> list[str]:
+    """The GPU ids this launcher may hand out (honours an inherited ``CUDA_VISIBLE_DEVICES``)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def gpu_plan(gpus: Sequence[str], cfg: TrainConfig) -> tuple[str | None, list[str | None]]:
+    """``CUDA_VISIBLE_DEVICES`` for the learner and for each worker (None: leave the variable alone).
+
+    The learner's W ranks take the first W GPUs; the workers share the rest round-robin, one GPU each
+    while there are enough. With no GPU left over the workers share all of them. A worker on the CPU,
+    or pinned by ``rollout.device=cuda:N``, gets nothing (the choice stays the user's).
+    """
+    n, W = len(gpus), cfg.learner.world_size
+    if n == 0:
+        return None, [None] * cfg.rollout.num_workers
+    learner = ",".join(gpus[:W]) if cfg.learner.device != "cpu" and n > W else None
+    pool = list(gpus[W:]) if learner is not None else list(gpus)
+    gpu_workers = cfg.rollout.engine == "sglang" or cfg.rollout.device in ("auto", "cuda")
+    return learner, [pool[i % len(pool)] if gpu_workers else None for i in range(cfg.rollout.num_workers)]
 
 
 class Launcher:
@@ -86,8 +116,9 @@ class Launcher:
         self.env = child_env()
         (run_dir / "logs").mkdir(exist_ok=True)
 
-    def spawn(self, name: str, args: list[str]) -> Child:
-        child = Child(name, args, self.run_dir / "logs" / f"{name}.log", self.env)
+    def spawn(self, name: str, args: list[str], cuda_devices: str | None = None) -> Child:
+        env = self.env if cuda_devices is None else self.env | {"CUDA_VISIBLE_DEVICES": cuda_devices}
+        child = Child(name, args, self.run_dir / "logs" / f"{name}.log", env)
         self.children.append(child)
         # Operators (and tests) can see exactly which processes this run started.
         (self.run_dir / "pids.json").write_text(json.dumps({c.name: c.proc.pid for c in self.children}))
@@ -106,21 +137,39 @@ class Launcher:
             time.sleep(0.1)
         self.address = json.loads(addr_file.read_text())["control"]
         W = self.cfg.learner.world_size
+        learner_gpus, self.worker_gpus = gpu_plan(visible_gpus(), self.cfg)
         self.learner = self.spawn("learner", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                               f"--nproc_per_node={W}", str(ROOT / "workers" / "learner.py"),
-                                              "--controller", self.address, *common])
-        self.workers = [self.spawn(f"worker-{i}", self.worker_args(f"worker-{i}"))
+                                              "--controller", self.address, *common], cuda_devices=learner_gpus)
+        self.workers = [self.spawn(f"worker-{i}", self.worker_args(f"worker-{i}"), cuda_devices=self.worker_gpus[i])
                         for i in range(self.cfg.rollout.num_workers)]
 
     def worker_args(self, name: str) -> list[str]:
-        keys = [f"transport.keys_dir={self.cfg.transport.keys_dir}"] if self.cfg.transport.keys_dir else []
-        return [sys.executable, "-m", "workers.generator", f"controller={self.address}", f"worker_id={name}", *keys]
+        """``asyncrl worker`` for one of this run's workers: the run's engine, device and SGLang settings."""
+        cfg = self.cfg
+        keys = [f"transport.keys_dir={cfg.transport.keys_dir}"] if cfg.transport.keys_dir else []
+        engine = [f"engine={cfg.rollout.engine}", f"device={cfg.rollout.device}",
+                  f"log_dir={self.run_dir / 'logs'}"]
+        if cfg.rollout.engine == "sglang":
+            s = cfg.sglang
+            engine += [f"quant.fmt={cfg.quant.fmt}", f"sglang.device={s.device}",
+                       f"sglang.startup_timeout_s={s.startup_timeout_s}"]
+            engine += [f"sglang.{k}={v}" for k, v in (("url", s.url), ("python", s.python),
+                                                       ("max_total_tokens", s.max_total_tokens)) if v]
+            if s.extra_args:
+                engine.append(f"sglang.extra_args={','.join(s.extra_args)}")
+        return [sys.executable, "-m", "workers.generator", f"controller={self.address}", f"worker_id={name}",
+                *engine, *keys]
 
     def restart_worker(self, dead: Child) -> None:
-        """Replace a worker that died (its work was reissued by the controller)."""
+        """Replace a worker that died (its work was reissued by the controller), on the same GPU."""
         self.restarts += 1
-        name = f"{dead.name.split('-r')[0]}-r{self.restarts}"
-        self.workers.append(self.spawn(name, self.worker_args(name)))
+        base = dead.name.split("-r")[0]
+        name = f"{base}-r{self.restarts}"
+        index = int(base.rsplit("-", 1)[1])
+        gpus = getattr(self, "worker_gpus", [])
+        self.workers.append(self.spawn(name, self.worker_args(name),
+                                       cuda_devices=gpus[index] if index < len(gpus) else None))
 
     def stop(self, children: Sequence[Child] | None = None, grace_s: float = 30.0) -> None:
         targets = [c for c in (self.children if children is None else children) if c.proc.poll() is None]
@@ -141,27 +190,9 @@ class Launcher:
 
 def run_train(overrides: Sequence[str]) -> int:
     from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
-    from asyncrl.runtime.prepare import check_prompts, check_task, prepare_model
+    from workers.roles import prepare_run
 
-    resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
-    if resume:
-        from asyncrl.config.loader import read_run_config
-
-        run_dir = Path(resume[0])
-        cfg = read_run_config(run_dir)  # a resumed run keeps its own configuration
-        ignored = [o for o in overrides if not o.startswith("resume=")]
-        if ignored:
-            print(f"asyncrl train: resume keeps the run's configuration; ignoring {ignored}")
-        cfg.resume = str(run_dir)
-    else:
-        cfg = load_train_config(list(overrides))  # bad configuration fails here, before any process starts
-        run_dir = None
-    check_task(cfg)
-    check_transport(cfg)
-    model_dir = prepare_model(cfg, log=print)
-    print(f"asyncrl train: prompts in {check_prompts(cfg, model_dir)} format")
-    run_dir = run_dir or new_run_dir(cfg)
-    save_config(cfg, run_dir / "config.json")
+    cfg, run_dir, model_dir = prepare_run(overrides)  # the same preparation as `asyncrl controller`
     launcher = Launcher(cfg, run_dir, model_dir)
     print(f"asyncrl train: run folder {run_dir}")
     interrupted = {"flag": False}

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    info = init_distributed(timeout_s=3600.0)
+    info = init_distributed({"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}.get(cfg.learner.device), timeout_s=3600.0)
     torch.manual_seed(cfg.learner.seed)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -23,6 +23,8 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 FSYNC = ("always", "every_n", "rotation", "never")
 PROMPT_FORMATS = ("auto", "chat", "raw")
 ANSWER_FORMATS = ("math_verify", "tag", "boxed", "last_number", "plain")
+ROLLOUT_ENGINES = ("native", "sglang")
+SGLANG_SERVING = ("fp32", "bf16", "fp8")
 
 
 @dataclass(kw_only=True)
@@ -141,6 +143,13 @@ class RolloutConfig:
     worker_slots: int = 32
     """Concurrent samples per worker (its credit window)."""
     heartbeat_s: float = 1.0
+    engine: str = "native"
+    """Rollout engine of the workers the launcher starts: ``native`` (torch, this repository) or ``sglang``
+    (an SGLang server per worker, settings under ``sglang.*``). Workers of either kind may join one run
+    (``asyncrl worker controller=ADDR engine=sglang``): a mixed fleet."""
+    device: str = "auto"
+    """Device of a native engine: ``auto`` (a GPU when one is visible, else the CPU), ``cpu``, ``cuda`` or
+    ``cuda:N``. With several GPUs the launcher gives each worker its own (``CUDA_VISIBLE_DEVICES``)."""
     dead_after_s: float = 30.0
     """A worker silent this long is declared dead and its assignments are reissued."""
     seed: int = 0
@@ -162,11 +171,34 @@ class LearnerConfig:
     micro_batch_size: int = 64
     grad_clip: float = 1.0
     weight_decay: float = 0.0
+    device: str = "auto"
+    """``auto`` (NCCL on the GPUs when CUDA is available, else gloo on the CPU), ``cpu`` (gloo) or ``cuda``
+    (NCCL; rank r uses ``cuda:LOCAL_RANK``)."""
     ckpt_every: int = 50
     """Checkpoint every N steps (0: only at the end)."""
     eval_every: int = 50
     """Greedy evaluation on the held-out set every N steps (0: only at the end)."""
     seed: int = 0
+
+
+@dataclass(kw_only=True)
+class SGLangConfig:
+    """Workers with ``rollout.engine=sglang`` (or ``asyncrl worker engine=sglang``); docs/sglang.md."""
+
+    url: str = ""
+    """Attach to this running SGLang 0.5.23 server (``http://host:port``) instead of starting one per
+    worker. It must serve the run's model architecture; the worker pushes the learner's weights into it."""
+    device: str = "auto"
+    """Device of a server the worker starts: ``auto`` (``cuda`` when a GPU is visible, else ``cpu``),
+    ``cpu`` (asyncrl's CPU setup, docs/sglang.md) or ``cuda``."""
+    python: str = ""
+    """Interpreter with SGLang installed; default ``$ASYNCRL_SGLANG_PYTHON``, else ``.cache/sglang-venv``."""
+    max_total_tokens: int = 0
+    """KV-cache size of a started server in tokens (0: SGLang's default; on a CPU 16384 is used)."""
+    startup_timeout_s: float = 600.0
+    """How long a worker waits for the server it started to generate its first token."""
+    extra_args: list[str] = field(default_factory=list)
+    """More ``sglang.launch_server`` flags for a started server (e.g. [--attention-backend, triton])."""
 
 
 @dataclass(kw_only=True)
@@ -203,9 +235,24 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
     log: LogConfig = field(default_factory=LogConfig)
     resume: str = ""
     """A run folder to resume from its last checkpoint."""
+
+
+def check_device(name: str, value: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; ``ValueError`` naming the fix otherwise."""
+    head, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or (head == "cuda" and index.isdigit()):
+        return value
+    raise ValueError(f"{name}={value!r} is not a device; choose auto, cpu, cuda or cuda:N (N = GPU index)")
+
+
+def sglang_wire_format(serving: str) -> str:
+    """The published format an SGLang worker fetches: SGLang takes full-precision updates only (an fp8
+    server quantizes a bf16 update on load)."""
+    return "fp32" if serving == "fp32" else "bf16"
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -256,6 +303,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"task.rg_config={cfg.task.rg_config!r} must be a mapping, e.g. task.rg_config={{min_terms:2}}")
     if cfg.task.rg_config and cfg.task.name != "reasoning_gym":
         raise ValueError(f"task.rg_config is for task.name=reasoning_gym (this run uses {cfg.task.name}); drop it")
+    _choice("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    check_device("rollout.device", cfg.rollout.device)
+    _choice("learner.device", cfg.learner.device, ("auto", "cpu", "cuda"))
+    _choice("sglang.device", cfg.sglang.device, ("auto", "cpu", "cuda"))
+    if cfg.rollout.engine == "sglang" and cfg.quant.fmt not in SGLANG_SERVING:
+        raise ValueError(f"rollout.engine=sglang serves {', '.join(SGLANG_SERVING)} (fp8: GPU only), not "
+                         f"quant.fmt={cfg.quant.fmt}; set quant.fmt=fp32, or keep native workers for "
+                         f"{cfg.quant.fmt} and join SGLang workers with `asyncrl worker engine=sglang`")
+    if cfg.rollout.engine == "sglang" and cfg.sglang.url and cfg.rollout.num_workers > 1:
+        raise ValueError(f"sglang.url={cfg.sglang.url} is one server, and one worker drives a server (it pauses it "
+                         "for weight updates); set rollout.num_workers=1, or leave sglang.url empty so each "
+                         "worker starts its own")
     if cfg.task.name == "jsonl_math" and not cfg.task.path:
         raise ValueError("task.name=jsonl_math needs task.path=FILE.jsonl (lines of {\"prompt\", \"answer\"})")
     if cfg.model.name == "path" and not cfg.model.path:

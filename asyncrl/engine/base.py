@@ -141,6 +141,13 @@ class RolloutEngine(Protocol):
         """Submit ``requests`` and yield every result as it finishes, until no request is live."""
         ...
 
+    def poll(self, timeout: float) -> list[GenResult]:
+        """Engine thread, non-blocking beyond ``timeout`` seconds: advance the engine and return the results
+        that finished since the last call (possibly none). A streaming worker calls it in a loop instead of
+        ``generate``, which returns once no request is live. Raises what ``generate`` would raise (e.g. a
+        weight update or a request the engine's server rejected); the engine stays usable afterwards."""
+        ...
+
     def update_weights(self, version: int, weights: Any) -> None:
         """Swap to policy ``version`` at the next step boundary (latest pending update wins). Any thread."""
         ...
@@ -163,4 +170,9 @@ class RolloutEngine(Protocol):
 
     def capabilities(self) -> dict[str, Any]:
         """Static facts about the engine (name, quant format, device, limits, features)."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights the engine serves now (pending updates not counted)."""
         ...

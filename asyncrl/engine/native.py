@@ -283,6 +283,12 @@ class NativeEngine:
             self.wait()
             yield from self.step()
 
+    def poll(self, timeout: float) -> list[GenResult]:
+        """Wait up to ``timeout`` s for something to do, then run one ``step``; ``[]`` if there was nothing."""
+        if self.wait(timeout):
+            return self.step()
+        return []
+
     def step(self) -> list[GenResult]:
         """One step boundary plus at most one forward: returns the samples that finished in it.
 

@@ -388,6 +388,23 @@ class SGLangEngine:
                 self._results.clear()
             yield from batch
 
+    def poll(self, timeout: float) -> list[GenResult]:
+        """Wait up to ``timeout`` s for a finished result; return every one finished so far (maybe ``[]``).
+        Raises here, once, the first error of a control operation or a failed ``/generate`` (its sample was
+        already returned, or is returned by the next call, as ``"abort"`` with no tokens)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._lock:
+            while not (self._results or self._errors):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(timeout=left)
+            batch = list(self._results)
+            self._results.clear()
+            if self._errors and not batch:
+                raise self._errors.popleft()
+        return batch
+
     # ----------------------------------------------------------------- internals
 
     def _pump(self) -> None:
@@ -400,7 +417,19 @@ class SGLangEngine:
             p = self._queue.popleft()
             p.t_sent = time.monotonic()
             self._inflight[p.req.sample_id] = p
-            self._pool.submit(self._run_one, p)
+            self._pool.submit(self._run_guarded, p)
+
+    def _run_guarded(self, p: _Pending) -> None:
+        """An error ``_run_one`` did not expect must not vanish in the pool (its sample would stay live for
+        ever): the sample is finished as ``"abort"`` and the error raised by the next ``generate``/``poll``."""
+        try:
+            self._run_one(p)
+        except BaseException as exc:  # noqa: B036 - reported to the engine thread, not swallowed
+            with self._lock:
+                if p.req.sample_id in self._inflight:
+                    self._finish_locked(p, [], [], [], "abort")
+                self._errors.append(exc)
+                self._cond.notify_all()
 
     def _finish_locked(
         self, p: _Pending, ids: list[int], logps: list[float], versions: list[int], reason: str

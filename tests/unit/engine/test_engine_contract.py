@@ -258,3 +258,24 @@ def test_close_aborts_live_samples_and_refuses_new_work(make_engine):
     with pytest.raises(RuntimeError):
         engine.submit([req(2)])
     engine.close()  # idempotent
+
+
+def test_poll_streams_every_result_once_without_generate(make_engine):
+    """``poll`` is the streaming worker's loop: results of requests submitted at any time come out of it,
+    each exactly once, with the versions of a weight update made between submissions."""
+    engine = make_engine()
+    assert engine.poll(0.0) == []  # idle: returns at once
+    engine.submit([req(0, n=4), req(1, n=6)])
+    got: list[GenResult] = []
+    late = False
+    while len(got) < 3:
+        got += engine.poll(0.5)
+        if not late and got:
+            engine.submit([req(2, n=3)])  # joins while the engine streams
+            late = True
+    results = by_id(got)
+    assert sorted(results) == ["s0", "s1", "s2"]
+    for r in results.values():
+        assert_well_formed(r)
+        assert r.finish_reason == "length"
+    assert engine.poll(0.0) == []

@@ -448,3 +448,20 @@ def test_cpu_kernel_stand_ins_match_their_sglang_contracts():
         k.verify_tree_greedy_cpu()
     with pytest.raises(AttributeError, match="not provided"):
         k.some_future_kernel  # noqa: B018
+
+
+def test_poll_raises_a_failed_generate_once_and_yields_its_sample_as_abort(stub):
+    engine = SGLangEngine(stub.url)
+    stub.faults["/generate"] = (500, b'{"error": "scheduler died"}')
+    engine.submit([req(0)])
+    got, raised = [], 0
+    deadline = time.monotonic() + 30
+    while not (got and raised) and time.monotonic() < deadline:
+        try:
+            got += engine.poll(0.2)
+        except SGLangRequestError as exc:
+            raised += 1
+            assert "scheduler died" in str(exc)
+    assert raised == 1 and [(r.sample_id, r.finish_reason, r.response_ids) for r in got] == [("s0", "abort", [])]
+    assert engine.poll(0.0) == []  # the error was raised once; the engine goes on
+    engine.close()

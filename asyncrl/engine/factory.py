@@ -1,0 +1,160 @@
+"""Building a worker's rollout engine from what the worker knows: ``native`` or ``sglang``, and a device.
+
+Owns: the choice between the two ``RolloutEngine`` implementations (a generation worker calls
+``build_engine`` and from then on only the interface), device resolution (``auto`` / ``cpu`` / ``cuda`` /
+``cuda:N``), the default SGLang interpreter, and which published weight format each engine fetches.
+
+Must never: import zmq/msgspec or know about controllers (the worker passes plain values in), start an
+SGLang server for an ``url`` that is given (attach instead), or pick a device the caller did not allow.
+
+Invariants: the engine returned starts at version ``-1`` (it has no policy weights yet; the worker's first
+fetch installs version >= 0), so every token it ever produces carries a learner version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV
+
+ENGINES = ("native", "sglang")
+SGLANG_SERVING = ("fp32", "bf16", "fp8")
+DEFAULT_SGLANG_VENV_PYTHON = REPO_ROOT / ".cache" / "sglang-venv" / "bin" / "python"
+
+
+@dataclass(kw_only=True)
+class EngineSpec:
+    """Everything a worker needs to build its engine (plain values; see ``configs`` ``rollout``/``sglang``)."""
+
+    kind: str = "native"
+    """``native`` or ``sglang``."""
+    quant_format: str = "int8"
+    """Actor format: native = any published format; sglang = serving mode fp32 / bf16 / fp8."""
+    device: str = "auto"
+    """Native engine device (auto / cpu / cuda / cuda:N)."""
+    slots: int = 32
+    """Concurrent samples (native: batch rows; sglang: requests in flight at the server)."""
+    eos_token_ids: list[int] = field(default_factory=list)
+    max_seq_len: int = 0
+    """0 = the model's max_position_embeddings (native)."""
+    model_config_json: str = ""
+    """The architecture (HF config JSON with model_type) for a native engine; weights come by fetch."""
+    model_path: str = ""
+    """HF model folder an SGLang server is started from (it must exist on this host)."""
+    sglang_url: str = ""
+    sglang_device: str = "auto"
+    sglang_python: str = ""
+    sglang_max_total_tokens: int = 0
+    sglang_startup_timeout_s: float = 600.0
+    sglang_extra_args: list[str] = field(default_factory=list)
+    log_dir: str = ""
+    """Where a started SGLang server writes its log (default: the temp folder)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINES:
+            raise ValueError(f"engine={self.kind!r} is not known; choose one of {', '.join(ENGINES)}")
+        if self.kind == "sglang" and self.quant_format not in SGLANG_SERVING:
+            raise ValueError(
+                f"an SGLang worker serves {', '.join(SGLANG_SERVING)} (fp8 on GPUs only), not quant.fmt="
+                f"{self.quant_format}; start it with quant.fmt=fp32 (the run must publish fp32: "
+                "quant.extra_formats=[fp32])"
+            )
+
+    @property
+    def wire_format(self) -> str:
+        """The published format this engine fetches (SGLang takes full-precision updates only)."""
+        if self.kind == "native":
+            return self.quant_format
+        return "fp32" if self.quant_format == "fp32" else "bf16"
+
+
+def resolve_device(spec: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda[:N]`` is checked against the GPUs."""
+    import torch
+
+    head, _, index = spec.partition(":")
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return spec
+    if head != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"device {spec!r} is not a device; choose auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={spec} but torch sees no GPU here (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device=auto or device=cpu")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device={spec} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                         "pick an index below that")
+    return spec
+
+
+def sglang_python(explicit: str = "") -> str:
+    """The interpreter a started SGLang server runs in; ``ValueError`` naming the fix when there is none."""
+    for candidate in (explicit, os.environ.get(SGLANG_PYTHON_ENV, "")):
+        if candidate:
+            if not Path(candidate).exists():
+                raise ValueError(f"SGLang interpreter {candidate!r} does not exist; point sglang.python (or "
+                                 f"${SGLANG_PYTHON_ENV}) at the venv of docs/sglang.md")
+            return candidate
+    if DEFAULT_SGLANG_VENV_PYTHON.exists():
+        return str(DEFAULT_SGLANG_VENV_PYTHON)
+    raise ValueError("no SGLang installation: build it with `python3.11 -m venv .cache/sglang-venv && "
+                     ".cache/sglang-venv/bin/pip install sglang==0.5.23` (docs/sglang.md), set sglang.python, "
+                     "or attach to a running server with sglang.url=http://HOST:PORT")
+
+
+def build_engine(spec: EngineSpec) -> Any:
+    """The ``RolloutEngine`` described by ``spec`` (at version -1, without policy weights yet)."""
+    if spec.kind == "native":
+        return _build_native(spec)
+    return _build_sglang(spec)
+
+
+def _build_native(spec: EngineSpec) -> Any:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.engine.native import NativeEngine
+
+    if not spec.model_config_json:
+        raise ValueError("a native engine needs the model architecture (model_config_json from the Welcome)")
+    device = resolve_device(spec.device)
+    cfg_dict = json.loads(spec.model_config_json)
+    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    torch.manual_seed(0)  # weights are replaced by the first fetch; the seed only makes init cheap to reason about
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return NativeEngine(model, quant_format=spec.quant_format, version=-1, device=device,
+                        max_batch_size=spec.slots, max_seq_len=spec.max_seq_len or None,
+                        eos_token_ids=spec.eos_token_ids)
+
+
+def _build_sglang(spec: EngineSpec) -> Any:
+    from asyncrl.engine.sglang import SGLangEngine
+
+    common = {"quant_format": spec.quant_format, "version": -1, "max_batch_size": spec.slots,
+              "eos_token_ids": spec.eos_token_ids or None}
+    if spec.sglang_url:
+        return SGLangEngine.attach(spec.sglang_url, **common)
+    if not spec.model_path or not Path(spec.model_path).is_dir():
+        raise ValueError(f"an SGLang worker starts its server from the model folder, and {spec.model_path!r} is "
+                         "not a folder on this host; pass sglang.model_path=DIR (a copy of the run's model) or "
+                         "attach to a server with sglang.url=http://HOST:PORT")
+    device = spec.sglang_device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    server_args: dict[str, Any] = {"extra_args": list(spec.sglang_extra_args)}
+    tokens = spec.sglang_max_total_tokens or (16384 if device == "cpu" else 0)
+    if tokens:
+        server_args["max_total_tokens"] = tokens
+    server_args["max_running_requests"] = spec.slots
+    log_dir = Path(spec.log_dir) if spec.log_dir else None
+    log_path = log_dir / f"sglang-{os.getpid()}.log" if log_dir else None
+    return SGLangEngine.launch(spec.model_path, device=device, python=sglang_python(spec.sglang_python),
+                               log_path=log_path, startup_timeout_s=spec.sglang_startup_timeout_s,
+                               server_args=server_args, **common)

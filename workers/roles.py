@@ -1,0 +1,165 @@
+"""Every role as its own command, so a cluster scheduler can place each one (docs/cluster.md).
+
+  asyncrl controller [key=value ...]        prepare the run folder and model, bind, print the addresses,
+                                             serve until the learner finishes (foreground)
+  asyncrl learner controller=ADDR [...]     one learner rank; run it under torchrun, any number of nodes
+  asyncrl worker controller=ADDR [...]      a generation worker (workers/generator.py)
+
+``asyncrl train`` (workers/launcher.py) is the one-machine launcher built from the same pieces:
+``prepare_run`` here, then the controller, learner and worker entry points as child processes.
+
+Owns: preparing a run folder (``prepare_run``), the learner's run-setup request to the controller (the
+run folder and model folder it serves, and the formats to publish), and the two role entry points.
+Never: spawns processes (the launcher and the scheduler do), or reads a run configuration from
+anywhere but the run folder (the learner finds the folder through the controller).
+
+Invariant: the run folder is shared by the controller and the learner (on a cluster: a shared
+filesystem), because each writes its checkpoints there and a resume reads both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from asyncrl.config import TrainConfig, load_train_config, save_config
+
+SETUP_REQUEST = "run_setup"  # Hello(role="client", capabilities={"request": SETUP_REQUEST})
+
+
+def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[TrainConfig, Path, Path]:
+    """Config (new, or a resumed run's own with ``resume=RUN``), checks, model folder, run folder."""
+    from asyncrl.runtime.prepare import check_prompts, check_task, prepare_model
+    from workers.launcher import check_transport, new_run_dir
+
+    resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    if resume:
+        from asyncrl.config.loader import read_run_config
+
+        run_dir: Path | None = Path(resume[0])
+        cfg = read_run_config(run_dir)  # a resumed run keeps its own configuration
+        ignored = [o for o in overrides if not o.startswith("resume=")]
+        if ignored:
+            print(f"asyncrl {command}: resume keeps the run's configuration; ignoring {ignored}")
+        cfg.resume = str(run_dir)
+    else:
+        cfg = load_train_config(list(overrides))  # bad configuration fails here, before any process starts
+        run_dir = None
+    check_task(cfg)
+    check_transport(cfg)
+    model_dir = prepare_model(cfg, log=print)
+    print(f"asyncrl {command}: prompts in {check_prompts(cfg, model_dir)} format")
+    run_dir = run_dir or new_run_dir(cfg)
+    save_config(cfg, run_dir / "config.json")
+    return cfg, run_dir, model_dir
+
+
+def run_controller(overrides: Sequence[str]) -> int:
+    """``asyncrl controller``: the run's controller in the foreground; prints where the other roles connect."""
+    from workers.controller import main as controller_main
+    from workers.launcher import publish_formats
+
+    cfg, run_dir, model_dir = prepare_run(overrides, command="controller")
+    print(f"asyncrl controller: run folder {run_dir}", flush=True)
+    return controller_main(["--run-dir", str(run_dir), "--model-dir", str(model_dir),
+                            "--publish-formats", ",".join(publish_formats(cfg)), "--announce"])
+
+
+def setup_reply(run_dir: Path, model_dir: Path, formats: Sequence[str]) -> dict[str, str]:
+    """What the controller tells a learner that asks where the run is (the Welcome's config)."""
+    return {"run_dir": str(Path(run_dir).resolve()), "model_dir": str(Path(model_dir).resolve()),
+            "publish_formats": ",".join(formats)}
+
+
+def ask_run_setup(controller: str, *, keys_dir: str = "", key_name: str = "", timeout_s: float = 120.0) -> dict:
+    """Ask the controller at ``controller`` for the run folder, the model folder and the formats to publish."""
+    import zmq
+
+    import protocols as P
+    from asyncrl.transport import ZmqChannel, load_client_keys
+
+    curve = load_client_keys(keys_dir, key_name) if keys_dir else None
+    peer = f"learner-setup-{socket.gethostname()}-{os.getpid()}"
+    ch = ZmqChannel.connect(zmq.DEALER, controller, name="learner-setup", identity=peer.encode(), curve=curve)
+    try:
+        ch.send(P.Hello(protocol_version=P.PROTOCOL_VERSION, role="client", peer_id=peer,
+                        capabilities={"request": SETUP_REQUEST}))
+        env = ch.recv(timeout_s)
+    finally:
+        ch.close()
+    if env is None:
+        raise ValueError(f"no answer from a controller at {controller} within {timeout_s:.0f} s; start "
+                         "`asyncrl controller` first and pass the address it prints (controller=tcp://HOST:PORT)")
+    if not isinstance(env.msg, P.Welcome) or "run_dir" not in env.msg.config:
+        raise ValueError(f"the controller at {controller} did not describe its run: {env.msg!r}")
+    return dict(env.msg.config)
+
+
+def parse_kv(argv: Sequence[str], prog: str, known: set[str], epilog: str) -> dict[str, str]:
+    p = argparse.ArgumentParser(prog=prog, description=epilog.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+    p.add_argument("overrides", nargs="*", help="key=value settings")
+    args = p.parse_args(list(argv))
+    kv = {}
+    for ov in args.overrides:
+        if "=" not in ov:
+            p.error(f"{ov!r} is not key=value")
+        k, v = ov.split("=", 1)
+        if k not in known:
+            p.error(f"unknown setting {k!r}; known: {sorted(known)}")
+        kv[k] = v
+    return kv
+
+
+LEARNER_HELP = """one learner rank of a run whose controller is already serving (`asyncrl controller`)
+Run it under torchrun; every rank asks the controller where the run folder and the model are:
+
+  one node, G GPUs:
+    torchrun --standalone --nproc-per-node=G -m asyncrl learner controller=tcp://HOST:PORT
+  N nodes (the same command on each; SLURM: examples/slurm/asyncrl.sbatch):
+    torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 \\
+             --rdzv-id=JOB -m asyncrl learner controller=tcp://HOST:PORT
+
+settings (key=value):
+  controller=tcp://HOST:PORT   required: the address `asyncrl controller` prints
+  run_dir=DIR model_dir=DIR    where the run and model folders are on this host (default: the controller's
+                               paths, which must then be on a filesystem shared with it)
+  transport.keys_dir=DIR transport.key_name=NAME   CurveZMQ client keys (docs/security.md)
+Rank 0 talks to the controller and serves the weights; the device follows learner.device (auto: NCCL on
+GPUs, gloo on CPUs)."""
+
+
+def run_learner(argv: Sequence[str]) -> int:
+    """``asyncrl learner controller=ADDR``: this process is one rank (torchrun sets RANK/WORLD_SIZE)."""
+    kv = parse_kv(argv, "asyncrl learner", {"controller", "run_dir", "model_dir", "transport.keys_dir",
+                                            "transport.key_name"}, LEARNER_HELP)
+    if "controller" not in kv:
+        raise ValueError("controller=tcp://HOST:PORT is required (printed by `asyncrl controller`)")
+    setup = ask_run_setup(kv["controller"], keys_dir=kv.get("transport.keys_dir", ""),
+                          key_name=kv.get("transport.key_name", ""))
+    run_dir = Path(kv.get("run_dir") or setup["run_dir"])
+    model_dir = Path(kv.get("model_dir") or setup["model_dir"])
+    for name, folder, marker in (("run_dir", run_dir, "config.json"), ("model_dir", model_dir, "config.json")):
+        if not (folder / marker).is_file():
+            raise ValueError(f"{name} {folder} (from the controller) is not readable on this host "
+                             f"({socket.gethostname()}); put the run folder on a filesystem shared with the "
+                             f"controller, or pass {name}=DIR")
+    from workers.learner import main as learner_main
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    return learner_main(["--run-dir", str(run_dir), "--model-dir", str(model_dir), "--controller", kv["controller"],
+                         "--publish-formats", setup.get("publish_formats", "")])
+
+
+def announce(addresses: dict[str, str], run_dir: Path) -> None:
+    """What ``asyncrl controller`` prints once it listens: its addresses and the commands of the other roles."""
+    ctl = addresses["control"]
+    print(json.dumps({"control": ctl, "samples": addresses["samples"], "run_dir": str(run_dir)}), flush=True)
+    print(f"learner: torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
+          f"-m asyncrl learner controller={ctl}\nworkers: asyncrl worker controller={ctl} [engine=sglang ...]",
+          flush=True)
