@@ -75,3 +75,48 @@ def test_selecting_position_zero_is_rejected(tiny):
     pos[0, 0] = True
     with pytest.raises(ValueError, match="position 0"):
         token_logprobs(model, batch, positions=pos)
+
+
+def _full_logits_path(model, batch, tau, with_entropy=True):
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, S, V]
+    return logprobs_from_logits(logits, batch.input_ids, batch.loss_mask, tau, with_entropy=with_entropy)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+def test_response_only_head_equals_the_full_logits_path_without_grad(tiny, tie, chunk):
+    model, batch = tiny.model(seed=3, tie=tie), tiny.batch(6, seed=2, temperature=0.8)
+    with torch.no_grad():
+        got, ent = token_logprobs(model, batch, with_entropy=True, chunk_tokens=chunk)
+        want, want_ent = _full_logits_path(model, batch, 0.8)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_response_only_head_equals_the_full_logits_path_with_grad(tiny, tie):
+    batch = tiny.batch(6, seed=4, temperature=1.1)
+    w = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    grads, values = [], []
+    for path in ("chunked", "full"):
+        model = tiny.model(seed=5, tie=tie)
+        if path == "chunked":
+            logp, ent = token_logprobs(model, batch, with_entropy=True, chunk_tokens=4)
+        else:
+            logp, ent = _full_logits_path(model, batch, 1.1)
+        assert logp.requires_grad and ent.requires_grad
+        ((logp * w).sum() + 0.3 * (ent * w).sum()).backward()
+        values.append((logp.detach(), ent.detach()))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(values[0][0], values[1][0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(values[0][1], values[1][1], rtol=0, atol=1e-6)
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_head_forward_is_restored_after_the_call(tiny):
+    model, batch = tiny.model(), tiny.batch(2)
+    with torch.no_grad():
+        token_logprobs(model, batch)
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    assert out.shape[-1] == tiny.vocab
