@@ -11,14 +11,16 @@ controller and ``asyncrl.algo``), publication, or I/O. Which tokens count in the
 
 Invariants:
 * Every rank holds the whole step batch (see ``fsdp.broadcast_batch``) and derives the same cuts
-  from it: minibatch j = ``batch.split(n)[j]``; rank r trains on ``shard(r, W)`` of it, in
-  micro-batches of ``micro_batch_size`` sequences. Every rank runs the same number of forward
-  and backward passes (short ranks run ``LearnerBatch.filler``), as FSDP2 collectives require.
-* ``prox_logp`` is computed once, under no_grad, with the weights at the start of the step, for
-  every sequence of the step, before the first optimiser update; it stays fixed for all
-  minibatches (§6.2 ``recompute``).
+  from it (``plan.plan_step``): minibatch j = ``batch.split(n)[j]``, less the rows with zero
+  advantage when they cost nothing (``skip_zero_advantage``); rank r trains on its shard of it,
+  in micro-batches by sequence count and token budget. Every rank runs the same number of
+  forward and backward passes (short ranks run ``LearnerBatch.filler``), as FSDP2 requires.
+* ``prox_logp`` is the log-prob of the weights at the start of the step, for every sequence of
+  the step, fixed for all minibatches (§6.2 ``recompute``): minibatch 0 takes it from its own
+  training forward (``reuse_prox``, proven equal: same weights, same function, no update yet),
+  the others from a no-grad pass before the first optimiser update.
 * Denominators are global over the optimiser-step minibatch: ``loss_denominators`` of every
-  micro-batch, summed locally and then over ranks (all_reduce) before the first micro-batch
+  micro-batch (and of the rows skipped for zero advantage), summed locally and then over ranks (all_reduce) before the first micro-batch
   loss, so each micro-batch loss is its partial numerator over the global denominator (§5) and
   the SUM-reduced gradient is that of the whole minibatch, at any world size / micro-batch size.
 * A minibatch makes no optimiser update when it has no loss token, when the objective flags
@@ -31,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -44,11 +47,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from asyncrl.algo import MetricDict, ObjectiveConfig, Stat, loss_denominators, merge_metrics, policy_loss
-from asyncrl.learner.batch import LearnerBatch, micro_batch_count
+from asyncrl.learner.batch import LearnerBatch
+from asyncrl.learner.plan import plan_step
 from asyncrl.learner.fsdp import DistInfo, all_reduce_sum
 from asyncrl.learner.logprobs import token_logprobs
 
-__all__ = ["StepConfig", "TrainState", "LossFn", "train_step", "clip_grad_norm"]
+__all__ = ["StepConfig", "TrainState", "LossFn", "train_step", "clip_grad_norm", "reference_context"]
 
 log = logging.getLogger(__name__)
 
@@ -59,31 +63,51 @@ learner_version, ref_logp, entropy) -> (loss, MetricDict)``: ``asyncrl.algo.poli
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepConfig:
-    """How one training step is cut up and clipped.
+    """How one training step is cut up, computed and clipped.
 
     n_minibatches: optimiser updates per step (the step batch is split into this many).
-    micro_batch_size: sequences per forward/backward on one rank (memory knob only; the result
-      does not depend on it beyond float summation order).
+    micro_batch_size: at most this many sequences per forward/backward on one rank.
+    max_tokens_per_micro_batch: > 0 also caps a micro-batch at this many padded positions
+      (rows x longest row; see ``plan.py``); 0 cuts by ``micro_batch_size`` alone. Memory knobs
+      only: the result does not depend on them beyond float summation order.
     max_grad_norm: clip the global L2 gradient norm to this; <= 0 disables clipping (the norm is
       still measured and logged).
-    chunk_tokens: positions per fp32 log-softmax chunk (memory knob, see logprobs.py).
-    log_entropy: compute the current policy's token entropy even when the objective has no
-      entropy bonus (metric ``actor/entropy``; costs a full-vocabulary pass per chunk).
+    chunk_tokens: positions per fp32 log-softmax chunk of the LM head (memory knob, logprobs.py).
+    log_entropy: compute the current policy's token entropy (metric ``actor/entropy``) even when
+      the objective has no entropy bonus; it comes from the same head chunks as the log-probs.
+    reuse_prox: take the first minibatch's proximal log-probs from its own training forward
+      (before any update they are the same function of the same weights) instead of a separate
+      no-grad pass; see ``train_step``.
+    skip_zero_advantage: give no forward/backward to responses whose advantage is 0 at every
+      loss token (their gradient is exactly 0) while they still count in the denominators;
+      only when the objective has no KL or entropy term.
+    autocast: "bf16" runs the forwards under ``torch.autocast`` in bfloat16 (weights, gradients
+      and optimiser stay fp32; log-probs and the loss are computed in fp32); "" = plain fp32.
     """
 
     n_minibatches: int = 1
     micro_batch_size: int = 8
+    max_tokens_per_micro_batch: int = 0
     max_grad_norm: float = 1.0
     chunk_tokens: int = 1024
-    log_entropy: bool = False
+    log_entropy: bool = True
+    reuse_prox: bool = True
+    skip_zero_advantage: bool = True
+    autocast: str = ""
 
     def __post_init__(self) -> None:
         if self.n_minibatches < 1:
             raise ValueError(f"n_minibatches must be >= 1, got {self.n_minibatches}")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(
+                f"max_tokens_per_micro_batch must be >= 0 (0 = by micro_batch_size), got {self.max_tokens_per_micro_batch}"
+            )
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.autocast not in ("", "bf16"):
+            raise ValueError(f"autocast must be '' (fp32) or 'bf16', got {self.autocast!r}")
 
 
 @dataclass(slots=True)
@@ -97,26 +121,32 @@ class TrainState:
     version: int = 0
 
 
-def _plan(batch: LearnerBatch, cfg: StepConfig, info: DistInfo) -> list[list[LearnerBatch]]:
-    """Per minibatch, this rank's micro-batches, padded with fillers to the busiest rank's count."""
-    plan = []
-    filler = LearnerBatch.filler(temperature=batch.temperature)
-    for mb in batch.split(cfg.n_minibatches):
-        n_micro = micro_batch_count(mb.batch_size, info.world_size, cfg.micro_batch_size)
-        micro = mb.shard(info.rank, info.world_size).micro_batches(cfg.micro_batch_size)
-        micro += [filler] * (n_micro - len(micro))
-        plan.append([m.to(info.device) for m in micro])
-    return plan
+def _autocast(cfg: StepConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    if cfg.autocast == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def reference_context(ref_model: torch.nn.Module, policy: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The reference policy's forward context: for a PEFT policy passed as its own reference, the
+    adapters are disabled (the reference is the frozen base, ALGORITHMS.md §6.8 with LoRA)."""
+    if ref_model is policy:
+        disable = getattr(policy, "disable_adapter", None)
+        if disable is None:
+            raise ValueError("ref_model is the policy itself, which only works for a PEFT (LoRA) policy")
+        return disable()
+    return contextlib.nullcontext()
 
 
 def _frozen_logp(
-    model: torch.nn.Module | None, plan: list[list[LearnerBatch]], chunk_tokens: int
-) -> list[list[torch.Tensor | None]]:
-    """[b, s] float32 log-probs of ``model`` for every micro-batch of the plan, no grad."""
+    model: torch.nn.Module | None, micros: list[LearnerBatch], cfg: StepConfig, device: torch.device,
+    ctx: contextlib.AbstractContextManager | None = None,
+) -> list[torch.Tensor | None]:
+    """[b, s] float32 log-probs of ``model`` for every micro-batch, no grad."""
     if model is None:
-        return [[None] * len(micros) for micros in plan]
-    with torch.no_grad():
-        return [[token_logprobs(model, m, chunk_tokens=chunk_tokens)[0] for m in micros] for micros in plan]
+        return [None] * len(micros)
+    with torch.no_grad(), _autocast(cfg, device), (ctx or contextlib.nullcontext()):
+        return [token_logprobs(model, m, chunk_tokens=cfg.chunk_tokens)[0] for m in micros]
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, info: DistInfo) -> float:
@@ -185,6 +215,64 @@ def _step_metrics(parts: list[dict[str, Stat]], n_minibatches_run: int, info: Di
     return out
 
 
+def _run_minibatch(
+    state: TrainState,
+    micros: list[LearnerBatch],
+    prox: list[torch.Tensor | None],
+    ref: list[torch.Tensor | None],
+    skipped: LearnerBatch | None,
+    objective: ObjectiveConfig,
+    cfg: StepConfig,
+    info: DistInfo,
+    loss_fn: LossFn,
+) -> tuple[float, float, float, float, float, list[dict[str, Stat]]] | None:
+    """Forward/backward of one minibatch into ``.grad`` (zeroed first).
+
+    A ``None`` proximal entry is taken from that micro-batch's own forward (``reuse_prox``).
+    Returns (global loss, skip votes, non-finite reused prox flag, num_tokens, num_seqs, stats);
+    None (nothing run) when the minibatch has no loss token. Collective.
+    """
+    model, k = state.model, state.version
+    want_entropy = cfg.log_entropy or objective.entropy_coef > 0
+    common = [dict(versions=m.versions, learner_version=k, ref_logp=r) for m, r in zip(micros, ref, strict=True)]
+    # Global denominators of this optimiser-step minibatch: micro-batches, skipped rows, then ranks.
+    # A reused prox is not known yet: only its finiteness matters here, and a non-finite one
+    # sends the minibatch back to the separate prox pass (the caller), so 0 stands in for it.
+    local = torch.zeros(2, dtype=torch.float64)
+    for m, p, kw in zip(micros, prox, common, strict=True):
+        p_den = torch.zeros_like(m.behav_logp) if p is None else p
+        den = loss_denominators(p_den, m.behav_logp, m.advantages, m.loss_mask, objective, **kw)
+        local += torch.tensor([den.num_tokens, den.num_seqs], dtype=torch.float64)
+    if skipped is not None and skipped.batch_size:
+        # Rows with zero advantage: no forward, so their prox is taken as finite (a non-finite
+        # log-prob of fp32 weights means NaN weights, which every other row would also show).
+        den = loss_denominators(torch.zeros_like(skipped.behav_logp), skipped.behav_logp, skipped.advantages,
+                                skipped.loss_mask, objective, versions=skipped.versions, learner_version=k)
+        local += torch.tensor([den.num_tokens, den.num_seqs], dtype=torch.float64)
+    num_tokens, num_seqs = all_reduce_sum(local, info).tolist()
+    if num_tokens == 0:
+        return None
+    state.optimizer.zero_grad(set_to_none=True)
+    acc = torch.zeros(3, dtype=torch.float64)  # [loss sum, skip flag, non-finite reused prox]
+    parts: list[dict[str, Stat]] = []
+    for m, p, kw in zip(micros, prox, common, strict=True):
+        with _autocast(cfg, info.device):
+            logp, entropy = token_logprobs(model, m, with_entropy=want_entropy, chunk_tokens=cfg.chunk_tokens)
+        if p is None:
+            p = logp.detach()
+            acc[2] = max(float(acc[2]), float((m.loss_mask & ~torch.isfinite(p)).any()))
+        loss, metrics = loss_fn(
+            logp, p, m.behav_logp, m.advantages, m.loss_mask, objective,
+            num_tokens=num_tokens, num_seqs=num_seqs, entropy=entropy, **kw,
+        )  # fmt: skip
+        loss.backward()
+        acc[0] += float(loss.detach())
+        acc[1] = max(float(acc[1]), float(metrics.get("actor/skip_step", 0.0)))
+        parts.append(_stats_of(metrics))
+    loss_global, skip_votes, bad_prox = all_reduce_sum(acc, info).tolist()
+    return loss_global, skip_votes, bad_prox, num_tokens, num_seqs, parts
+
+
 def train_step(
     state: TrainState,
     batch: LearnerBatch,
@@ -198,10 +286,18 @@ def train_step(
     """Run one training step on ``batch`` (the whole step batch, identical on every rank).
 
     ``objective`` is handed unchanged to ``loss_fn`` (default ``asyncrl.algo.policy_loss``) and
-    to ``asyncrl.algo.loss_denominators``. ``ref_model`` (sharded like the policy, frozen) is
-    required when ``objective.kl_coef > 0``. Collective: every rank calls it with the same batch
-    and configs. Mutates ``state`` (weights, optimiser, scheduler) and bumps ``state.version``.
+    to ``asyncrl.algo.loss_denominators``. ``ref_model`` (frozen, sharded like the policy; or the
+    policy itself when it is a PEFT model: the base without adapters) is required when
+    ``objective.kl_coef > 0``. Collective: every rank calls it with the same batch and configs.
+    Mutates ``state`` (weights, optimiser, scheduler) and bumps ``state.version``.
     Returns plain-float metrics, identical on every rank except the ``*_seconds`` timings.
+
+    Proximal log-probs (§6.2 ``recompute``) are those of the step-start weights. With
+    ``cfg.reuse_prox`` the first minibatch takes them from its own training forward, which runs
+    before any update on the same weights with the same function (dropout is off); the
+    denominators only need their finiteness, and if any reused value at a loss token is not
+    finite the minibatch's gradients are dropped and it is redone with a separate prox pass,
+    so the result is the same as without reuse. Not used for ``post_mask`` denominators.
     """
     if objective.kl_coef > 0 and ref_model is None:
         raise ValueError(f"objective.kl_coef={objective.kl_coef} needs ref_model (a frozen reference policy)")
@@ -209,54 +305,57 @@ def train_step(
     model, k = state.model, state.version
     model.eval()
     lr = float(state.optimizer.param_groups[0]["lr"])
-    plan = _plan(batch, cfg, info)
-    want_entropy = cfg.log_entropy or objective.entropy_coef > 0
+    can_skip = cfg.skip_zero_advantage and objective.kl_coef == 0 and objective.entropy_coef == 0
+    plan = plan_step(batch, n_minibatches=cfg.n_minibatches, rank=info.rank, world_size=info.world_size,
+                     micro_batch_size=cfg.micro_batch_size, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                     skip_zero_advantage=can_skip, device=info.device)  # fmt: skip
 
     # Proximal (and reference) log-probs with theta_k, before any update. Coupled PPO (§6.1) has no
     # proximal policy: the sampler's own log-probs are the old policy (verl bypass mode); on stale,
     # quantized rollouts that is the naive baseline QuRL reports collapsing.
-    if objective.kind == "ppo":
-        prox = [[m.behav_logp for m in micros] for micros in plan]
-    else:
-        prox = _frozen_logp(model, plan, cfg.chunk_tokens)
-    ref = _frozen_logp(ref_model if objective.kl_coef > 0 else None, plan, cfg.chunk_tokens)
+    reuse = cfg.reuse_prox and objective.kind != "ppo" and objective.rejection_denominator == "pre_mask"
+    prox: list[list[torch.Tensor | None]] = []
+    for j, mb in enumerate(plan):
+        if objective.kind == "ppo":
+            prox.append([m.behav_logp for m in mb.micros])
+        elif reuse and j == 0:
+            prox.append([None] * len(mb.micros))
+        else:
+            prox.append(_frozen_logp(model, mb.micros, cfg, info.device))
+    ref_on = ref_model if objective.kl_coef > 0 else None
+    ref = [
+        _frozen_logp(ref_on, mb.micros, cfg, info.device, reference_context(ref_on, model) if ref_on is not None else None)
+        for mb in plan
+    ]
     t_prox = time.perf_counter() - t0
 
     parts: list[dict[str, Stat]] = []
     losses, norms = [], []
-    skipped_empty = skipped_flagged = ran = 0
+    skipped_empty = skipped_flagged = skipped_zero = ran = prox_redone = 0
+    rows_skipped = 0
     total_tokens = total_seqs = 0.0
-    for micros, prox_mb, ref_mb in zip(plan, prox, ref, strict=True):
-        common = [
-            dict(versions=m.versions, learner_version=k, ref_logp=r)
-            for m, r in zip(micros, ref_mb, strict=True)
-        ]
-        # Global denominators of this optimiser-step minibatch: micro-batches, then ranks.
-        local = torch.zeros(2, dtype=torch.float64)
-        for m, p, kw in zip(micros, prox_mb, common, strict=True):
-            den = loss_denominators(p, m.behav_logp, m.advantages, m.loss_mask, objective, **kw)
-            local += torch.tensor([den.num_tokens, den.num_seqs], dtype=torch.float64)
-        num_tokens, num_seqs = all_reduce_sum(local, info).tolist()
-        total_tokens += num_tokens
-        total_seqs += num_seqs
-        if num_tokens == 0:
+    for j, (mb, prox_mb, ref_mb) in enumerate(zip(plan, prox, ref, strict=True)):
+        rows_skipped += mb.n_skipped
+        res = _run_minibatch(state, mb.micros, prox_mb, ref_mb, mb.skipped, objective, cfg, info, loss_fn)
+        if res is not None and res[2] > 0:  # a reused prox was not finite: redo with a separate pass
+            prox_redone += 1
+            log.warning("learner step %d: non-finite proximal log-prob; minibatch %d redone with a prox pass", k, j)
+            state.optimizer.zero_grad(set_to_none=True)
+            res = _run_minibatch(state, mb.micros, _frozen_logp(model, mb.micros, cfg, info.device), ref_mb,
+                                 mb.skipped, objective, cfg, info, loss_fn)  # fmt: skip
+        if res is None:
             skipped_empty += 1
             log.warning("learner step %d: minibatch has no loss token; optimiser update skipped", k)
             continue
+        loss_global, skip_votes, _, num_tokens, num_seqs, mb_parts = res
+        total_tokens += num_tokens
+        total_seqs += num_seqs
+        if not mb.micros:  # every row had zero advantage: the gradient is exactly 0
+            skipped_zero += 1
+            log.info("learner step %d: minibatch %d has only zero-advantage responses; no update", k, j)
+            continue
         ran += 1
-        state.optimizer.zero_grad(set_to_none=True)
-        acc = torch.zeros(2, dtype=torch.float64)  # [loss sum, skip flag]
-        for m, p, kw in zip(micros, prox_mb, common, strict=True):
-            logp, entropy = token_logprobs(model, m, with_entropy=want_entropy, chunk_tokens=cfg.chunk_tokens)
-            loss, metrics = loss_fn(
-                logp, p, m.behav_logp, m.advantages, m.loss_mask, objective,
-                num_tokens=num_tokens, num_seqs=num_seqs, entropy=entropy, **kw,
-            )  # fmt: skip
-            loss.backward()
-            acc[0] += float(loss.detach())
-            acc[1] = max(float(acc[1]), float(metrics.get("actor/skip_step", 0.0)))
-            parts.append(_stats_of(metrics))
-        loss_global, skip_votes = all_reduce_sum(acc, info).tolist()
+        parts += mb_parts
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm, info)
         if skip_votes == 0 and math.isfinite(loss_global) and math.isfinite(grad_norm):
             state.optimizer.step()
@@ -289,6 +388,10 @@ def train_step(
             "learner/updates": float(len(losses)),
             "learner/skipped_empty_minibatches": float(skipped_empty),
             "learner/skipped_nonfinite_minibatches": float(skipped_flagged),
+            "learner/skipped_zero_adv_minibatches": float(skipped_zero),
+            "learner/zero_adv_seqs_no_backward": float(rows_skipped),
+            "learner/prox_reused": float(reuse and bool(plan)),
+            "learner/prox_redone": float(prox_redone),
             "learner/prox_seconds": t_prox,
             "learner/step_seconds": time.perf_counter() - t0,
         }
