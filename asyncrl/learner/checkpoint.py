@@ -5,7 +5,9 @@ Owns the on-disk layout of a learner checkpoint and of an exported model:
     <root>/
       latest                     text: name of the newest complete checkpoint ("step_00000012")
       step_00000012/             one checkpoint = learner version 12 (12 completed steps)
-        dcp/                     DCP files: {"model": ..., "optim": ...} as sharded DTensors
+        dcp/                     DCP files: {"model": ..., "optim": ...} (DTensors or plain
+                                 tensors; trainable parameters only: a LoRA checkpoint holds
+                                 the adapters, the base is the model folder's)
         learner.json             {"format", "version", "world_size", "scheduler": LRScheduler.state_dict()}
         extra.json               caller's state (e.g. the controller's), only if given
       step_00000012.tmp/         a save in progress; renamed to step_... when every rank is done
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from asyncrl.learner.fsdp import DistInfo, barrier, full_state_dict
 from asyncrl.learner.step import TrainState
@@ -105,7 +107,8 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier(info)
-    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=_options(state.model))
+    model_sd = _drop_frozen(state.model, model_sd)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
     barrier(info)
     if info.is_main:
@@ -138,6 +141,19 @@ def save_checkpoint(
     return final
 
 
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    """Frozen parameters (a LoRA policy's base) are not saved: they are the model folder's weights,
+    so a LoRA checkpoint holds the adapters and their optimiser state only."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def _drop_frozen(model: torch.nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
+    """Also drop frozen parameters under a second (tied) name, which ``ignore_frozen_params`` keeps."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in sd.items() if k not in frozen} if frozen else sd
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root`` (by the ``latest`` file), or None."""
     root = Path(root)
@@ -166,10 +182,12 @@ def load_checkpoint(path: str | Path, state: TrainState, info: DistInfo) -> dict
     meta = json.loads((path / "learner.json").read_text())
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not {CHECKPOINT_FORMAT}")
-    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
+    opts = _options(state.model)
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=opts)
+    sd = {"model": _drop_frozen(state.model, model_sd), "optim": optim_sd}
     dcp.load(sd, checkpoint_id=str(path / "dcp"))
-    set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                   options=opts)
     state.scheduler.load_state_dict(meta["scheduler"])
     state.version = int(meta["version"])
     extra_path = path / "extra.json"
@@ -226,23 +244,29 @@ def export_hf(
     info: DistInfo,
     *,
     state_dict_transform: Any = None,
+    lora: Any = None,
 ) -> Path:
     """Write a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     Collective (the full state dict is gathered to rank 0, which writes): ``config.json``,
     ``model.safetensors`` (fp32), and the tokenizer files of ``tokenizer_dir`` (see
     ``TOKENIZER_FILES``). ``state_dict_transform`` (dict -> dict), if given, is applied to the
-    full state dict first (e.g. undoing UAQ folding). Returns ``out_dir``.
+    full state dict first (e.g. undoing UAQ folding). A LoRA policy (``lora``: its
+    ``policy.LoraSpec``) is exported merged, as a plain model of the base architecture.
+    Returns ``out_dir``.
     """
     from safetensors.torch import save_file
 
+    from asyncrl.learner.policy import base_model, policy_state_dict
+
     out = Path(out_dir)
-    sd = full_state_dict(model)
+    sd = policy_state_dict(model, lora)
+    hf = base_model(model)
     if info.is_main:
         if state_dict_transform is not None:
             sd = state_dict_transform(sd)
-        config = copy.deepcopy(model.config)
-        config.architectures = [_hf_class_name(model)]
+        config = copy.deepcopy(hf.config)
+        config.architectures = [_hf_class_name(hf)]
         config.dtype = torch.float32
         if getattr(config, "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)  # tied to the embedding; transformers re-ties on load

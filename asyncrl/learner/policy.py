@@ -1,0 +1,200 @@
+"""Building the trained policy: threads, LoRA adapters (PEFT), activation checkpointing, sharding,
+the KL reference, and the policy's weights in the base model's names.
+
+Owns how a loaded Hugging Face causal LM becomes the module ``train_step`` trains:
+  1. ``apply_lora`` (optional): PEFT ``LoraConfig`` adapters; only adapters are trainable.
+  2. ``checkpoint_decoder_layers`` (optional): each decoder layer's forward runs under
+     non-reentrant activation checkpointing when grad is on (its activations are recomputed in
+     backward instead of kept).
+  3. World size 1: no wrapper (plain parameters, no FSDP hooks or DTensors). World size > 1:
+     FSDP2 (``fsdp.shard_model``).
+And ``policy_state_dict``: the full state dict in the base model's own names with every LoRA
+adapter merged into its base weight (what is published, evaluated, hashed and exported).
+
+Never does: load files, build optimisers, or train.
+
+Invariants:
+* Activation checkpointing changes memory and time, never values: the recompute runs the same
+  ops on the same inputs (autocast state included).
+* ``policy_state_dict`` of a LoRA policy equals the weights of ``peft``'s ``merge_and_unload``
+  (W + scaling * B @ A, computed out of place: the trained base is never modified, so no
+  merge/unmerge rounding accumulates). Without LoRA at world size 1 its tensors are the live
+  parameters (no copy; consumers only read them before the next step).
+* The LoRA reference policy for KL is the policy with adapters disabled (the frozen base); a
+  full fine-tuning reference is a frozen copy of the initial weights, sharded like the policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from asyncrl.learner.fsdp import DistInfo, decoder_layers, full_state_dict, shard_model
+
+__all__ = [
+    "LoraSpec",
+    "default_num_threads",
+    "apply_lora",
+    "checkpoint_decoder_layers",
+    "prepare_policy",
+    "reference_policy",
+    "base_model",
+    "is_lora",
+    "policy_state_dict",
+    "merge_lora_state_dict",
+]
+
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraSpec:
+    """PEFT LoRA settings (``learner.lora``): rank r, alpha (scaling alpha / r), the module names
+    adapted (``target_modules``, PEFT's matching), and the adapters' dropout."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"learner.lora.rank must be >= 1 (0 disables LoRA), got {self.rank}")
+        if not self.target_modules:
+            raise ValueError("learner.lora.target_modules is empty; name the projections to adapt, e.g. [q_proj, v_proj]")
+        if "lm_head" in self.target_modules or "embed_tokens" in self.target_modules:
+            raise ValueError(
+                "learner.lora.target_modules may not include lm_head or embed_tokens (the learner projects "
+                "through the LM head itself and SmolLM2/Qwen2 tie it to the embedding); adapt the decoder "
+                "projections, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"learner.lora.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def default_num_threads(num_workers: int, world_size: int, cpus: int | None = None) -> int:
+    """Intra-op threads per learner rank when ``learner.num_threads`` is 0: the CPUs this process
+    may use, less one per generation worker on this machine, shared by the ranks (at least 1)."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cpus - max(0, num_workers)) // max(1, world_size))
+
+
+def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
+    """Wrap ``model`` in a PEFT ``PeftModel`` with LoRA adapters; base weights frozen (fp32)."""
+    from peft import LoraConfig, get_peft_model
+
+    missing = [t for t in spec.target_modules if not any(n.split(".")[-1] == t for n, _ in model.named_modules())]
+    if missing:
+        names = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"learner.lora.target_modules {missing} match no module; this model's linear layers: {names}")
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),
+                        lora_dropout=spec.dropout, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+    return get_peft_model(model, config)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return callable(getattr(model, "get_base_model", None)) and callable(getattr(model, "disable_adapter", None))
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model under a PEFT wrapper (the model itself otherwise)."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+def checkpoint_decoder_layers(model: torch.nn.Module) -> int:
+    """Run every decoder layer's forward under activation checkpointing when grad is enabled.
+
+    The layer's own forward is shadowed by an instance attribute, so module names, state dicts
+    and FSDP2 hooks (which wrap ``__call__``) are unchanged. Returns the number of layers."""
+    layers = decoder_layers(base_model(model))
+    for layer in layers:
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if torch.is_grad_enabled():
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return _inner(*args, **kwargs)
+
+        layer.forward = forward
+    return len(layers)
+
+
+def prepare_policy(
+    model: torch.nn.Module,
+    info: DistInfo,
+    *,
+    lora: LoraSpec | None = None,
+    activation_checkpointing: bool = False,
+) -> torch.nn.Module:
+    """fp32 on ``info.device``, then LoRA, activation checkpointing and (world size > 1) FSDP2."""
+    model.to(device=info.device, dtype=torch.float32)
+    if lora is not None:
+        model = apply_lora(model, lora)
+    if activation_checkpointing:
+        checkpoint_decoder_layers(model)
+    if info.world_size > 1:
+        model = shard_model(model, info)
+    return model
+
+
+def reference_policy(policy: torch.nn.Module, initial: torch.nn.Module | None, info: DistInfo) -> torch.nn.Module:
+    """The frozen KL reference: the policy itself for LoRA (adapters disabled at use), else
+    ``initial`` (a copy of the initial weights, taken before ``prepare_policy``) frozen and sharded
+    like the policy."""
+    if is_lora(policy):
+        return policy
+    if initial is None:
+        raise ValueError("a full fine-tuning KL reference needs a copy of the initial model")
+    ref = initial.to(device=info.device, dtype=torch.float32).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return shard_model(ref, info) if info.world_size > 1 else ref
+
+
+def merge_lora_state_dict(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A PEFT state dict (``base_model.model.*``, ``*.base_layer.*``, ``*.lora_A/B.default.*``) ->
+    the base model's names with W + scaling * (B @ A) for every adapted weight (new tensors)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in sd.items():
+        if ".lora_A." in key or ".lora_B." in key or ".lora_embedding_" in key:
+            continue
+        name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        if ".base_layer." in name:
+            module = name.split(".base_layer.")[0]
+            name = name.replace(".base_layer.", ".")
+            a_key = f"{_PEFT_PREFIX}{module}.lora_A.default.weight"
+            if name.endswith(".weight") and a_key in sd:
+                b = sd[f"{_PEFT_PREFIX}{module}.lora_B.default.weight"]
+                t = t.detach() + (b.detach().float() @ sd[a_key].detach().float()).to(t.dtype) * scaling
+        out[name] = t.detach()
+    return out
+
+
+def policy_state_dict(model: torch.nn.Module, lora: LoraSpec | None = None) -> dict[str, torch.Tensor]:
+    """The policy's full weights in the base model's names, adapters merged (rank 0; other ranks
+    get an empty dict at world size > 1). Collective when the model is sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        sd = full_state_dict(model)
+    else:
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if is_lora(model):
+        if lora is None:
+            raise ValueError("a LoRA policy's weights need its LoraSpec (the scaling) to be merged")
+        sd = merge_lora_state_dict(sd, lora.scaling) if sd else sd
+    return sd
+
+
+def initial_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of the (unprepared) model: the full fine-tuning KL reference's weights."""
+    return copy.deepcopy(model)
