@@ -34,16 +34,23 @@ from asyncrl.learner import (
     build_optimizer,
     build_scheduler,
     export_hf,
-    full_state_dict,
     init_distributed,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     sha256_of_state_dict,
-    shard_model,
     train_step,
 )
 from asyncrl.learner.fsdp import broadcast_batch, close_distributed
+from asyncrl.learner.policy import (
+    LoraSpec,
+    base_model,
+    default_num_threads,
+    initial_copy,
+    policy_state_dict,
+    prepare_policy,
+    reference_policy,
+)
 from asyncrl.runtime.prepare import model_id
 from asyncrl.transport import (
     ChannelTimeout,
@@ -98,9 +105,10 @@ class Publisher:
         for fmt in self.formats:
             pub = publish(state_dict, fmt, version=version, aqn_sigma=sigma, aqn_seed=seed if sigma > 0 else None,
                           uaq_s=q.uaq_scale if q.uaq else 1.0, uaq_sites=tuple(q.uaq_sites) if q.uaq else ())
-            if fmt in self.prev and fmt != "fp32":
+            if fmt in self.prev:
                 metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(self.prev[fmt], pub)
-            self.prev[fmt] = pub
+            if fmt not in ("fp32", "bf16"):  # the previous codes, for code_change_frac; no full-precision copy
+                self.prev[fmt] = pub
             announce, buffers = to_wire(pub)
             self.server.publish(announce, buffers)
             metrics[f"quant/{fmt}/published_bytes"] = float(pub.total_bytes())
@@ -109,25 +117,44 @@ class Publisher:
 
 
 class Evaluator:
-    """Rank 0: greedy accuracy of the full-precision policy on the task's held-out set."""
+    """Rank 0: greedy accuracy of the full-precision policy on the task's held-out set.
+
+    Keeps no model between evaluations: an engine is built around the given state dict (its
+    tensors are used in place, not copied: at world size 1 without LoRA they are the learner's
+    own parameters, read under no_grad) and dropped afterwards."""
 
     def __init__(self, cfg, model_dir: Path) -> None:
         from asyncrl.controller.scoring import build_scorer
 
         self.scorer = build_scorer(cfg, model_dir)
         self.model_dir = model_dir
-        self.engine = None
 
-    def evaluate(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+    def evaluate(self, state_dict: dict[str, torch.Tensor], version: int,
+                 buffers: dict[str, torch.Tensor]) -> dict[str, float]:
+        """``buffers``: the policy's non-parameter tensors (rotary tables), by the base model's names."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         from asyncrl.controller.scoring import evaluate_greedy
         from asyncrl.engine.native import NativeEngine
 
-        if self.engine is None:
-            self.engine = NativeEngine.from_pretrained(self.model_dir, quant_format="fp32", version=-1,
-                                                       max_batch_size=64)
-        self.engine.update_weights(version, state_dict)
-        return evaluate_greedy(self.engine, self.scorer, max_new_tokens=self.scorer.max_new_tokens)
-
+        config = AutoConfig.from_pretrained(self.model_dir)
+        with torch.device("meta"):  # a skeleton: no memory, no initialisation
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(state_dict, strict=False, assign=True)
+        for name, buf in buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(leaf, buf, persistent=False)
+        model.tie_weights()
+        missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if missing:
+            raise ValueError(f"evaluation weights lack {missing[:3]}; pass the full policy state dict and buffers")
+        engine = NativeEngine(model.eval(), quant_format="fp32", version=version, max_batch_size=64,
+                              num_threads=None)
+        try:
+            with torch.no_grad():
+                return evaluate_greedy(engine, self.scorer, max_new_tokens=self.scorer.max_new_tokens)
+        finally:
+            engine.close()
 
 class ControllerSource:
     """Rank 0's link to the controller: batches in, versions out, checkpoints acknowledged."""
@@ -224,14 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish-formats", default="")
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(1)
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
     cfg = read_run_config(run_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     info = init_distributed({"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}.get(cfg.learner.device), timeout_s=3600.0)
-    torch.manual_seed(cfg.learner.seed)
+    L = cfg.learner
+    threads = L.num_threads or default_num_threads(cfg.rollout.num_workers, info.world_size)
+    torch.set_num_threads(threads)
+    torch.manual_seed(L.seed)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -241,8 +270,15 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.quant import fold_uaq
 
         fold_uaq(model, cfg.quant.uaq_scale, tuple(cfg.quant.uaq_sites))
-    model = shard_model(model, info)
-    L = cfg.learner
+    lora = lora_spec(L)
+    initial = initial_copy(model) if cfg.algo.kl_coef > 0 and lora is None else None
+    model = prepare_policy(model, info, lora=lora, activation_checkpointing=L.activation_checkpointing)
+    ref_model = reference_policy(model, initial, info) if cfg.algo.kl_coef > 0 else None
+    del initial
+    log.info("learner: %d threads, %s, %s, world size %d%s", threads,
+             f"LoRA r={lora.rank}" if lora else "full fine-tuning",
+             "activation checkpointing" if L.activation_checkpointing else "no activation checkpointing",
+             info.world_size, ", KL reference" if ref_model is not None else "")
     opt = build_optimizer(model, lr=L.lr, weight_decay=L.weight_decay)
     sched = build_scheduler(opt, LRSchedule(kind=L.lr_schedule, warmup_steps=L.warmup_steps,
                                             total_steps=max(L.total_steps, L.warmup_steps + 1),
@@ -254,12 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         log.info("resumed learner at version %d", state.version)
     objective = objective_config(cfg)
     step_cfg = StepConfig(n_minibatches=L.n_minibatches, micro_batch_size=L.micro_batch_size,
-                          max_grad_norm=L.grad_clip)
+                          max_tokens_per_micro_batch=L.max_tokens_per_micro_batch, max_grad_norm=L.grad_clip,
+                          log_entropy=L.log_entropy, reuse_prox=L.reuse_prox and L.lora.dropout == 0,
+                          skip_zero_advantage=L.skip_zero_advantage, autocast=L.autocast,
+                          train_dropout=lora is not None and lora.dropout > 0)
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
     replay = bool(args.replay_log)
 
     source = server = publisher = evaluator = None
-    sd = full_state_dict(model)
+    sd = policy_state_dict(model, lora)
+    buffers = {n: b for n, b in base_model(model).named_buffers()}
     if info.is_main:
         evaluator = Evaluator(cfg, model_dir)
         if replay:
@@ -286,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             batch = batch_from_message(msg, cfg.rollout.temperature, pad_id) if info.is_main else None
             batch = broadcast_batch(batch, info)
             t_wait = time.perf_counter() - t0
-            metrics = train_step(state, batch, objective, step_cfg, info)
+            metrics = train_step(state, batch, objective, step_cfg, info, ref_model=ref_model)
             t_train = time.perf_counter() - t0 - t_wait
-            sd = full_state_dict(model)
+            sd = policy_state_dict(model, lora)
             ckpt = bool(L.ckpt_every) and state.version % L.ckpt_every == 0 and state.version < L.total_steps
             if info.is_main:
                 if publisher is not None:
@@ -298,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                             "time/learner_busy_frac": t_train / max(1e-9, time.perf_counter() - t0),
                             "learner/lr": float(opt.param_groups[0]["lr"])}
                 if L.eval_every and state.version % L.eval_every == 0 and state.version < L.total_steps:
-                    metrics |= evaluator.evaluate(sd, state.version)
+                    metrics |= evaluator.evaluate(sd, state.version, buffers)
                 # The controller saves its state for this version before the learner's checkpoint
                 # exists, so every learner checkpoint has a matching controller state.
                 acked = source.report(state.version, metrics, checkpoint=ckpt)
@@ -309,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         if _agree(info.is_main and source.sync_checkpoint(state.version), info):
             save_checkpoint(ckpt_root, state, info, keep_last=3)
         if not _agree(info.is_main and stop.is_set(), info):  # finished (or the replayed log ran out): export, hash, final eval
-            finish_run(cfg, state, model, model_dir, run_dir, info, evaluator, source, t_run)
+            del sd
+            finish_run(cfg, state, model, model_dir, run_dir, info, evaluator, source, t_run, lora)
     except ChannelTimeout as e:
         log.error("controller unreachable: %s", e)
         return 1
@@ -322,7 +363,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluator, source, t_run: float) -> None:
+def lora_spec(L) -> LoraSpec | None:
+    """``learner.lora`` as a ``LoraSpec`` (None for full fine-tuning)."""
+    if L.lora.rank <= 0:
+        return None
+    return LoraSpec(rank=L.lora.rank, alpha=L.lora.alpha, target_modules=tuple(L.lora.target_modules),
+                    dropout=L.lora.dropout)
+
+
+def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluator, source, t_run: float,
+               lora: LoraSpec | None = None) -> None:
     """Export the final policy (UAQ unfolded), hash it, evaluate it, tell the controller we are done."""
     unfold = None
     if cfg.quant.uaq:
@@ -330,12 +380,12 @@ def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluato
 
         def unfold(d):
             return unfold_uaq(d, cfg.quant.uaq_scale, tuple(cfg.quant.uaq_sites))
-    export_hf(model, model_dir, run_dir / "model", info, state_dict_transform=unfold)
-    sd = full_state_dict(model)
+    export_hf(model, model_dir, run_dir / "model", info, state_dict_transform=unfold, lora=lora)
+    sd = policy_state_dict(model, lora)
     if info.is_main:
         if unfold is not None:
             sd = unfold(sd)
-        final = evaluator.evaluate(sd, state.version + 1)
+        final = evaluator.evaluate(sd, state.version + 1, {n: b for n, b in base_model(model).named_buffers()})
         final["learner/wall_s"] = time.perf_counter() - t_run
         sha = sha256_of_state_dict(sd)
         (run_dir / "learner_final.json").write_text(json.dumps(

@@ -156,6 +156,23 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r (PEFT); 0 = full fine-tuning. With r > 0 only the adapters train, every version
+    publishes the merged weights (base + adapters) in the workers' format, checkpoints hold the
+    adapters, and the KL reference is the base without adapters."""
+    alpha: float = 32.0
+    """LoRA alpha (the adapter's scaling is alpha / rank)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Module names that get adapters (PEFT matching; never lm_head / embed_tokens)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in the training forward (> 0 switches the model to train
+    mode for that forward; the proximal log-probs then come from a separate eval-mode pass)."""
+
+
+@dataclass(kw_only=True)
 class LearnerConfig:
     world_size: int = 1
     """FSDP2 ranks (torchrun processes); gloo on CPU, NCCL on GPU."""
@@ -179,6 +196,24 @@ class LearnerConfig:
     eval_every: int = 50
     """Greedy evaluation on the held-out set every N steps (0: only at the end)."""
     seed: int = 0
+    num_threads: int = 0
+    """Torch intra-op threads per learner rank; 0 = the CPUs left beside one per generation
+    worker, shared by the ranks."""
+    max_tokens_per_micro_batch: int = 0
+    """Cap each micro-batch at this many padded positions (rows x longest row); 0 = by
+    ``micro_batch_size`` only."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them."""
+    autocast: str = ""
+    """``bf16``: forwards under bfloat16 autocast with fp32 master weights; empty = fp32."""
+    reuse_prox: bool = True
+    """First minibatch: proximal log-probs from its own training forward (equal by construction)."""
+    skip_zero_advantage: bool = True
+    """Responses with zero advantage get no forward/backward (they stay in the denominators);
+    ignored when ``algo.kl_coef`` or ``algo.entropy_coef`` is > 0."""
+    log_entropy: bool = True
+    """Log ``actor/entropy`` every step (from the same chunked LM-head pass as the log-probs)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(kw_only=True)
@@ -287,6 +322,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.learner.total_steps >= 1, "learner.total_steps must be >= 1"),
         (cfg.learner.lr > 0, "learner.lr must be > 0"),
         (cfg.learner.n_minibatches >= 1, "learner.n_minibatches must be >= 1"),
+        (cfg.learner.num_threads >= 0, "learner.num_threads must be >= 0 (0 = automatic)"),
+        (cfg.learner.max_tokens_per_micro_batch >= 0,
+         "learner.max_tokens_per_micro_batch must be >= 0 (0 = by micro_batch_size)"),
+        (cfg.learner.autocast in ("", "bf16"), f"learner.autocast={cfg.learner.autocast!r}: use '' (fp32) or bf16"),
+        (cfg.learner.lora.rank >= 0, "learner.lora.rank must be >= 0 (0 = full fine-tuning)"),
+        (cfg.learner.lora.rank == 0 or bool(cfg.learner.lora.target_modules),
+         "learner.lora.target_modules is empty; name the projections to adapt, e.g. [q_proj,v_proj]"),
+        (cfg.learner.lora.rank == 0 or not {"lm_head", "embed_tokens"} & set(cfg.learner.lora.target_modules),
+         "learner.lora.target_modules may not include lm_head or embed_tokens; adapt the decoder projections"),
+        (0.0 <= cfg.learner.lora.dropout < 1.0, "learner.lora.dropout must be in [0, 1)"),
+        (cfg.algo.kl_coef >= 0, "algo.kl_coef must be >= 0 (0 disables the reference policy)"),
         (cfg.algo.is_cap > 1, "algo.is_cap (C) must be > 1"),
         (0 < cfg.algo.eps_low < 1 and cfg.algo.eps_high > 0, "algo.eps_low must be in (0, 1), eps_high > 0"),
         (cfg.algo.dual_clip is None or cfg.algo.dual_clip > 1, "algo.dual_clip must be > 1 or null"),

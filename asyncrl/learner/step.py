@@ -28,7 +28,8 @@ Invariants:
   finite; the decision is global (all ranks agree), logged, and counted in the metrics.
 * The version is bumped once per call, also when every minibatch was skipped: the step consumed
   its batch (the controller's staleness accounting counts steps, not updates).
-* Dropout is off (``model.eval()``): prox and current log-probs must come from the same function.
+* Dropout is off (``model.eval()``) except, with ``train_dropout``, in the training forward: prox
+  and current log-probs must come from the same function.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class StepConfig:
       only when the objective has no KL or entropy term.
     autocast: "bf16" runs the forwards under ``torch.autocast`` in bfloat16 (weights, gradients
       and optimiser stay fp32; log-probs and the loss are computed in fp32); "" = plain fp32.
+    train_dropout: the training forward runs in train mode (dropout on, e.g. LoRA dropout); the
+      proximal and reference passes stay in eval mode, so ``reuse_prox`` must be off.
     """
 
     n_minibatches: int = 1
@@ -94,6 +97,7 @@ class StepConfig:
     reuse_prox: bool = True
     skip_zero_advantage: bool = True
     autocast: str = ""
+    train_dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.n_minibatches < 1:
@@ -106,6 +110,8 @@ class StepConfig:
             )
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.train_dropout and self.reuse_prox:
+            raise ValueError("train_dropout needs reuse_prox=False: a dropout forward is not the proximal policy")
         if self.autocast not in ("", "bf16"):
             raise ValueError(f"autocast must be '' (fp32) or 'bf16', got {self.autocast!r}")
 
@@ -255,6 +261,7 @@ def _run_minibatch(
     state.optimizer.zero_grad(set_to_none=True)
     acc = torch.zeros(3, dtype=torch.float64)  # [loss sum, skip flag, non-finite reused prox]
     parts: list[dict[str, Stat]] = []
+    model.train(cfg.train_dropout)
     for m, p, kw in zip(micros, prox, common, strict=True):
         with _autocast(cfg, info.device):
             logp, entropy = token_logprobs(model, m, with_entropy=want_entropy, chunk_tokens=cfg.chunk_tokens)
@@ -269,6 +276,7 @@ def _run_minibatch(
         acc[0] += float(loss.detach())
         acc[1] = max(float(acc[1]), float(metrics.get("actor/skip_step", 0.0)))
         parts.append(_stats_of(metrics))
+    model.eval()
     loss_global, skip_votes, bad_prox = all_reduce_sum(acc, info).tolist()
     return loss_global, skip_votes, bad_prox, num_tokens, num_seqs, parts
 
