@@ -1,0 +1,169 @@
+"""Learner memory and speed: peak RSS and seconds per 1k trained tokens of real ``train_step`` calls.
+
+Builds a synthetic step batch shaped like a rollout batch (``--samples`` responses of exactly
+``--new-tokens`` tokens after prompts of ``--prompt-len`` +- a few tokens, GRPO-like advantages of
++-1, behaviour log-probs from a sampler) and times real learner steps on the chosen model, one
+configuration per child process so each peak RSS is its own (``ru_maxrss`` of the child: model
+load, optimiser, activations, everything). All rows run in one invocation, side by side, and are
+reported with their ratio to the first row.
+
+Rows:
+  fsdp-ws1-mb64   the learner's previous knobs on today's code: FSDP2 wrapper at world size 1,
+                  64 sequences per micro-batch, a separate proximal pass, no activation checkpointing
+  full            full fine-tuning as the learner now runs it: no wrapper at world size 1,
+                  activation checkpointing, micro-batches of <= --token-budget padded tokens,
+                  proximal log-probs reused from the first forward
+  full-bf16       the same under bf16 autocast (fp32 master weights)
+  lora            LoRA r=16 (alpha 32) on every projection, same knobs as ``full``
+
+Run: ``python scripts/bench_learner.py [--quick] [--model smollm2|tiny|PATH] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.benchlib import parser, print_table, write_json  # noqa: E402
+
+ROWS = {
+    "fsdp-ws1-mb64": dict(fsdp=True, micro=64, budget=0, ac=False, reuse=False, autocast="", lora=0),
+    "full": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=0),
+    "full-bf16": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="bf16", lora=0),
+    "lora": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=16),
+}
+
+
+def model_folder(spec: str) -> str:
+    from asyncrl.models import ensure_smollm2, ensure_tiny_model
+
+    return str({"tiny": ensure_tiny_model, "smollm2": ensure_smollm2}.get(spec, lambda: spec)())
+
+
+def synthetic_batch(vocab: int, samples: int, prompt_len: int, new_tokens: int, seed: int = 0):
+    import numpy as np
+
+    from asyncrl.learner import LearnerBatch
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(10, vocab, prompt_len - (i // 8) % 5).tolist() for i in range(samples)]
+    responses = [rng.integers(10, vocab, new_tokens).tolist() for _ in range(samples)]
+    behav = [(-rng.random(new_tokens) * 3).astype(np.float32) for _ in range(samples)]
+    versions = [np.zeros(new_tokens, np.int32) for _ in range(samples)]
+    adv = [float(rng.choice([-1.0, 1.0])) for _ in range(samples)]
+    return LearnerBatch.from_samples(prompts, responses, behav, versions, adv, temperature=1.0)
+
+
+def child(spec: dict) -> dict:
+    """One configuration in this process: build, run ``steps`` learner steps, report."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.algo import ObjectiveConfig
+    from asyncrl.learner import (
+        LRSchedule,
+        StepConfig,
+        TrainState,
+        build_optimizer,
+        build_scheduler,
+        init_distributed,
+        shard_model,
+        train_step,
+    )
+    from asyncrl.learner.policy import LoraSpec, prepare_policy
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    info = init_distributed()
+    row = ROWS[spec["row"]]
+    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32)
+    vocab = int(model.config.vocab_size)
+    if row["fsdp"]:
+        model = shard_model(model, info)
+    else:
+        lora = None
+        if row["lora"]:
+            lora = LoraSpec(rank=row["lora"], alpha=2.0 * row["lora"], target_modules=(
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+        model = prepare_policy(model, info, lora=lora, activation_checkpointing=row["ac"])
+    opt = build_optimizer(model, lr=1e-6)
+    state = TrainState(model, opt, build_scheduler(opt, LRSchedule()))
+    batch = synthetic_batch(vocab, spec["samples"], spec["prompt_len"], spec["new_tokens"])
+    budget = spec["token_budget"] if row["budget"] is None else row["budget"]
+    cfg = StepConfig(micro_batch_size=row["micro"], max_tokens_per_micro_batch=budget, reuse_prox=row["reuse"],
+                     autocast=row["autocast"])
+    times, prox = [], []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        m = train_step(state, batch, ObjectiveConfig(kind="acr"), cfg, info)
+        times.append(time.perf_counter() - t0)
+        prox.append(m["learner/prox_seconds"])
+    tokens = batch.num_tokens
+    return {"row": spec["row"], "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "step_s": min(times), "s_per_1k_tokens": min(times) / tokens * 1000, "prox_s": min(prox),
+            "trained_tokens": tokens, "sequences": batch.batch_size, "seq_len": batch.seq_len,
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "steps": len(times), "entropy": m.get("actor/entropy", float("nan"))}
+
+
+def main() -> int:
+    ap = parser("bench_learner", __doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", help="tiny | smollm2 | an HF folder (default smollm2)")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=40)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2, help="learner steps per row (the fastest is reported)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--token-budget", type=int, default=2048, help="max padded tokens per micro-batch")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    ap.add_argument("--child", default="", help=argparse_hidden())
+    args = ap.parse_args()
+    if args.child:
+        print("BENCH_ROW " + json.dumps(child(json.loads(args.child))), flush=True)
+        return 0
+    if args.quick:
+        args.samples, args.steps = min(args.samples, 16), 1
+    folder = model_folder(args.model)
+    rows = []
+    for name in args.rows.split(","):
+        if name not in ROWS:
+            raise SystemExit(f"unknown row {name!r}; choose from {', '.join(ROWS)}")
+        spec = {"row": name, "folder": folder, "samples": args.samples, "prompt_len": args.prompt_len,
+                "new_tokens": args.new_tokens, "steps": args.steps, "threads": args.threads,
+                "token_budget": args.token_budget}
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                             capture_output=True, text=True, env=env)
+        lines = [x for x in res.stdout.splitlines() if x.startswith("BENCH_ROW ")]
+        if res.returncode != 0 or not lines:
+            raise SystemExit(f"row {name} failed (rc {res.returncode}):\n{res.stderr[-3000:]}")
+        row = json.loads(lines[-1][len("BENCH_ROW "):])
+        print(f"{name}: {row['peak_rss_gb']:.2f} GB, {row['s_per_1k_tokens']:.2f} s/1k tokens", flush=True)
+        rows.append(row)
+    base = rows[0]
+    for r in rows:
+        r["rss_ratio"] = r["peak_rss_gb"] / base["peak_rss_gb"]
+        r["time_ratio"] = r["s_per_1k_tokens"] / base["s_per_1k_tokens"]
+    print_table(f"learner steps, {args.model}, {args.samples} x ({args.prompt_len} + {args.new_tokens}) tokens, "
+                f"{args.threads} thread(s)", rows,
+                ["row", "peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "prox_s", "trainable_params"])
+    write_json(args.json, "bench_learner", {"rows": rows}, args, model=args.model, samples=args.samples,
+               prompt_len=args.prompt_len, new_tokens=args.new_tokens, threads=args.threads,
+               token_budget=args.token_budget)
+    return 0
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
