@@ -156,6 +156,7 @@ class Evaluator:
         finally:
             engine.close()
 
+
 class ControllerSource:
     """Rank 0's link to the controller: batches in, versions out, checkpoints acknowledged."""
 
@@ -298,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     replay = bool(args.replay_log)
 
     source = server = publisher = evaluator = None
-    sd = policy_state_dict(model, lora)
+    # Weights are gathered (merged, for LoRA) only to publish or evaluate, and dropped right after:
+    # the learner process holds no full copy of the policy between steps.
+    sd = policy_state_dict(model, lora) if not replay or (state.version == 0 and L.eval_every) else {}
     buffers = {n: b for n, b in base_model(model).named_buffers()}
     if info.is_main:
         evaluator = Evaluator(cfg, model_dir)
@@ -313,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             publisher.publish(sd, state.version)
             source = ControllerSource(args.controller, server, state.version, stop, cfg.transport)
         if state.version == 0 and L.eval_every:  # the step-0 baseline every later evaluation is read against
-            source.report(0, evaluator.evaluate(sd, 0) | {"eval/baseline": 1.0})
+            source.report(0, evaluator.evaluate(sd, 0, buffers) | {"eval/baseline": 1.0})
+    sd = {}
     t_run = time.perf_counter()
     try:
         while state.version < L.total_steps:
@@ -328,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             t_wait = time.perf_counter() - t0
             metrics = train_step(state, batch, objective, step_cfg, info, ref_model=ref_model)
             t_train = time.perf_counter() - t0 - t_wait
-            sd = policy_state_dict(model, lora)
+            eval_due = bool(L.eval_every) and state.version % L.eval_every == 0 and state.version < L.total_steps
+            sd = policy_state_dict(model, lora) if (not replay or eval_due) else {}
             ckpt = bool(L.ckpt_every) and state.version % L.ckpt_every == 0 and state.version < L.total_steps
             if info.is_main:
                 if publisher is not None:
@@ -337,11 +342,12 @@ def main(argv: list[str] | None = None) -> int:
                 metrics |= {"time/learner_wait_s": t_wait, "time/learner_train_s": t_train,
                             "time/learner_busy_frac": t_train / max(1e-9, time.perf_counter() - t0),
                             "learner/lr": float(opt.param_groups[0]["lr"])}
-                if L.eval_every and state.version % L.eval_every == 0 and state.version < L.total_steps:
+                if eval_due:
                     metrics |= evaluator.evaluate(sd, state.version, buffers)
                 # The controller saves its state for this version before the learner's checkpoint
                 # exists, so every learner checkpoint has a matching controller state.
                 acked = source.report(state.version, metrics, checkpoint=ckpt)
+            sd = {}
             if ckpt and _agree(info.is_main and acked, info):
                 save_checkpoint(ckpt_root, state, info, keep_last=3)
         # A final checkpoint only with the controller's state of the same version (it may be gone:
@@ -349,7 +355,6 @@ def main(argv: list[str] | None = None) -> int:
         if _agree(info.is_main and source.sync_checkpoint(state.version), info):
             save_checkpoint(ckpt_root, state, info, keep_last=3)
         if not _agree(info.is_main and stop.is_set(), info):  # finished (or the replayed log ran out): export, hash, final eval
-            del sd
             finish_run(cfg, state, model, model_dir, run_dir, info, evaluator, source, t_run, lora)
     except ChannelTimeout as e:
         log.error("controller unreachable: %s", e)
