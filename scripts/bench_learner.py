@@ -4,8 +4,10 @@ Builds a synthetic step batch shaped like a rollout batch (``--samples`` respons
 ``--new-tokens`` tokens after prompts of ``--prompt-len`` +- a few tokens, GRPO-like advantages of
 +-1, behaviour log-probs from a sampler) and times real learner steps on the chosen model, one
 configuration per child process so each peak RSS is its own (``ru_maxrss`` of the child: model
-load, optimiser, activations, everything). All rows run in one invocation, side by side, and are
-reported with their ratio to the first row.
+load, optimiser, activations, everything). Time is reported as wall seconds and as the
+process's CPU seconds per 1k trained tokens (the CPU figure is the steadier one on a shared
+machine; with one thread it is the compute the step needs). All rows run in one invocation,
+side by side, and are reported with their ratio to the first row.
 
 Rows:
   fsdp-ws1-mb64   the learner's previous knobs on today's code: FSDP2 wrapper at world size 1,
@@ -98,15 +100,17 @@ def child(spec: dict) -> dict:
     budget = spec["token_budget"] if row["budget"] is None else row["budget"]
     cfg = StepConfig(micro_batch_size=row["micro"], max_tokens_per_micro_batch=budget, reuse_prox=row["reuse"],
                      autocast=row["autocast"])
-    times, prox = [], []
+    times, cpu, prox = [], [], []
     for _ in range(spec["steps"]):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         m = train_step(state, batch, ObjectiveConfig(kind="acr"), cfg, info)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         prox.append(m["learner/prox_seconds"])
     tokens = batch.num_tokens
     return {"row": spec["row"], "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "step_s": min(times), "s_per_1k_tokens": min(times) / tokens * 1000, "prox_s": min(prox),
+            "cpu_s_per_1k_tokens": min(cpu) / tokens * 1000,
             "trained_tokens": tokens, "sequences": batch.batch_size, "seq_len": batch.seq_len,
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "steps": len(times), "entropy": m.get("actor/entropy", float("nan"))}
@@ -150,9 +154,11 @@ def main() -> int:
     for r in rows:
         r["rss_ratio"] = r["peak_rss_gb"] / base["peak_rss_gb"]
         r["time_ratio"] = r["s_per_1k_tokens"] / base["s_per_1k_tokens"]
+        r["cpu_ratio"] = r["cpu_s_per_1k_tokens"] / base["cpu_s_per_1k_tokens"]
     print_table(f"learner steps, {args.model}, {args.samples} x ({args.prompt_len} + {args.new_tokens}) tokens, "
                 f"{args.threads} thread(s)", rows,
-                ["row", "peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "prox_s", "trainable_params"])
+                ["row", "peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "cpu_s_per_1k_tokens",
+                 "cpu_ratio", "prox_s", "trainable_params"])
     write_json(args.json, "bench_learner", {"rows": rows}, args, model=args.model, samples=args.samples,
                prompt_len=args.prompt_len, new_tokens=args.new_tokens, threads=args.threads,
                token_budget=args.token_budget)

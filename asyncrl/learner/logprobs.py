@@ -183,7 +183,7 @@ def token_logprobs(
     *,
     positions: torch.Tensor | None = None,
     with_entropy: bool = False,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward ``model`` (a Hugging Face causal LM: plain, FSDP2 or PEFT) on ``batch``.
 

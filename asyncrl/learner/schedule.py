@@ -76,14 +76,19 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    foreach: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW over every trainable parameter (DTensor shards under FSDP2; states are sharded too)."""
+    """AdamW over every trainable parameter (DTensor shards under FSDP2; states are sharded too).
+
+    ``foreach=False`` (default) updates one tensor at a time: the multi-tensor path allocates
+    temporaries as large as all parameters together (e.g. the square roots of every second
+    moment), about 0.5 GB more peak memory for SmolLM2-135M, for no gain on CPU."""
     if not lr > 0:
         raise ValueError(f"learning rate must be > 0, got {lr}")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, sched: LRSchedule) -> torch.optim.lr_scheduler.LambdaLR:

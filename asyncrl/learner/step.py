@@ -92,7 +92,7 @@ class StepConfig:
     micro_batch_size: int = 8
     max_tokens_per_micro_batch: int = 0
     max_grad_norm: float = 1.0
-    chunk_tokens: int = 1024
+    chunk_tokens: int = 256
     log_entropy: bool = True
     reuse_prox: bool = True
     skip_zero_advantage: bool = True

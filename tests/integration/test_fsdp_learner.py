@@ -43,7 +43,7 @@ def _batch(step: int):
     return LearnerBatch.from_samples(prompts, responses, lps, vers, advs, temperature=0.9)
 
 
-def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
+def worker_main(out: Path, resume: Path | None, max_grad_norm: float, lean: bool = False) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -77,7 +77,13 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    model = shard_model(Qwen2ForCausalLM(cfg), info)
+    if lean:  # LoRA + activation checkpointing + token budget; FSDP2 only at world size > 1
+        from asyncrl.learner.policy import LoraSpec, prepare_policy
+
+        lora = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+        model = prepare_policy(Qwen2ForCausalLM(cfg), info, lora=lora, activation_checkpointing=True)
+    else:
+        model = shard_model(Qwen2ForCausalLM(cfg), info)
     opt = build_optimizer(model, lr=2e-2, weight_decay=0.01)
     sched = build_scheduler(
         opt, LRSchedule(kind="cosine", warmup_steps=1, total_steps=STEPS, min_lr_ratio=0.1)
@@ -90,7 +96,8 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float) -> None:
         result["loaded_sha"] = state_dict_sha256(model, info)
     while state.version < STEPS:
         micro = 1 if state.version == SHORT_STEP else 2
-        step_cfg = StepConfig(n_minibatches=2, micro_batch_size=micro, max_grad_norm=max_grad_norm)
+        step_cfg = StepConfig(n_minibatches=2, micro_batch_size=micro, max_grad_norm=max_grad_norm,
+                              max_tokens_per_micro_batch=12 if lean else 0)
         batch = broadcast_batch(_batch(state.version) if info.is_main else None, info)
         m = train_step(state, batch, ObjectiveConfig(kind="acr"), step_cfg, info)
         result["losses"].append(m["learner/loss"])
@@ -190,6 +197,22 @@ def test_world_size_two_matches_world_size_one_bit_for_bit_and_its_checkpoint_re
         assert r["final_version"] == STEPS and r["final_sha"] == r2["final_sha"]
 
 
+@pytest.mark.timeout(900)  # three launches of real process groups on a shared 2-core machine
+def test_lora_with_activation_checkpointing_trains_alike_at_world_size_two_and_one(procs, tmp_path):
+    """PEFT LoRA + per-layer checkpointing + a token budget: plain modules at world size 1, FSDP2 at 2."""
+    one = _launch(procs, tmp_path / "ws1", 1, "--lean")
+    two = _launch(procs, tmp_path / "ws2", 2, "--lean")
+    r1, r2 = _wait(one, tmp_path / "ws1"), _wait(two, tmp_path / "ws2")
+    assert r1["world_size"] == 1 and r2["world_size"] == 2 and r2["final_version"] == STEPS
+    assert r2["losses"] == pytest.approx(r1["losses"], rel=1e-5, abs=1e-7)
+    assert r2["tokens"] == r1["tokens"]
+    assert _max_weight_diff(tmp_path / "ws1", tmp_path / "ws2") < 1e-5
+    ckpt = str(tmp_path / "ws2" / "ckpt")  # an adapter checkpoint of two ranks resumes at one
+    r = _wait(_launch(procs, tmp_path / "resume1", 1, "--lean", "--resume", ckpt), tmp_path / "resume1")
+    assert r["loaded_version"] == SAVE_AT and r["final_version"] == STEPS
+    assert r["losses"] == pytest.approx(r2["losses"][SAVE_AT:], rel=1e-5, abs=1e-7)
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -198,5 +221,6 @@ if __name__ == "__main__":
     ap.add_argument("out", type=Path)
     ap.add_argument("--resume", type=Path, default=None)
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
+    ap.add_argument("--lean", action="store_true")
     a = ap.parse_args()
-    worker_main(a.out, a.resume, a.max_grad_norm)
+    worker_main(a.out, a.resume, a.max_grad_norm, a.lean)
