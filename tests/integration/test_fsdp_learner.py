@@ -67,7 +67,9 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float, lean: bool
 
     torch.set_num_threads(1)
     info = init_distributed()
-    torch.manual_seed(0 if resume is None else 123)  # a resumed run must not depend on its init
+    # A resumed run must not depend on its init, except for a LoRA policy's frozen base, which a real
+    # run reloads from the model folder (the checkpoint holds the adapters only): same seed here.
+    torch.manual_seed(0 if resume is None or lean else 123)
     cfg = Qwen2Config(
         vocab_size=37,
         hidden_size=16,

@@ -69,3 +69,30 @@ def test_lora_run_publishes_merged_weights_exports_a_plain_model_and_replays_bit
     res = asyncrl(procs, "replay", f"run={run}", "run_name=lora-replay")
     assert res.returncode == 0, res.stdout[-4000:]
     assert _sha(tmp_path / "lora-replay") == _sha(run)
+
+
+def test_smollm2_lora_run_gets_rewards_and_replays_bit_exactly(tmp_path, procs):
+    """SmolLM2-135M-Instruct, chat-templated prompts, LoRA on every projection, int8 workers: a few
+    steps, some responses rewarded, and the replay of its log gives the same merged weights."""
+    data = tmp_path / "easy.jsonl"
+    rows = [{"prompt": f"What is {a} + {b}? Reply with the number only.", "answer": str(a + b)}
+            for a in range(1, 7) for b in range(1, 7)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["model=smollm2", "task=jsonl_math", f"task.path={data}", "task.answer_format=last_number",
+            "task.prompt_format=chat", "task.eval_size=4", "learner.total_steps=2", "learner.eval_every=0",
+            "learner.ckpt_every=0", "rollout.groups_per_step=2", "algo.group_size=4", "rollout.max_new_tokens=16",
+            "rollout.num_workers=1", "rollout.eta=1", "learner.lora.rank=8", "learner.lora.alpha=16",
+            "learner.lr=1e-4", "learner.activation_checkpointing=true", "learner.max_tokens_per_micro_batch=1024",
+            "quant=int8"]  # fmt: skip
+    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=smol", *args, timeout=1500)
+    assert res.returncode == 0, res.stdout[-4000:]
+    run = tmp_path / "smol"
+
+    from asyncrl.log import SampleRecord, read_log
+
+    rewards = [r.reward for r in read_log(run / "trajectories").records if isinstance(r, SampleRecord)]
+    assert rewards and sum(rewards) > 0, f"no reward in {len(rewards)} samples"
+    assert len(_metrics(run)) == 2
+    res = asyncrl(procs, "replay", f"run={run}", "run_name=smol-replay", timeout=1500)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert _sha(tmp_path / "smol-replay") == _sha(run)

@@ -152,3 +152,27 @@ def test_default_threads_leave_one_cpu_per_worker():
     assert default_num_threads(2, 1, cpus=16) == 14
     assert default_num_threads(2, 2, cpus=16) == 7
     assert default_num_threads(4, 1, cpus=2) == 1
+
+
+def test_lora_dropout_is_active_in_the_training_forward_only(tiny, dist_info):
+    spec = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), dropout=0.5)
+    model = prepare_policy(tiny.model(seed=1), dist_info, lora=spec)
+    opt = build_optimizer(model, lr=5e-2)
+    state = TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, LRSchedule()))
+    train_step(state, tiny.batch(6, seed=0), tiny.objective, StepConfig(reuse_prox=False, train_dropout=True), dist_info)
+    seen = []
+
+    def recording(logp, prox, *a, **kw):
+        seen.append((logp.detach().clone(), prox.clone()))
+        from asyncrl.algo import policy_loss
+
+        return policy_loss(logp, prox, *a, **kw)
+
+    batch = tiny.batch(6, seed=1, version=1)
+    train_step(state, batch, tiny.objective, StepConfig(reuse_prox=False, train_dropout=True), dist_info,
+               loss_fn=recording)  # fmt: skip
+    logp, prox = seen[0]
+    assert not torch.allclose(logp, prox)  # dropout on the adapters' input in the training forward
+    assert not state.model.training  # eval mode again after the step
+    with pytest.raises(ValueError, match="reuse_prox"):
+        StepConfig(train_dropout=True)
