@@ -108,3 +108,13 @@ def test_bench_scripts_explain_themselves_with_help(procs):
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, name
         assert "--quick" in out and "--smoke" in out and "--json" in out, name
+
+
+def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "bench_learner", "--quick", "--model", "tiny", "--samples", "8",
+                     "--new-tokens", "8", timeout_s=600)
+    rows = data["tables"]["rows"]
+    assert [r["row"] for r in rows] == ["fsdp-ws1-mb64", "full", "full-bf16", "lora"]
+    check_rows(rows, ["peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "cpu_s_per_1k_tokens", "cpu_ratio",
+                      "prox_s", "trainable_params", "trained_tokens"], text=("row",))
+    assert rows[-1]["trainable_params"] < rows[1]["trainable_params"]  # LoRA trains adapters only
