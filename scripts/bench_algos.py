@@ -30,7 +30,7 @@ GRPO group carries a gradient), the mean training reward over the run (``reward_
 the token-weighted KL(behaviour || proximal) (k3) and, for TBPO, the mean fraction of positive /
 negative responses whose mismatch weight was outside the band (clamped or dropped). Plot: eval
 accuracy vs step, seed mean with a 95% CI band, per eta. ``--json`` is rewritten after every run;
-``--resume PATH`` reuses the runs of an earlier JSON (same settings) and runs only the missing ones.
+``--resume A.json,B.json`` reuses the runs of earlier JSONs (same settings) and runs only the missing ones.
 
 Run: ``python scripts/bench_algos.py [--quick|--smoke] [--steps N] [--seeds 0,1,2,3,4] [--objectives ..]
 [--etas 0,4,8] [--formats int8,nvfp4] [--configs a,b] [--task addition2] [--set key=value ...]``.
@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collapse-reward", type=float, default=0.05,
                    help="a run collapsed if its mean train reward over the last 10 steps is below this")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
-    p.add_argument("--resume", default=None, metavar="JSON", help="reuse the runs recorded in this JSON")
+    p.add_argument("--resume", default=None, metavar="JSON[,JSON]",
+                   help="reuse the runs recorded in these JSON files (same settings); run only the missing ones")
     p.add_argument("--plots", default=str(benchlib.ROOT / "benchmarks" / "plots"),
                    help="folder for the PNG plots (default %(default)s)")
     args = p.parse_args(argv)
@@ -246,20 +247,21 @@ def main(argv: list[str] | None = None) -> int:
     warm = "0" if args.smoke else str(args.warmstart_steps)
     common = [f"task={args.task}", f"model.warmstart_steps={warm}", f"learner.lr={args.lr}",
               f"learner.n_minibatches={args.n_minibatches}", f"learner.total_steps={steps}",
-              "learner.ckpt_every=0", f"learner.eval_every={max(1, steps // 8)}", "rollout.heartbeat_s=0.05",
+              "learner.ckpt_every=0", f"learner.eval_every={max(2, steps // 8)}", "rollout.heartbeat_s=0.05",
               *args.set]
     from asyncrl.config import load_train_config
 
     for n in names:
         load_train_config([*common, *cells[n]])  # a bad override fails now, not after an hour
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    if args.resume:
-        old = json.loads(Path(args.resume).read_text())
+    for path in [x for x in (args.resume or "").split(",") if x]:
+        old = json.loads(Path(path).read_text())
         if old.get("common_overrides") != common:
-            raise SystemExit(f"--resume {args.resume}: its runs used {old.get('common_overrides')}, not {common}")
+            raise SystemExit(f"--resume {path}: its runs used {old.get('common_overrides')}, not {common}")
         for n, rs in old.get("runs", {}).items():
             if n in runs:
-                runs[n] = [r for r in rs if r["seed"] in seeds]
+                have = {r["seed"] for r in runs[n]}
+                runs[n] += [r for r in rs if r["seed"] in seeds and r["seed"] not in have]
     t_start = time.monotonic()
     prefix = "algos_smoke" if args.smoke else "algos_quick" if args.quick else "algos"
 
