@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="one warm-started model (seed=0) for every run; seeds vary learner.seed and rollout.seed")
     p.add_argument("--collapse-reward", type=float, default=0.05,
                    help="a run collapsed if its mean train reward over the last 10 steps is below this")
+    p.add_argument("--until", default=None, metavar="HH:MM",
+                   help="start no new run after this UTC time (the runs finished so far are reported)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
     p.add_argument("--resume", default=None, metavar="JSON[,JSON]",
                    help="reuse the runs recorded in these JSON files (same settings); run only the missing ones")
@@ -275,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:  # seed-major: a partial run still compares every configuration
             for n in names:
                 if any(r["seed"] == seed for r in runs[n]):
+                    continue
+                if args.until and time.strftime("%H:%M", time.gmtime()) >= args.until:
+                    print(f"  {n}-s{seed}: not started (--until {args.until} UTC)", flush=True)
                     continue
                 name = f"{n}-s{seed}"
                 seeding = ([f"learner.seed={seed}", f"rollout.seed={seed}"] if args.shared_init
