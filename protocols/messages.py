@@ -25,7 +25,7 @@ import math
 import msgspec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1.1: TensorSpec.digest
+PROTOCOL_MINOR = 2  # 1.1: TensorSpec.digest; 1.2: WeightAnnounce.aqn_resample
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 # dtype name -> item size in bytes. The names are numpy's (``np.dtype(name)`` round-trips them).
@@ -270,6 +270,8 @@ class WeightAnnounce(_Base, tag="weight_announce"):
     total_bytes: int
     aqn_seed: int = -1
     aqn_sigma: float = 0.0
+    aqn_resample: str = "publication"
+    """``forward``: clean gains; the sampler redraws the AQN noise at every forward (seed, sigma above)."""
 
 
 class WeightFetch(_Base, tag="weight_fetch"):

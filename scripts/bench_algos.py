@@ -1,33 +1,39 @@
 #!/usr/bin/env python
-"""The algorithm comparison in miniature: objectives on quantized, stale rollouts vs a synchronous fp32 run.
+"""The algorithm comparison: objectives on quantized, stale rollouts vs a synchronous fp32 run, with CIs.
 
 Every point is a real ``asyncrl train`` run (subprocess, run folder in a temporary directory) on the
-embedded tiny model, at a fixed budget of learner steps, for several seeds (``seed=S``: the tiny
-model's initialisation, its warm start and the sampling seed). Configurations (``--configs``):
+embedded tiny model, at a fixed budget of learner steps, for several seeds. A configuration is named
+``OBJ-FMT-etaN`` (e.g. ``tis-nvfp4-eta4``) or ``sync-fp32``; an optional suffix ``-tm`` / ``-smtm``
+overrides the common aggregation for that configuration (the second row where the aggregation matters):
 
-  sync-fp32        rollout.eta=0 quant=fp32 algo=ppo      the synchronous full-precision baseline
-  ppo-nvfp4        eta=4 quant=nvfp4 algo=ppo             "naive": PPO objective on quantized stale rollouts
-  decoupled-nvfp4  eta=4 quant=nvfp4 algo=decoupled       AReaL decoupled PPO
-  tis-nvfp4        eta=4 quant=nvfp4 algo=tis             truncated importance sampling
-  acr-nvfp4        eta=4 quant=nvfp4 algo=acr             QuRL adaptive clipping range
-  tbpo-nvfp4       eta=4 quant=nvfp4 algo=tbpo            QaRL trust-band policy optimisation
-  acr-uaq-nvfp4    eta=4 quant=nvfp4 algo=acr quant.uaq=true   ACR + update-aware quantization
-  ppo-int8, acr-int8   the same at eta=4 with int8 workers (tis-int8 too, not in the default set)
+  sync-fp32      rollout.eta=0 quant=fp32 algo=ppo      the synchronous full-precision baseline
+  ppo-...        algo=ppo                               naive: PPO with the behaviour log-probs as old policy
+  decoupled-...  algo=decoupled                         AReaL decoupled PPO
+  tis-...        algo=tis                               truncated importance sampling
+  acr-...        algo=acr                               QuRL adaptive clipping range
+  tbpo-...       algo=tbpo algo.tbpo_w_mode=clamp       QaRL trust bands, mismatch weight truncated (default)
+  tbpo_drop-...  algo=tbpo algo.tbpo_w_mode=drop        QaRL trust bands, out-of-band responses dropped
 
-Every run also gets ``learner.ckpt_every=0`` (checkpoint only at the end), an evaluation every
-quarter of the budget, and ``rollout.heartbeat_s=0.05`` (workers report their weight version within
-50 ms; this shortens the synchronous baseline's steps and changes no objective).
+The full grid (the default) is every objective x eta in {0, 4, 8} x workers in {int8, nvfp4}, plus
+sync-fp32, 5 seeds each (185 runs of 80 steps; ~4 h on 2 idle cores); ``--objectives/--etas/--formats`` shrink
+it and ``--configs`` names cells directly. Every run gets the same settings: ``learner.n_minibatches``
+(default 2, so every trust region acts), one aggregation (``--agg``, default token-mean), the task and
+its warm start, the learning rate, ``learner.ckpt_every=0``, ``rollout.heartbeat_s=0.05`` and an
+evaluation every eighth of the budget. ``seed=S`` varies the tiny model's initialisation, its warm start
+and the sampling seed; ``--shared-init`` keeps one warm-started model (``seed=0``) and varies only
+``learner.seed`` and ``rollout.seed`` (5 seeds without 5 warm starts).
 
-Reported per configuration (mean and sample std over seeds): final greedy eval accuracy on the
-task's evaluation set, the final sampled training reward (mean of the last 5 steps), the mean
-training reward over the whole budget (``reward_auc``, a learning-speed measure), and the
-token-weighted mean KL(behaviour || proximal) (k3 estimator) over training, overall and split by
-staleness eta=j (``mismatch/by_staleness/eta=j/kl_k3``). Key column: ``eval_vs_sync`` = mean eval
-accuracy / the sync-fp32 baseline's. Plots: reward curves, eval accuracy, and KL by staleness
-under ``benchmarks/plots/``.
+Reported per configuration: the number of runs, the final greedy eval accuracy (mean, 95% confidence
+interval from Student's t over seeds, min..max), the runs that collapsed (mean sampled training reward
+over the last 10 steps below ``--collapse-reward``: the absorbing all-zero-reward state in which no
+GRPO group carries a gradient), the mean training reward over the run (``reward_auc``) with its CI,
+the token-weighted KL(behaviour || proximal) (k3) and, for TBPO, the mean fraction of positive /
+negative responses whose mismatch weight was outside the band (clamped or dropped). Plot: eval
+accuracy vs step, seed mean with a 95% CI band, per eta. ``--json`` is rewritten after every run;
+``--resume A.json,B.json`` reuses the runs of earlier JSONs (same settings) and runs only the missing ones.
 
-Run: ``python scripts/bench_algos.py [--quick|--smoke] [--steps N] [--seeds 0,1,2] [--configs a,b]
-[--task addition] [--set key=value ...] [--json PATH] [--plots DIR]``.
+Run: ``python scripts/bench_algos.py [--quick|--smoke] [--steps N] [--seeds 0,1,2,3,4] [--objectives ..]
+[--etas 0,4,8] [--formats int8,nvfp4] [--configs a,b] [--task addition2] [--set key=value ...]``.
 """
 
 from __future__ import annotations
@@ -45,21 +51,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import benchlib  # noqa: E402
 
-CONFIGS: dict[str, list[str]] = {
-    "sync-fp32": ["rollout.eta=0", "quant=fp32", "algo=ppo"],
-    "ppo-nvfp4": ["rollout.eta=4", "quant=nvfp4", "algo=ppo"],
-    "decoupled-nvfp4": ["rollout.eta=4", "quant=nvfp4", "algo=decoupled"],
-    "tis-nvfp4": ["rollout.eta=4", "quant=nvfp4", "algo=tis"],
-    "acr-nvfp4": ["rollout.eta=4", "quant=nvfp4", "algo=acr"],
-    "tbpo-nvfp4": ["rollout.eta=4", "quant=nvfp4", "algo=tbpo"],
-    "acr-uaq-nvfp4": ["rollout.eta=4", "quant=nvfp4", "algo=acr", "quant.uaq=true"],
-    "ppo-int8": ["rollout.eta=4", "quant=int8", "algo=ppo"],
-    "tis-int8": ["rollout.eta=4", "quant=int8", "algo=tis"],
-    "acr-int8": ["rollout.eta=4", "quant=int8", "algo=acr"],
+OBJECTIVES: dict[str, list[str]] = {
+    "ppo": ["algo=ppo"],
+    "decoupled": ["algo=decoupled"],
+    "tis": ["algo=tis"],
+    "acr": ["algo=acr"],
+    "tbpo": ["algo=tbpo", "algo.tbpo_w_mode=clamp"],
+    "tbpo_drop": ["algo=tbpo", "algo.tbpo_w_mode=drop"],
 }
-DEFAULT = [c for c in CONFIGS if c != "tis-int8"]  # 9 x 3 seeds x 120 steps: ~32 min on 2 idle cores
+FORMATS = ("int8", "nvfp4")
+ETAS = (0, 4, 8)
+AGG_TAGS = {"tm": "token-mean", "smtm": "seq-mean-token-mean"}
 BASELINE = "sync-fp32"
+NAME = re.compile(r"^(?P<obj>[a-z_]+)-(?P<fmt>[a-z0-9]+)-eta(?P<eta>\d+)(?:-(?P<agg>tm|smtm))?$")
 STALE_KL = re.compile(r"^mismatch/by_staleness/eta=(\d+)/kl_k3$")
+# two-sided 97.5% Student t quantiles for 1..30 degrees of freedom
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042]
+
+
+def config_overrides(name: str, agg: str) -> list[str]:
+    """The overrides of one named cell (raises SystemExit naming the grammar for a bad name)."""
+    if name == BASELINE:
+        return ["rollout.eta=0", "quant=fp32", "algo=ppo", f"algo.agg={agg}"]
+    m = NAME.match(name)
+    if not m or m["obj"] not in OBJECTIVES or m["fmt"] not in FORMATS:
+        raise SystemExit(f"unknown config {name!r}: use {BASELINE} or OBJ-FMT-etaN[-tm|-smtm] with OBJ in "
+                         f"{', '.join(OBJECTIVES)} and FMT in {', '.join(FORMATS)} (e.g. tis-nvfp4-eta4)")
+    return [f"rollout.eta={m['eta']}", f"quant={m['fmt']}", *OBJECTIVES[m["obj"]],
+            f"algo.agg={AGG_TAGS[m['agg']] if m['agg'] else agg}"]
+
+
+def grid(objectives: list[str], etas: list[int], formats: list[str]) -> list[str]:
+    return [BASELINE] + [f"{o}-{f}-eta{e}" for e in etas for f in formats for o in objectives]
+
+
+def ci95(xs: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% CI from Student's t); half-width nan for fewer than 2 values."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return float("nan"), float("nan")
+    if len(xs) < 2:
+        return xs[0], float("nan")
+    t = T975[len(xs) - 2] if len(xs) - 1 <= len(T975) else 1.96
+    return statistics.fmean(xs), t * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
 def run_curves(run_dir: Path) -> dict:
@@ -68,8 +104,11 @@ def run_curves(run_dir: Path) -> dict:
 
     recs = read_metrics(run_dir)
     steps = [r for r in recs if r.get("train/reward_mean") is not None]
+    summary = json.loads((run_dir / "summary.json").read_text())
     evals = [(int(r["step"]), r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None]
-    kl, kl_stale = [], {}
+    if summary.get("eval_accuracy") is not None and (not evals or evals[-1][0] < len(steps)):
+        evals.append((len(steps), summary["eval_accuracy"]))  # the final evaluation, after the last step
+    kl, kl_stale, w_out = [], {}, {"pos": [], "neg": []}
     for r in steps:
         if r.get("mismatch/kl_k3") is not None:
             kl.append((int(r["step"]), r["mismatch/kl_k3"], r.get("actor/tokens", 0.0)))
@@ -78,176 +117,194 @@ def run_curves(run_dir: Path) -> dict:
             if m and v is not None:
                 tokens = r.get(f"mismatch/by_staleness/eta={m.group(1)}/tokens", 0.0) or 0.0
                 kl_stale.setdefault(m.group(1), []).append((int(r["step"]), v, tokens))
-    summary = json.loads((run_dir / "summary.json").read_text())
+        for sign in w_out:
+            for key in (f"tbpo/w_clamped_frac/{sign}", f"tbpo/seq_masked_frac/{sign}"):
+                if r.get(key) is not None:
+                    w_out[sign].append(r[key])
     return {"reward": [(int(r["step"]), r["train/reward_mean"]) for r in steps], "eval": evals, "kl": kl,
-            "kl_by_staleness": kl_stale, "eval_acc": summary.get("eval_accuracy"),
+            "kl_by_staleness": kl_stale, "w_out": w_out, "eval_acc": summary.get("eval_accuracy"),
             "final_reward": summary.get("final_train_reward"), "wall_s": summary.get("wall_seconds"),
-            "max_staleness": summary.get("max_consumed_staleness")}
+            "entropy": [r["actor/entropy"] for r in steps if r.get("actor/entropy") is not None]}
 
 
-def weighted_mean(points: list[tuple[int, float, float]]) -> float:
-    w = sum(t for _, _, t in points)
-    return sum(v * t for _, v, t in points) / w if w > 0 else float("nan")
+def weighted_mean(points: list) -> float:
+    w = sum(p[2] for p in points)
+    return sum(p[1] * p[2] for p in points) / w if w > 0 else float("nan")
 
 
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return float("nan"), float("nan")
-    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+def tail_reward(r: dict, k: int = 10) -> float:
+    vals = [v for _, v in r["reward"][-k:]]
+    return statistics.fmean(vals) if vals else float("nan")
 
 
-def aggregate(runs: dict[str, list[dict]]) -> list[dict]:
+def aggregate(runs: dict[str, list[dict]], collapse_reward: float) -> list[dict]:
     rows = []
-    base_eval = mean_std([r["eval_acc"] for r in runs.get(BASELINE, [])])[0]
-    base_auc = mean_std([statistics.fmean(v for _, v in r["reward"]) for r in runs.get(BASELINE, [])
-                         if r["reward"]])[0]
+    base_eval = ci95([r["eval_acc"] for r in runs.get(BASELINE, [])])[0]
     for name, rs in runs.items():
-        ev, ev_sd = mean_std([r["eval_acc"] for r in rs])
-        fr, fr_sd = mean_std([r["final_reward"] for r in rs])
-        auc, auc_sd = mean_std([statistics.fmean(v for _, v in r["reward"]) for r in rs if r["reward"]])
-        kl = mean_std([weighted_mean(r["kl"]) for r in rs if r["kl"]])[0]
-        row = {"config": name, "seeds": len(rs), "eval_acc": ev, "eval_std": ev_sd,
-               "eval_vs_sync": ev / base_eval if base_eval else float("nan"), "final_reward": fr,
-               "final_reward_std": fr_sd, "reward_auc": auc, "reward_auc_std": auc_sd,
-               "auc_vs_sync": auc / base_auc if base_auc else float("nan"), "kl_k3": kl,
-               "wall_s": statistics.fmean(r["wall_s"] for r in rs if r["wall_s"] is not None)}
-        for j in range(0, 5):
-            vals = [weighted_mean(r["kl_by_staleness"].get(str(j), [])) for r in rs]
-            row[f"kl_eta{j}"] = mean_std([v for v in vals if math.isfinite(v)])[0]
+        if not rs:
+            continue
+        evals = [r["eval_acc"] for r in rs if r["eval_acc"] is not None]
+        ev, ev_ci = ci95(evals)
+        auc, auc_ci = ci95([statistics.fmean(v for _, v in r["reward"]) for r in rs if r["reward"]])
+        fr, fr_ci = ci95([tail_reward(r) for r in rs])
+        row = {"config": name, "runs": len(rs), "eval_acc": ev, "eval_ci95": ev_ci,
+               "eval_min": min(evals) if evals else float("nan"), "eval_max": max(evals) if evals else float("nan"),
+               "eval_vs_sync": ev / base_eval if base_eval else float("nan"),
+               "collapsed": sum(tail_reward(r) < collapse_reward for r in rs),
+               "final_reward": fr, "final_reward_ci95": fr_ci, "reward_auc": auc, "reward_auc_ci95": auc_ci,
+               "kl_k3": ci95([weighted_mean(r["kl"]) for r in rs if r["kl"]])[0],
+               "w_out_pos": ci95([statistics.fmean(r["w_out"]["pos"]) for r in rs if r["w_out"]["pos"]])[0],
+               "w_out_neg": ci95([statistics.fmean(r["w_out"]["neg"]) for r in rs if r["w_out"]["neg"]])[0],
+               "entropy": ci95([statistics.fmean(r["entropy"]) for r in rs if r.get("entropy")])[0],
+               "wall_s": statistics.fmean(r["wall_s"] for r in rs if r["wall_s"] is not None)
+               if any(r["wall_s"] is not None for r in rs) else float("nan")}
         rows.append(row)
     return rows
 
 
-def _smooth(xs: list[float], k: int) -> list[float]:
-    return [statistics.fmean(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
-
-
 def make_plots(runs: dict[str, list[dict]], out_dir: Path, prefix: str) -> list[str]:
-    """reward curves (seed mean, moving average), eval accuracy bars, KL by staleness per config."""
+    """Eval accuracy vs step (seed mean, 95% CI band), one panel per staleness bound eta."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    # 1. reward curves
-    fig = Figure(figsize=(9, 5))
-    ax = fig.add_subplot(1, 1, 1)
-    for name, rs in runs.items():
-        n = min(len(r["reward"]) for r in rs)
-        if n == 0:
-            continue
-        mean = [statistics.fmean(r["reward"][i][1] for r in rs) for i in range(n)]
-        style = {"color": "black", "linewidth": 2.5} if name == BASELINE else {}
-        ax.plot([rs[0]["reward"][i][0] for i in range(n)], _smooth(mean, 10), label=name,
-                linestyle="--" if "int8" in name else "-", **style)
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("sampled train reward (seed mean, 10-step moving average)")
-    ax.set_title("Training reward")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
-    path = out_dir / f"{prefix}_reward.png"
-    FigureCanvasAgg(fig).print_png(str(path))
-    written.append(str(path))
-    # 2. eval accuracy (mean +- std over seeds, each seed as a dot)
-    fig = Figure(figsize=(9, 4.5))
-    ax = fig.add_subplot(1, 1, 1)
-    names = list(runs)
-    for i, name in enumerate(names):
-        vals = [r["eval_acc"] for r in runs[name] if r["eval_acc"] is not None]
-        if not vals:
-            continue
-        m, s = mean_std(vals)
-        ax.bar(i, m, yerr=s, color="0.3" if name == BASELINE else "tab:blue", alpha=0.7, capsize=4)
-        ax.scatter([i] * len(vals), vals, color="black", s=12, zorder=3)
-    ax.set_xticks(range(len(names)))
-    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("final greedy eval accuracy")
-    ax.set_ylim(0, 1.05)
-    ax.grid(axis="y", alpha=0.3)
+    panels: dict[str, list[str]] = {}
+    for name in runs:
+        m = NAME.match(name)
+        panels.setdefault(f"eta={m['eta']}" if m else "eta=0", []).append(name)
+    keys = sorted(panels, key=lambda k: int(k.split("=")[1]))
+    fig = Figure(figsize=(5.2 * len(keys), 4.4))
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
+        names = panels[key] + ([BASELINE] if BASELINE in runs and BASELINE not in panels[key] else [])
+        for name in names:
+            by_step: dict[int, list[float]] = {}
+            for r in runs[name]:
+                for step, acc in r["eval"]:
+                    by_step.setdefault(step, []).append(acc)
+            steps = sorted(s for s, v in by_step.items() if len(v) == len(runs[name]))
+            if not steps:
+                continue
+            stats = [ci95(by_step[s]) for s in steps]
+            mean = [m for m, _ in stats]
+            half = [0.0 if math.isnan(h) else h for _, h in stats]
+            style = {"color": "black", "linewidth": 2.2} if name == BASELINE else {}
+            line = ax.plot(steps, mean, marker=".", linestyle="--" if "int8" in name else "-",
+                           label=f"{name} (n={len(runs[name])})", **style)[0]
+            ax.fill_between(steps, [m - h for m, h in zip(mean, half, strict=True)],
+                            [m + h for m, h in zip(mean, half, strict=True)], color=line.get_color(), alpha=0.15)
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel("learner step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        if i == 0:
+            ax.set_ylabel("greedy eval accuracy (seed mean, 95% CI)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    path = out_dir / f"{prefix}_eval.png"
+    path = out_dir / f"{prefix}_eval_vs_step.png"
     FigureCanvasAgg(fig).print_png(str(path))
-    written.append(str(path))
-    # 3. KL(behaviour || proximal) by staleness, one panel per configuration that logs it
-    with_kl = [n for n in names if any(r["kl_by_staleness"] for r in runs[n])]
-    if with_kl:
-        cols = min(3, len(with_kl))
-        rows_n = math.ceil(len(with_kl) / cols)
-        fig = Figure(figsize=(4.2 * cols, 3.2 * rows_n))
-        for i, name in enumerate(with_kl):
-            ax = fig.add_subplot(rows_n, cols, i + 1)
-            for j in sorted({j for r in runs[name] for j in r["kl_by_staleness"]}, key=int):
-                pts = sorted(p for r in runs[name] for p in r["kl_by_staleness"].get(j, []))
-                if pts:
-                    ax.plot([p[0] for p in pts], [max(p[1], 1e-6) for p in pts], ".", markersize=3,
-                            label=f"eta={j}")
-            ax.set_yscale("log")
-            ax.set_title(name, fontsize=9)
-            ax.grid(alpha=0.3)
-            if i == 0:
-                ax.set_ylabel("KL(behav || prox), k3")
-            ax.legend(fontsize=6, markerscale=2)
-        fig.suptitle("KL(behaviour || proximal) per step by token staleness (all seeds)", fontsize=10)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}_kl_by_staleness.png"
-        FigureCanvasAgg(fig).print_png(str(path))
-        written.append(str(path))
-    return written
+    return [str(path)]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = benchlib.parser("bench_algos", __doc__.split("\n\n")[0], smoke=True)
     p.epilog = __doc__.split("\n\n", 1)[1]
-    p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 120, quick 40, smoke 4)")
-    p.add_argument("--seeds", default=None, help="comma list (default 0,1,2; quick and smoke 0)")
-    p.add_argument("--configs", default=None, help=f"comma list of {', '.join(CONFIGS)} (default: all but tis-int8; smoke: "
-                                                   f"{BASELINE},acr-nvfp4)")
-    p.add_argument("--task", default="addition", help="task config group (default %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 80, quick 40, smoke 4)")
+    p.add_argument("--seeds", default=None, help="comma list (default 0,1,2,3,4; quick and smoke 0)")
+    p.add_argument("--objectives", default=",".join(OBJECTIVES), help="grid objectives (default: all)")
+    p.add_argument("--etas", default="0,4,8", help="grid staleness bounds (default %(default)s)")
+    p.add_argument("--formats", default="int8,nvfp4", help="grid worker formats (default %(default)s)")
+    p.add_argument("--configs", default=None, help="explicit cells instead of the grid, e.g. sync-fp32,tis-nvfp4-eta4")
+    p.add_argument("--task", default="addition2", help="task config group (default %(default)s)")
+    p.add_argument("--warmstart-steps", type=int, default=1000, help="supervised warm start (default %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-4, help="learner.lr (default %(default)s)")
+    p.add_argument("--agg", default="token-mean", choices=sorted(AGG_TAGS.values()),
+                   help="one aggregation for every objective (default %(default)s)")
+    p.add_argument("--n-minibatches", type=int, default=2, help="optimizer updates per step (default %(default)s)")
+    p.add_argument("--shared-init", action="store_true",
+                   help="one warm-started model (seed=0) for every run; seeds vary learner.seed and rollout.seed")
+    p.add_argument("--collapse-reward", type=float, default=0.05,
+                   help="a run collapsed if its mean train reward over the last 10 steps is below this")
+    p.add_argument("--until", default=None, metavar="HH:MM",
+                   help="start no new run after this UTC time (the runs finished so far are reported)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
+    p.add_argument("--resume", default=None, metavar="JSON[,JSON]",
+                   help="reuse the runs recorded in these JSON files (same settings); run only the missing ones")
     p.add_argument("--plots", default=str(benchlib.ROOT / "benchmarks" / "plots"),
                    help="folder for the PNG plots (default %(default)s)")
     args = p.parse_args(argv)
     benchlib.exit_on_sigterm()
-    steps = args.steps or (4 if args.smoke else 40 if args.quick else 120)
-    seeds = [int(s) for s in (args.seeds or ("0" if args.quick or args.smoke else "0,1,2")).split(",") if s]
-    names = [c for c in (args.configs or (f"{BASELINE},acr-nvfp4" if args.smoke else ",".join(DEFAULT))).split(",")
-             if c]
-    bad = [c for c in names if c not in CONFIGS]
-    if bad:
-        raise SystemExit(f"unknown config(s) {bad}; choose from {list(CONFIGS)}")
-    common = [f"task={args.task}", f"learner.total_steps={steps}", "learner.ckpt_every=0",
-              f"learner.eval_every={max(1, steps // 4)}", "rollout.heartbeat_s=0.05", *args.set]
+    steps = args.steps or (4 if args.smoke else 40 if args.quick else 80)
+    seeds = [int(s) for s in (args.seeds or ("0" if args.quick or args.smoke else "0,1,2,3,4")).split(",") if s]
+    if args.configs:
+        names = [c for c in args.configs.split(",") if c]
+    elif args.smoke:
+        names = [BASELINE, "acr-nvfp4-eta4"]
+    elif args.quick:
+        names = [BASELINE, "tis-nvfp4-eta4", "tbpo-nvfp4-eta4"]
+    else:
+        names = grid([o for o in args.objectives.split(",") if o], [int(e) for e in args.etas.split(",") if e],
+                     [f for f in args.formats.split(",") if f])
+    cells = {n: config_overrides(n, args.agg) for n in names}
+    warm = "0" if args.smoke else str(args.warmstart_steps)
+    common = [f"task={args.task}", f"model.warmstart_steps={warm}", f"learner.lr={args.lr}",
+              f"learner.n_minibatches={args.n_minibatches}", f"learner.total_steps={steps}",
+              "learner.ckpt_every=0", f"learner.eval_every={max(2, steps // 8)}", "rollout.heartbeat_s=0.05",
+              *args.set]
     from asyncrl.config import load_train_config
 
     for n in names:
-        load_train_config([*common, *CONFIGS[n]])  # a bad override fails now, not after an hour
+        load_train_config([*common, *cells[n]])  # a bad override fails now, not after an hour
     runs: dict[str, list[dict]] = {n: [] for n in names}
+    for path in [x for x in (args.resume or "").split(",") if x]:
+        old = json.loads(Path(path).read_text())
+        if old.get("common_overrides") != common:
+            raise SystemExit(f"--resume {path}: its runs used {old.get('common_overrides')}, not {common}")
+        for n, rs in old.get("runs", {}).items():
+            if n in runs:
+                have = {r["seed"] for r in runs[n]}
+                runs[n] += [r for r in rs if r["seed"] in seeds and r["seed"] not in have]
     t_start = time.monotonic()
     prefix = "algos_smoke" if args.smoke else "algos_quick" if args.quick else "algos"
+
+    def save() -> list[dict]:
+        rows = aggregate(runs, args.collapse_reward)
+        benchlib.write_json(args.json, "bench_algos", {"summary": rows}, args, steps=steps, seeds=seeds,
+                            configs=cells, common_overrides=common, runs=runs, total_s=time.monotonic() - t_start)
+        return rows
+
     with tempfile.TemporaryDirectory(prefix="bench_algos-") as tmp:
         for seed in seeds:  # seed-major: a partial run still compares every configuration
             for n in names:
+                if any(r["seed"] == seed for r in runs[n]):
+                    continue
+                if args.until and time.strftime("%H:%M", time.gmtime()) >= args.until:
+                    print(f"  {n}-s{seed}: not started (--until {args.until} UTC)", flush=True)
+                    continue
                 name = f"{n}-s{seed}"
+                seeding = ([f"learner.seed={seed}", f"rollout.seed={seed}"] if args.shared_init
+                           else [f"seed={seed}", f"learner.seed={seed}", f"rollout.seed={seed}"])
                 t0 = time.monotonic()
-                run_dir = benchlib.run_train([*common, *CONFIGS[n], f"seed={seed}", f"learner.seed={seed}"],
-                                             runs_dir=Path(tmp), run_name=name, log_path=Path(tmp) / f"{name}.log")
+                run_dir = benchlib.run_train([*common, *cells[n], *seeding], runs_dir=Path(tmp), run_name=name,
+                                             log_path=Path(tmp) / f"{name}.log")
                 r = run_curves(run_dir)
                 r["seed"] = seed
                 runs[n].append(r)
-                print(f"  {name}: eval {r['eval_acc']}, final reward {r['final_reward']:.3f} "
+                print(f"  {name}: eval {r['eval_acc']}, last-10 reward {tail_reward(r):.3f} "
                       f"({time.monotonic() - t0:.0f}s; {time.monotonic() - t_start:.0f}s total)", flush=True)
-    rows = aggregate(runs)
+                save()
+    rows = save()
     benchlib.print_table(
-        f"{args.task}, tiny model, {steps} learner steps, seeds {seeds}: final greedy eval accuracy (mean, std) "
-        f"vs the synchronous fp32 baseline, reward, and token-weighted KL(behav||prox) by staleness",
-        rows, ["config", "seeds", "eval_acc", "eval_std", "eval_vs_sync", "final_reward", "reward_auc",
-               "auc_vs_sync", "kl_k3", "kl_eta0", "kl_eta1", "kl_eta2", "kl_eta3", "kl_eta4", "wall_s"])
+        f"{args.task}, tiny model, {steps} learner steps, n_minibatches={args.n_minibatches}, agg={args.agg}, "
+        f"seeds {seeds}: final greedy eval accuracy (mean, 95% CI), runs collapsed (last-10 reward < "
+        f"{args.collapse_reward}), reward, KL(behav||prox), TBPO w out of band (pos/neg)",
+        rows, ["config", "runs", "eval_acc", "eval_ci95", "eval_min", "eval_max", "eval_vs_sync", "collapsed",
+               "final_reward", "reward_auc", "reward_auc_ci95", "kl_k3", "w_out_pos", "w_out_neg", "wall_s"])
     plots = make_plots(runs, Path(args.plots), prefix)
     print("plots: " + ", ".join(plots))
     benchlib.write_json(args.json, "bench_algos", {"summary": rows}, args, steps=steps, seeds=seeds,
-                        configs={n: CONFIGS[n] for n in names}, common_overrides=common, plots=plots,
-                        runs=runs, total_s=time.monotonic() - t_start)
+                        configs=cells, common_overrides=common, plots=plots, runs=runs,
+                        total_s=time.monotonic() - t_start)
     return 0
 
 

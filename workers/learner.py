@@ -74,7 +74,8 @@ def objective_config(cfg):
                            is_cap=a.is_cap, is_level=a.is_level, behav_cap=a.behav_cap,
                            tbpo_eps_pos_high=a.tbpo_eps_pos_high, tbpo_eps_neg_low=a.tbpo_eps_neg_low,
                            tbpo_eps_neg_high=a.tbpo_eps_neg_high, tbpo_w_low=a.tbpo_w_low,
-                           tbpo_w_high=a.tbpo_w_high, agg=a.agg, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef)
+                           tbpo_w_high=a.tbpo_w_high, tbpo_w_mode=a.tbpo_w_mode, agg=a.agg, kl_coef=a.kl_coef,
+                           entropy_coef=a.entropy_coef)
 
 
 def batch_from_message(msg: P.TrainBatch, temperature: float, pad_id: int) -> LearnerBatch:
@@ -104,7 +105,8 @@ class Publisher:
         t0 = time.perf_counter()
         for fmt in self.formats:
             pub = publish(state_dict, fmt, version=version, aqn_sigma=sigma, aqn_seed=seed if sigma > 0 else None,
-                          uaq_s=q.uaq_scale if q.uaq else 1.0, uaq_sites=tuple(q.uaq_sites) if q.uaq else ())
+                          uaq_s=q.uaq_scale if q.uaq else 1.0, uaq_sites=tuple(q.uaq_sites) if q.uaq else (),
+                          aqn_resample=q.aqn_resample)
             if fmt in self.prev:
                 metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(self.prev[fmt], pub)
             if fmt not in ("fp32", "bf16"):  # the previous codes, for code_change_frac; no full-precision copy

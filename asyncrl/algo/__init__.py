@@ -27,7 +27,7 @@ from asyncrl.algo.advantages import (
     token_advantages,
 )
 from asyncrl.algo.aggregation import Denominators, aggregate
-from asyncrl.algo.config import AGGREGATIONS, KINDS, RS_MODES, ObjectiveConfig
+from asyncrl.algo.config import AGGREGATIONS, KINDS, RS_MODES, TBPO_W_MODES, ObjectiveConfig
 from asyncrl.algo.correction import is_weights, rejection_keep
 from asyncrl.algo.diagnostics import mismatch_metrics, response_stats
 from asyncrl.algo.loss import loss_denominators, policy_loss
@@ -37,6 +37,7 @@ __all__ = [
     "AGGREGATIONS",
     "KINDS",
     "RS_MODES",
+    "TBPO_W_MODES",
     "Denominators",
     "MetricDict",
     "ObjectiveConfig",

@@ -18,6 +18,7 @@ __all__ = [
     "IS_LEVELS",
     "REJECTION_DENOMINATORS",
     "RS_MODES",
+    "TBPO_W_MODES",
     "parse_rs_threshold",
 ]
 
@@ -26,6 +27,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 IS_LEVELS = ("token", "sequence")
 REJECTION_DENOMINATORS = ("pre_mask", "post_mask")
 STALE_LEVELS = ("token", "sequence")
+TBPO_W_MODES = ("clamp", "drop")
 RS_MODES = (
     "token_k1",
     "token_k2",
@@ -101,6 +103,10 @@ class ObjectiveConfig:
       ``("0.999_1.001",)``. Used by decoupled, tis, acr, gspo; all masks must pass.
     tbpo_*: TBPO bands (§6.7): positive cap 1+eps_pos_high; negative band
       [1-eps_neg_low, 1+eps_neg_high]; mismatch band w in [w_low, w_high].
+    tbpo_w_mode: what the mismatch band does (§6.7 revision 2026-12-01): ``clamp`` (default)
+      truncates the detached weight w to [w_low, w_high] and keeps every response; ``drop`` removes
+      the responses with w outside the band (paper-literal, for eta=0 or same-weight mismatch; with
+      stale rollouts w also carries the staleness and the drop can remove every positive response).
     agg: loss aggregation (§5); None = the kind's default (seq-mean-token-mean for gspo and tbpo,
       token-mean otherwise).
     rejection_denominator: ``pre_mask`` (AReaL; rejected tokens stay in the denominator) or
@@ -125,6 +131,7 @@ class ObjectiveConfig:
     tbpo_eps_neg_high: float = 4e-4
     tbpo_w_low: float = 0.5
     tbpo_w_high: float = 2.0
+    tbpo_w_mode: str = "clamp"
     agg: str | None = None
     rejection_denominator: str = "pre_mask"
     kl_coef: float = 0.0
@@ -147,6 +154,7 @@ class ObjectiveConfig:
         choice("agg", self.agg, AGGREGATIONS)
         choice("rejection_denominator", self.rejection_denominator, REJECTION_DENOMINATORS)
         choice("stale_level", self.stale_level, STALE_LEVELS)
+        choice("tbpo_w_mode", self.tbpo_w_mode, TBPO_W_MODES)
 
         lo_default, hi_default = _EPS_DEFAULTS.get(self.kind, (0.2, 0.2))
         if self.eps_low is None:

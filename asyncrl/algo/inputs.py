@@ -176,7 +176,9 @@ def prepare(
         if cfg.kind == "ppo":
             keep = clean
         elif cfg.kind == "tbpo":
-            keep = clean & tbpo_keep(mu, clean, cfg.tbpo_w_low, cfg.tbpo_w_high).unsqueeze(-1)
+            keep = clean  # w_mode=clamp truncates w in the objective and drops nothing (§6.7 revision)
+            if cfg.tbpo_w_mode == "drop":
+                keep = clean & tbpo_keep(mu, clean, cfg.tbpo_w_low, cfg.tbpo_w_high).unsqueeze(-1)
         else:
             keep = clean
             if cfg.kind == "decoupled":

@@ -108,8 +108,13 @@ def sequence_objective(
                 _rs_stats(b, prep)
     else:  # tbpo
         sur = tbpo_surrogate(log_s, adv, cfg.tbpo_eps_pos_high, cfg.tbpo_eps_neg_low, cfg.tbpo_eps_neg_high)
-        w = torch.exp(clamp_log(seq_mean(prep.mu, prep.clean)))  # geometric-mean mismatch weight, detached
-        lam = torch.where(num, sur.loss * w.unsqueeze(-1), 0)
+        mbar = seq_mean(prep.mu, prep.clean)
+        w = torch.exp(clamp_log(mbar))  # geometric-mean mismatch weight, detached
+        if cfg.tbpo_w_mode == "clamp":  # §6.7 revision: truncate w, keep the response
+            w_used = w.clamp(cfg.tbpo_w_low, cfg.tbpo_w_high)
+        else:  # drop: responses outside the band are not in ``num`` (kappa_i = 0, inputs.py)
+            w_used = w
+        lam = torch.where(num, sur.loss * w_used.unsqueeze(-1), 0)
         with torch.no_grad():
             kept = seq_any(prep.keep)
             log_rho = dbar
@@ -117,6 +122,15 @@ def sequence_objective(
             b.frac("tbpo/kept_seq_frac", kept, has)
             b.mean("tbpo/rho_mean", torch.exp(clamp_log(log_rho)), used)
             b.mean("tbpo/w_mean", w, has)
+            # Responses whose w is outside [w_low, w_high]: clamped (clamp) or dropped (drop), split
+            # by the sign of the response's advantage (a zero advantage counts in neither part).
+            outside = (mbar < math.log(cfg.tbpo_w_low)) | (mbar > math.log(cfg.tbpo_w_high))
+            name = "tbpo/w_clamped_frac" if cfg.tbpo_w_mode == "clamp" else "tbpo/seq_masked_frac"
+            adv_c = seq_mean(prep.adv, prep.clean)
+            if cfg.tbpo_w_mode == "clamp":
+                b.frac(name, outside, has)
+            b.frac(f"{name}/pos", outside, has & (adv_c > 0))
+            b.frac(f"{name}/neg", outside, has & (adv_c < 0))
             b.frac("tbpo/pos_clip_frac", log_rho > math.log1p(cfg.tbpo_eps_pos_high), used & (adv_i > 0))
             out = (log_rho < math.log1p(-cfg.tbpo_eps_neg_low)) | (
                 log_rho > math.log1p(cfg.tbpo_eps_neg_high)

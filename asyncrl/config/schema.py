@@ -87,9 +87,10 @@ class AlgoConfig:
     """grpo (unbiased std), drgrpo (no std), rloo."""
     group_size: int = 8
     """Responses per prompt (G)."""
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    """Clip range of the trust ratio (0.28 for DAPO clip-higher; 3e-4/4e-4 for GSPO)."""
+    eps_low: float | None = None
+    eps_high: float | None = None
+    """Clip range of the trust ratio; null = the objective's own (0.2/0.2; GSPO 3e-4/4e-4). 0.28 high
+    for DAPO clip-higher."""
     dual_clip: float | None = 3.0
     """Dual-clip constant c for negative advantages; null disables it."""
     is_cap: float = 2.0
@@ -103,8 +104,14 @@ class AlgoConfig:
     tbpo_eps_neg_high: float = 4e-4
     tbpo_w_low: float = 0.5
     tbpo_w_high: float = 2.0
-    agg: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum."""
+    tbpo_w_mode: str = "clamp"
+    """TBPO mismatch band [tbpo_w_low, tbpo_w_high] on the per-response weight w: ``clamp`` truncates w
+    and keeps the response (default; w also carries the staleness at eta > 0), ``drop`` removes the
+    response (QaRL as written; for eta=0). docs/algorithms.md §6.7."""
+    agg: str | None = None
+    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum; null = the objective's
+    own (seq-mean-token-mean for gspo and tbpo, token-mean otherwise). A comparison of objectives
+    should set one value for all."""
     kl_coef: float = 0.0
     """KL-to-reference coefficient (k3); 0 disables the reference forward."""
     entropy_coef: float = 0.0
@@ -125,6 +132,11 @@ class QuantConfig:
     uaq_sites: list[str] = field(default_factory=lambda: ["attn_qkv"])
     aqn: bool = False
     """Adaptive quantization noise on the published RMSNorm gains (QeRL schedule)."""
+    aqn_resample: str = "publication"
+    """When the AQN noise is drawn: ``publication`` (one draw per published version, shared by all its
+    rollouts) or ``forward`` (QeRL: the gains are published clean and the workers' engine draws fresh
+    noise at every forward, keyed by (version seed, sample, token) so each draw is reproducible; the
+    behaviour log-prob is the one of the noisy forward that sampled the token). Not with ``uaq``."""
     aqn_sigma_start: float = 1e-2
     aqn_sigma_end: float = 5e-4
     aqn_stages: int = 10
@@ -184,7 +196,8 @@ class LearnerConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     n_minibatches: int = 1
-    """Optimizer updates per step (each over 1/n of the batch)."""
+    """Optimizer updates per step (each over 1/n of the batch). Every ``configs/algo/`` file sets 2:
+    with one update the ratio to the proximal policy is 1 and the trust region never acts."""
     micro_batch_size: int = 64
     grad_clip: float = 1.0
     weight_decay: float = 0.0
@@ -298,10 +311,13 @@ def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Cross-field checks; raises ``ValueError`` naming the key and the fix. Touches no heavy module."""
     _choice("algo.objective", cfg.algo.objective, OBJECTIVES)
-    _choice("algo.agg", cfg.algo.agg, AGGREGATIONS)
+    if cfg.algo.agg is not None:
+        _choice("algo.agg", cfg.algo.agg, AGGREGATIONS)
     _choice("algo.advantage", cfg.algo.advantage, ADVANTAGES)
     _choice("algo.is_level", cfg.algo.is_level, ("token", "sequence"))
+    _choice("algo.tbpo_w_mode", cfg.algo.tbpo_w_mode, ("clamp", "drop"))
     _choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
+    _choice("quant.aqn_resample", cfg.quant.aqn_resample, ("publication", "forward"))
     for fmt in cfg.quant.extra_formats:
         _choice("quant.extra_formats[]", fmt, QUANT_FORMATS)
     _choice("task.name", cfg.task.name, TASKS)
@@ -334,7 +350,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (0.0 <= cfg.learner.lora.dropout < 1.0, "learner.lora.dropout must be in [0, 1)"),
         (cfg.algo.kl_coef >= 0, "algo.kl_coef must be >= 0 (0 disables the reference policy)"),
         (cfg.algo.is_cap > 1, "algo.is_cap (C) must be > 1"),
-        (0 < cfg.algo.eps_low < 1 and cfg.algo.eps_high > 0, "algo.eps_low must be in (0, 1), eps_high > 0"),
+        ((cfg.algo.eps_low is None or 0 < cfg.algo.eps_low < 1)
+         and (cfg.algo.eps_high is None or cfg.algo.eps_high > 0),
+         "algo.eps_low must be in (0, 1) and algo.eps_high > 0 (or null for the objective's defaults)"),
         (cfg.algo.dual_clip is None or cfg.algo.dual_clip > 1, "algo.dual_clip must be > 1 or null"),
         (cfg.rollout.dead_after_s > cfg.rollout.heartbeat_s,
          "rollout.dead_after_s must exceed rollout.heartbeat_s"),
@@ -361,6 +379,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"sglang.url={cfg.sglang.url} is one server, and one worker drives a server (it pauses it "
                          "for weight updates); set rollout.num_workers=1, or leave sglang.url empty so each "
                          "worker starts its own")
+    if cfg.quant.aqn and cfg.quant.aqn_resample == "forward" and cfg.quant.uaq:
+        raise ValueError("quant.aqn_resample=forward does not scale the noise of UAQ-folded gains; set "
+                         "quant.aqn_resample=publication or quant.uaq=false")
     if cfg.task.name == "jsonl_math" and not cfg.task.path:
         raise ValueError("task.name=jsonl_math needs task.path=FILE.jsonl (lines of {\"prompt\", \"answer\"})")
     if cfg.model.name == "path" and not cfg.model.path:

@@ -20,6 +20,8 @@ Invariants:
   * ``versions[t]`` is the version whose weights produced the logits token t was drawn from; a weight swap
     keeps the KV cache of in-flight samples, so only later tokens carry the new version;
   * a sample's random stream is ``request_uniform(seed, sample_id, t)``: it does not depend on the batch;
+    so does the per-forward AQN noise of a version published with ``aqn_resample="forward"``
+    (``asyncrl.quant.ForwardAqn``: keyed by (version seed, sample_id, t));
   * every request submitted is yielded exactly once (``stop``, ``length`` or ``abort``).
 """
 
@@ -108,6 +110,7 @@ class NativeEngine:
         self._model = model
         self._runner: DecoderRunner | None = DecoderRunner(model, max_batch_size, self.max_seq_len)
         self._version = int(version)
+        self._aqn: Any = None  # asyncrl.quant.ForwardAqn once a version asks for per-forward AQN noise
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -302,6 +305,7 @@ class NativeEngine:
             if weights is not None and self._model is not None:
                 apply_weights(self._model, weights[1], self.quant_format, weights[0])
                 self._version = weights[0]
+                self._set_forward_aqn(weights[1])
             finished: list[GenResult] = []
             with self._lock:
                 aborts, self._aborts = self._aborts, set()
@@ -347,12 +351,27 @@ class NativeEngine:
             out.append(self._inbox.popleft())
         return out
 
+    def _set_forward_aqn(self, weights: Any) -> None:
+        """Per-forward AQN (``aqn_resample == "forward"`` in the publication): hooks built on first use."""
+        sigma = float(getattr(weights, "aqn_sigma", 0.0) or 0.0)
+        if getattr(weights, "aqn_resample", "publication") == "forward" and sigma > 0:
+            if self._aqn is None:
+                from asyncrl.quant import ForwardAqn
+
+                self._aqn = ForwardAqn(self._model)
+            self._aqn.set_publication(weights.aqn_seed, sigma)
+        elif self._aqn is not None:
+            self._aqn.set_publication(None, 0.0)
+
     def _forward_and_sample(self, admitted: list[_Seq], finished: list[GenResult]) -> None:
         assert self._runner is not None
+        aqn = self._aqn if self._aqn is not None and self._aqn.sigma > 0 else None
         parts = []
         if self._active:
             tokens = [s.response[-1] for s in self._active]
             positions = [s.cache_len for s in self._active]
+            if aqn is not None:  # the noise of the forward that samples token len(response) of each row
+                aqn.set_rows([(s.req.sample_id, len(s.response)) for s in self._active])
             parts.append(self._runner.decode(tokens, positions))
         if admitted:
             now = time.monotonic()
@@ -360,7 +379,11 @@ class NativeEngine:
                 s.t_admit = now
             row0 = len(self._active)
             self._active.extend(admitted)
+            if aqn is not None:
+                aqn.set_rows([(s.req.sample_id, 0) for s in admitted])
             parts.append(self._runner.prefill(row0, [s.req.prompt_ids for s in admitted], len(self._active)))
+        if aqn is not None:
+            aqn.set_rows(None)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         params = [s.req.params for s in self._active]
         logp = processed_logprobs(

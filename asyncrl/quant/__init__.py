@@ -10,8 +10,10 @@ in place except through `fold_uaq` / `unfold_uaq` on a model, which are in place
 """
 
 from .aqn import (
+    AQN_RESAMPLE,
     DEFAULT_AQN_SITES,
     AqnRecord,
+    ForwardAqn,
     add_aqn_noise,
     aqn_sigma,
     aqn_sigma_paper,
@@ -70,6 +72,8 @@ __all__ = [
     "RawTensor",
     "UnknownFormatError",
     "add_aqn_noise",
+    "AQN_RESAMPLE",
+    "ForwardAqn",
     "aqn_sigma",
     "aqn_sigma_paper",
     "aqn_stage",

@@ -11,8 +11,16 @@ the gain's dtype. sigma_site = sigma * uaq_s when the gain was scaled by UAQ (`u
 `scale_with_uaq` (§9, same relative perturbation), else sigma. The noise of a tensor depends only on
 (seed, name, sigma_site), not on which other sites are chosen.
 
-Must never: modify its input tensors (the learner's gains stay clean; noise goes on the published
-copy only), or draw noise per forward pass (one draw per publication, shared by all its rollouts).
+Two resampling modes (`quant.aqn_resample`, §9):
+* `publication` (default): `add_aqn_noise` draws once per publication; every rollout of the version
+  shares the noisy gains. Must never modify its input tensors (the learner's gains stay clean).
+* `forward` (QeRL): the publication carries clean gains plus (seed, sigma), and the rollout engine
+  installs `ForwardAqn`, which perturbs the gains afresh at every engine forward: for the forward that
+  samples token `t` of request `sample_id`, every site gets z ~ N(0, sigma^2) drawn from a generator
+  seeded with `derive_seed(seed, f"{sample_id}\x1f{t}")` ([n_sites, hidden], sites in name order).
+  The draw depends only on (version seed, sample id, token index), not on the batch, so a token's
+  noisy forward is reproducible, and its behaviour log-prob is the one of that noisy forward. The
+  K/V of earlier positions keep the noise they were computed with (as in a vLLM rollout).
 """
 
 from __future__ import annotations
@@ -130,3 +138,73 @@ def add_aqn_noise(
     if hits == 0:
         raise QuantError(f"no RMSNorm gain named '*.<site>.weight' for AQN sites {tuple(sites)}")
     return out, AqnRecord(seed=int(seed), sigma=float(sigma), sites=tuple(sites))
+
+
+AQN_RESAMPLE = ("publication", "forward")
+
+
+def forward_noise(seed: int, sample_id: str, t: int, sigma: float, n_sites: int, hidden: int) -> Tensor:
+    """z [n_sites, hidden] fp32 of the forward that samples token `t` of `sample_id` (module docstring)."""
+    gen = torch.Generator(device="cpu").manual_seed(derive_seed(seed, f"{sample_id}\x1f{t}"))
+    return torch.randn((n_sites, hidden), generator=gen, dtype=torch.float32) * sigma
+
+
+class ForwardAqn:
+    """Per-forward AQN on a model's RMSNorm modules (forward hooks; the gains themselves are untouched).
+
+    Sites are the modules whose name ends with `.<site>` for `site` in `sites`, in name order. With noise
+    set for a batch (`set_rows`), each hooked module returns `(g + z_row) * normed(x)`, computed as
+    `out + z_row * normed(x)` with `normed(x) = x * rsqrt(mean(x^2) + eps)` in fp32 (the HF RMSNorm's
+    own normalisation; `eps` is the module's `variance_epsilon`). Without rows set, or with sigma 0,
+    the hooks return the module's output unchanged.
+    """
+
+    def __init__(self, model: torch.nn.Module, sites: Sequence[str] = DEFAULT_AQN_SITES) -> None:
+        mods = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in sites]
+        if not mods:
+            raise QuantError(f"no RMSNorm module named '*.<site>' for AQN sites {tuple(sites)}")
+        for name, m in mods:
+            if not hasattr(m, "variance_epsilon") or getattr(m, "weight", None) is None:
+                raise QuantError(f"AQN site {name} is not an RMSNorm with a gain and variance_epsilon")
+        self.names = [n for n, _ in sorted(mods, key=lambda x: x[0])]
+        self.hidden = int(mods[0][1].weight.shape[-1])
+        self.seed = 0
+        self.sigma = 0.0
+        self._z: Tensor | None = None  # [rows, n_sites, hidden] for the forward in progress
+        self._handles = []
+        by_name = dict(mods)
+        for i, name in enumerate(self.names):
+            self._handles.append(by_name[name].register_forward_hook(self._hook(i)))
+
+    def set_publication(self, seed: int | None, sigma: float) -> None:
+        """Noise parameters of the version now loaded (sigma 0 or seed None: no noise)."""
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise QuantError(f"AQN sigma must be finite and >= 0, got {sigma}")
+        self.sigma = float(sigma) if seed is not None else 0.0
+        self.seed = int(seed) if seed is not None else 0
+
+    def set_rows(self, keys: Sequence[tuple[str, int]] | None) -> None:
+        """(sample_id, token index) of each row of the next forward; None clears the noise."""
+        if not keys or self.sigma == 0.0:
+            self._z = None
+            return
+        self._z = torch.stack(
+            [forward_noise(self.seed, sid, t, self.sigma, len(self.names), self.hidden) for sid, t in keys]
+        )
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, index: int):
+        def hook(module: torch.nn.Module, args: tuple, out: Tensor) -> Tensor:
+            z = self._z
+            if z is None:
+                return out
+            x = args[0].float()
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+            noise = z[:, index].to(x.device).view(z.shape[0], *([1] * (x.dim() - 2)), z.shape[-1])
+            return out + (normed.to(out.dtype) * noise.to(out.dtype))
+
+        return hook

@@ -28,6 +28,7 @@ anything, or let `load_published` change the model unless every check has passed
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,9 @@ class PublishedWeights:
     checksum: str
     aqn_seed: int | None = None
     aqn_sigma: float = 0.0
+    aqn_resample: str = "publication"
+    """``forward``: the gains are clean and the sampler perturbs them at every forward with
+    (aqn_seed, aqn_sigma) (``aqn.ForwardAqn``); ``publication``: the noise is already in the gains."""
 
     def total_bytes(self) -> int:
         """Bytes of all tensors (what a transport moves, headers aside)."""
@@ -88,9 +92,9 @@ class PublishedWeights:
 
     def header(self) -> dict[str, Any]:
         """JSON/msgpack-able description: everything except the tensor bytes."""
-        return header_dict(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest) | {
-            "checksum": self.checksum
-        }
+        return header_dict(
+            self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest, self.aqn_resample
+        ) | {"checksum": self.checksum}
 
     def to_raw(self) -> list[RawTensor]:
         """Raw buffers in manifest order (zero-copy views that keep the tensors alive)."""
@@ -119,6 +123,7 @@ class PublishedWeights:
                 checksum=str(header["checksum"]),
                 aqn_seed=None if header.get("aqn_seed") is None else int(header["aqn_seed"]),
                 aqn_sigma=float(header.get("aqn_sigma", 0.0)),
+                aqn_resample=str(header.get("aqn_resample", "publication")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestMismatchError(
@@ -155,7 +160,7 @@ class PublishedWeights:
                     tensor_name=e.name,
                 )
         expected = checksum_of(
-            header_dict(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest)
+            header_dict(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest, self.aqn_resample)
         )
         if expected != self.checksum:
             raise ChecksumMismatchError(
@@ -191,6 +196,7 @@ def publish(
     aqn_sites: Sequence[str] = aqn_mod.DEFAULT_AQN_SITES,
     uaq_s: float = 1.0,
     uaq_sites: Sequence[str] = (),
+    aqn_resample: str = "publication",
 ) -> PublishedWeights:
     """Quantise-on-send: turn the learner's full-precision state dict into a publication.
 
@@ -198,6 +204,8 @@ def publish(
     AQN (§9): with aqn_sigma > 0, fresh noise (seed `aqn_seed`, required) is added to copies of the
     RMSNorm gains named by `aqn_sites`; gains folded by UAQ (`uaq_sites`, factor `uaq_s`) get
     sigma * uaq_s. The (seed, sigma) pair is recorded in the publication and its checksum.
+    With ``aqn_resample="forward"`` the gains are published clean and (seed, sigma) tell the sampler
+    to draw fresh noise at every forward (``aqn.ForwardAqn``; not combined with UAQ-folded sites).
     Raises a QuantError naming the tensor on non-finite or unquantisable input.
     """
     check_format(fmt)
@@ -205,9 +213,18 @@ def publish(
         raise QuantError(f"version must be an integer >= 0, got {version!r}")
     tensors_in = dict(state_dict)
     record = None
-    if aqn_sigma != 0.0:
-        if aqn_seed is None:
-            raise QuantError("aqn_sigma > 0 needs aqn_seed (record it with the version to reproduce)")
+    if aqn_resample not in aqn_mod.AQN_RESAMPLE:
+        raise QuantError(f"aqn_resample={aqn_resample!r}: choose one of {', '.join(aqn_mod.AQN_RESAMPLE)}")
+    if aqn_sigma != 0.0 and aqn_seed is None:
+        raise QuantError("aqn_sigma > 0 needs aqn_seed (record it with the version to reproduce)")
+    if aqn_sigma != 0.0 and aqn_resample == "forward":
+        if uaq_sites:
+            raise QuantError("aqn_resample='forward' does not scale sigma for UAQ-folded gains; "
+                             "use aqn_resample='publication' with UAQ")
+        if not (math.isfinite(aqn_sigma) and aqn_sigma > 0):
+            raise QuantError(f"AQN sigma must be finite and >= 0, got {aqn_sigma}")
+        record = aqn_mod.AqnRecord(seed=int(aqn_seed), sigma=float(aqn_sigma), sites=tuple(aqn_sites))
+    elif aqn_sigma != 0.0:
         tensors_in, record = aqn_mod.add_aqn_noise(
             tensors_in, sigma=aqn_sigma, seed=aqn_seed, sites=aqn_sites, uaq_s=uaq_s, uaq_sites=uaq_sites
         )
@@ -240,8 +257,11 @@ def publish(
     entries.sort(key=lambda e: e.name)
     seed = None if record is None else record.seed
     sigma = 0.0 if record is None else record.sigma
-    checksum = checksum_of(header_dict(version, fmt, seed, sigma, entries))
-    return PublishedWeights(version, fmt, out, entries, checksum, aqn_seed=seed, aqn_sigma=sigma)
+    mode = aqn_resample if record is not None else "publication"
+    checksum = checksum_of(header_dict(version, fmt, seed, sigma, entries, mode))
+    return PublishedWeights(
+        version, fmt, out, entries, checksum, aqn_seed=seed, aqn_sigma=sigma, aqn_resample=mode
+    )
 
 
 def _alias_key(t: Tensor) -> tuple:

@@ -164,16 +164,25 @@ def tensor_from_bytes(name: str, data: Any, dtype: torch.dtype, shape: tuple[int
 
 
 def header_dict(
-    version: int, fmt: str, aqn_seed: int | None, aqn_sigma: float, manifest: Sequence[ManifestEntry]
+    version: int,
+    fmt: str,
+    aqn_seed: int | None,
+    aqn_sigma: float,
+    manifest: Sequence[ManifestEntry],
+    aqn_resample: str = "publication",
 ) -> dict[str, Any]:
-    """The canonical header (without the checksum itself)."""
-    return {
+    """The canonical header (without the checksum itself). ``aqn_resample`` appears only when it is
+    ``forward`` (clean gains; the sampler draws the noise per forward), so older headers are unchanged."""
+    out = {
         "version": int(version),
         "fmt": fmt,
         "aqn_seed": aqn_seed,
         "aqn_sigma": float(aqn_sigma),
         "manifest": [e.to_dict() for e in manifest],
     }
+    if aqn_resample != "publication":
+        out["aqn_resample"] = aqn_resample
+    return out
 
 
 def checksum_of(header: Mapping[str, Any]) -> str:

@@ -23,6 +23,7 @@ def to_wire(published: PublishedWeights) -> tuple[WeightAnnounce, list[memoryvie
         version=published.version, fmt=published.fmt, manifest=specs, checksum=published.checksum,
         total_bytes=published.total_bytes(),
         aqn_seed=-1 if published.aqn_seed is None else int(published.aqn_seed), aqn_sigma=published.aqn_sigma,
+        aqn_resample=published.aqn_resample,
     )
     return announce, [r.data for r in published.to_raw()]
 
@@ -39,6 +40,6 @@ def from_wire(announce: WeightAnnounce, buffers: list, *, copy: bool = False) ->
     ]
     header = {"version": announce.version, "fmt": announce.fmt, "checksum": announce.checksum,
               "aqn_seed": None if announce.aqn_seed < 0 else announce.aqn_seed, "aqn_sigma": announce.aqn_sigma,
-              "manifest": [e.to_dict() for e in manifest]}
+              "aqn_resample": announce.aqn_resample, "manifest": [e.to_dict() for e in manifest]}
     raw = [RawTensor(s.name, buf, s.dtype, tuple(s.shape)) for s, buf in zip(announce.manifest, buffers, strict=True)]
     return PublishedWeights.from_raw(header, raw, copy=copy)

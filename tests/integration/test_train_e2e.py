@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -177,8 +178,29 @@ def test_killed_learner_resumes_with_the_next_version_and_loses_no_group(tmp_pat
     assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == 12
 
 
+def test_aqn_resampled_at_every_forward_trains_end_to_end(tmp_path, procs):
+    """quant=nvfp4_aqn_forward: clean gains published with (seed, sigma); workers redraw per forward."""
+    from asyncrl.metrics import read_metrics
+
+    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=aqn-forward", "quant=nvfp4_aqn_forward",
+                  "learner.total_steps=4", "learner.ckpt_every=0", "learner.eval_every=0", "rollout.eta=1",
+                  "rollout.groups_per_step=2", "rollout.dead_after_s=60")
+    assert res.returncode == 0, res.stdout[-4000:]
+    run_dir = tmp_path / "aqn-forward"
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["quant"]["aqn_resample"] == "forward" and cfg["quant"]["aqn"]
+    sigmas = [r["aqn/sigma"] for r in read_metrics(run_dir) if r.get("aqn/sigma") is not None]
+    assert sigmas and max(sigmas) > 0  # stage 0 is noise-free, later versions are noisy
+    samples, _ = _log(run_dir)
+    noisy = [s for s in samples if max(s.sample.versions.to_numpy()) >= 1]
+    assert noisy, "no sample was generated under a noisy version"
+    assert all(np.isfinite(s.sample.behav_logp.to_numpy()).all() for s in noisy)
+
+
 def test_bad_configuration_fails_before_any_process_starts(tmp_path):
     cases = {
+        "quant.aqn=true quant.aqn_resample=forward quant.uaq=true": "quant.aqn_resample=publication",
+        "algo.tbpo_w_mode=cut": "choose one of clamp, drop",
         "algo.objective=foo": "choose one of",
         "rollout.eta=-1": "rollout.eta=-1 must be >= 0",
         f"task.name=jsonl_math task.path={tmp_path}/missing.jsonl": "missing.jsonl",

@@ -143,6 +143,9 @@ def _all_emitted_names() -> set[str]:
             learner_version=6,
         )
         names |= set(m.stats)
+        if kind == "tbpo":  # the paper-literal w_mode logs the dropped fraction by advantage sign
+            drop = ObjectiveConfig(kind=kind, tbpo_w_mode="drop")
+            names |= set(policy_loss(b["logp"], b["prox"], b["behav"], b["adv"], b["mask"], drop)[1].stats)
     names |= set(mismatch_metrics(b["prox"], b["behav"], b["mask"]).stats)
     names |= set(group_advantages(torch.tensor([1.0, 0.0]))[1].stats)
     names |= set(filter_groups(torch.tensor([1.0, 0.0]))[1].stats)

@@ -260,6 +260,7 @@ def test_gspo_empty_response_is_excluded_from_the_sequence_count():
 
 TBPO = ObjectiveConfig(
     kind="tbpo",
+    tbpo_w_mode="drop",  # the 13.6 table drops sequence 3 (w = 3 outside [0.5, 2])
     agg="seq-mean-token-mean",
     tbpo_eps_pos_high=0.2,
     tbpo_eps_neg_low=0.2,
@@ -298,6 +299,54 @@ def test_tbpo_batch_loss_and_fractions_match_13_6():
 
 def _fields(cfg):
     return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+# ---------------------------------------------------------------- 13.6b TBPO, default bands, w_mode
+
+# (A, delta, mu) per response; response 6 is empty (excluded, N_seq = 5)
+SEQS_13_6B = [
+    (+1.0, [2e-4, 1e-4, 0.0], [0.1, -0.2, 0.4]),
+    (+1.0, [1e-3, 5e-4], [-1.0, -0.6]),
+    (-1.0, [-2e-4, 0.0], [0.9, 0.7]),
+    (-1.0, [1e-3] * 4, [0.0, 0.0, 0.0, 0.4]),
+    (-0.5, [-1e-3], [-0.3]),
+    (0.0, [], []),
+]
+
+
+def _tbpo_13_6b(mode: str):
+    width = 4
+    delta = [d + [0.0] * (width - len(d)) for _, d, _ in SEQS_13_6B]
+    mu = [m + [0.0] * (width - len(m)) for _, _, m in SEQS_13_6B]
+    adv = [[A] * width for A, _, _ in SEQS_13_6B]
+    mask = [[t < len(d) for t in range(width)] for _, d, _ in SEQS_13_6B]
+    return run(ObjectiveConfig(kind="tbpo", tbpo_w_mode=mode), delta, adv, mu, mask, dtype=torch.float64)
+
+
+def test_tbpo_default_w_mode_is_clamp():
+    assert ObjectiveConfig(kind="tbpo").tbpo_w_mode == "clamp"
+    with pytest.raises(ValueError, match="tbpo_w_mode='cut' is not valid; choose one of: clamp, drop"):
+        ObjectiveConfig(kind="tbpo", tbpo_w_mode="cut")
+
+
+@pytest.mark.parametrize(
+    "mode, loss, g3",
+    [("drop", 0.0741259067, 0.0), ("clamp", 0.3740459087, 0.1999800010)],
+)
+def test_tbpo_w_mode_matches_13_6b(mode, loss, g3):
+    val, grad, m = _tbpo_13_6b(mode)
+    assert val == pytest.approx(loss, abs=1e-10)
+    assert grad[0, :3].tolist() == pytest.approx([-0.0736854294] * 3, abs=1e-10)
+    assert grad[2, :2].tolist() == pytest.approx([g3] * 2, abs=1e-10)
+    for i in (1, 3, 4, 5):  # 2 and 4 are clipped (rho above the band), 5 below it, 6 empty
+        assert grad[i].abs().max().item() == 0.0
+    assert grad[0, 3].item() == grad[2, 2:].abs().max().item() == 0.0
+    # responses 2 (w = e^-0.8 < 0.5, A > 0) and 3 (w = e^0.8 > 2, A < 0) are outside the w band
+    name = "tbpo/w_clamped_frac" if mode == "clamp" else "tbpo/seq_masked_frac"
+    assert m[name] == pytest.approx(2 / 5)
+    assert m[f"{name}/pos"] == pytest.approx(1 / 2)
+    assert m[f"{name}/neg"] == pytest.approx(1 / 3)
+    assert m["tbpo/kept_seq_frac"] == pytest.approx(1.0 if mode == "clamp" else 3 / 5)
 
 
 # ---------------------------------------------------------------- 13.7 aggregation
