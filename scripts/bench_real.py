@@ -5,8 +5,8 @@ Every row trains the same model on the same reasoning-gym task, chat-templated p
 the same wall-clock budget on this machine, and is scored before and after by the same greedy
 evaluation (``scripts/eval_greedy.py``) on the same fixed held-out problems:
 
-  asyncrl-lora   int8 workers, eta=2, ACR, LoRA adapters (``learner.lora.*``)
-  asyncrl-full   int8 workers, eta=2, ACR, full fine-tuning
+  asyncrl-lora   int8 workers (weight-only, ``--quant``), eta=2, ACR, LoRA adapters (``learner.lora.*``)
+  asyncrl-full   int8 workers (weight-only), eta=2, ACR, full fine-tuning
   trl-grpo       TRL's GRPOTrainer (full fine-tuning, one process: generate then train), in its own
                  venv ``.cache/trl-venv`` (``make trl-venv``; never a dependency of asyncrl), with the
                  asyncrl run's sizes: group size, prompts per step, max new tokens, temperature, lr,
@@ -54,7 +54,10 @@ from scripts import benchlib  # noqa: E402
 PRESET = ["+experiment=smollm2_chain_sum", "task.rg_config={min_terms:2,max_terms:3,min_digits:1,max_digits:1}",
           "task.size=400"]
 SMOKE = ["model=tiny", "task=addition"]  # --smoke: every code path in a minute or two; figures meaningless
-COMMON = ["quant=int8", "rollout.eta=2", "algo=acr", "learner.eval_every=0", "learner.ckpt_every=0",
+# int8 workers, weight-only (int8_wo: int8 codes + per-channel scales, decoded once per version): the W8A8
+# path (quant=int8) runs torch._int_mm, which on this CPU is 9-28x slower than an fp32 GEMM once a
+# forward has 32 or more rows (prefill, batched decode); docs/benchmarks.md §7. --quant selects another.
+COMMON = ["rollout.eta=2", "algo=acr", "learner.eval_every=0", "learner.ckpt_every=0",
           "learner.total_steps=100000", "learner.lr_schedule=constant"]
 ROWS: dict[str, list[str] | None] = {
     "asyncrl-lora": ["learner.lora.rank=16", "learner.lora.alpha=32", "learner.lr=1e-4"],
@@ -235,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="training seconds per row (default 1800, quick 60, smoke 1e-6: one step)")
     p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 200, quick 48, smoke 8)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma list of %(default)s")
+    p.add_argument("--quant", default="int8_wo", help="the asyncrl workers' format (default %(default)s; "
+                   "int8 = W8A8 with torch._int_mm)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for the asyncrl rows "
                    "(and the sizes TRL copies)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown row(s) {bad}; choose from {list(ROWS)}")
     from asyncrl.config import load_train_config
 
-    base = [*(SMOKE if args.smoke else PRESET), *COMMON, f"task.eval_size={n_eval}",
+    base = [*(SMOKE if args.smoke else PRESET), f"quant.fmt={args.quant}", *COMMON, f"task.eval_size={n_eval}",
             f"learner.time_budget_s={budget:.6f}", *args.set]
     for n in names:
         load_train_config([*base, *(ROWS[n] or [])])  # a bad override fails now, not after an hour
