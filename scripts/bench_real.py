@@ -18,7 +18,8 @@ first step end past it. Both clocks start when training starts (model loading ex
 
 Reported per row: accuracy before/after (share of held-out problems fully correct, greedy) with a
 Wilson 95% interval, mean task score, steps done, seconds per step (wall time between consecutive
-policy versions, the first step excluded), learner seconds per step (asyncrl: the learner's busy time;
+policy versions, the first step excluded; with one step, that step's own time from the start of
+training), learner seconds per step (asyncrl: the learner's busy time;
 TRL: the step's time outside generate), rollout tokens/s (completion tokens made per wall second of
 training between the first and the last step, from asyncrl's trajectory log and TRL's step logs: the
 same measure for every row; TRL also reports tokens/s inside its generate calls), learner peak RSS (asyncrl: the learner rank; TRL: its one process), whole-job peak RSS (every process
@@ -113,8 +114,9 @@ def asyncrl_stats(run_dir: Path) -> dict:
     tokens = [(r.logged_at, len(r.sample.response_ids.to_numpy())) for r in read_log(run_dir / "trajectories").records
               if isinstance(r, SampleRecord)]
     final = json.loads((run_dir / "learner_final.json").read_text())
-    return {"steps": len(steps), "seconds_per_step": _per_step(times),
-            "learner_seconds_per_step": _mean([r["time/learner_train_s"] for r in steps[1:]]),
+    first = (steps[0].get("time/learner_wait_s", math.nan) + steps[0]["time/learner_train_s"]) if steps else math.nan
+    return {"steps": len(steps), "seconds_per_step": _per_step(times, first),
+            "learner_seconds_per_step": _mean([r["time/learner_train_s"] for r in steps[1:] or steps]),
             "worker_tokens_per_s": _rate(tokens, times), "learner_eval_mean_score": final.get("eval/accuracy"),
             "curve": [(t - times[0], r["step"], r.get("train/reward_mean")) for t, r in zip(times, steps, strict=True)]}
 
@@ -176,8 +178,12 @@ def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) 
     steps = [x for x in recs if "step" in x]
     times = [x["time"] for x in steps]
     # TRL generates then trains in one process: its "learner" time is the step's time outside generate
+    begin = [x["train_begin"] for x in recs if "train_begin" in x]
     train_s = [b["time"] - a["time"] - b["generate_s"] for a, b in zip(steps, steps[1:], strict=False)]
-    stats = {"steps": len(steps), "seconds_per_step": _per_step(times), "learner_seconds_per_step": _mean(train_s),
+    if len(steps) == 1 and begin:
+        train_s = [steps[0]["time"] - begin[0] - steps[0]["generate_s"]]
+    first = steps[0]["time"] - begin[0] if steps and begin else math.nan
+    stats = {"steps": len(steps), "seconds_per_step": _per_step(times, first), "learner_seconds_per_step": _mean(train_s),
              "worker_tokens_per_s": _rate([(x["time"], x["completion_tokens"]) for x in steps], times),
              "generate_only_tokens_per_s": _mean([x["completion_tokens"] / x["generate_s"] for x in steps[1:]
                                                   if x.get("generate_s")]),
@@ -196,9 +202,10 @@ def ensure_trl_venv() -> Path:
     return TRL_VENV / "bin" / "python"
 
 
-def _per_step(times: list[float]) -> float:
-    """Mean wall seconds between consecutive steps (the first step, with its warm-up, excluded)."""
-    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else math.nan
+def _per_step(times: list[float], first_s: float) -> float:
+    """Mean wall seconds between consecutive steps (the first step, with its warm-up, excluded); with
+    one step only, that step's own wall time ``first_s`` (from the start of training, warm-up included)."""
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else first_s
 
 
 def _mean(xs: list) -> float:

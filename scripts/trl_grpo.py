@@ -18,8 +18,8 @@ defaults and asyncrl's warm-up rule (step s < warmup: lr x (s+1)/warmup, then co
 TRL as chat messages (or raw text), and the runner checks that TRL tokenizes the first ones to exactly
 the ids asyncrl's controller sends (``check_prompt_ids``).
 
-Writes, per optimizer step, a JSON line to ``metrics`` (``step``, ``time``, ``reward``, ``generate_s``,
-``completion_tokens``), and at the end the trained model to ``out_dir`` (an HF folder). Stops at the
+Writes to ``metrics`` a JSON line ``train_begin`` (wall time), then one per optimizer step (``step``,
+``time``, ``reward``, ``generate_s``, ``completion_tokens``), and at the end the trained model to ``out_dir`` (an HF folder). Stops at the
 first step end past ``time_budget_s`` (counted from the start of training, model loading excluded).
 """
 
@@ -105,6 +105,7 @@ def main(spec_path: str) -> int:
 
         def on_train_begin(self, args, state, control, **kw):
             self.t0 = time.monotonic()
+            out.write(json.dumps({"train_begin": time.time()}) + "\n")
 
         def on_log(self, args, state, control, logs=None, **kw):
             logs = logs or {}

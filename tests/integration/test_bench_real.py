@@ -10,7 +10,6 @@ that test is skipped, saying so.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 
@@ -43,7 +42,7 @@ def run_smoke(procs, tmp_path, rows: str) -> dict:
             lo, hi = row[key]
             assert 0.0 <= lo <= hi <= 1.0
         assert row["learner_peak_rss_gb"] > 0.05 and row["job_peak_rss_gb"] >= row["learner_peak_rss_gb"]
-        assert math.isnan(row["seconds_per_step"])  # one step has no step-to-step interval
+        assert row["seconds_per_step"] > 0  # one step: its own wall time from the start of training
     assert all(os.path.isfile(p) for p in data["plots"])
     return data
 
