@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-sglang test-fast test-gpu lint clean-venv
+.PHONY: demo test test-slow test-sglang test-fast test-gpu lint clean-venv trl-venv bench-real-quick
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,22 @@ $(SGLANG_VENV)/.installed:
 
 test-sglang: $(STAMP) $(SGLANG_VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests/sglang -m "sglang and not gpu" -q
+
+# TRL's GRPOTrainer, the peer row of scripts/bench_real.py, in its own venv (never a dependency of asyncrl):
+# trl pinned, torch held to the same CPU wheel by constraints.txt, plus what asyncrl's task scorers need
+# (the TRL runner imports asyncrl.tasks from the repository). About 1.5 GB, built once.
+TRL_VENV := .cache/trl-venv
+$(TRL_VENV)/.installed: constraints.txt
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0 trl==1.16.0 \
+		reasoning-gym==0.1.25 math-verify==0.9.0
+	touch $@
+
+trl-venv: $(TRL_VENV)/.installed
+
+# SmolLM2-135M-Instruct learning a reasoning task: asyncrl (LoRA, full) and TRL side by side, < 10 minutes.
+bench-real-quick: $(STAMP) $(TRL_VENV)/.installed
+	$(PY) scripts/bench_real.py --quick
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not sglang and not slow and not interop and not integration" -q

@@ -209,3 +209,67 @@ def step_records(run_dir: Path) -> list[dict[str, Any]]:
     from asyncrl.metrics import read_metrics
 
     return [r for r in read_metrics(run_dir) if r.get("time/learner_train_s") is not None]
+
+
+# ------------------------------------------------------------------ resident memory of a process tree
+def _hwm_bytes(pid: int) -> int:
+    """Peak resident set size (``VmHWM``) of ``pid`` so far, in bytes; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class TreeMemory:
+    """Samples, in a thread, the resident memory of a process and all its descendants every ``interval_s``.
+
+    ``peak_total_bytes``: the largest sum of RSS over the tree at one sample (the whole job's peak, to
+    within one interval). ``peak_by_label``: per label, the largest kernel-recorded peak (``VmHWM``, exact
+    up to the last sample before the process exited) of any process that ``label(cmdline)`` names; a
+    process whose label is None counts only in the total.
+    """
+
+    def __init__(self, root_pid: int, label=lambda cmdline: None, interval_s: float = 0.5) -> None:
+        import threading
+
+        self.root_pid, self.label, self.interval_s = root_pid, label, interval_s
+        self.peak_total_bytes = 0
+        self.peak_by_label: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-memory", daemon=True)
+
+    def __enter__(self) -> TreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.root_pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+                name = self.label(" ".join(p.cmdline()))
+            except psutil.Error:
+                continue
+            if name is not None:
+                self.peak_by_label[name] = max(self.peak_by_label.get(name, 0), _hwm_bytes(p.pid))
+        self.peak_total_bytes = max(self.peak_total_bytes, total)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)

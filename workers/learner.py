@@ -187,6 +187,9 @@ class ControllerSource:
                 return env.msg
             if isinstance(env.msg, P.Error):
                 raise RuntimeError(f"controller refused batch {step}: {env.msg.message}")
+            if isinstance(env.msg, P.Shutdown):  # learner.time_budget_s spent: finish as at total_steps
+                log.info("controller ends training before step %d: %s", step, env.msg.reason)
+                return None
         return None
 
     def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False) -> bool:

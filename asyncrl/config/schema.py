@@ -208,6 +208,11 @@ class LearnerConfig:
     """Checkpoint every N steps (0: only at the end)."""
     eval_every: int = 50
     """Greedy evaluation on the held-out set every N steps (0: only at the end)."""
+    time_budget_s: float = 0.0
+    """Stop training after this many seconds (0: no limit), counted from the learner's first batch
+    request. The controller answers the first batch request past the budget with ``Shutdown``; the
+    learner then ends as at ``total_steps`` (final checkpoint, export, final evaluation). A step that
+    started inside the budget finishes. A resumed run continues with what is left of it."""
     seed: int = 0
     num_threads: int = 0
     """Torch intra-op threads per learner rank; 0 = the CPUs left beside one per generation
@@ -337,6 +342,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.learner.world_size >= 1, "learner.world_size must be >= 1"),
         (cfg.learner.total_steps >= 1, "learner.total_steps must be >= 1"),
         (cfg.learner.lr > 0, "learner.lr must be > 0"),
+        (cfg.learner.time_budget_s >= 0, "learner.time_budget_s must be >= 0 (0 = no time limit)"),
         (cfg.learner.n_minibatches >= 1, "learner.n_minibatches must be >= 1"),
         (cfg.learner.num_threads >= 0, "learner.num_threads must be >= 0 (0 = automatic)"),
         (cfg.learner.max_tokens_per_micro_batch >= 0,

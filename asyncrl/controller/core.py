@@ -3,7 +3,8 @@
 Owns: the dataset cursor, admission under the staleness gate, group assembly and exactly-once
 accounting (through ``asyncrl.control``), scoring with the task's verifier, advantages (through
 ``asyncrl.algo``), the trajectory log (every scored sample, every consumed batch), worker liveness,
-learner batches, and the controller's checkpointable state.
+learner batches, the training time budget (``learner.time_budget_s``: past it, a batch request is
+answered with ``Shutdown`` and the learner finishes the run), and the controller's checkpointable state.
 Never: touches a socket, a thread or a signal (``workers/controller.py`` does), or trains anything.
 Not thread-safe: one event loop drives it.
 
@@ -66,6 +67,10 @@ class ControllerCore:
         self.pending_batch: int | None = None  # step the learner asked for and did not get yet
         self.done = False
         self.done_at = 0.0
+        # learner.time_budget_s: training seconds spent before this process (a resumed run), and the
+        # clock at this process's first batch request
+        self.budget_used_s = 0.0
+        self.budget_t0: float | None = None
         self.counters: Counter = Counter()
         self.max_consumed_staleness = 0
         self.samples_logged = 0
@@ -98,6 +103,12 @@ class ControllerCore:
             if peer != self.learner_peer:
                 self.counters["control/not_learner"] += 1
                 return [(peer, P.Error(code="not_learner", message="only the registered learner may ask for batches"))]
+            if self._budget_spent(now):
+                self.pending_batch = None
+                log.info("learner.time_budget_s=%g spent (%.1f s): no batch %d", self.cfg.learner.time_budget_s,
+                         self.budget_elapsed(now), msg.step)
+                return [(peer, P.Shutdown(reason=f"learner.time_budget_s={self.cfg.learner.time_budget_s:g} "
+                                                 f"spent before step {msg.step}"))]
             self.pending_batch = msg.step
             return self._try_batch()
         if isinstance(msg, P.VersionUpdate):
@@ -295,6 +306,17 @@ class ControllerCore:
         }
         return P.TrainBatch(step=batch.step, samples=samples, metrics=metrics)
 
+    def budget_elapsed(self, now: float) -> float:
+        """Training seconds of ``learner.time_budget_s`` spent so far (0 before the first batch request)."""
+        return self.budget_used_s + (0.0 if self.budget_t0 is None else now - self.budget_t0)
+
+    def _budget_spent(self, now: float) -> bool:
+        """Starts the budget clock at the first batch request; True once ``learner.time_budget_s`` is spent."""
+        if self.budget_t0 is None:
+            self.budget_t0 = now
+        budget = self.cfg.learner.time_budget_s
+        return budget > 0 and self.budget_elapsed(now) >= budget
+
     def _version_update(self, msg: P.VersionUpdate) -> list[tuple[bytes, Any]]:
         if msg.version > self.version.version:
             self.version.set(msg.version)
@@ -336,7 +358,8 @@ class ControllerCore:
         return {"cursor": self.cursor, "gate": self.gate.state_dict(), "buffer": self.buffer.state_dict(),
                 "assembler": self.assembler.state_dict(), "log_position": list(self.log.tell()),
                 "counters": dict(self.counters), "samples_logged": self.samples_logged,
-                "max_consumed_staleness": self.max_consumed_staleness}
+                "max_consumed_staleness": self.max_consumed_staleness,
+                "budget_used_s": self.budget_elapsed(self.clock())}
 
     def save(self, path: Path) -> None:
         self.log.flush()
@@ -358,6 +381,7 @@ class ControllerCore:
         self.counters.update(state["counters"])
         self.samples_logged = int(state["samples_logged"])
         self.max_consumed_staleness = int(state["max_consumed_staleness"])
+        self.budget_used_s = float(state.get("budget_used_s", 0.0))  # absent in states of older runs
         self.log.append(EventRecord(event="resume", logged_at=time.time(), data={
             "version": str(self.version.version), "cursor": str(self.cursor)}))
 

@@ -20,11 +20,12 @@ def model_dir(tmp_path_factory):
     return ensure_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
 
 
-def make_core(tmp_path, model_dir, eta=1):
+def make_core(tmp_path, model_dir, eta=1, extra=(), clock=None):
     cfg = load_train_config([f"algo.group_size={G}", f"rollout.groups_per_step={B}", f"rollout.eta={eta}",
-                             "rollout.worker_slots=8", "log.fsync=never"])
+                             "rollout.worker_slots=8", "log.fsync=never", *extra])
     return ControllerCore(cfg, run_dir=tmp_path, scorer=build_scorer(cfg, model_dir),
-                          welcome_config={"samples_address": "x", "model_id": "tiny:test"}, publish_formats=["int8"])
+                          welcome_config={"samples_address": "x", "model_id": "tiny:test"}, publish_formats=["int8"],
+                          **({"clock": clock} if clock is not None else {}))
 
 
 def hello(role, peer_id, fmt="int8"):
@@ -108,3 +109,36 @@ def test_state_round_trips_and_the_log_is_cut_back_to_it(tmp_path, model_dir):
     records = read_log(tmp_path / "trajectories").records
     ids = [r.sample.sample_id for r in records if isinstance(r, SampleRecord)]
     assert ids == list(assignments[0].sample_ids)
+
+
+def test_time_budget_answers_the_first_batch_request_past_it_with_shutdown_and_survives_resume(tmp_path, model_dir):
+    now = [100.0]
+    core = make_core(tmp_path, model_dir, extra=["learner.time_budget_s=10"], clock=lambda: now[0])
+    register(core)
+    now[0] = 500.0  # time before the first batch request does not count
+    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0  # no batch ready yet
+    now[0] = 509.5
+    assert core.handle(b"L", P.BatchRequest(step=0)) == []
+    now[0] = 510.0
+    (peer, reply), = core.handle(b"L", P.BatchRequest(step=0))
+    assert peer == b"L" and isinstance(reply, P.Shutdown) and "learner.time_budget_s=10" in reply.reason
+    assert core.pending_batch is None
+    core.save(tmp_path / "state.json")
+    core.close()
+    state = read_state(tmp_path / "state.json")
+    assert state["budget_used_s"] == 10.0
+    resumed = make_core(tmp_path / "resumed", model_dir, extra=["learner.time_budget_s=10"], clock=lambda: now[0])
+    resumed.load_state(state)
+    register(resumed)
+    (_, reply), = resumed.handle(b"L", P.BatchRequest(step=0))  # nothing is left of the budget
+    assert isinstance(reply, P.Shutdown)
+
+
+def test_no_time_budget_never_ends_training(tmp_path, model_dir):
+    now = [0.0]
+    core = make_core(tmp_path, model_dir, clock=lambda: now[0])  # learner.time_budget_s=0: no limit
+    register(core)
+    core.handle(b"L", P.BatchRequest(step=0))
+    now[0] = 1e9
+    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0
+

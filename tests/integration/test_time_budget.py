@@ -1,0 +1,33 @@
+"""``learner.time_budget_s`` ends a real run early, and the run ends as a finished one (marker ``slow``).
+
+A budget of one microsecond is spent by the time the learner asks for its second batch (the clock
+starts at the first request, and a training step takes far longer), so the run trains exactly one
+step whatever the machine's speed; it must still write its final checkpoint, the exported model,
+the final evaluation and the summary, like a run that reached ``learner.total_steps``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+def test_a_spent_time_budget_ends_the_run_with_checkpoint_export_and_final_eval(procs, tmp_path):
+    proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=budget",
+                        "learner.total_steps=50", "learner.time_budget_s=0.000001", "learner.eval_every=0",
+                        "rollout.groups_per_step=2", "rollout.num_workers=1",
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = proc.communicate(timeout=800)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    run_dir = tmp_path / "budget"
+    final = json.loads((run_dir / "learner_final.json").read_text())
+    assert final["version"] == 1 and 0.0 <= final["eval/accuracy"] <= 1.0
+    assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == 1
+    assert (run_dir / "model" / "config.json").is_file()
+    assert (run_dir / "checkpoints" / "controller-00000001.json").is_file()
+    assert "learner.time_budget_s=1e-06 spent before step 1" in (run_dir / "logs" / "learner.log").read_text()
