@@ -131,9 +131,8 @@ def _rate(tokens: list[tuple[float, int]], times: list[float]) -> float:
 
 def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) -> tuple[Path, dict, dict]:
     """TRL's GRPOTrainer (``scripts/trl_grpo.py`` in the TRL venv) on the sizes of ``cfg_overrides``."""
-    from asyncrl.controller.prompts import PromptEncoder
-
     from asyncrl.config import load_train_config
+    from asyncrl.controller.prompts import PromptEncoder
     from asyncrl.controller.scoring import task_kwargs
     from asyncrl.runtime.prepare import prepare_model
     from asyncrl.tasks import make_task
