@@ -22,6 +22,7 @@ import zmq
 import protocols as P
 from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore
+from asyncrl.controller.recovery import resume_point
 from asyncrl.runtime.prepare import model_id
 from asyncrl.transport import (
     ChannelClosed,
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
                            max_message_bytes=limit)
     adv = cfg.transport.advertise_host
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
-    resume_state, resume_version = resume_point(cfg, run_dir)
+    try:
+        resume_state, resume_version = resume_point(run_dir) if cfg.resume else (None, 0)
+    except ValueError as e:  # a log it cannot cut back, corrupt log/state: one line that says what to do
+        raise SystemExit(f"controller: {e}") from None
     core = ControllerCore(cfg, run_dir=run_dir, scorer=build_scorer(cfg, model_dir),
                           welcome_config=welcome_config(cfg, model_dir, advertised(pull.address, adv)),
                           publish_formats=formats)
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         core.version.set(resume_version)
         core.load_state(resume_state)
         log.info("resumed at version %d, dataset position %d", resume_version, core.cursor)
+    else:  # version 0 is a checkpoint too: a run stopped before its first learner checkpoint resumes from here
+        core.save(core.checkpoint_path(0))
     (run_dir / "controller.json").write_text(json.dumps({"control": advertised(ctl.address, adv),
                                                          "samples": advertised(pull.address, adv)}))
     log.info("controller listening on %s (samples on %s)", ctl.address, pull.address)
@@ -158,31 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         ctl.close()
         pull.close()
     return 0
-
-
-def resume_point(cfg, run_dir: Path) -> tuple[dict | None, int]:
-    """The controller state matching the learner's latest checkpoint, with the log cut back to it."""
-    if not cfg.resume:
-        return None, 0
-    from asyncrl.controller.core import read_state
-    from asyncrl.learner.checkpoint import latest_checkpoint
-    from asyncrl.log import truncate_log
-
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
-    if ckpt is None:
-        log.warning("resume: no learner checkpoint in %s; starting from version 0", run_dir)
-        return None, 0
-    version = int(json.loads((ckpt / "learner.json").read_text())["version"])
-    path = run_dir / "checkpoints" / f"controller-{version:08d}.json"
-    if version == 0 and not path.exists():
-        return None, 0
-    if not path.exists():
-        raise SystemExit(f"resume: the learner checkpoint is at version {version} but {path} is missing; "
-                         "this run folder cannot be resumed consistently")
-    state = read_state(path)
-    dropped = truncate_log(run_dir / "trajectories", *state["log_position"])
-    log.info("resume: trajectory log cut back to the checkpoint (%d bytes of redone work dropped)", dropped)
-    return state, version
 
 
 def _transport_metrics(ctl: ZmqChannel, pull: ZmqChannel) -> dict[str, float]:

@@ -305,7 +305,8 @@ def run_replay(overrides: Sequence[str]) -> int:
     cfg.resume = ""
     cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
     model_dir = prepare_model(cfg, log=print)
-    check_replayable(src / "trajectories", model_id=model_id(cfg, model_dir))
+    for note in check_replayable(src / "trajectories", model_id=model_id(cfg, model_dir), salvage=cfg.log.salvage):
+        print(f"asyncrl replay: {note}")
     run_dir = new_run_dir(cfg)
     save_config(cfg, run_dir / "config.json")
     print(f"asyncrl replay: {src}/trajectories -> {run_dir}")

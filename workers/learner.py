@@ -36,7 +36,6 @@ from asyncrl.learner import (
     export_hf,
     full_state_dict,
     init_distributed,
-    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     sha256_of_state_dict,
@@ -191,11 +190,12 @@ class ControllerSource:
 class ReplaySource:
     """Batches from a trajectory log (``asyncrl replay``); metrics go to this run's own metrics.jsonl."""
 
-    def __init__(self, log_dir: Path, run_dir: Path, model_id: str, stop: threading.Event) -> None:
+    def __init__(self, log_dir: Path, run_dir: Path, model_id: str, stop: threading.Event,
+                 salvage: bool = False) -> None:
         from asyncrl.controller.replay import load_replay_batches
         from asyncrl.metrics import MetricsWriter
 
-        self.batches = load_replay_batches(log_dir, model_id=model_id)
+        self.batches = load_replay_batches(log_dir, model_id=model_id, salvage=salvage)
         self.writer = MetricsWriter(run_dir)
         self.stop = stop
 
@@ -249,9 +249,15 @@ def main(argv: list[str] | None = None) -> int:
                                             min_lr_ratio=L.min_lr_ratio))
     state = TrainState(model, opt, sched, version=0)
     ckpt_root = run_dir / "checkpoints"
-    if cfg.resume and latest_checkpoint(ckpt_root) is not None:
-        load_checkpoint(ckpt_root, state, info)
-        log.info("resumed learner at version %d", state.version)
+    if cfg.resume:  # the same verified checkpoint the controller chose (damaged ones are skipped, said why)
+        from asyncrl.runtime.checkpoints import choose_resume_point
+
+        point = choose_resume_point(ckpt_root)
+        for note in point.notes:
+            log.warning("resume: %s", note)
+        if point.learner_dir is not None:
+            load_checkpoint(point.learner_dir, state, info)
+            log.info("resumed learner at version %d", state.version)
     objective = objective_config(cfg)
     step_cfg = StepConfig(n_minibatches=L.n_minibatches, micro_batch_size=L.micro_batch_size,
                           max_grad_norm=L.grad_clip)
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if info.is_main:
         evaluator = Evaluator(cfg, model_dir)
         if replay:
-            source = ReplaySource(Path(args.replay_log), run_dir, model_id(cfg, model_dir), stop)
+            source = ReplaySource(Path(args.replay_log), run_dir, model_id(cfg, model_dir), stop,
+                                  salvage=cfg.log.salvage)
         else:
             host = cfg.transport.host
             curve = server_curve(cfg.transport)

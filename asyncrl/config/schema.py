@@ -221,6 +221,8 @@ class LogConfig:
     fsync: str = "every_n"
     fsync_every: int = 64
     rotate_mb: int = 256
+    salvage: bool = False
+    """Resume/replay a log with interior corruption: skip the damaged records and say which."""
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,6 @@ for streamed samples, ``poll(now)`` for timers (dead workers, a batch that becam
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -30,6 +29,7 @@ from asyncrl.config import TrainConfig
 from asyncrl.control import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 from asyncrl.controller.scoring import GroupScorer
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
+from asyncrl.runtime.files import read_checksummed_json, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
 
@@ -72,10 +72,16 @@ class ControllerCore:
         self.log = TrajectoryLogWriter(self.run_dir / "trajectories", config=dataclasses.asdict(cfg),
                                        run_name=cfg.run_name, model=welcome_config.get("model_id", ""),
                                        fsync=cfg.log.fsync, fsync_every=cfg.log.fsync_every,
-                                       rotate_bytes=cfg.log.rotate_mb * 2**20)
+                                       rotate_bytes=cfg.log.rotate_mb * 2**20, salvage=cfg.log.salvage)
         for c in self.log.repaired:
             self.counters["log/torn_tail_repaired"] += 1
             log.warning("trajectory log repaired at start: %s", c)
+        for c in self.log.salvaged:
+            self.counters["log/salvaged_damage"] += 1
+            log.warning("log.salvage=true: damaged records skipped: %s", c)
+        if self.log.salvaged:
+            self.log.append(EventRecord(event="salvaged", logged_at=time.time(),
+                                        data={"skipped": "; ".join(str(c) for c in self.log.salvaged)}))
 
     # ----------------------------------------------------------------------------- control plane
     def handle(self, peer: bytes, msg: Any) -> list[tuple[bytes, Any]]:
@@ -339,11 +345,10 @@ class ControllerCore:
                 "max_consumed_staleness": self.max_consumed_staleness}
 
     def save(self, path: Path) -> None:
+        """Checksummed and atomic: a reader sees the previous state or this one (``DiskFullError`` when full)."""
         self.log.flush()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state_dict(), default=_jsonable))
-        tmp.replace(path)
+        write_checksummed_json(path, self.state_dict(), default=_jsonable)
 
     def close(self) -> None:
         self.log.close()
@@ -383,7 +388,8 @@ def train_sample(fs: P.FinishedSample, *, advantage: float, reward: float) -> P.
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(), object_hook=_from_jsonable)
+    """A saved controller state; ``ChecksumError`` (a ValueError) if the file is damaged."""
+    return read_checksummed_json(path, object_hook=_from_jsonable)
 
 
 def _jsonable(obj: Any) -> Any:

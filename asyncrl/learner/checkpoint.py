@@ -8,6 +8,7 @@ Owns the on-disk layout of a learner checkpoint and of an exported model:
         dcp/                     DCP files: {"model": ..., "optim": ...} as sharded DTensors
         learner.json             {"format", "version", "world_size", "scheduler": LRScheduler.state_dict()}
         extra.json               caller's state (e.g. the controller's), only if given
+        checksums.json           sha256 of every file above (``asyncrl.runtime.checkpoints``)
       step_00000012.tmp/         a save in progress; renamed to step_... when every rank is done
 
 Never does: decide *when* to save (the caller does, e.g. every N versions), or touch the optimiser
@@ -16,6 +17,10 @@ and model beyond state-dict get/set.
 Invariants:
 * A checkpoint directory without the ``.tmp`` suffix is complete; ``latest`` only ever names a
   complete one, so a crash mid-save resumes from the previous checkpoint.
+* Every file of a checkpoint is checksummed when it is saved and verified before it is loaded:
+  ``load_checkpoint`` raises ``ChecksumError`` rather than load a damaged shard (the resume point is
+  chosen among verified checkpoints, ``asyncrl.runtime.checkpoints.choose_resume_point``).
+* A save that fails (e.g. ``DiskFullError``) removes its ``.tmp`` folder; the previous checkpoint stays.
 * DCP reshards on load: a checkpoint saved at world size W loads at any world size.
 * Resuming restores weights, AdamW moments, learning-rate schedule position and ``version``; the
   next ``train_step`` produces ``version + 1``.
@@ -39,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from asyncrl.learner.fsdp import DistInfo, barrier, full_state_dict
 from asyncrl.learner.step import TrainState
+from asyncrl.runtime.checkpoints import verify_manifest, write_manifest
+from asyncrl.runtime.files import ChecksumError, raise_if_disk_full
 
 __all__ = [
     "save_checkpoint",
@@ -105,6 +112,19 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier(info)
+    try:
+        _save_into(tmp, final, root, state, info, extra, keep_last, extra_text if extra is not None else "")
+    except OSError as e:
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # no half-written checkpoint is left behind
+        raise_if_disk_full(e, tmp)
+        raise
+    barrier(info)
+    return final
+
+
+def _save_into(tmp: Path, final: Path, root: Path, state: TrainState, info: DistInfo, extra: dict | None,
+               keep_last: int | None, extra_text: str) -> None:
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
     barrier(info)
@@ -124,6 +144,7 @@ def save_checkpoint(
             ) from err
         if extra is not None:
             (tmp / "extra.json").write_text(extra_text)
+        write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -134,8 +155,6 @@ def save_checkpoint(
             done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
             for old in done[:-keep_last]:
                 shutil.rmtree(old)
-    barrier(info)
-    return final
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -163,6 +182,9 @@ def load_checkpoint(path: str | Path, state: TrainState, info: DistInfo) -> dict
                 f"{path} is neither a learner checkpoint nor a folder with a 'latest' checkpoint"
             )
         path = resolved
+    problem = verify_manifest(path)
+    if problem is not None:
+        raise ChecksumError(f"refusing to load a damaged checkpoint: {problem}")
     meta = json.loads((path / "learner.json").read_text())
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not {CHECKPOINT_FORMAT}")

@@ -108,3 +108,99 @@ def test_state_round_trips_and_the_log_is_cut_back_to_it(tmp_path, model_dir):
     records = read_log(tmp_path / "trajectories").records
     ids = [r.sample.sample_id for r in records if isinstance(r, SampleRecord)]
     assert ids == list(assignments[0].sample_ids)
+
+
+def test_resume_before_the_first_learner_checkpoint_cuts_the_log_back_to_version_zero(tmp_path, model_dir):
+    from asyncrl.controller.recovery import resume_point
+
+    core = make_core(tmp_path, model_dir)
+    core.save(core.checkpoint_path(0))  # what the controller process does when a run starts
+    register(core)
+    out = core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
+        answer(core, a)
+    core.handle(b"L", P.BatchRequest(step=0))
+    core.close()
+    first = read_log(tmp_path / "trajectories").records
+    assert first  # samples and a batch, no learner checkpoint
+    state, version = resume_point(tmp_path)
+    assert version == 0 and state["cursor"] == 0
+    assert read_log(tmp_path / "trajectories").records == []  # nothing will be logged twice
+    resumed = make_core(tmp_path, model_dir)
+    resumed.load_state(state)
+    register(resumed)
+    out = resumed.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
+        answer(resumed, a)
+    resumed.handle(b"L", P.BatchRequest(step=0))
+    resumed.close()
+    from asyncrl.log.inspect import summarize
+
+    s = summarize(tmp_path / "trajectories")
+    assert s["exactly_once_problems"] == [] and s["batches"] == 1
+    assert s["samples"] == sum(isinstance(r, SampleRecord) for r in first)
+
+
+def test_a_damaged_controller_state_is_refused(tmp_path, model_dir):
+    from asyncrl.runtime.files import ChecksumError
+
+    core = make_core(tmp_path, model_dir)
+    core.save(tmp_path / "state.json")
+    core.close()
+    data = bytearray((tmp_path / "state.json").read_bytes())
+    data[-5] ^= 0x01
+    (tmp_path / "state.json").write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="does not match its checksum"):
+        read_state(tmp_path / "state.json")
+
+
+def test_log_inspect_reports_duplicated_and_doubly_consumed_samples(tmp_path, model_dir):
+    from asyncrl.log import TrajectoryLogWriter
+    from asyncrl.log.inspect import inspect_main, summarize
+
+    core = make_core(tmp_path, model_dir)
+    register(core)
+    out = core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
+        answer(core, a)
+    core.handle(b"L", P.BatchRequest(step=0))
+    core.close()
+    assert summarize(tmp_path / "trajectories")["exactly_once_problems"] == []
+    records = read_log(tmp_path / "trajectories").records
+    with TrajectoryLogWriter(tmp_path / "trajectories", fsync="never") as w:  # what a resume without cut-back did
+        for r in records:
+            w.append(r)
+    problems = summarize(tmp_path / "trajectories")["exactly_once_problems"]
+    assert any("repeat an id" in p for p in problems) and any("consumed twice" in p for p in problems)
+    assert any("jump from step 0 to 0" in p for p in problems)
+    assert inspect_main(str(tmp_path / "trajectories")) == 1
+
+
+def test_resume_refuses_interior_log_damage_until_log_repair_which_moves_checkpointed_positions(tmp_path, model_dir):
+    from asyncrl.controller.recovery import repair_main, resume_point
+    from asyncrl.log import LogCorruptionError
+    from asyncrl.log.framing import scan_segment
+
+    core = make_core(tmp_path, model_dir)
+    core.save(core.checkpoint_path(0))
+    register(core)
+    out = core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+    assignments = [m for _, m in out if isinstance(m, P.RolloutAssignment)]
+    answer(core, assignments[0])
+    answer(core, assignments[1])
+    core.save(core.checkpoint_path(0))  # a checkpoint after eight logged samples
+    core.close()
+    kept = read_log(tmp_path / "trajectories").records
+    (seg,) = sorted((tmp_path / "trajectories").glob("traj-*.log"))
+    data = bytearray(seg.read_bytes())
+    off = scan_segment(bytes(data), "x")[1][3][0]
+    data[off + 20] ^= 0x10  # a flipped byte in the fourth record, before the checkpoint's position
+    seg.write_bytes(bytes(data))
+    with pytest.raises(LogCorruptionError, match=f"byte {off}"):
+        make_core(tmp_path, model_dir)  # reopening for append refuses; nothing is truncated
+    assert len(read_log(tmp_path / "trajectories").records) == len(kept) - 1
+    assert repair_main(str(tmp_path)) == 0
+    state, _ = resume_point(tmp_path)  # the moved position still ends exactly after the last record
+    after = read_log(tmp_path / "trajectories").records
+    assert after == kept[:3] + kept[4:] and state["log_position"][1] == seg.stat().st_size
+    make_core(tmp_path, model_dir).close()

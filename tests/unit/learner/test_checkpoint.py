@@ -109,3 +109,55 @@ def test_export_hf_loads_with_transformers_and_gives_the_same_logits(tiny, dist_
         got = loaded(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert PreTrainedTokenizerFast.from_pretrained(out).convert_tokens_to_ids("c5") == 5
+
+
+def _flip(path, at=None):
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if at is None else at
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_shard_is_refused_and_resume_falls_back_to_the_previous_good_checkpoint(
+    tiny, dist_info, tmp_path
+):
+    from asyncrl.runtime.checkpoints import choose_resume_point
+    from asyncrl.runtime.files import ChecksumError
+
+    a = _state(tiny, dist_info, seed=0)
+    save_checkpoint(tmp_path, a, dist_info)  # version 0
+    train_step(a, tiny.batch(4, seed=0, version=0), tiny.objective, StepConfig(), dist_info)
+    good = state_dict_sha256(a.model, dist_info)
+    save_checkpoint(tmp_path, a, dist_info)  # version 1
+    train_step(a, tiny.batch(4, seed=1, version=1), tiny.objective, StepConfig(), dist_info)
+    newest = save_checkpoint(tmp_path, a, dist_info)  # version 2
+    shard = max((newest / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _flip(shard)
+    b = _state(tiny, dist_info, seed=5)
+    with pytest.raises(ChecksumError, match="does not match its checksum"):
+        load_checkpoint(newest, b, dist_info)
+    point = choose_resume_point(tmp_path, controller_state=False)
+    assert point.version == 1 and point.learner_dir.name == "step_00000001"
+    assert any("version 2 is not usable" in n and shard.name in n for n in point.notes)
+    load_checkpoint(point.learner_dir, b, dist_info)
+    assert b.version == 1 and state_dict_sha256(b.model, dist_info) == good
+
+
+def test_a_failed_save_leaves_no_half_written_checkpoint_and_says_disk_full(tiny, dist_info, tmp_path, monkeypatch):
+    import errno
+
+    import asyncrl.learner.checkpoint as ck
+    from asyncrl.runtime.files import DiskFullError
+
+    a = _state(tiny, dist_info, seed=0)
+    save_checkpoint(tmp_path, a, dist_info)
+    a.version = 1
+
+    def full(*args, **kw):  # the fault a full disk produces inside DCP's writer (cannot be made for real here)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck, "write_manifest", full)
+    with pytest.raises(DiskFullError, match="disk full at .*step_00000001.tmp"):
+        save_checkpoint(tmp_path, a, dist_info)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000000"]
+    assert latest_checkpoint(tmp_path).name == "step_00000000"
