@@ -23,6 +23,7 @@ import protocols as P
 from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore
 from asyncrl.controller.recovery import resume_point
+from asyncrl.runtime.files import DiskFullError, atomic_write_text
 from asyncrl.runtime.prepare import model_id
 from asyncrl.transport import (
     ChannelClosed,
@@ -58,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
+    from asyncrl.runtime.lock import RunFolderInUse, hold_run_lock
+
+    try:
+        hold_run_lock(run_dir)  # one controller appends to a run's log (kept for the life of the process)
+    except RunFolderInUse as e:
+        raise SystemExit(f"controller: {e}") from None
     cfg = read_run_config(run_dir)
     host = cfg.transport.host
     curve = server_curve(cfg.transport)
@@ -93,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("resumed at version %d, dataset position %d", resume_version, core.cursor)
     else:  # version 0 is a checkpoint too: a run stopped before its first learner checkpoint resumes from here
         core.save(core.checkpoint_path(0))
-    (run_dir / "controller.json").write_text(json.dumps({"control": advertised(ctl.address, adv),
-                                                         "samples": advertised(pull.address, adv)}))
+    atomic_write_text(run_dir / "controller.json", json.dumps({"control": advertised(ctl.address, adv),
+                                                               "samples": advertised(pull.address, adv)}))
     log.info("controller listening on %s (samples on %s)", ctl.address, pull.address)
     from workers.roles import SETUP_REQUEST, announce, setup_reply
 
@@ -154,15 +161,23 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if core.done and time.monotonic() - core.done_at > 15.0:
                 break
+    except DiskFullError as e:  # the log and the last checkpoint stay intact; resume once there is space
+        log.error("%s", e)
+        raise SystemExit(f"controller: {e}") from None
     finally:
         summary = {"max_consumed_staleness": core.max_consumed_staleness, "samples_logged": core.samples_logged,
                    **core.metrics(), **_transport_metrics(ctl, pull)}
-        (run_dir / "controller_final.json").write_text(json.dumps(summary, indent=2))
-        core.save(run_dir / "checkpoints" / "controller-final.json")
-        core.close()
-        writer.close()
-        ctl.close()
-        pull.close()
+        try:  # atomic: a full disk leaves the old file (or none), never an empty one
+            atomic_write_text(run_dir / "controller_final.json", json.dumps(summary, indent=2))
+            core.save(run_dir / "checkpoints" / "controller-final.json")
+        except DiskFullError as e:
+            log.error("%s", e)
+            raise SystemExit(f"controller: {e}") from None
+        finally:
+            core.close()
+            writer.close()
+            ctl.close()
+            pull.close()
     return 0
 
 

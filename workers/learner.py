@@ -223,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay-log", default="", help="a trajectory log to replay instead of a controller")
     ap.add_argument("--publish-formats", default="")
     args = ap.parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: never outlive a killed agent
+        from asyncrl.runtime.proc import die_with_parent
+
+        die_with_parent()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)

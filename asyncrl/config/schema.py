@@ -289,6 +289,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.learner.total_steps >= 1, "learner.total_steps must be >= 1"),
         (cfg.learner.lr > 0, "learner.lr must be > 0"),
         (cfg.learner.n_minibatches >= 1, "learner.n_minibatches must be >= 1"),
+        (cfg.learner.micro_batch_size >= 1,
+         f"learner.micro_batch_size={cfg.learner.micro_batch_size} must be >= 1 (sequences per forward pass)"),
+        (cfg.log.rotate_mb >= 1, f"log.rotate_mb={cfg.log.rotate_mb} must be >= 1 (segment size in MiB)"),
+        (cfg.log.fsync_every >= 1, f"log.fsync_every={cfg.log.fsync_every} must be >= 1"),
         (cfg.algo.is_cap > 1, "algo.is_cap (C) must be > 1"),
         (0 < cfg.algo.eps_low < 1 and cfg.algo.eps_high > 0, "algo.eps_low must be in (0, 1), eps_high > 0"),
         (cfg.algo.dual_clip is None or cfg.algo.dual_clip > 1, "algo.dual_clip must be > 1 or null"),
@@ -322,6 +326,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.model.name == "path" and not cfg.model.path:
         raise ValueError("model.name=path needs model.path=DIR (a Hugging Face model folder)")
     return cfg
+
+
+def config_warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that run but cannot do what they suggest (printed by the launcher, not refused)."""
+    out = []
+    eta, steps = cfg.rollout.eta, cfg.learner.total_steps
+    if eta >= steps or eta > 64:
+        out.append(f"rollout.eta={eta} is far beyond what this run can use: staleness can never exceed "
+                   f"learner.total_steps={steps}, and the gate admits (eta+1) x groups_per_step groups ahead "
+                   "(memory, wasted stale work); values of 1-8 are typical")
+    return out
 
 
 def to_dict(cfg: object) -> dict:

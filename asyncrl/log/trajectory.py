@@ -27,6 +27,7 @@ from typing import Any
 
 from asyncrl.log.framing import Corruption, LogFormatError, encode_record, header_bytes, scan_segment
 from asyncrl.log.records import SCHEMA_VERSION, LogHeader
+from asyncrl.runtime.files import raise_if_disk_full
 
 
 class LogCorruptionError(ValueError):
@@ -150,6 +151,15 @@ class TrajectoryLogWriter:
 
     # --------------------------------------------------------------------------------- writing
     def append(self, record: Any) -> None:
+        """Append one record; ``DiskFullError`` ("disk full at PATH") when the device is full (a partial
+        frame left behind is a torn tail, repaired on the next open)."""
+        try:
+            self._append(record)
+        except OSError as e:
+            raise_if_disk_full(e, self.path)
+            raise
+
+    def _append(self, record: Any) -> None:
         data = encode_record(record)
         if self._size + len(data) > self.rotate_bytes and self._size > 4096:
             self._rotate()
@@ -168,7 +178,11 @@ class TrajectoryLogWriter:
 
     def flush(self) -> None:
         """Make everything appended so far durable (regardless of policy, except ``never``)."""
-        self._sync(force=True)
+        try:
+            self._sync(force=True)
+        except OSError as e:
+            raise_if_disk_full(e, self.path)
+            raise
 
     def tell(self) -> tuple[int, int]:
         """(segment index, byte offset) after the last record: a resume point for checkpoints."""

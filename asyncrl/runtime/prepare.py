@@ -13,6 +13,7 @@ would see zero reward variance. A few dozen supervised steps put the sampled rew
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -25,9 +26,19 @@ def model_id(cfg, model_dir: Path) -> str:
     return f"{cfg.model.name}:{Path(model_dir).name}"
 
 
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # what the learner shards and the native engine runs exactly
+
+
 def check_model_folder(path: Path) -> Path:
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {path} has no config.json; pass a Hugging Face model folder in model.path")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"model folder {path}: config.json is not readable JSON ({e})") from None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model folder {path} holds a {model_type!r} model; asyncrl trains Llama- and Qwen2-family "
+                         f"models (model_type in {SUPPORTED_MODEL_TYPES}): point model.path at such a folder")
     if not any((path / f).is_file() for f in WEIGHT_FILES):
         raise ValueError(f"model folder {path} has no weights ({' or '.join(WEIGHT_FILES)}); "
                          "save the model with save_pretrained or point model.path at the right folder")
