@@ -152,6 +152,9 @@ class RolloutConfig:
     ``cuda:N``. With several GPUs the launcher gives each worker its own (``CUDA_VISIBLE_DEVICES``)."""
     dead_after_s: float = 30.0
     """A worker silent this long is declared dead and its assignments are reissued."""
+    assignment_timeout_s: float = 90.0
+    """A group not finished this long after it was assigned is reissued (heartbeats do not extend it);
+    a result that arrives later is dropped and counted (controller/samples/late)."""
     seed: int = 0
 
 
@@ -296,6 +299,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.algo.is_cap > 1, "algo.is_cap (C) must be > 1"),
         (0 < cfg.algo.eps_low < 1 and cfg.algo.eps_high > 0, "algo.eps_low must be in (0, 1), eps_high > 0"),
         (cfg.algo.dual_clip is None or cfg.algo.dual_clip > 1, "algo.dual_clip must be > 1 or null"),
+        (cfg.rollout.assignment_timeout_s > 0, "rollout.assignment_timeout_s must be > 0"),
         (cfg.rollout.dead_after_s > cfg.rollout.heartbeat_s,
          "rollout.dead_after_s must exceed rollout.heartbeat_s"),
     ]

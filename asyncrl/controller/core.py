@@ -14,6 +14,7 @@ for streamed samples, ``poll(now)`` for timers (dead workers, a batch that becam
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -28,6 +29,7 @@ import protocols as P
 from asyncrl.config import TrainConfig
 from asyncrl.control import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 from asyncrl.controller.scoring import GroupScorer
+from asyncrl.controller.validation import check_sample
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.runtime.files import read_checksummed_json, write_checksummed_json
 
@@ -56,11 +58,12 @@ class ControllerCore:
         self.version = ManualVersion(0)
         self.gate = StalenessGate(self.version, eta=cfg.rollout.eta, groups_per_step=cfg.rollout.groups_per_step)
         self.buffer = GroupBuffer(self.gate, group_size=cfg.algo.group_size, clock=clock,
-                                  assignment_timeout_s=cfg.rollout.dead_after_s * 3)
+                                  assignment_timeout_s=cfg.rollout.assignment_timeout_s)
         keep = (lambda g: len(set(g.extra["rewards"])) > 1) if cfg.algo.dynamic_sampling else None
         self.assembler = BatchAssembler(self.gate, self.buffer, keep=keep,
                                         max_filtered_per_step=4 * cfg.rollout.groups_per_step)
         self.cursor = 0  # index of the next problem of the task's prompt stream
+        self.vocab_size = _vocab_size(welcome_config, scorer)
         self.workers: dict[str, WorkerInfo] = {}
         self.learner_peer: bytes | None = None
         self.pending_batch: int | None = None  # step the learner asked for and did not get yet
@@ -201,8 +204,7 @@ class ControllerCore:
         version, tps = msg.stats.get("version", w.version), msg.stats.get("tokens_per_s", 0.0)
         if math.isfinite(version):  # stats are the peer's word: never let a NaN reach int()
             w.version = max(w.version, int(version))
-        w.tokens_per_s = tps if math.isfinite(tps) else 0.0
-        self.buffer.heartbeat(msg.peer_id)
+        w.tokens_per_s = tps if math.isfinite(tps) else 0.0  # alive, but its assignments' deadlines stand
 
     def _forget(self, worker_id: str, *, reason: str) -> None:
         if self.workers.pop(worker_id, None) is None:
@@ -216,7 +218,11 @@ class ControllerCore:
 
     # ------------------------------------------------------------------------------- data plane
     def on_sample(self, msg: P.FinishedSample) -> list[tuple[bytes, Any]]:
-        """Record one streamed sample; returns the learner's batch if this sample completed it."""
+        """Record one streamed sample; returns the learner's batch if this sample completed it.
+
+        A result for a group the worker does not hold is dropped and counted (late, duplicate, ...);
+        an accepted one must pass ``check_sample`` or it is rejected (counted, never logged) and its
+        group reissued."""
         w = self.workers.get(msg.worker_id)
         if w is not None:
             w.last_seen = self.clock()
@@ -226,9 +232,20 @@ class ControllerCore:
             min_version = self.version.version  # an empty response carries no token to be stale
         else:
             min_version = int(versions.min())
-        logp = msg.behav_logp.to_numpy()
-        if not np.isfinite(logp).all():
-            self.counters["samples/nonfinite_behav_logp"] += 1  # kept: the learner masks those tokens (§2.5)
+        if not np.isfinite(msg.behav_logp.to_numpy()).all():
+            self.counters["samples/nonfinite_behav_logp"] += 1  # -inf is kept: the learner masks it (§2.5)
+        status = self.buffer.classify(msg.sample_id, msg.worker_id)
+        if status is ResultStatus.ACCEPTED:
+            group_id, meta, admit_version = self.buffer.admission_of(msg.sample_id)
+            bad = check_sample(msg, meta=meta, admit_version=admit_version,
+                               served_version=self.version.version, vocab_size=self.vocab_size,
+                               max_new_tokens=self.cfg.rollout.max_new_tokens)
+            if bad is not None:
+                self.counters["samples/rejected_invalid"] += 1
+                self.counters[f"samples/invalid/{bad[0]}"] += 1
+                log.error("rejected %s from %s: %s; group reissued", msg.sample_id, msg.worker_id, bad[1])
+                self.counters["samples/reissued"] += len(self.buffer.reassign_group(group_id))
+                return []
         try:
             status = self.buffer.on_result(msg.sample_id, worker_id=msg.worker_id, payload=msg,
                                            min_version=min_version)
@@ -325,9 +342,11 @@ class ControllerCore:
             if now - w.last_seen > self.cfg.rollout.dead_after_s:
                 self.counters["workers/dead"] += 1
                 self._forget(wid, reason=f"missed heartbeats for {now - w.last_seen:.1f}s")
-        for a in self.buffer.overdue(now):
+        for a in self.buffer.overdue(now):  # measured from the assignment; a late result is dropped (samples/late)
             self.counters["samples/overdue_groups"] += 1
-            self.buffer.reassign_group(a.group_id)
+            self.counters["samples/reissued"] += len(self.buffer.reassign_group(a.group_id))
+            log.warning("group %s not finished by %s within %.0fs of its assignment; reissued", a.group_id,
+                        a.worker_id, self.cfg.rollout.assignment_timeout_s)
         return self._try_batch()
 
     def metrics(self) -> dict[str, float]:
@@ -378,6 +397,14 @@ def response_metrics(group_rewards: list[list[float]], responses: list[P.Array],
     return {"train/response_len_mean": float(np.mean(lengths)), "train/response_len_max": float(max(lengths)),
             "train/zero_variance_groups": float(np.mean([len(set(g)) <= 1 for g in group_rewards])),
             "train/first_token_stop_frac": float(np.mean(first))}
+
+
+def _vocab_size(welcome_config: dict[str, str], scorer: GroupScorer) -> int:
+    """Rows of the model's embedding (from the config the workers get), else the tokenizer's size."""
+    model_config = welcome_config.get("model_config")
+    if model_config:
+        return int(json.loads(model_config)["vocab_size"])
+    return len(scorer.tokenizer)
 
 
 def train_sample(fs: P.FinishedSample, *, advantage: float, reward: float) -> P.TrainSample:

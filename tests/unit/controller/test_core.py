@@ -20,11 +20,12 @@ def model_dir(tmp_path_factory):
     return ensure_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
 
 
-def make_core(tmp_path, model_dir, eta=1):
+def make_core(tmp_path, model_dir, eta=1, extra=(), **kw):
     cfg = load_train_config([f"algo.group_size={G}", f"rollout.groups_per_step={B}", f"rollout.eta={eta}",
-                             "rollout.worker_slots=8", "log.fsync=never"])
+                             "rollout.worker_slots=8", "log.fsync=never", *extra])
     return ControllerCore(cfg, run_dir=tmp_path, scorer=build_scorer(cfg, model_dir),
-                          welcome_config={"samples_address": "x", "model_id": "tiny:test"}, publish_formats=["int8"])
+                          welcome_config={"samples_address": "x", "model_id": "tiny:test"}, publish_formats=["int8"],
+                          **kw)
 
 
 def hello(role, peer_id, fmt="int8"):
@@ -204,3 +205,81 @@ def test_resume_refuses_interior_log_damage_until_log_repair_which_moves_checkpo
     after = read_log(tmp_path / "trajectories").records
     assert after == kept[:3] + kept[4:] and state["log_position"][1] == seg.stat().st_size
     make_core(tmp_path, model_dir).close()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _assignments(out):
+    return [m for _, m in out if isinstance(m, P.RolloutAssignment)]
+
+
+def test_a_worker_that_heartbeats_but_never_returns_loses_its_group_and_its_late_result_is_dropped(tmp_path, model_dir):
+    clock = FakeClock()
+    core = make_core(tmp_path, model_dir, extra=["rollout.assignment_timeout_s=10", "rollout.dead_after_s=1000"],
+                     clock=clock)
+    register(core)
+    held = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
+    assert len(held) == 1
+    for _ in range(4):  # alive and heartbeating every 3 s, but it never returns the group
+        clock.t += 3
+        core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, stats={"version": 0.0}))
+        core.poll()
+    assert core.counters["samples/overdue_groups"] == 1 and "w" in core.workers
+    assert isinstance(core.handle(b"V", hello("generator", "v"))[0][1], P.Welcome)
+    core.handle(b"V", P.Heartbeat(peer_id="v", time=0.0, stats={"version": 0.0}))
+    again = _assignments(core.handle(b"V", P.WorkRequest(worker_id="v", credits=G)))
+    assert again[0].group_id == held[0].group_id and again[0].sample_ids == held[0].sample_ids
+    answer(core, held[0], worker="w")  # the late result
+    assert core.counters["samples/late"] == G and core.samples_logged == 0
+    answer(core, again[0], worker="v")
+    assert core.samples_logged == G
+    core.close()
+    assert {r.sample.worker_id for r in read_log(tmp_path / "trajectories").records if isinstance(r, SampleRecord)} == {"v"}
+
+
+def _sample(a, *, ids=(5, 6, 2), logp=-0.5, version=0, prompt=None, index=0):
+    ids = np.asarray(ids, np.int32)
+    return P.FinishedSample(
+        sample_id=a.sample_ids[index], group_id=a.group_id, prompt_ids=prompt or a.prompt_ids,
+        response_ids=P.Array.from_numpy(ids), behav_logp=P.Array.from_numpy(np.full(len(ids), logp, np.float32)),
+        versions=P.Array.from_numpy(np.full(len(ids), version, np.int32)), finish_reason="stop", worker_id="w")
+
+
+def test_a_returned_sample_is_validated_field_by_field_and_a_bad_one_is_rejected_counted_and_reissued(
+    tmp_path, model_dir
+):
+    core = make_core(tmp_path, model_dir, extra=["rollout.max_new_tokens=4"])
+    register(core)
+    (a, *_) = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
+    vocab = core.vocab_size
+    other_prompt = P.Array.from_numpy(np.asarray([7, 8, 9], np.int32))
+    bad = {
+        "token_ids": _sample(a, ids=(5, vocab, 2)),
+        "length": _sample(a, ids=(5, 5, 5, 5, 2)),
+        "behav_logp": _sample(a, logp=float("nan")),
+        "versions": _sample(a, version=7),
+        "prompt": _sample(a, prompt=other_prompt),
+    }
+    for key, msg in bad.items():
+        assert core.on_sample(msg) == []
+        assert core.counters[f"samples/invalid/{key}"] == 1, key
+        # the group went back to pending: the worker (or another) gets it again, same ids
+        (again,) = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
+        assert again.sample_ids == a.sample_ids
+    positive = _sample(a, logp=0.5)
+    core.on_sample(positive)
+    assert core.counters["samples/invalid/behav_logp"] == 2
+    assert core.counters["samples/rejected_invalid"] == 6 and core.samples_logged == 0
+    (a,) = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
+    answer(core, a)  # valid answers are accepted as before
+    assert core.samples_logged == G
+    core.close()
+    ids = [r.sample.response_ids.to_numpy() for r in read_log(tmp_path / "trajectories").records
+           if isinstance(r, SampleRecord)]
+    assert all(int(x.max()) < vocab for x in ids)
