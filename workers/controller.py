@@ -22,12 +22,11 @@ import zmq
 import protocols as P
 from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore
+from asyncrl.controller.outbox import PeerOutbox
 from asyncrl.controller.recovery import resume_point
 from asyncrl.runtime.files import DiskFullError, atomic_write_text
 from asyncrl.runtime.prepare import model_id
 from asyncrl.transport import (
-    ChannelClosed,
-    ChannelTimeout,
     ZmqChannel,
     advertised,
     auth_metrics,
@@ -112,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     poller = zmq.Poller()
     for ch in (ctl, pull):
         poller.register(ch._sock, zmq.POLLIN)
+    outbox = PeerOutbox(ctl.send, on_drop=lambda peer: core.drop_peer(peer))  # no peer can stall the loop
     t0 = time.monotonic()
     last_poll = 0.0
     samples_at_last = 0
@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                     env = ctl.recv(0.0)
                     if env is None:
                         break
+                    if outbox.muted(env.peer):  # dropped for not reading its replies: ignored, counted
+                        core.counters["control/muted_peer_message"] += 1
+                        continue
                     if (isinstance(env.msg, P.Hello) and env.msg.role == "client"
                             and env.msg.capabilities.get("request") == SETUP_REQUEST):
                         # `asyncrl learner`: where the run folder and the model are (before it loads anything)
@@ -151,12 +154,13 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() - last_poll > 0.2:
                 replies += core.poll()
                 last_poll = time.monotonic()
+            if core.learner_peer is not None:
+                outbox.protected.add(core.learner_peer)
             for peer, msg in replies:
-                try:
-                    ctl.send(msg, to=peer, timeout_s=1.0)
-                except (ChannelTimeout, ChannelClosed) as e:
-                    core.counters["control/reply_dropped"] += 1
-                    log.warning("reply to %r dropped: %s", peer, e)
+                outbox.put(peer, msg)
+            outbox.flush()
+            core.counters.update(outbox.counters)
+            outbox.counters.clear()
             if core.done and not core.workers:
                 break
             if core.done and time.monotonic() - core.done_at > 15.0:

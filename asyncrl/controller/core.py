@@ -206,6 +206,12 @@ class ControllerCore:
             w.version = max(w.version, int(version))
         w.tokens_per_s = tps if math.isfinite(tps) else 0.0  # alive, but its assignments' deadlines stand
 
+    def drop_peer(self, peer: bytes) -> None:
+        """A peer was dropped for not reading its replies: a worker behind it is forgotten (work reissued)."""
+        for wid, w in list(self.workers.items()):
+            if w.peer == peer:
+                self._forget(wid, reason="dropped: it does not read the controller's replies")
+
     def _forget(self, worker_id: str, *, reason: str) -> None:
         if self.workers.pop(worker_id, None) is None:
             return
