@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     poller = zmq.Poller()
     for ch in (ctl, pull):
         poller.register(ch._sock, zmq.POLLIN)
+    weights_counters: dict[str, float] = {}
     outbox = PeerOutbox(ctl.send, on_drop=lambda peer: core.drop_peer(peer))  # no peer can stall the loop
     t0 = time.monotonic()
     last_poll = 0.0
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             server_id="controller", config=setup)))
                         continue
                     if isinstance(env.msg, P.VersionUpdate):
+                        if env.peer == core.learner_peer:  # the learner's weight-server counters, for the run files
+                            weights_counters = {k: v for k, v in env.msg.metrics.items()
+                                                if k.startswith("transport/weights")}
                         now = time.monotonic()
                         m = dict(env.msg.metrics) | core.metrics() | _transport_metrics(ctl, pull)
                         m["throughput/samples_per_s"] = (core.samples_logged - samples_at_last) / max(1e-9, now - t_last)
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"controller: {e}") from None
     finally:
         summary = {"max_consumed_staleness": core.max_consumed_staleness, "samples_logged": core.samples_logged,
-                   **core.metrics(), **_transport_metrics(ctl, pull)}
+                   **core.metrics(), **_transport_metrics(ctl, pull), **weights_counters}
         try:  # atomic: a full disk leaves the old file (or none), never an empty one
             atomic_write_text(run_dir / "controller_final.json", json.dumps(summary, indent=2))
             core.save(run_dir / "checkpoints" / "controller-final.json")

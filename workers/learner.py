@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             if info.is_main:
                 if publisher is not None:
                     metrics |= publisher.publish(sd, state.version)
+                if server is not None:  # the weight server's received/rejected counters reach metrics.jsonl
+                    metrics |= server.as_metrics()
                 metrics |= msg.metrics
                 metrics |= {"time/learner_wait_s": t_wait, "time/learner_train_s": t_train,
                             "time/learner_busy_frac": t_train / max(1e-9, time.perf_counter() - t0),

@@ -35,7 +35,7 @@ SETUP_REQUEST = "run_setup"  # Hello(role="client", capabilities={"request": SET
 def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[TrainConfig, Path, Path]:
     """Config (new, or a resumed run's own with ``resume=RUN``), checks, model folder, run folder."""
     from asyncrl.config.schema import config_warnings
-    from asyncrl.runtime.prepare import check_prompts, check_task, prepare_model
+    from asyncrl.runtime.prepare import check_prompt_lengths, check_prompts, check_task, prepare_model
     from workers.launcher import check_transport, new_run_dir, resolve_paths
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
@@ -54,10 +54,11 @@ def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[Tr
     resolve_paths(cfg)  # against the caller's folder, where the children also run
     for warning in config_warnings(cfg):
         print(f"asyncrl {command}: warning: {warning}")
-    check_task(cfg)
+    check_task(cfg, log=lambda m: print(f"asyncrl {command}: {m}"))
     check_transport(cfg)
     model_dir = prepare_model(cfg, log=print)
     print(f"asyncrl {command}: prompts in {check_prompts(cfg, model_dir)} format")
+    check_prompt_lengths(cfg, model_dir, log=lambda m: print(f"asyncrl {command}: {m}"))
     run_dir = run_dir or new_run_dir(cfg)
     save_config(cfg, run_dir / "config.json")
     return cfg, run_dir, model_dir

@@ -77,6 +77,11 @@ class TaskConfig:
     ``task.rg_config={min_terms:2,max_terms:2,max_digits:2}`` or ``+task.rg_config.max_digits=2``."""
     size: int = 10_000
     """reasoning_gym: training problems generated (the evaluation problems are drawn apart from them)."""
+    max_prompt_tokens: int = 0
+    """Longest prompt admitted; 0: the model's context (max_position_embeddings) minus one."""
+    too_long: str = "skip"
+    """A prompt over the limit: ``skip`` (admission skips it, counted in data/prompts_too_long; the
+    evaluation set leaves it out) or ``error`` (the dataset is refused when the run starts)."""
 
 
 @dataclass(kw_only=True)
@@ -277,6 +282,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("task.name", cfg.task.name, TASKS)
     _choice("learner.lr_schedule", cfg.learner.lr_schedule, LR_SCHEDULES)
     _choice("log.fsync", cfg.log.fsync, FSYNC)
+    _choice("task.too_long", cfg.task.too_long, ("skip", "error"))
     _choice("model.name", cfg.model.name, ("tiny", "smollm2", "path"))
     checks = [
         (cfg.rollout.eta >= 0, f"rollout.eta={cfg.rollout.eta} must be >= 0 (0 = synchronous training)"),
@@ -294,6 +300,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.learner.n_minibatches >= 1, "learner.n_minibatches must be >= 1"),
         (cfg.learner.micro_batch_size >= 1,
          f"learner.micro_batch_size={cfg.learner.micro_batch_size} must be >= 1 (sequences per forward pass)"),
+        (cfg.task.max_prompt_tokens >= 0, "task.max_prompt_tokens must be >= 0 (0: the model's context - 1)"),
         (cfg.log.rotate_mb >= 1, f"log.rotate_mb={cfg.log.rotate_mb} must be >= 1 (segment size in MiB)"),
         (cfg.log.fsync_every >= 1, f"log.fsync_every={cfg.log.fsync_every} must be >= 1"),
         (cfg.algo.is_cap > 1, "algo.is_cap (C) must be > 1"),

@@ -34,6 +34,7 @@ from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWri
 from asyncrl.runtime.files import read_checksummed_json, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
+MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
 
 
 @dataclasses.dataclass
@@ -181,9 +182,17 @@ class ControllerCore:
         return out
 
     def _next_problem(self) -> dict[str, Any]:
-        problem = self.scorer.problem(self.cursor)
-        self.cursor += 1
-        return problem
+        """The next problem whose prompt fits the model; longer ones are skipped and counted."""
+        for _ in range(MAX_CONSECUTIVE_SKIPS):
+            problem = self.scorer.problem(self.cursor)
+            self.cursor += 1
+            if self.scorer.fits(problem["prompt_ids"]):
+                return problem
+            self.counters["data/prompts_too_long"] += 1
+            log.warning("skipped %s: %d prompt tokens, the limit is %d (task.max_prompt_tokens)", problem["id"],
+                        len(problem["prompt_ids"]), self.scorer.max_prompt_tokens)
+        raise ValueError(f"{MAX_CONSECUTIVE_SKIPS} prompts in a row are longer than {self.scorer.max_prompt_tokens} "
+                         "tokens; shorten the dataset's prompts or use a model with a longer context")
 
     def _assignment(self, a) -> P.RolloutAssignment:
         prompt = np.asarray(a.meta["prompt_ids"], np.int32)

@@ -70,3 +70,40 @@ def test_a_child_that_dies_is_reported_in_one_line_naming_the_cause_and_its_log(
     launcher.stop()
     launcher.close()
     assert Path(os.getcwd()) == tmp_path
+
+
+def _jsonl(path, answers):
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    return path
+
+
+def test_the_warm_start_cache_is_keyed_by_the_dataset_file(tmp_path):
+    from asyncrl.runtime.prepare import task_fingerprint
+
+    a, b = _jsonl(tmp_path / "a.jsonl", ["1", "2", "3"]), _jsonl(tmp_path / "b.jsonl", ["4", "5", "6"])
+    fa = task_fingerprint(load_train_config(["task.name=jsonl_math", f"task.path={a}"]))
+    fb = task_fingerprint(load_train_config(["task.name=jsonl_math", f"task.path={b}"]))
+    assert fa != fb and fa == task_fingerprint(load_train_config(["task.name=jsonl_math", f"task.path={a}"]))
+    _jsonl(a, ["1", "2", "7"])  # the same path, edited
+    assert task_fingerprint(load_train_config(["task.name=jsonl_math", f"task.path={a}"])) != fa
+
+
+def test_reference_answers_the_verifier_cannot_parse_are_warned_about_and_counted(tmp_path):
+    from asyncrl.runtime.prepare import check_task
+
+    path = _jsonl(tmp_path / "d.jsonl", ["4", "\\frac{", "12", "7", "}}{{"])
+    said = []
+    n = check_task(load_train_config(["task.name=jsonl_math", f"task.path={path}", "task.eval_size=1"]),
+                   log=said.append)
+    assert n == 2 and "2 reference answers cannot be parsed" in said[0]
+
+
+def test_a_non_utf8_line_is_reported_by_its_line_number(tmp_path):
+    from asyncrl.tasks.jsonl_math import load_jsonl_problems
+
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n{"prompt": "\xff\xfe", "answer": "3"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3 is not UTF-8"):
+        load_jsonl_problems(path)
