@@ -40,12 +40,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from asyncrl.learner.fsdp import DistInfo, barrier, full_state_dict
 from asyncrl.learner.step import TrainState
 from asyncrl.runtime.checkpoints import verify_manifest, write_manifest
-from asyncrl.runtime.files import ChecksumError, raise_if_disk_full
+from asyncrl.runtime.files import ChecksumError, DiskFullError, raise_if_disk_full
 
 __all__ = [
     "save_checkpoint",
@@ -58,6 +59,7 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = 1
+FULL_BELOW_BYTES = 1 << 20  # a failed save with less free space than this was a full disk
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -114,10 +116,13 @@ def save_checkpoint(
     barrier(info)
     try:
         _save_into(tmp, final, root, state, info, extra, keep_last, extra_text if extra is not None else "")
-    except OSError as e:
+    except (OSError, RuntimeError, CheckpointException) as e:  # DCP wraps a writer's failure (a BaseException)
         if info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # no half-written checkpoint is left behind
-        raise_if_disk_full(e, tmp)
+        if isinstance(e, OSError):
+            raise_if_disk_full(e, tmp)
+        if shutil.disk_usage(root).free < FULL_BELOW_BYTES:  # torch's writers report ENOSPC as "unexpected pos"
+            raise DiskFullError(tmp) from e
         raise
     barrier(info)
     return final

@@ -143,21 +143,45 @@ def test_a_flipped_byte_in_a_shard_is_refused_and_resume_falls_back_to_the_previ
     assert b.version == 1 and state_dict_sha256(b.model, dist_info) == good
 
 
-def test_a_failed_save_leaves_no_half_written_checkpoint_and_says_disk_full(tiny, dist_info, tmp_path, monkeypatch):
-    import errno
+FULL_DISK_SAVE = """
+import sys, torch
+from pathlib import Path
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from asyncrl.learner import LRSchedule, TrainState, build_optimizer, build_scheduler, init_distributed, shard_model
+from asyncrl.learner import save_checkpoint
+from asyncrl.runtime.files import DiskFullError
+torch.set_num_threads(1)
+info = init_distributed()
+cfg = Qwen2Config(vocab_size=37, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+model = shard_model(Qwen2ForCausalLM(cfg), info)
+opt = build_optimizer(model, lr=1e-2, weight_decay=0.0)
+state = TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, LRSchedule(kind="constant")))
+root = Path(sys.argv[1])
+try:
+    save_checkpoint(root, state, info)
+except DiskFullError as e:
+    print("error:", e)
+print("left:", sorted(p.name for p in root.iterdir()))
+"""
 
-    import asyncrl.learner.checkpoint as ck
-    from asyncrl.runtime.files import DiskFullError
 
-    a = _state(tiny, dist_info, seed=0)
-    save_checkpoint(tmp_path, a, dist_info)
-    a.version = 1
+def test_a_checkpoint_save_on_a_really_full_disk_says_so_and_leaves_nothing_half_written(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
 
-    def full(*args, **kw):  # the fault a full disk produces inside DCP's writer (cannot be made for real here)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(ck, "write_manifest", full)
-    with pytest.raises(DiskFullError, match="disk full at .*step_00000001.tmp"):
-        save_checkpoint(tmp_path, a, dist_info)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000000"]
-    assert latest_checkpoint(tmp_path).name == "step_00000000"
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-Urm", "true"]).returncode != 0:
+        pytest.skip("needs user namespaces (unshare -Urm) to mount a small tmpfs as a real full disk")
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[3])
+    (tmp_path / "save.py").write_text(FULL_DISK_SAVE)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = f"mount -t tmpfs -o size=128k tmpfs {mnt} && exec {sys.executable} {tmp_path / 'save.py'} {mnt}"
+    env = {**os.environ, "PYTHONPATH": repo, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "WORLD_SIZE": "1",
+           "RANK": "0", "LOCAL_RANK": "0"}
+    res = subprocess.run(["unshare", "-Urm", "sh", "-c", cmd], capture_output=True, text=True, env=env, cwd=repo)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"error: disk full at {mnt}/step_00000000.tmp" in res.stdout
+    assert "left: []" in res.stdout  # no step_*.tmp, no latest
