@@ -43,8 +43,17 @@ class Child:
                                      env=env, start_new_session=True, pass_fds=pass_fds)
 
     def fatal_line(self) -> str:
-        """One line: the child's fatal error (the last exception or exit message in its log) and the log."""
-        return f"{self.name} failed (exit {self.proc.returncode}): {fatal_error(self.log_path)}  [log: {self.log_path}]"
+        """One line: the child's fatal error (the signal that killed it, else the last exception or exit
+        message in its log) and the log."""
+        rc = self.proc.returncode
+        if rc is not None and rc < 0:
+            try:
+                cause = f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                cause = f"killed by signal {-rc}"
+        else:
+            cause = fatal_error(self.log_path)
+        return f"{self.name} failed (exit {rc}): {cause}  [log: {self.log_path}]"
 
     def tail(self, n: int = 15) -> str:
         try:
