@@ -42,7 +42,7 @@ def _register(ch, peer_id: str):
 def main() -> int:
     import zmq
 
-    from asyncrl.transport import ZmqChannel
+    from asyncrl.transport import ChannelTimeout, ZmqChannel
 
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(flag=True))
     role, address = sys.argv[1], sys.argv[2]
@@ -62,14 +62,21 @@ def main() -> int:
     push = ZmqChannel.connect(zmq.PUSH, welcome.config["samples_address"])
     print("ready", flush=True)
     last_beat = last_ask = 0.0
+
+    def send(msg, via=ch) -> None:  # never blocks: once the run is over the controller reads no more
+        try:
+            via.send(msg, timeout_s=0.0)
+        except ChannelTimeout:
+            pass
+
     while not STOP["flag"]:
         now = time.monotonic()
         if now - last_beat > 1.0:
-            ch.send(P.Heartbeat(peer_id=role, time=time.time(), stats={"version": 1e6}))
+            send(P.Heartbeat(peer_id=role, time=time.time(), stats={"version": 1e6}))
             last_beat = now
         if now - last_ask > 0.05:  # as eager as a real worker: it competes for every admitted group
             # it claims the newest weights, so the controller hands it groups of every version
-            ch.send(P.WorkRequest(worker_id=role, credits=8, version=10**6))
+            send(P.WorkRequest(worker_id=role, credits=8, version=10**6))
             last_ask = now
         env = ch.recv(0.02)
         if env is None:
@@ -78,10 +85,10 @@ def main() -> int:
         if isinstance(msg, P.RolloutAssignment) and role == "poison":
             for sid in msg.sample_ids:
                 ids = np.array([vocab + 7, vocab + 100, 2], np.int32)  # right shapes, ids outside the vocabulary
-                push.send(P.FinishedSample(sample_id=sid, group_id=msg.group_id, prompt_ids=msg.prompt_ids,
-                                           response_ids=_arr(ids), behav_logp=_arr(np.full(3, -0.5, np.float32)),
-                                           versions=_arr(np.full(3, welcome.latest_version, np.int32)),
-                                           finish_reason="stop", worker_id=role))
+                send(P.FinishedSample(sample_id=sid, group_id=msg.group_id, prompt_ids=msg.prompt_ids,
+                                      response_ids=_arr(ids), behav_logp=_arr(np.full(3, -0.5, np.float32)),
+                                      versions=_arr(np.full(3, welcome.latest_version, np.int32)),
+                                      finish_reason="stop", worker_id=role), via=push)
         elif isinstance(msg, P.Welcome):
             welcome = msg
         elif isinstance(msg, P.Error) and msg.code == "not_registered":
