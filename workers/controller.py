@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     if isinstance(env.msg, P.VersionUpdate):
                         if env.peer == core.learner_peer:  # the learner's weight-server counters, for the run files
-                            weights_counters = {k: v for k, v in env.msg.metrics.items()
-                                                if k.startswith("transport/weights")}
+                            weights_counters.update({k: v for k, v in env.msg.metrics.items()
+                                                     if k.startswith("transport/weights")})
                         now = time.monotonic()
                         m = dict(env.msg.metrics) | core.metrics() | _transport_metrics(ctl, pull)
                         m["throughput/samples_per_s"] = (core.samples_logged - samples_at_last) / max(1e-9, now - t_last)
