@@ -48,6 +48,17 @@ class ProcessTracker:
         return self.spawn([sys.executable, *args], **kwargs)
 
     def stop_all(self, grace_s: float = 5.0) -> None:
+        """SIGTERM each child, SIGKILL it after ``grace_s``, then SIGKILL whatever it started that is still
+        alive (its descendants, recorded by PID before the children were signalled: a killed launcher
+        or torchrun agent must not leave processes behind)."""
+        import psutil
+
+        descendants: list[psutil.Process] = []
+        for proc in self.children:
+            try:
+                descendants += psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
         for proc in self.children:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -59,6 +70,12 @@ class ProcessTracker:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
+        _, alive = psutil.wait_procs(descendants, timeout=max(0.0, deadline - time.monotonic()))
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 @pytest.fixture

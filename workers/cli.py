@@ -10,7 +10,8 @@ line that says what to change, with exit code 2, before any process starts.
   asyncrl controller [key=value ...]      a run's controller alone (cluster: each role its own command)
   asyncrl learner controller=ADDR [...]   one learner rank, under torchrun (any number of nodes)
   asyncrl replay run=runs/NAME [...]      retrain from a run's trajectory log (bit-identical on CPU)
-  asyncrl log inspect PATH                summary of a trajectory log
+  asyncrl log inspect PATH                summary of a trajectory log (exit 1: damage or exactly-once broken)
+  asyncrl log repair PATH                 salvage a log with interior damage, explicitly
   asyncrl log show RUN [--last N|--step K] decoded prompts and completions with rewards and versions
   asyncrl keys generate DIR               CurveZMQ keys for transport.keys_dir=DIR
 """
@@ -32,6 +33,12 @@ def _cmd_log_show(args: argparse.Namespace) -> int:
     from asyncrl.log.show import show_main
 
     return show_main(args.run, last=args.last, step=args.step, tokenizer=args.tokenizer)
+
+
+def _cmd_log_repair(args: argparse.Namespace) -> int:
+    from asyncrl.controller.recovery import repair_main
+
+    return repair_main(args.path)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -92,7 +99,7 @@ Put the run folder (runs_dir) on a filesystem the learner nodes share: both writ
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[6:16]))
+                                     epilog="\n".join(__doc__.splitlines()[6:17]))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("train", _cmd_train, "continuous asynchronous training"),
                              ("demo", _cmd_demo, "train on the embedded default and print where results are"),
@@ -132,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--step", type=int, default=None, help="the samples learner step K trained on")
     show.add_argument("--tokenizer", default=None, help="a folder with the run's tokenizer (default: the run's model)")
     show.set_defaults(func=_cmd_log_show)
+    rep = log_sub.add_parser("repair", help="remove damaged bytes, keep every intact record (originals kept)")
+    rep.add_argument("path", help="a run folder (its checkpoints' log positions are moved too) or a log folder")
+    rep.set_defaults(func=_cmd_log_repair)
     return parser
 
 

@@ -22,10 +22,11 @@ import zmq
 import protocols as P
 from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore
+from asyncrl.controller.outbox import PeerOutbox
+from asyncrl.controller.recovery import resume_point
+from asyncrl.runtime.files import DiskFullError, atomic_write_text
 from asyncrl.runtime.prepare import model_id
 from asyncrl.transport import (
-    ChannelClosed,
-    ChannelTimeout,
     ZmqChannel,
     advertised,
     auth_metrics,
@@ -57,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
+    from asyncrl.runtime.lock import RunFolderInUse, hold_run_lock
+
+    try:
+        hold_run_lock(run_dir)  # one controller appends to a run's log (kept for the life of the process)
+    except RunFolderInUse as e:
+        raise SystemExit(f"controller: {e}") from None
     cfg = read_run_config(run_dir)
     host = cfg.transport.host
     curve = server_curve(cfg.transport)
@@ -79,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
                            max_message_bytes=limit)
     adv = cfg.transport.advertise_host
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
-    resume_state, resume_version = resume_point(cfg, run_dir)
+    try:
+        resume_state, resume_version = resume_point(run_dir) if cfg.resume else (None, 0)
+    except ValueError as e:  # a log it cannot cut back, corrupt log/state: one line that says what to do
+        raise SystemExit(f"controller: {e}") from None
     core = ControllerCore(cfg, run_dir=run_dir, scorer=build_scorer(cfg, model_dir),
                           welcome_config=welcome_config(cfg, model_dir, advertised(pull.address, adv)),
                           publish_formats=formats)
@@ -87,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         core.version.set(resume_version)
         core.load_state(resume_state)
         log.info("resumed at version %d, dataset position %d", resume_version, core.cursor)
-    (run_dir / "controller.json").write_text(json.dumps({"control": advertised(ctl.address, adv),
-                                                         "samples": advertised(pull.address, adv)}))
+    else:  # version 0 is a checkpoint too: a run stopped before its first learner checkpoint resumes from here
+        core.save(core.checkpoint_path(0))
+    atomic_write_text(run_dir / "controller.json", json.dumps({"control": advertised(ctl.address, adv),
+                                                               "samples": advertised(pull.address, adv)}))
     log.info("controller listening on %s (samples on %s)", ctl.address, pull.address)
     from workers.roles import SETUP_REQUEST, announce, setup_reply
 
@@ -99,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     poller = zmq.Poller()
     for ch in (ctl, pull):
         poller.register(ch._sock, zmq.POLLIN)
+    weights_counters: dict[str, float] = {}
+    outbox = PeerOutbox(ctl.send, on_drop=lambda peer: core.drop_peer(peer))  # no peer can stall the loop
     t0 = time.monotonic()
     last_poll = 0.0
     samples_at_last = 0
@@ -121,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                     env = ctl.recv(0.0)
                     if env is None:
                         break
+                    if outbox.muted(env.peer):  # dropped for not reading its replies: ignored, counted
+                        core.counters["control/muted_peer_message"] += 1
+                        continue
                     if (isinstance(env.msg, P.Hello) and env.msg.role == "client"
                             and env.msg.capabilities.get("request") == SETUP_REQUEST):
                         # `asyncrl learner`: where the run folder and the model are (before it loads anything)
@@ -128,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             server_id="controller", config=setup)))
                         continue
                     if isinstance(env.msg, P.VersionUpdate):
+                        if env.peer == core.learner_peer:  # the learner's weight-server counters, for the run files
+                            weights_counters.update({k: v for k, v in env.msg.metrics.items()
+                                                     if k.startswith("transport/weights")})
                         now = time.monotonic()
                         m = dict(env.msg.metrics) | core.metrics() | _transport_metrics(ctl, pull)
                         m["throughput/samples_per_s"] = (core.samples_logged - samples_at_last) / max(1e-9, now - t_last)
@@ -138,51 +158,35 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() - last_poll > 0.2:
                 replies += core.poll()
                 last_poll = time.monotonic()
+            if core.learner_peer is not None:
+                outbox.protected.add(core.learner_peer)
             for peer, msg in replies:
-                try:
-                    ctl.send(msg, to=peer, timeout_s=1.0)
-                except (ChannelTimeout, ChannelClosed) as e:
-                    core.counters["control/reply_dropped"] += 1
-                    log.warning("reply to %r dropped: %s", peer, e)
+                outbox.put(peer, msg)
+            outbox.flush()
+            core.counters.update(outbox.counters)
+            outbox.counters.clear()
             if core.done and not core.workers:
                 break
             if core.done and time.monotonic() - core.done_at > 15.0:
                 break
+    except DiskFullError as e:  # the log and the last checkpoint stay intact; resume once there is space
+        log.error("%s", e)
+        raise SystemExit(f"controller: {e}") from None
     finally:
         summary = {"max_consumed_staleness": core.max_consumed_staleness, "samples_logged": core.samples_logged,
-                   **core.metrics(), **_transport_metrics(ctl, pull)}
-        (run_dir / "controller_final.json").write_text(json.dumps(summary, indent=2))
-        core.save(run_dir / "checkpoints" / "controller-final.json")
-        core.close()
-        writer.close()
-        ctl.close()
-        pull.close()
+                   **core.metrics(), **_transport_metrics(ctl, pull), **weights_counters}
+        try:  # atomic: a full disk leaves the old file (or none), never an empty one
+            atomic_write_text(run_dir / "controller_final.json", json.dumps(summary, indent=2))
+            core.save(run_dir / "checkpoints" / "controller-final.json")
+        except DiskFullError as e:
+            log.error("%s", e)
+            raise SystemExit(f"controller: {e}") from None
+        finally:
+            core.close()
+            writer.close()
+            ctl.close()
+            pull.close()
     return 0
-
-
-def resume_point(cfg, run_dir: Path) -> tuple[dict | None, int]:
-    """The controller state matching the learner's latest checkpoint, with the log cut back to it."""
-    if not cfg.resume:
-        return None, 0
-    from asyncrl.controller.core import read_state
-    from asyncrl.learner.checkpoint import latest_checkpoint
-    from asyncrl.log import truncate_log
-
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
-    if ckpt is None:
-        log.warning("resume: no learner checkpoint in %s; starting from version 0", run_dir)
-        return None, 0
-    version = int(json.loads((ckpt / "learner.json").read_text())["version"])
-    path = run_dir / "checkpoints" / f"controller-{version:08d}.json"
-    if version == 0 and not path.exists():
-        return None, 0
-    if not path.exists():
-        raise SystemExit(f"resume: the learner checkpoint is at version {version} but {path} is missing; "
-                         "this run folder cannot be resumed consistently")
-    state = read_state(path)
-    dropped = truncate_log(run_dir / "trajectories", *state["log_position"])
-    log.info("resume: trajectory log cut back to the checkpoint (%d bytes of redone work dropped)", dropped)
-    return state, version
 
 
 def _transport_metrics(ctl: ZmqChannel, pull: ZmqChannel) -> dict[str, float]:

@@ -5,7 +5,12 @@ Starts, in order: the controller, the learner (torchrun, ``learner.world_size`` 
 ``metrics.jsonl`` for the live progress line; when the learner finishes, stops the workers, waits for
 the controller, draws the plots and writes ``summary.json``. Ctrl-C (or SIGTERM) stops every child by
 PID, the learner first writing a resumable checkpoint. Any child that dies unexpectedly stops the run
-with its exit code and the tail of its log.
+with one line naming its fatal error and its log file, then the tail of that log.
+Process trees: each child leads its own session, so ``stop`` ends the whole tree it started (the
+learner's ranks under torchrun included) through that session's process-group id, which is the
+child's PID; never by name. One live job per run folder: the launcher holds the run-folder lock
+(``asyncrl.runtime.lock``) and hands it to the controller. Relative paths in the configuration are
+resolved against the caller's working directory, which the children also run in.
 Only here: process spawning and signals; everything checkable is checked before the first spawn.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,12 +33,27 @@ MAX_WORKER_RESTARTS = 8  # a worker that keeps crashing is a bug to see, not to 
 
 
 class Child:
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str],
+                 pass_fds: tuple[int, ...] = ()) -> None:
         self.name, self.log_path = name, log_path
         self.log_file = open(log_path, "ab")  # noqa: SIM115 - closed in close()
-        # start_new_session: a terminal's Ctrl-C reaches the launcher only; it stops children by PID
-        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                     start_new_session=True)
+        # start_new_session: a terminal's Ctrl-C reaches the launcher only; it stops children by PID.
+        # The session's process group id is the child's PID: stop() ends grandchildren through it.
+        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=os.getcwd(),
+                                     env=env, start_new_session=True, pass_fds=pass_fds)
+
+    def fatal_line(self) -> str:
+        """One line: the child's fatal error (the signal that killed it, else the last exception or exit
+        message in its log) and the log."""
+        rc = self.proc.returncode
+        if rc is not None and rc < 0:
+            try:
+                cause = f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                cause = f"killed by signal {-rc}"
+        else:
+            cause = fatal_error(self.log_path)
+        return f"{self.name} failed (exit {rc}): {cause}  [log: {self.log_path}]"
 
     def tail(self, n: int = 15) -> str:
         try:
@@ -42,6 +63,32 @@ class Child:
 
     def close(self) -> None:
         self.log_file.close()
+
+
+_FATAL = re.compile(r"^(?:[\w.]+(?:Error|Exception|Exit|Interrupt)|ChildFailedError|[\w.]+Full\w*)\b.*|^(?:controller|worker|learner)[\w -]*: .*")
+
+
+def fatal_error(log_path: Path) -> str:
+    """The last line of a child's log that names an exception or a fatal message, else its last line."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError as e:
+        return f"(log unreadable: {e})"
+    for ln in reversed(lines):
+        text = re.sub(r"^\[rank\d+\]:\s*", "", ln)  # torchrun prefixes a rank's stderr lines
+        if _FATAL.match(text) and not text.startswith(("torch.distributed.elastic", "ChildFailedError")):
+            return text
+    return lines[-1] if lines else "(empty log)"
+
+
+def resolve_paths(cfg: TrainConfig, cwd: Path | None = None) -> None:
+    """Make every path in ``cfg`` absolute against ``cwd`` (the caller's folder), so children and a later
+    resume started elsewhere read the same files."""
+    base = Path.cwd() if cwd is None else cwd
+    fix = lambda p: str((base / Path(p).expanduser()).resolve()) if p else p  # noqa: E731
+    cfg.runs_dir = fix(cfg.runs_dir)
+    cfg.model.path, cfg.model.cache_dir = fix(cfg.model.path), fix(cfg.model.cache_dir)
+    cfg.task.path, cfg.transport.keys_dir = fix(cfg.task.path), fix(cfg.transport.keys_dir)
 
 
 def child_env() -> dict[str, str]:
@@ -109,16 +156,21 @@ def gpu_plan(gpus: Sequence[str], cfg: TrainConfig) -> tuple[str | None, list[st
 
 
 class Launcher:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path) -> None:
-        self.cfg, self.run_dir, self.model_dir = cfg, run_dir, model_dir
+    def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int | None = None) -> None:
+        self.cfg, self.run_dir, self.model_dir, self.lock_fd = cfg, run_dir.resolve(), model_dir.resolve(), lock_fd
         self.children: list[Child] = []
         self.restarts = 0
         self.env = child_env()
         (run_dir / "logs").mkdir(exist_ok=True)
 
-    def spawn(self, name: str, args: list[str], cuda_devices: str | None = None) -> Child:
-        env = self.env if cuda_devices is None else self.env | {"CUDA_VISIBLE_DEVICES": cuda_devices}
-        child = Child(name, args, self.run_dir / "logs" / f"{name}.log", env)
+    def spawn(self, name: str, args: list[str], cuda_devices: str | None = None, *,
+              lock_fd: int | None = None) -> Child:
+        env, fds = self.env if cuda_devices is None else self.env | {"CUDA_VISIBLE_DEVICES": cuda_devices}, ()
+        if lock_fd is not None:  # the controller shares the launcher's run-folder lock
+            from asyncrl.runtime.lock import INHERITED_ENV
+
+            env, fds = {**env, INHERITED_ENV: str(lock_fd)}, (lock_fd,)
+        child = Child(name, args, self.run_dir / "logs" / f"{name}.log", env, pass_fds=fds)
         self.children.append(child)
         # Operators (and tests) can see exactly which processes this run started.
         (self.run_dir / "pids.json").write_text(json.dumps({c.name: c.proc.pid for c in self.children}))
@@ -128,12 +180,14 @@ class Launcher:
         fmts = ",".join(publish_formats(self.cfg))
         common = ["--run-dir", str(self.run_dir), "--model-dir", str(self.model_dir), "--publish-formats", fmts]
         (self.run_dir / "controller.json").unlink(missing_ok=True)  # a resumed run must not read the old address
-        self.controller = self.spawn("controller", [sys.executable, "-m", "workers.controller", *common])
+        self.controller = self.spawn("controller", [sys.executable, "-m", "workers.controller", *common],
+                                     lock_fd=self.lock_fd)
         addr_file = self.run_dir / "controller.json"
         deadline = time.monotonic() + 120
         while not addr_file.exists():
             if self.controller.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"controller did not start:\n{self.controller.tail()}")
+                self.controller.proc.poll()
+                raise RuntimeError(f"controller did not start: {self.controller.fatal_line()}\n{self.controller.tail()}")
             time.sleep(0.1)
         self.address = json.loads(addr_file.read_text())["control"]
         W = self.cfg.learner.world_size
@@ -172,7 +226,8 @@ class Launcher:
                                        cuda_devices=gpus[index] if index < len(gpus) else None))
 
     def stop(self, children: Sequence[Child] | None = None, grace_s: float = 30.0) -> None:
-        targets = [c for c in (self.children if children is None else children) if c.proc.poll() is None]
+        chosen = list(self.children if children is None else children)
+        targets = [c for c in chosen if c.proc.poll() is None]
         for c in targets:
             c.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -182,18 +237,42 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait(timeout=10)
+        for c in chosen:  # whatever the child left behind in its session (torchrun's ranks): by group id
+            end_process_group(c.proc.pid)
 
     def close(self) -> None:
         for c in self.children:
             c.close()
 
 
+def end_process_group(pgid: int) -> None:
+    """SIGKILL what is left of the session a child led (its group id is the child's PID)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def run_train(overrides: Sequence[str]) -> int:
-    from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
+    from asyncrl.runtime.lock import acquire_run_lock
     from workers.roles import prepare_run
 
-    cfg, run_dir, model_dir = prepare_run(overrides)  # the same preparation as `asyncrl controller`
-    launcher = Launcher(cfg, run_dir, model_dir)
+    resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    held = [acquire_run_lock(Path(resume[0]).resolve())] if resume else []  # a second resume is refused here
+    try:
+        cfg, run_dir, model_dir = prepare_run(overrides)  # the same preparation as `asyncrl controller`
+        if not held:
+            held.append(acquire_run_lock(run_dir))
+        return _train(cfg, run_dir, model_dir, held[0])
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int) -> int:
+    from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
+
+    launcher = Launcher(cfg, run_dir, model_dir, lock_fd=lock_fd)
     print(f"asyncrl train: run folder {run_dir}")
     interrupted = {"flag": False}
 
@@ -222,7 +301,7 @@ def run_train(overrides: Sequence[str]) -> int:
             if launcher.learner.proc.poll() is not None:
                 if launcher.learner.proc.returncode != 0:
                     rc = launcher.learner.proc.returncode
-                    print(f"\nlearner failed (exit {rc}):\n{launcher.learner.tail()}")
+                    print(f"\n{launcher.learner.fatal_line()}\n{launcher.learner.tail()}")
                     launcher.stop()
                     break
                 launcher.controller.proc.wait(timeout=60) if _alive(launcher.controller) else None
@@ -230,13 +309,13 @@ def run_train(overrides: Sequence[str]) -> int:
                 break
             if launcher.controller.proc.poll() not in (None, 0):  # 0: it finished with the learner
                 rc = launcher.controller.proc.returncode
-                print(f"\ncontroller died (exit {rc}):\n{launcher.controller.tail()}")
+                print(f"\n{launcher.controller.fatal_line()}\n{launcher.controller.tail()}")
                 launcher.stop()
                 break
             for w in list(launcher.workers):
                 if w.proc.poll() not in (None, 0) and w not in reported:
                     reported.add(w)  # elastic: the controller reissues its work; the run goes on
-                    print(f"\n{w.name} exited with {w.proc.returncode}; its assignments are reissued")
+                    print(f"\n{w.fatal_line()}; its assignments are reissued")
                     if launcher.restarts < MAX_WORKER_RESTARTS:
                         launcher.restart_worker(w)
                         print(f"restarted {w.name} (restart {launcher.restarts} of {MAX_WORKER_RESTARTS}; "
@@ -296,16 +375,18 @@ def run_replay(overrides: Sequence[str]) -> int:
     runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
     if not runs:
         raise ValueError("replay needs run=runs/<name> (a run folder with a trajectory log)")
-    src = Path(runs[0])
+    src = Path(runs[0]).resolve()
     base = read_run_config(src)
     rest = [o for o in overrides if not o.startswith("run=")]
     if not any(o.startswith("run_name=") for o in rest):
         rest.append(f"run_name={src.name}-replay")
     cfg = apply_overrides(base, rest)
+    resolve_paths(cfg)
     cfg.resume = ""
     cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
     model_dir = prepare_model(cfg, log=print)
-    check_replayable(src / "trajectories", model_id=model_id(cfg, model_dir))
+    for note in check_replayable(src / "trajectories", model_id=model_id(cfg, model_dir), salvage=cfg.log.salvage):
+        print(f"asyncrl replay: {note}")
     run_dir = new_run_dir(cfg)
     save_config(cfg, run_dir / "config.json")
     print(f"asyncrl replay: {src}/trajectories -> {run_dir}")
@@ -321,9 +402,10 @@ def run_replay(overrides: Sequence[str]) -> int:
         launcher.stop()
         return 130
     finally:
+        launcher.stop()  # the learner's ranks too, if its torchrun agent died
         launcher.close()
     if rc != 0:
-        print(f"replay failed (exit {rc}):\n{learner.tail()}")
+        print(f"replay {learner.fatal_line()}\n{learner.tail()}")
         return rc
     from asyncrl.log.inspect import summarize
 

@@ -35,7 +35,6 @@ from asyncrl.learner import (
     build_scheduler,
     export_hf,
     init_distributed,
-    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     sha256_of_state_dict,
@@ -224,11 +223,12 @@ class ControllerSource:
 class ReplaySource:
     """Batches from a trajectory log (``asyncrl replay``); metrics go to this run's own metrics.jsonl."""
 
-    def __init__(self, log_dir: Path, run_dir: Path, model_id: str, stop: threading.Event) -> None:
+    def __init__(self, log_dir: Path, run_dir: Path, model_id: str, stop: threading.Event,
+                 salvage: bool = False) -> None:
         from asyncrl.controller.replay import load_replay_batches
         from asyncrl.metrics import MetricsWriter
 
-        self.batches = load_replay_batches(log_dir, model_id=model_id)
+        self.batches = load_replay_batches(log_dir, model_id=model_id, salvage=salvage)
         self.writer = MetricsWriter(run_dir)
         self.stop = stop
 
@@ -256,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay-log", default="", help="a trajectory log to replay instead of a controller")
     ap.add_argument("--publish-formats", default="")
     args = ap.parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: never outlive a killed agent
+        from asyncrl.runtime.proc import die_with_parent
+
+        die_with_parent()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
     cfg = read_run_config(run_dir)
@@ -291,9 +295,15 @@ def main(argv: list[str] | None = None) -> int:
                                             min_lr_ratio=L.min_lr_ratio))
     state = TrainState(model, opt, sched, version=0)
     ckpt_root = run_dir / "checkpoints"
-    if cfg.resume and latest_checkpoint(ckpt_root) is not None:
-        load_checkpoint(ckpt_root, state, info)
-        log.info("resumed learner at version %d", state.version)
+    if cfg.resume:  # the same verified checkpoint the controller chose (damaged ones are skipped, said why)
+        from asyncrl.runtime.checkpoints import choose_resume_point
+
+        point = choose_resume_point(ckpt_root)
+        for note in point.notes:
+            log.warning("resume: %s", note)
+        if point.learner_dir is not None:
+            load_checkpoint(point.learner_dir, state, info)
+            log.info("resumed learner at version %d", state.version)
     objective = objective_config(cfg)
     step_cfg = StepConfig(n_minibatches=L.n_minibatches, micro_batch_size=L.micro_batch_size,
                           max_tokens_per_micro_batch=L.max_tokens_per_micro_batch, max_grad_norm=L.grad_clip,
@@ -311,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     if info.is_main:
         evaluator = Evaluator(cfg, model_dir)
         if replay:
-            source = ReplaySource(Path(args.replay_log), run_dir, model_id(cfg, model_dir), stop)
+            source = ReplaySource(Path(args.replay_log), run_dir, model_id(cfg, model_dir), stop,
+                                  salvage=cfg.log.salvage)
         else:
             host = cfg.transport.host
             curve = server_curve(cfg.transport)
@@ -343,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             if info.is_main:
                 if publisher is not None:
                     metrics |= publisher.publish(sd, state.version)
+                if server is not None:  # the weight server's received/rejected counters reach metrics.jsonl
+                    metrics |= server.as_metrics()
                 metrics |= msg.metrics
                 metrics |= {"time/learner_wait_s": t_wait, "time/learner_train_s": t_train,
                             "time/learner_busy_frac": t_train / max(1e-9, time.perf_counter() - t0),

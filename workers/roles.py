@@ -34,14 +34,15 @@ SETUP_REQUEST = "run_setup"  # Hello(role="client", capabilities={"request": SET
 
 def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[TrainConfig, Path, Path]:
     """Config (new, or a resumed run's own with ``resume=RUN``), checks, model folder, run folder."""
-    from asyncrl.runtime.prepare import check_prompts, check_task, prepare_model
-    from workers.launcher import check_transport, new_run_dir
+    from asyncrl.config.schema import config_warnings
+    from asyncrl.runtime.prepare import check_prompt_lengths, check_prompts, check_task, prepare_model
+    from workers.launcher import check_transport, new_run_dir, resolve_paths
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
     if resume:
         from asyncrl.config.loader import read_run_config
 
-        run_dir: Path | None = Path(resume[0])
+        run_dir: Path | None = Path(resume[0]).resolve()
         cfg = read_run_config(run_dir)  # a resumed run keeps its own configuration
         ignored = [o for o in overrides if not o.startswith("resume=")]
         if ignored:
@@ -50,10 +51,14 @@ def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[Tr
     else:
         cfg = load_train_config(list(overrides))  # bad configuration fails here, before any process starts
         run_dir = None
-    check_task(cfg)
+    resolve_paths(cfg)  # against the caller's folder, where the children also run
+    for warning in config_warnings(cfg):
+        print(f"asyncrl {command}: warning: {warning}")
+    check_task(cfg, log=lambda m: print(f"asyncrl {command}: {m}"))
     check_transport(cfg)
     model_dir = prepare_model(cfg, log=print)
     print(f"asyncrl {command}: prompts in {check_prompts(cfg, model_dir)} format")
+    check_prompt_lengths(cfg, model_dir, log=lambda m: print(f"asyncrl {command}: {m}"))
     run_dir = run_dir or new_run_dir(cfg)
     save_config(cfg, run_dir / "config.json")
     return cfg, run_dir, model_dir

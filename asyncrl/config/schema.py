@@ -77,6 +77,11 @@ class TaskConfig:
     ``task.rg_config={min_terms:2,max_terms:2,max_digits:2}`` or ``+task.rg_config.max_digits=2``."""
     size: int = 10_000
     """reasoning_gym: training problems generated (the evaluation problems are drawn apart from them)."""
+    max_prompt_tokens: int = 0
+    """Longest prompt admitted; 0: the model's context (max_position_embeddings) minus one."""
+    too_long: str = "skip"
+    """A prompt over the limit: ``skip`` (admission skips it, counted in data/prompts_too_long; the
+    evaluation set leaves it out) or ``error`` (the dataset is refused when the run starts)."""
 
 
 @dataclass(kw_only=True)
@@ -164,6 +169,9 @@ class RolloutConfig:
     ``cuda:N``. With several GPUs the launcher gives each worker its own (``CUDA_VISIBLE_DEVICES``)."""
     dead_after_s: float = 30.0
     """A worker silent this long is declared dead and its assignments are reissued."""
+    assignment_timeout_s: float = 90.0
+    """A group not finished this long after it was assigned is reissued (heartbeats do not extend it);
+    a result that arrives later is dropped and counted (controller/samples/late)."""
     seed: int = 0
 
 
@@ -274,6 +282,8 @@ class LogConfig:
     fsync: str = "every_n"
     fsync_every: int = 64
     rotate_mb: int = 256
+    salvage: bool = False
+    """Resume/replay a log with interior corruption: skip the damaged records and say which."""
 
 
 @dataclass(kw_only=True)
@@ -328,6 +338,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("task.name", cfg.task.name, TASKS)
     _choice("learner.lr_schedule", cfg.learner.lr_schedule, LR_SCHEDULES)
     _choice("log.fsync", cfg.log.fsync, FSYNC)
+    _choice("task.too_long", cfg.task.too_long, ("skip", "error"))
     _choice("model.name", cfg.model.name, ("tiny", "smollm2", "path"))
     checks = [
         (cfg.rollout.eta >= 0, f"rollout.eta={cfg.rollout.eta} must be >= 0 (0 = synchronous training)"),
@@ -355,11 +366,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
          "learner.lora.target_modules may not include lm_head or embed_tokens; adapt the decoder projections"),
         (0.0 <= cfg.learner.lora.dropout < 1.0, "learner.lora.dropout must be in [0, 1)"),
         (cfg.algo.kl_coef >= 0, "algo.kl_coef must be >= 0 (0 disables the reference policy)"),
+        (cfg.learner.micro_batch_size >= 1,
+         f"learner.micro_batch_size={cfg.learner.micro_batch_size} must be >= 1 (sequences per forward pass)"),
+        (cfg.task.max_prompt_tokens >= 0, "task.max_prompt_tokens must be >= 0 (0: the model's context - 1)"),
+        (cfg.log.rotate_mb >= 1, f"log.rotate_mb={cfg.log.rotate_mb} must be >= 1 (segment size in MiB)"),
+        (cfg.log.fsync_every >= 1, f"log.fsync_every={cfg.log.fsync_every} must be >= 1"),
         (cfg.algo.is_cap > 1, "algo.is_cap (C) must be > 1"),
         ((cfg.algo.eps_low is None or 0 < cfg.algo.eps_low < 1)
          and (cfg.algo.eps_high is None or cfg.algo.eps_high > 0),
          "algo.eps_low must be in (0, 1) and algo.eps_high > 0 (or null for the objective's defaults)"),
         (cfg.algo.dual_clip is None or cfg.algo.dual_clip > 1, "algo.dual_clip must be > 1 or null"),
+        (cfg.rollout.assignment_timeout_s > 0, "rollout.assignment_timeout_s must be > 0"),
         (cfg.rollout.dead_after_s > cfg.rollout.heartbeat_s,
          "rollout.dead_after_s must exceed rollout.heartbeat_s"),
     ]
@@ -393,6 +410,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.model.name == "path" and not cfg.model.path:
         raise ValueError("model.name=path needs model.path=DIR (a Hugging Face model folder)")
     return cfg
+
+
+def config_warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that run but cannot do what they suggest (printed by the launcher, not refused)."""
+    out = []
+    eta, steps = cfg.rollout.eta, cfg.learner.total_steps
+    if eta >= steps or eta > 64:
+        out.append(f"rollout.eta={eta} is far beyond what this run can use: staleness can never exceed "
+                   f"learner.total_steps={steps}, and the gate admits (eta+1) x groups_per_step groups ahead "
+                   "(memory, wasted stale work); values of 1-8 are typical")
+    return out
 
 
 def to_dict(cfg: object) -> dict:

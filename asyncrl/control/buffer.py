@@ -129,8 +129,9 @@ class GroupBuffer:
         gate: the staleness gate whose counters this buffer keeps in step.
         group_size: ``G``, members per group.
         clock: monotonic seconds, for assignment deadlines.
-        assignment_timeout_s: how long a worker may hold a group without returning a member (or a
-            ``heartbeat``) before ``overdue`` lists it.
+        assignment_timeout_s: how long a worker may hold a group, counted from the assignment,
+            before ``overdue`` lists it. Neither heartbeats nor partial results extend it: a worker
+            that is alive but never finishes cannot hold a group forever.
     """
 
     def __init__(
@@ -217,13 +218,6 @@ class GroupBuffer:
         t = self.clock() if now is None else now
         return [a for a in self.assignments() if a.deadline_s < t]
 
-    def heartbeat(self, worker_id: str) -> None:
-        """The worker is alive: push the deadlines of all its assignments forward."""
-        deadline = self.clock() + self.assignment_timeout_s
-        for g in self._groups.values():
-            if g.state is GroupState.ASSIGNED and g.worker_id == worker_id:
-                g.deadline_s = deadline
-
     def reassign_from(self, worker_id: str) -> list[str]:
         """Take every group from ``worker_id`` (dead or overdue) and put it back to PENDING.
 
@@ -271,7 +265,6 @@ class GroupBuffer:
                 "the weights it really holds when it asks for work"
             )
         g.results[parsed[1]] = SampleResult(sample_id, parsed[1], payload, min_version, worker_id)
-        g.deadline_s = self.clock() + self.assignment_timeout_s  # progress counts as a heartbeat
         if len(g.results) < g.size:
             self.stats[ResultStatus.ACCEPTED.value] += 1
             return ResultStatus.ACCEPTED
@@ -281,6 +274,16 @@ class GroupBuffer:
         self.gate.on_group_finished()
         self.stats[ResultStatus.COMPLETED.value] += 1
         return ResultStatus.COMPLETED
+
+    def classify(self, sample_id: str, worker_id: str) -> ResultStatus:
+        """What ``on_result`` would do with this result now (ACCEPTED or the reason it is dropped); no change."""
+        return self._classify(sample_id, worker_id)
+
+    def admission_of(self, sample_id: str) -> tuple[str, Any, int] | None:
+        """(group id, metadata, admission version) of the live group ``sample_id`` belongs to, else None."""
+        parsed = parse_sample_id(sample_id)
+        g = None if parsed is None else self._groups.get(make_group_id(parsed[0]))
+        return None if g is None else (g.group_id, g.meta, g.admit_version)
 
     def _classify(self, sample_id: str, worker_id: str) -> ResultStatus:
         parsed = parse_sample_id(sample_id)

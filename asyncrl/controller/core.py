@@ -30,9 +30,12 @@ import protocols as P
 from asyncrl.config import TrainConfig
 from asyncrl.control import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 from asyncrl.controller.scoring import GroupScorer
+from asyncrl.controller.validation import check_sample
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
+from asyncrl.runtime.files import read_checksummed_json, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
+MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
 
 
 @dataclasses.dataclass
@@ -57,11 +60,12 @@ class ControllerCore:
         self.version = ManualVersion(0)
         self.gate = StalenessGate(self.version, eta=cfg.rollout.eta, groups_per_step=cfg.rollout.groups_per_step)
         self.buffer = GroupBuffer(self.gate, group_size=cfg.algo.group_size, clock=clock,
-                                  assignment_timeout_s=cfg.rollout.dead_after_s * 3)
+                                  assignment_timeout_s=cfg.rollout.assignment_timeout_s)
         keep = (lambda g: len(set(g.extra["rewards"])) > 1) if cfg.algo.dynamic_sampling else None
         self.assembler = BatchAssembler(self.gate, self.buffer, keep=keep,
                                         max_filtered_per_step=4 * cfg.rollout.groups_per_step)
         self.cursor = 0  # index of the next problem of the task's prompt stream
+        self.vocab_size = _vocab_size(welcome_config, scorer)
         self.workers: dict[str, WorkerInfo] = {}
         self.learner_peer: bytes | None = None
         self.pending_batch: int | None = None  # step the learner asked for and did not get yet
@@ -77,10 +81,16 @@ class ControllerCore:
         self.log = TrajectoryLogWriter(self.run_dir / "trajectories", config=dataclasses.asdict(cfg),
                                        run_name=cfg.run_name, model=welcome_config.get("model_id", ""),
                                        fsync=cfg.log.fsync, fsync_every=cfg.log.fsync_every,
-                                       rotate_bytes=cfg.log.rotate_mb * 2**20)
+                                       rotate_bytes=cfg.log.rotate_mb * 2**20, salvage=cfg.log.salvage)
         for c in self.log.repaired:
             self.counters["log/torn_tail_repaired"] += 1
             log.warning("trajectory log repaired at start: %s", c)
+        for c in self.log.salvaged:
+            self.counters["log/salvaged_damage"] += 1
+            log.warning("log.salvage=true: damaged records skipped: %s", c)
+        if self.log.salvaged:
+            self.log.append(EventRecord(event="salvaged", logged_at=time.time(),
+                                        data={"skipped": "; ".join(str(c) for c in self.log.salvaged)}))
 
     # ----------------------------------------------------------------------------- control plane
     def handle(self, peer: bytes, msg: Any) -> list[tuple[bytes, Any]]:
@@ -183,9 +193,17 @@ class ControllerCore:
         return out
 
     def _next_problem(self) -> dict[str, Any]:
-        problem = self.scorer.problem(self.cursor)
-        self.cursor += 1
-        return problem
+        """The next problem whose prompt fits the model; longer ones are skipped and counted."""
+        for _ in range(MAX_CONSECUTIVE_SKIPS):
+            problem = self.scorer.problem(self.cursor)
+            self.cursor += 1
+            if self.scorer.fits(problem["prompt_ids"]):
+                return problem
+            self.counters["data/prompts_too_long"] += 1
+            log.warning("skipped %s: %d prompt tokens, the limit is %d (task.max_prompt_tokens)", problem["id"],
+                        len(problem["prompt_ids"]), self.scorer.max_prompt_tokens)
+        raise ValueError(f"{MAX_CONSECUTIVE_SKIPS} prompts in a row are longer than {self.scorer.max_prompt_tokens} "
+                         "tokens; shorten the dataset's prompts or use a model with a longer context")
 
     def _assignment(self, a) -> P.RolloutAssignment:
         prompt = np.asarray(a.meta["prompt_ids"], np.int32)
@@ -206,8 +224,13 @@ class ControllerCore:
         version, tps = msg.stats.get("version", w.version), msg.stats.get("tokens_per_s", 0.0)
         if math.isfinite(version):  # stats are the peer's word: never let a NaN reach int()
             w.version = max(w.version, int(version))
-        w.tokens_per_s = tps if math.isfinite(tps) else 0.0
-        self.buffer.heartbeat(msg.peer_id)
+        w.tokens_per_s = tps if math.isfinite(tps) else 0.0  # alive, but its assignments' deadlines stand
+
+    def drop_peer(self, peer: bytes) -> None:
+        """A peer was dropped for not reading its replies: a worker behind it is forgotten (work reissued)."""
+        for wid, w in list(self.workers.items()):
+            if w.peer == peer:
+                self._forget(wid, reason="dropped: it does not read the controller's replies")
 
     def _forget(self, worker_id: str, *, reason: str) -> None:
         if self.workers.pop(worker_id, None) is None:
@@ -221,7 +244,11 @@ class ControllerCore:
 
     # ------------------------------------------------------------------------------- data plane
     def on_sample(self, msg: P.FinishedSample) -> list[tuple[bytes, Any]]:
-        """Record one streamed sample; returns the learner's batch if this sample completed it."""
+        """Record one streamed sample; returns the learner's batch if this sample completed it.
+
+        A result for a group the worker does not hold is dropped and counted (late, duplicate, ...);
+        an accepted one must pass ``check_sample`` or it is rejected (counted, never logged) and its
+        group reissued."""
         w = self.workers.get(msg.worker_id)
         if w is not None:
             w.last_seen = self.clock()
@@ -231,9 +258,20 @@ class ControllerCore:
             min_version = self.version.version  # an empty response carries no token to be stale
         else:
             min_version = int(versions.min())
-        logp = msg.behav_logp.to_numpy()
-        if not np.isfinite(logp).all():
-            self.counters["samples/nonfinite_behav_logp"] += 1  # kept: the learner masks those tokens (§2.5)
+        if not np.isfinite(msg.behav_logp.to_numpy()).all():
+            self.counters["samples/nonfinite_behav_logp"] += 1  # -inf is kept: the learner masks it (§2.5)
+        status = self.buffer.classify(msg.sample_id, msg.worker_id)
+        if status is ResultStatus.ACCEPTED:
+            group_id, meta, admit_version = self.buffer.admission_of(msg.sample_id)
+            bad = check_sample(msg, meta=meta, admit_version=admit_version,
+                               served_version=self.version.version, vocab_size=self.vocab_size,
+                               max_new_tokens=self.cfg.rollout.max_new_tokens)
+            if bad is not None:
+                self.counters["samples/rejected_invalid"] += 1
+                self.counters[f"samples/invalid/{bad[0]}"] += 1
+                log.error("rejected %s from %s: %s; group reissued", msg.sample_id, msg.worker_id, bad[1])
+                self.counters["samples/reissued"] += len(self.buffer.reassign_group(group_id))
+                return []
         try:
             status = self.buffer.on_result(msg.sample_id, worker_id=msg.worker_id, payload=msg,
                                            min_version=min_version)
@@ -341,9 +379,11 @@ class ControllerCore:
             if now - w.last_seen > self.cfg.rollout.dead_after_s:
                 self.counters["workers/dead"] += 1
                 self._forget(wid, reason=f"missed heartbeats for {now - w.last_seen:.1f}s")
-        for a in self.buffer.overdue(now):
+        for a in self.buffer.overdue(now):  # measured from the assignment; a late result is dropped (samples/late)
             self.counters["samples/overdue_groups"] += 1
-            self.buffer.reassign_group(a.group_id)
+            self.counters["samples/reissued"] += len(self.buffer.reassign_group(a.group_id))
+            log.warning("group %s not finished by %s within %.0fs of its assignment; reissued", a.group_id,
+                        a.worker_id, self.cfg.rollout.assignment_timeout_s)
         return self._try_batch()
 
     def metrics(self) -> dict[str, float]:
@@ -362,11 +402,10 @@ class ControllerCore:
                 "budget_used_s": self.budget_elapsed(self.clock())}
 
     def save(self, path: Path) -> None:
+        """Checksummed and atomic: a reader sees the previous state or this one (``DiskFullError`` when full)."""
         self.log.flush()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state_dict(), default=_jsonable))
-        tmp.replace(path)
+        write_checksummed_json(path, self.state_dict(), default=_jsonable)
 
     def close(self) -> None:
         self.log.close()
@@ -399,6 +438,14 @@ def response_metrics(group_rewards: list[list[float]], responses: list[P.Array],
             "train/first_token_stop_frac": float(np.mean(first))}
 
 
+def _vocab_size(welcome_config: dict[str, str], scorer: GroupScorer) -> int:
+    """Rows of the model's embedding (from the config the workers get), else the tokenizer's size."""
+    model_config = welcome_config.get("model_config")
+    if model_config:
+        return int(json.loads(model_config)["vocab_size"])
+    return len(scorer.tokenizer)
+
+
 def train_sample(fs: P.FinishedSample, *, advantage: float, reward: float) -> P.TrainSample:
     """What the learner consumes of a scored sample (the controller's batches and replay agree on it)."""
     return P.TrainSample(sample_id=fs.sample_id, group_id=fs.group_id, prompt_ids=fs.prompt_ids,
@@ -407,7 +454,8 @@ def train_sample(fs: P.FinishedSample, *, advantage: float, reward: float) -> P.
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(), object_hook=_from_jsonable)
+    """A saved controller state; ``ChecksumError`` (a ValueError) if the file is damaged."""
+    return read_checksummed_json(path, object_hook=_from_jsonable)
 
 
 def _jsonable(obj: Any) -> Any:

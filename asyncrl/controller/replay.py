@@ -2,33 +2,41 @@
 
 Owns: reading a run's log into ``TrainBatch`` messages identical (field for field) to those the
 controller sent, and refusing logs that cannot be replayed (other schema version, other model,
-a batch that names a sample the log does not hold).
+interior corruption, a batch that names a sample the log does not hold). With ``salvage`` a log with
+interior corruption is replayed without the batches whose samples were lost (the rest renumbered in
+order), and every skipped byte range and batch is reported.
 Never: samples, scores or re-computes advantages; the logged ones are the data.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import protocols as P
 from asyncrl.controller.core import train_sample
-from asyncrl.log import BatchRecord, LogFormatError, SampleRecord, read_log, segment_paths
-from asyncrl.log.framing import read_header
+from asyncrl.log import BatchRecord, LogCorruptionError, LogFormatError, SampleRecord, read_log, segment_paths
+
+log = logging.getLogger("asyncrl.replay")
 
 
 class ReplayError(ValueError):
     """The log cannot be replayed; the message says why and what to do."""
 
 
-def check_replayable(log_dir: str | Path, *, model_id: str) -> None:
-    """Cheap up-front check (first segment's header only): schema version and model."""
-    paths = segment_paths(log_dir)
-    if not paths:
+def check_replayable(log_dir: str | Path, *, model_id: str, salvage: bool = False) -> list[str]:
+    """Up-front check of the whole log: schema version, model, integrity. Returns warnings to show
+    (a torn tail, or with ``salvage`` what will be skipped); raises for what cannot be replayed."""
+    if not segment_paths(log_dir):
         raise ReplayError(f"no trajectory log in {log_dir}; pass run=runs/<name> of a run that logged samples")
-    with open(paths[0], "rb") as f:
-        head = f.read(1 << 20)
-    header, _ = read_header(memoryview(head), str(paths[0]))  # LogFormatError names a schema mismatch
-    _check_model(log_dir, header.model, model_id)
+    scan = read_log(log_dir)  # LogFormatError names a schema mismatch
+    _check_model(log_dir, scan.header.model, model_id)
+    if scan.interior and not salvage:
+        raise LogCorruptionError(log_dir, scan.interior)
+    notes = [f"log.salvage=true: skipping {c}" for c in scan.interior]
+    notes += [f"warning: {c} (the run stopped mid-write; records before it are replayed)"
+              for c in scan.corruptions if c not in scan.interior]
+    return notes
 
 
 def _check_model(log_dir, logged_model: str, model_id: str) -> None:
@@ -37,25 +45,36 @@ def _check_model(log_dir, logged_model: str, model_id: str) -> None:
                           "replay with the run's own model settings")
 
 
-def load_replay_batches(log_dir: str | Path, *, model_id: str = "") -> list[P.TrainBatch]:
+def load_replay_batches(log_dir: str | Path, *, model_id: str = "", salvage: bool = False) -> list[P.TrainBatch]:
     scan = read_log(log_dir)  # LogFormatError (a ValueError) names a schema mismatch
     _check_model(log_dir, scan.header.model, model_id)
+    if scan.interior and not salvage:
+        raise LogCorruptionError(log_dir, scan.interior)
+    for c in scan.interior:
+        log.warning("log.salvage=true: skipping %s", c)
     samples: dict[str, SampleRecord] = {}
     batches: list[P.TrainBatch] = []
+    expected = 0
     for rec in scan.records:
         if isinstance(rec, SampleRecord):
             samples[rec.sample.sample_id] = rec
         elif isinstance(rec, BatchRecord):
-            if rec.step != len(batches):
-                raise ReplayError(f"{log_dir}: batch records jump from step {len(batches) - 1} to {rec.step}; "
+            if rec.step != expected and not (salvage and rec.step > expected):
+                raise ReplayError(f"{log_dir}: batch records jump from step {expected - 1} to {rec.step}; "
                                   "the log is incomplete")
+            if rec.step != expected:
+                log.warning("log.salvage=true: batch records %d..%d were lost", expected, rec.step - 1)
+            expected = rec.step + 1
             missing = [s for s in rec.sample_ids if s not in samples]
+            if missing and salvage:
+                log.warning("log.salvage=true: skipping batch %d (%d of its samples were lost)", rec.step, len(missing))
+                continue
             if missing:
                 raise ReplayError(f"{log_dir}: batch {rec.step} names {len(missing)} samples the log does not "
                                   f"hold (first: {missing[0]})")
             chosen = [samples[s] for s in rec.sample_ids]
             reward = sum(r.reward for r in chosen) / len(chosen)
-            batches.append(P.TrainBatch(step=rec.step,
+            batches.append(P.TrainBatch(step=len(batches),
                                         samples=[train_sample(r.sample, advantage=r.advantage, reward=r.reward)
                                                  for r in chosen],
                                         metrics={"train/reward_mean": reward}))

@@ -1,8 +1,13 @@
 """Scoring: prompts from the task stream, verifiable rewards and group advantages, greedy evaluation.
 
-Owns: turning a task problem into prompt token ids (in the model's prompt format, ``prompts.py``), a group of finished samples into rewards
+Owns: turning a task problem into prompt token ids (in the model's prompt format, ``prompts.py``), a
+group of finished samples into rewards
 (the task's verifier on the decoded response, EOS removed) and advantages (``asyncrl.algo``), and
-the held-out greedy accuracy used by the learner's periodic evaluation.
+the held-out greedy accuracy used by the learner's periodic evaluation, and the prompt-length limit
+(``max_prompt_tokens``: the model's context minus one token to generate, or ``task.max_prompt_tokens``):
+``prompt_length_report`` checks a dataset at load (``task.too_long=error`` refuses it up front,
+``skip`` counts what admission will skip), and the evaluation set leaves out (and counts) prompts
+that do not fit, so a too-long prompt never reaches an engine.
 Never: decides admission or batching; talks to sockets.
 """
 
@@ -34,17 +39,44 @@ def task_kwargs(cfg) -> dict[str, Any]:
 
 class GroupScorer:
     """``prompt_format``/``system_prompt``: see ``asyncrl.controller.prompts``; ``stop_ids``: the tokens that
-    end a response (sent with every assignment and used by the greedy evaluation)."""
+    end a response (sent with every assignment and used by the greedy evaluation); ``max_prompt_tokens``:
+    the longest prompt a run takes (0: no limit)."""
 
     def __init__(self, task: Task, tokenizer, *, estimator: str = "grpo", max_new_tokens: int = 8,
-                 prompt_format: str = "raw", system_prompt: str = "", stop_ids: Sequence[int] = ()) -> None:
+                 prompt_format: str = "raw", system_prompt: str = "", stop_ids: Sequence[int] = (),
+                 max_prompt_tokens: int = 0) -> None:
         self.task = task
         self.tokenizer = tokenizer
         self.estimator = estimator
         self.max_new_tokens = max_new_tokens
+        self.max_prompt_tokens = max_prompt_tokens  # 0: no limit
         self.special_ids = set(tokenizer.all_special_ids)
         self.encoder = PromptEncoder(tokenizer, prompt_format, system_prompt)
         self.stop_ids = [int(i) for i in stop_ids]
+
+    def fits(self, prompt_ids: Sequence[int]) -> bool:
+        return not self.max_prompt_tokens or len(prompt_ids) <= self.max_prompt_tokens
+
+    def prompt_length_report(self, *, max_train_scan: int = 1_000_000) -> dict[str, Any]:
+        """Prompts longer than ``max_prompt_tokens`` in the training split (if it has at most
+        ``max_train_scan`` items) and in the evaluation set: counts and the first of each."""
+        out: dict[str, Any] = {"limit": self.max_prompt_tokens, "train_too_long": 0, "eval_too_long": 0,
+                               "train_scanned": False, "first": None}
+        if not self.max_prompt_tokens:
+            return out
+        n_train = getattr(self.task, "train_size", max_train_scan + 1)
+        n_train = n_train() if callable(n_train) else int(n_train)
+        problems = list(self.task.eval_set())
+        if n_train <= max_train_scan:
+            out["train_scanned"] = True
+            problems = [self.task.train_problem(i) for i in range(n_train)] + problems
+        for p in problems:
+            n = len(self.encode(p.prompt))
+            if n > self.max_prompt_tokens:
+                out[f"{p.split}_too_long"] += 1
+                if out["first"] is None:
+                    out["first"] = f"{p.id} has {n} prompt tokens"
+        return out
 
     def encode(self, prompt: str) -> list[int]:
         return self.encoder.encode(prompt)
@@ -77,18 +109,33 @@ def build_scorer(cfg, model_dir: str | Path) -> GroupScorer:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     return GroupScorer(task, tokenizer, estimator=cfg.algo.advantage, max_new_tokens=cfg.rollout.max_new_tokens,
                        prompt_format=cfg.task.prompt_format, system_prompt=cfg.task.system_prompt,
-                       stop_ids=stop_token_ids(model_dir, tokenizer))
+                       stop_ids=stop_token_ids(model_dir, tokenizer),
+                       max_prompt_tokens=prompt_limit(cfg, model_dir))
+
+
+def prompt_limit(cfg, model_dir: str | Path) -> int:
+    """Longest prompt a run takes: ``task.max_prompt_tokens`` if set, else the model's context - 1."""
+    import json
+
+    context = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings") or 0
+    limit = cfg.task.max_prompt_tokens or max(0, int(context) - 1)
+    if context and limit >= context:
+        raise ValueError(f"task.max_prompt_tokens={limit} leaves no room to generate in the model's context of "
+                         f"{context} tokens; use at most {context - 1}")
+    return limit
 
 
 def evaluate_greedy(engine, scorer: GroupScorer, *, max_new_tokens: int, limit: int | None = None) -> dict[str, float]:
     """Greedy accuracy (mean reward) of ``engine``'s policy on the task's fixed evaluation set."""
     from asyncrl.engine import GenRequest, SamplingParams
 
-    problems = scorer.task.eval_set()[:limit]
+    listed = scorer.task.eval_set()[:limit]
+    problems = [p for p in listed if scorer.fits(scorer.encode(p.prompt))]  # a too-long prompt is left out
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=tuple(scorer.stop_ids) or None)
     reqs = [GenRequest(sample_id=f"eval/{i}", prompt_ids=scorer.encode(p.prompt), params=params)
             for i, p in enumerate(problems)]
     by_id = {r.sample_id: r for r in engine.generate(reqs)}
     scores = [scorer.task.score(p, scorer.decode(by_id[f"eval/{i}"].response_ids)) for i, p in enumerate(problems)]
-    return {"eval/accuracy": float(np.mean(scores)) if scores else float("nan"), "eval/n": float(len(scores))}
+    return {"eval/accuracy": float(np.mean(scores)) if scores else float("nan"), "eval/n": float(len(scores)),
+            "eval/skipped_too_long": float(len(listed) - len(problems))}

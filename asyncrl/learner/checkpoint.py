@@ -10,6 +10,7 @@ Owns the on-disk layout of a learner checkpoint and of an exported model:
                                  the adapters, the base is the model folder's)
         learner.json             {"format", "version", "world_size", "scheduler": LRScheduler.state_dict()}
         extra.json               caller's state (e.g. the controller's), only if given
+        checksums.json           sha256 of every file above (``asyncrl.runtime.checkpoints``)
       step_00000012.tmp/         a save in progress; renamed to step_... when every rank is done
 
 Never does: decide *when* to save (the caller does, e.g. every N versions), or touch the optimiser
@@ -18,6 +19,10 @@ and model beyond state-dict get/set.
 Invariants:
 * A checkpoint directory without the ``.tmp`` suffix is complete; ``latest`` only ever names a
   complete one, so a crash mid-save resumes from the previous checkpoint.
+* Every file of a checkpoint is checksummed when it is saved and verified before it is loaded:
+  ``load_checkpoint`` raises ``ChecksumError`` rather than load a damaged shard (the resume point is
+  chosen among verified checkpoints, ``asyncrl.runtime.checkpoints.choose_resume_point``).
+* A save that fails (e.g. ``DiskFullError``) removes its ``.tmp`` folder; the previous checkpoint stays.
 * DCP reshards on load: a checkpoint saved at world size W loads at any world size.
 * Resuming restores weights, AdamW moments, learning-rate schedule position and ``version``; the
   next ``train_step`` produces ``version + 1``.
@@ -37,10 +42,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from asyncrl.learner.fsdp import DistInfo, barrier, full_state_dict
 from asyncrl.learner.step import TrainState
+from asyncrl.runtime.checkpoints import verify_manifest, write_manifest
+from asyncrl.runtime.files import ChecksumError, DiskFullError, raise_if_disk_full
 
 __all__ = [
     "save_checkpoint",
@@ -53,6 +61,7 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = 1
+FULL_BELOW_BYTES = 1 << 20  # a failed save with less free space than this was a full disk
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -107,6 +116,22 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier(info)
+    try:
+        _save_into(tmp, final, root, state, info, extra, keep_last, extra_text if extra is not None else "")
+    except (OSError, RuntimeError, CheckpointException) as e:  # DCP wraps a writer's failure (a BaseException)
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # no half-written checkpoint is left behind
+        if isinstance(e, OSError):
+            raise_if_disk_full(e, tmp)
+        if shutil.disk_usage(root).free < FULL_BELOW_BYTES:  # torch's writers report ENOSPC as "unexpected pos"
+            raise DiskFullError(tmp) from e
+        raise
+    barrier(info)
+    return final
+
+
+def _save_into(tmp: Path, final: Path, root: Path, state: TrainState, info: DistInfo, extra: dict | None,
+               keep_last: int | None, extra_text: str) -> None:
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=_options(state.model))
     model_sd = _drop_frozen(state.model, model_sd)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
@@ -127,6 +152,7 @@ def save_checkpoint(
             ) from err
         if extra is not None:
             (tmp / "extra.json").write_text(extra_text)
+        write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -137,8 +163,6 @@ def save_checkpoint(
             done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
             for old in done[:-keep_last]:
                 shutil.rmtree(old)
-    barrier(info)
-    return final
 
 
 def _options(model: torch.nn.Module) -> StateDictOptions:
@@ -179,6 +203,9 @@ def load_checkpoint(path: str | Path, state: TrainState, info: DistInfo) -> dict
                 f"{path} is neither a learner checkpoint nor a folder with a 'latest' checkpoint"
             )
         path = resolved
+    problem = verify_manifest(path)
+    if problem is not None:
+        raise ChecksumError(f"refusing to load a damaged checkpoint: {problem}")
     meta = json.loads((path / "learner.json").read_text())
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not {CHECKPOINT_FORMAT}")

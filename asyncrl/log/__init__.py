@@ -3,6 +3,7 @@
 from asyncrl.log.framing import Corruption, LogFormatError
 from asyncrl.log.records import SCHEMA_VERSION, BatchRecord, EventRecord, LogHeader, Record, SampleRecord
 from asyncrl.log.trajectory import (
+    LogCorruptionError,
     LogScan,
     TrajectoryLogWriter,
     read_log,
@@ -15,6 +16,7 @@ __all__ = [
     "BatchRecord",
     "Corruption",
     "EventRecord",
+    "LogCorruptionError",
     "LogFormatError",
     "LogHeader",
     "LogScan",

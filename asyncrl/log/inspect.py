@@ -1,7 +1,9 @@
 """``asyncrl log inspect``: what a trajectory log holds, in one screen.
 
 Owns: the summary of a log (record counts, version range, staleness histogram of consumed tokens,
-reward summary, corruption report). Never: modifies the log.
+reward summary, corruption report) and the exactly-once check: no sample id logged twice, batch
+steps contiguous from 0, no sample id consumed twice, every consumed id has a sample record.
+Never: modifies the log.
 """
 
 from __future__ import annotations
@@ -21,21 +23,32 @@ def summarize(path: str | Path) -> dict[str, Any]:
     scan = read_log(path)
     counts = collections.Counter(type(r).__name__ for r in scan.records)
     versions_by_id: dict[str, list[int]] = {}
+    duplicate_samples: collections.Counter = collections.Counter()
     rewards: list[float] = []
     vmin, vmax = math.inf, -math.inf
     for rec in scan.records:
         if isinstance(rec, SampleRecord):
             v = rec.sample.versions.to_numpy()
+            if rec.sample.sample_id in versions_by_id:
+                duplicate_samples[rec.sample.sample_id] += 1
             versions_by_id[rec.sample.sample_id] = v.tolist()
             rewards.append(rec.reward)
             if v.size:
                 vmin, vmax = min(vmin, int(v.min())), max(vmax, int(v.max()))
     staleness: collections.Counter = collections.Counter()
     consumed, missing, steps = 0, 0, []
+    consumed_at: dict[str, int] = {}
+    problems: list[str] = []
     for rec in scan.records:
         if isinstance(rec, BatchRecord):
+            if rec.step != len(steps):
+                problems.append(f"batch records jump from step {steps[-1]} to {rec.step}" if steps
+                                else f"batch records start at step {rec.step}, not 0")
             steps.append(rec.step)
             for sid in rec.sample_ids:
+                if sid in consumed_at:
+                    problems.append(f"sample {sid} consumed twice (batches {consumed_at[sid]} and {rec.step})")
+                consumed_at[sid] = rec.step
                 vs = versions_by_id.get(sid)
                 if vs is None:
                     missing += 1
@@ -43,6 +56,11 @@ def summarize(path: str | Path) -> dict[str, Any]:
                 consumed += 1
                 for v in vs:
                     staleness[rec.step - v] += 1
+    if duplicate_samples:
+        first = next(iter(duplicate_samples))
+        problems.append(f"{sum(duplicate_samples.values())} sample records repeat an id already logged (first: {first})")
+    if missing:
+        problems.append(f"{missing} consumed sample ids have no sample record")
     events = collections.Counter(r.event for r in scan.records if isinstance(r, EventRecord))
     n = len(rewards)
     mean = sum(rewards) / n if n else float("nan")
@@ -68,6 +86,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
         },
         "events": dict(events),
         "corruptions": [str(c) for c in scan.corruptions],
+        "interior_corruption": bool(scan.interior),
+        "exactly_once_problems": problems[:20] + ([f"... {len(problems) - 20} more"] if len(problems) > 20 else []),
     }
 
 
@@ -91,7 +111,11 @@ def format_summary(s: dict[str, Any]) -> str:
             bar = "#" * max(1, round(40 * v / total))
             lines.append(f"  eta={k:>3}  {v:>9}  {bar}")
     for c in s["corruptions"]:
-        lines.append(f"CORRUPT    {c} (records before it are intact and were read)")
+        lines.append(f"CORRUPT    {c} (every intact record before and after it was read)")
+    if s["interior_corruption"]:
+        lines.append("           salvage with: asyncrl log repair PATH")
+    lines.append("exactly-once  " + ("ok" if not s["exactly_once_problems"] else "VIOLATED"))
+    lines += [f"  {p}" for p in s["exactly_once_problems"]]
     return "\n".join(lines)
 
 
@@ -102,4 +126,5 @@ def inspect_main(path: str, *, as_json: bool = False) -> int:
         print(f"asyncrl log inspect: {e}")
         return 2
     print(json.dumps(s, indent=2) if as_json else format_summary(s))
-    return 1 if s["corruptions"] else 0
+    return 1 if s["corruptions"] or s["exactly_once_problems"] else 0
+

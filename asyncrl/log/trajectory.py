@@ -4,7 +4,11 @@ A log is a folder of segments ``traj-000000.log``, ``traj-000001.log``, ... (fra
 Owns: appending with an fsync policy, rotation by size, reading every intact record in order, and
 repairing a torn tail when a log is reopened for writing (the tail of the *last* segment is truncated
 to its intact prefix and appending continues; the truncation is reported, never silent).
-Never: rewrites or deletes an intact record; loses a record that precedes a corrupt one.
+Interior corruption (damaged bytes with intact records after them, or a damaged end of a closed
+segment) is never repaired implicitly: reopening raises ``LogCorruptionError`` naming the segment and
+offset, unless ``salvage=True``, which leaves the damaged bytes in place (readers skip them), keeps
+every intact record and lists what was skipped in ``salvaged``. ``asyncrl log repair`` removes them.
+Never: rewrites or deletes an intact record; loses a record that precedes or follows a corrupt one.
 
 fsync policies: ``always`` (every record durable before ``append`` returns), ``every_n`` (every
 ``fsync_every`` records and on close), ``rotation`` (when a segment is closed), ``never`` (the OS
@@ -23,6 +27,24 @@ from typing import Any
 
 from asyncrl.log.framing import Corruption, LogFormatError, encode_record, header_bytes, scan_segment
 from asyncrl.log.records import SCHEMA_VERSION, LogHeader
+from asyncrl.runtime.files import raise_if_disk_full
+
+
+class LogCorruptionError(ValueError):
+    """The log has damage that is not a torn tail; the message names it and the way out."""
+
+    def __init__(self, log_dir: str | Path, damage: list[Corruption]) -> None:
+        self.damage = damage
+        where = "; ".join(str(c) for c in damage)
+        super().__init__(
+            f"trajectory log {log_dir} is corrupt inside (not a torn tail): {where}. Every intact record is "
+            f"kept. Salvage explicitly with `asyncrl log repair {log_dir}`, or resume/replay with "
+            "log.salvage=true (the damaged records are skipped and reported)")
+
+
+def interior_damage(corruptions: list[Corruption], *, last_segment: str | None) -> list[Corruption]:
+    """The corruptions that are not the repairable torn tail of ``last_segment``."""
+    return [c for c in corruptions if not (c.torn_tail and c.path == last_segment)]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +77,7 @@ class TrajectoryLogWriter:
         fsync: str = "every_n",
         fsync_every: int = 64,
         rotate_bytes: int = 256 * 1024 * 1024,
+        salvage: bool = False,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"log fsync policy {fsync!r} unknown; use one of {FSYNC_POLICIES}")
@@ -65,11 +88,13 @@ class TrajectoryLogWriter:
         self.fsync, self.fsync_every, self.rotate_bytes = fsync, fsync_every, rotate_bytes
         self._config, self._run_name, self._model = config or {}, run_name, model
         self.repaired: list[Corruption] = []
+        self.salvaged: list[Corruption] = []
         self._since_sync = 0
         self.records_written = 0
         existing = segment_paths(self.dir)
         if existing:
-            self._reopen(existing[-1])
+            self._check_closed_segments(existing[:-1], salvage)
+            self._reopen(existing[-1], salvage)
         else:
             self._open_new(0)
 
@@ -84,15 +109,32 @@ class TrajectoryLogWriter:
         self._sync(force=True)
         self._size = self._f.tell()
 
-    def _reopen(self, path: Path) -> None:
+    def _check_closed_segments(self, paths: list[Path], salvage: bool) -> None:
+        damage = [c for p in paths for c in scan_segment(p.read_bytes(), str(p))[3]]
+        if damage and not salvage:
+            raise LogCorruptionError(self.dir, damage)
+        for c in damage:
+            log.warning("log.salvage: skipping damaged bytes: %s", c)
+        self.salvaged.extend(damage)
+
+    def _reopen(self, path: Path, salvage: bool) -> None:
         data = path.read_bytes()
-        header, _, end, corruption = scan_segment(data, str(path))
+        header, _, _, corruptions = scan_segment(data, str(path))
         if self._model and header.model and header.model != self._model:
             raise LogFormatError(f"{path} was written for model {header.model!r}, not {self._model!r}; "
                                  "start a new run folder or resume with the original model")
-        if corruption is not None:
-            log.warning("repairing trajectory log: %s; truncating %d bytes", corruption, len(data) - end)
-            self.repaired.append(corruption)
+        interior = interior_damage(corruptions, last_segment=str(path))
+        if interior and not salvage:
+            raise LogCorruptionError(self.dir, interior)
+        for c in interior:
+            log.warning("log.salvage: skipping damaged bytes: %s", c)
+        self.salvaged.extend(interior)
+        end = len(data)
+        if corruptions and corruptions[-1].torn_tail:
+            torn = corruptions[-1]
+            end = torn.offset
+            log.warning("repairing trajectory log: %s; truncating %d bytes", torn, len(data) - end)
+            self.repaired.append(torn)
             with open(path, "r+b") as f:
                 f.truncate(end)
                 f.flush()
@@ -109,6 +151,15 @@ class TrajectoryLogWriter:
 
     # --------------------------------------------------------------------------------- writing
     def append(self, record: Any) -> None:
+        """Append one record; ``DiskFullError`` ("disk full at PATH") when the device is full (a partial
+        frame left behind is a torn tail, repaired on the next open)."""
+        try:
+            self._append(record)
+        except OSError as e:
+            raise_if_disk_full(e, self.path)
+            raise
+
+    def _append(self, record: Any) -> None:
         data = encode_record(record)
         if self._size + len(data) > self.rotate_bytes and self._size > 4096:
             self._rotate()
@@ -127,7 +178,11 @@ class TrajectoryLogWriter:
 
     def flush(self) -> None:
         """Make everything appended so far durable (regardless of policy, except ``never``)."""
-        self._sync(force=True)
+        try:
+            self._sync(force=True)
+        except OSError as e:
+            raise_if_disk_full(e, self.path)
+            raise
 
     def tell(self) -> tuple[int, int]:
         """(segment index, byte offset) after the last record: a resume point for checkpoints."""
@@ -153,16 +208,23 @@ class LogScan:
     records: list[Any]
     corruptions: list[Corruption]
 
+    last_segment: str = ""
+
     @property
     def header(self) -> LogHeader:
         return self.headers[0]
+
+    @property
+    def interior(self) -> list[Corruption]:
+        """Damage other than a torn tail of the last segment: records were lost inside the log."""
+        return interior_damage(self.corruptions, last_segment=self.last_segment)
 
 
 def read_log(path: str | Path) -> LogScan:
     """Every intact record of a log folder or a single segment, in order; corruption is reported.
 
-    A corrupt or torn record ends its segment's intact prefix; reading continues with the next
-    segment (which starts with its own header), so no intact record before *or* after is lost.
+    Damaged bytes are skipped up to the next intact record (see ``framing``), so no intact record
+    before *or* after them is lost. ``LogScan.interior`` lists the damage that is not a torn tail.
     """
     p = Path(path)
     if p.is_dir() and (p / "trajectories").is_dir():
@@ -172,12 +234,11 @@ def read_log(path: str | Path) -> LogScan:
         raise ValueError(f"no trajectory log at {path}: expected a run folder, a log folder or a traj-*.log file")
     headers, records, corruptions = [], [], []
     for seg in paths:
-        header, recs, _, corruption = scan_segment(seg.read_bytes(), str(seg))
+        header, recs, _, found = scan_segment(seg.read_bytes(), str(seg))
         headers.append(header)
         records.extend(rec for _, rec in recs)
-        if corruption is not None:
-            corruptions.append(corruption)
-    return LogScan(headers, records, corruptions)
+        corruptions.extend(found)
+    return LogScan(headers, records, corruptions, last_segment=str(paths[-1]))
 
 
 def truncate_log(log_dir: str | Path, segment: int, offset: int) -> int:

@@ -1,1 +1,2 @@
-"""Launch-time preparation (model folders, warm start); imported by the launcher only."""
+"""Run-time support without torch: launch-time preparation (model folders, warm start), durable files, the
+run-folder lock and the choice of a verified checkpoint to resume from."""

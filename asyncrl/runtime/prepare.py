@@ -13,6 +13,7 @@ would see zero reward variance. A few dozen supervised steps put the sampled rew
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -25,24 +26,58 @@ def model_id(cfg, model_dir: Path) -> str:
     return f"{cfg.model.name}:{Path(model_dir).name}"
 
 
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # what the learner shards and the native engine runs exactly
+
+
 def check_model_folder(path: Path) -> Path:
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {path} has no config.json; pass a Hugging Face model folder in model.path")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"model folder {path}: config.json is not readable JSON ({e})") from None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model folder {path} holds a {model_type!r} model; asyncrl trains Llama- and Qwen2-family "
+                         f"models (model_type in {SUPPORTED_MODEL_TYPES}): point model.path at such a folder")
     if not any((path / f).is_file() for f in WEIGHT_FILES):
         raise ValueError(f"model folder {path} has no weights ({' or '.join(WEIGHT_FILES)}); "
                          "save the model with save_pretrained or point model.path at the right folder")
     return path
 
 
-def check_task(cfg) -> None:
-    """Build the task once, so a missing dataset file or a bad task argument fails before any process."""
+def check_task(cfg, log: Callable[[str], None] = print) -> int:
+    """Build the task once, so a missing dataset file or a bad task argument fails before any process.
+    Reference answers the verifier cannot parse are warned about and counted (returned)."""
     from asyncrl.controller.scoring import task_kwargs
     from asyncrl.tasks import make_task
 
     task = make_task(cfg.task.name, **task_kwargs(cfg))
+    bad = task.unparsable_answers() if hasattr(task, "unparsable_answers") else []
+    if bad:
+        log(f"warning: {len(bad)} reference answers cannot be parsed by the verifier (first: {bad[0].id}, answer "
+            f"{bad[0].answer[:60]!r}); every response to them scores 0. Fix the answers or drop those problems")
     close = getattr(task, "close", None)
     if close is not None:
         close()
+    return len(bad)
+
+
+def check_prompt_lengths(cfg, model_dir: Path, log: Callable[[str], None] = print) -> dict:
+    """Prompts longer than the model takes, found when the run starts: ``task.too_long=error`` refuses the
+    dataset (ValueError naming the first), ``skip`` says how many admission and evaluation will skip."""
+    from asyncrl.controller.scoring import build_scorer
+
+    scorer = build_scorer(cfg, model_dir)
+    report = scorer.prompt_length_report()
+    n = report["train_too_long"] + report["eval_too_long"]
+    if n and cfg.task.too_long == "error":
+        raise ValueError(f"{n} prompts are longer than {report['limit']} tokens (first: {report['first']}); "
+                         "shorten them, or set task.too_long=skip to skip and count them")
+    if n:
+        log(f"warning: {report['train_too_long']} training and {report['eval_too_long']} evaluation prompts are "
+            f"longer than {report['limit']} tokens (first: {report['first']}); they are skipped and counted "
+            "(data/prompts_too_long, eval/skipped_too_long)")
+    return report
 
 
 def model_folder(cfg) -> Path:
@@ -85,11 +120,27 @@ def prepare_model(cfg, log: Callable[[str], None] = print) -> Path:
         return base
     from asyncrl.models._files import ensure_folder
 
-    key = f"{base.name}-warm-{cfg.task.name}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
+    key = f"{base.name}-warm-{cfg.task.name}-{task_fingerprint(cfg)}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
     target = cache / key
     if not (target / "config.json").is_file():
         log(f"warm start: {m.warmstart_steps} supervised steps of the tiny model on {cfg.task.name} -> {target}")
     return ensure_folder(target, lambda tmp: warm_start(base, tmp, cfg))
+
+
+def task_fingerprint(cfg) -> str:
+    """12 hex digits naming the task's data: its settings and, for a file dataset, the file's bytes (two
+    datasets never share a warm start, an edited file gets a new one)."""
+    import hashlib
+
+    t = cfg.task
+    h = hashlib.sha256(json.dumps([t.name, t.dataset, t.eval_size, t.seed]).encode())
+    if t.path:
+        h.update(b"\0path\0" + str(Path(t.path).resolve()).encode())
+        if Path(t.path).is_file():
+            with open(t.path, "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+    return h.hexdigest()[:12]
 
 
 def warm_start(base: Path, out: Path, cfg, batch_size: int = 32) -> None:

@@ -220,5 +220,15 @@ class JsonlMathTask(EpochStreamMixin):
             return strict_score(response, problem.answer, self.answer_format)
         return check_reward(self.grader.grade(problem.answer, response), "math-verify")
 
+    def unparsable_answers(self) -> list[Problem]:
+        """Problems (both splits) whose reference answer math-verify cannot parse: every response to them
+        scores 0, so the launcher warns and counts them."""
+        from asyncrl.tasks.math_verifier import gold_parses
+
+        if self.answer_format != "math_verify":
+            return []
+        problems = [self.train_problem(i) for i in range(len(self._train))] + self.eval_set()
+        return [p for p in problems if not gold_parses(p.answer, self.grader.timeout_s)]
+
     def close(self) -> None:
         self.grader.close()

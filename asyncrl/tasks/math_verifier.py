@@ -50,6 +50,12 @@ def _parse_gold(gold: str, timeout_s: int | None) -> list[Any]:
     return parse(text, parsing_timeout=timeout_s)
 
 
+def gold_parses(gold: str, timeout_s: int | None = 5) -> bool:
+    """Whether math-verify makes a mathematical object of a reference answer (when it cannot, it keeps only
+    the raw string, and almost every response scores 0)."""
+    return any(not isinstance(x, str) for x in _parse_gold(gold, timeout_s))
+
+
 def grade_inline(gold: str, response: str, timeout_s: int | None) -> float:
     """Grade in this thread; ``timeout_s=None`` disables math-verify's alarms (any thread)."""
     from math_verify import parse, verify

@@ -229,7 +229,9 @@ def test_ctrl_c_stops_everything_and_leaves_a_resumable_checkpoint(tmp_path, pro
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     version = json.loads((run_dir / "checkpoints" / latest / "learner.json").read_text())["version"]
     assert version >= 6  # the learner checkpointed where it stopped, with the controller's matching state
-    state = json.loads((run_dir / "checkpoints" / f"controller-{version:08d}.json").read_text())
+    from asyncrl.controller.core import read_state  # checksummed: verified as it is read
+
+    state = read_state(run_dir / "checkpoints" / f"controller-{version:08d}.json")
     res = asyncrl(procs, "train", f"resume={run_dir}")
     assert res.returncode == 0, res.stdout[-4000:]
     events = [r for r in read_log(run_dir / "trajectories").records if getattr(r, "event", "") == "resume"]

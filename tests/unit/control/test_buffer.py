@@ -168,20 +168,20 @@ def test_tokens_older_than_admission_raise_value_error():
         _send(buf, "g1/0", "w", min_version=0)
 
 
-def test_overdue_lists_assignments_past_their_deadline_and_results_refresh_it():
+def test_deadlines_run_from_the_assignment_and_partial_results_do_not_extend_them():
     buf, _, _, clock = _setup(G=2, timeout=10.0)
     admit(buf, "a", "b")
     buf.assign("w1", worker_version=0)
-    buf.assign("w2", worker_version=0)
-    clock.t += 8
-    _send(buf, "g0/0", "w1")  # progress from w1
     clock.t += 5
-    assert [a.worker_id for a in buf.overdue()] == ["w2"]
-    buf.heartbeat("w2")
+    buf.assign("w2", worker_version=0)
+    clock.t += 4
+    _send(buf, "g0/0", "w1")  # progress from w1 does not buy it more time
     assert buf.overdue() == []
-    clock.t += 11
-    assert sorted(a.group_id for a in buf.overdue()) == ["g0", "g1"]
+    clock.t += 2
+    assert [a.worker_id for a in buf.overdue()] == ["w1"]
     assert buf.assignments("w1")[0].sample_ids == ("g0/1",)
+    clock.t += 5
+    assert sorted(a.group_id for a in buf.overdue()) == ["g0", "g1"]
 
 
 def test_cancel_frees_the_gate_slot():

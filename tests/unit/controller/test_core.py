@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -20,12 +22,12 @@ def model_dir(tmp_path_factory):
     return ensure_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
 
 
-def make_core(tmp_path, model_dir, eta=1, extra=(), clock=None):
+def make_core(tmp_path, model_dir, eta=1, extra=(), **kw):
     cfg = load_train_config([f"algo.group_size={G}", f"rollout.groups_per_step={B}", f"rollout.eta={eta}",
                              "rollout.worker_slots=8", "log.fsync=never", *extra])
     return ControllerCore(cfg, run_dir=tmp_path, scorer=build_scorer(cfg, model_dir),
                           welcome_config={"samples_address": "x", "model_id": "tiny:test"}, publish_formats=["int8"],
-                          **({"clock": clock} if clock is not None else {}))
+                          **kw)
 
 
 def hello(role, peer_id, fmt="int8"):
@@ -142,3 +144,220 @@ def test_no_time_budget_never_ends_training(tmp_path, model_dir):
     now[0] = 1e9
     assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0
 
+
+def test_resume_before_the_first_learner_checkpoint_cuts_the_log_back_to_version_zero(tmp_path, model_dir):
+    from asyncrl.controller.recovery import resume_point
+
+    core = make_core(tmp_path, model_dir)
+    core.save(core.checkpoint_path(0))  # what the controller process does when a run starts
+    register(core)
+    out = core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
+        answer(core, a)
+    core.handle(b"L", P.BatchRequest(step=0))
+    core.close()
+    first = read_log(tmp_path / "trajectories").records
+    assert first  # samples and a batch, no learner checkpoint
+    state, version = resume_point(tmp_path)
+    assert version == 0 and state["cursor"] == 0
+    assert read_log(tmp_path / "trajectories").records == []  # nothing will be logged twice
+    resumed = make_core(tmp_path, model_dir)
+    resumed.load_state(state)
+    register(resumed)
+    out = resumed.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
+        answer(resumed, a)
+    resumed.handle(b"L", P.BatchRequest(step=0))
+    resumed.close()
+    from asyncrl.log.inspect import summarize
+
+    s = summarize(tmp_path / "trajectories")
+    assert s["exactly_once_problems"] == [] and s["batches"] == 1
+    assert s["samples"] == sum(isinstance(r, SampleRecord) for r in first)
+
+
+def test_a_damaged_controller_state_is_refused(tmp_path, model_dir):
+    from asyncrl.runtime.files import ChecksumError
+
+    core = make_core(tmp_path, model_dir)
+    core.save(tmp_path / "state.json")
+    core.close()
+    data = bytearray((tmp_path / "state.json").read_bytes())
+    data[-5] ^= 0x01
+    (tmp_path / "state.json").write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="does not match its checksum"):
+        read_state(tmp_path / "state.json")
+
+
+def test_log_inspect_reports_duplicated_and_doubly_consumed_samples(tmp_path, model_dir):
+    from asyncrl.log import TrajectoryLogWriter
+    from asyncrl.log.inspect import inspect_main, summarize
+
+    core = make_core(tmp_path, model_dir)
+    register(core)
+    out = core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
+        answer(core, a)
+    core.handle(b"L", P.BatchRequest(step=0))
+    core.close()
+    assert summarize(tmp_path / "trajectories")["exactly_once_problems"] == []
+    records = read_log(tmp_path / "trajectories").records
+    with TrajectoryLogWriter(tmp_path / "trajectories", fsync="never") as w:  # what a resume without cut-back did
+        for r in records:
+            w.append(r)
+    problems = summarize(tmp_path / "trajectories")["exactly_once_problems"]
+    assert any("repeat an id" in p for p in problems) and any("consumed twice" in p for p in problems)
+    assert any("jump from step 0 to 0" in p for p in problems)
+    assert inspect_main(str(tmp_path / "trajectories")) == 1
+
+
+def test_resume_refuses_interior_log_damage_until_log_repair_which_moves_checkpointed_positions(tmp_path, model_dir):
+    from asyncrl.controller.recovery import repair_main, resume_point
+    from asyncrl.log import LogCorruptionError
+    from asyncrl.log.framing import scan_segment
+
+    core = make_core(tmp_path, model_dir)
+    core.save(core.checkpoint_path(0))
+    register(core)
+    out = core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+    assignments = [m for _, m in out if isinstance(m, P.RolloutAssignment)]
+    answer(core, assignments[0])
+    answer(core, assignments[1])
+    core.save(core.checkpoint_path(0))  # a checkpoint after eight logged samples
+    core.close()
+    kept = read_log(tmp_path / "trajectories").records
+    (seg,) = sorted((tmp_path / "trajectories").glob("traj-*.log"))
+    data = bytearray(seg.read_bytes())
+    off = scan_segment(bytes(data), "x")[1][3][0]
+    data[off + 20] ^= 0x10  # a flipped byte in the fourth record, before the checkpoint's position
+    seg.write_bytes(bytes(data))
+    with pytest.raises(LogCorruptionError, match=f"byte {off}"):
+        make_core(tmp_path, model_dir)  # reopening for append refuses; nothing is truncated
+    assert len(read_log(tmp_path / "trajectories").records) == len(kept) - 1
+    assert repair_main(str(tmp_path)) == 0
+    state, _ = resume_point(tmp_path)  # the moved position still ends exactly after the last record
+    after = read_log(tmp_path / "trajectories").records
+    assert after == kept[:3] + kept[4:] and state["log_position"][1] == seg.stat().st_size
+    make_core(tmp_path, model_dir).close()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _assignments(out):
+    return [m for _, m in out if isinstance(m, P.RolloutAssignment)]
+
+
+def test_a_worker_that_heartbeats_but_never_returns_loses_its_group_and_its_late_result_is_dropped(tmp_path, model_dir):
+    clock = FakeClock()
+    core = make_core(tmp_path, model_dir, extra=["rollout.assignment_timeout_s=10", "rollout.dead_after_s=1000"],
+                     clock=clock)
+    register(core)
+    held = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
+    assert len(held) == 1
+    for _ in range(4):  # alive and heartbeating every 3 s, but it never returns the group
+        clock.t += 3
+        core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, stats={"version": 0.0}))
+        core.poll()
+    assert core.counters["samples/overdue_groups"] == 1 and "w" in core.workers
+    assert isinstance(core.handle(b"V", hello("generator", "v"))[0][1], P.Welcome)
+    core.handle(b"V", P.Heartbeat(peer_id="v", time=0.0, stats={"version": 0.0}))
+    again = _assignments(core.handle(b"V", P.WorkRequest(worker_id="v", credits=G)))
+    assert again[0].group_id == held[0].group_id and again[0].sample_ids == held[0].sample_ids
+    answer(core, held[0], worker="w")  # the late result
+    assert core.counters["samples/late"] == G and core.samples_logged == 0
+    answer(core, again[0], worker="v")
+    assert core.samples_logged == G
+    core.close()
+    assert {r.sample.worker_id for r in read_log(tmp_path / "trajectories").records if isinstance(r, SampleRecord)} == {"v"}
+
+
+def _sample(a, *, ids=(5, 6, 2), logp=-0.5, version=0, prompt=None, index=0):
+    ids = np.asarray(ids, np.int32)
+    return P.FinishedSample(
+        sample_id=a.sample_ids[index], group_id=a.group_id, prompt_ids=prompt or a.prompt_ids,
+        response_ids=P.Array.from_numpy(ids), behav_logp=P.Array.from_numpy(np.full(len(ids), logp, np.float32)),
+        versions=P.Array.from_numpy(np.full(len(ids), version, np.int32)), finish_reason="stop", worker_id="w")
+
+
+def test_a_returned_sample_is_validated_field_by_field_and_a_bad_one_is_rejected_counted_and_reissued(
+    tmp_path, model_dir
+):
+    core = make_core(tmp_path, model_dir, extra=["rollout.max_new_tokens=4"])
+    register(core)
+    (a, *_) = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
+    vocab = core.vocab_size
+    other_prompt = P.Array.from_numpy(np.asarray([7, 8, 9], np.int32))
+    bad = {
+        "token_ids": _sample(a, ids=(5, vocab, 2)),
+        "length": _sample(a, ids=(5, 5, 5, 5, 2)),
+        "behav_logp": _sample(a, logp=float("nan")),
+        "versions": _sample(a, version=7),
+        "prompt": _sample(a, prompt=other_prompt),
+    }
+    for key, msg in bad.items():
+        assert core.on_sample(msg) == []
+        assert core.counters[f"samples/invalid/{key}"] == 1, key
+        # the group went back to pending: the worker (or another) gets it again, same ids
+        (again,) = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
+        assert again.sample_ids == a.sample_ids
+    positive = _sample(a, logp=0.5)
+    core.on_sample(positive)
+    assert core.counters["samples/invalid/behav_logp"] == 2
+    assert core.counters["samples/rejected_invalid"] == 6 and core.samples_logged == 0
+    (a,) = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
+    answer(core, a)  # valid answers are accepted as before
+    assert core.samples_logged == G
+    core.close()
+    ids = [r.sample.response_ids.to_numpy() for r in read_log(tmp_path / "trajectories").records
+           if isinstance(r, SampleRecord)]
+    assert all(int(x.max()) < vocab for x in ids)
+
+
+def _long_prompt_dataset(tmp_path):
+    lines = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(12)]
+    lines[3]["prompt"] = lines[5]["prompt"] = "1+" * 40 + "1="  # 82 prompt tokens
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_prompts_longer_than_the_model_takes_are_skipped_at_admission_and_counted(tmp_path, model_dir):
+    path = _long_prompt_dataset(tmp_path)
+    core = make_core(tmp_path / "run", model_dir, eta=3, extra=[
+        "task.name=jsonl_math", f"task.path={path}", "task.eval_size=2", "task.max_prompt_tokens=20"])
+    register(core)
+    out = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=64)))
+    lengths = [len(a.prompt_ids.to_numpy()) for a in out]
+    assert len(out) == 8 and max(lengths) <= 20  # (eta + 1) * B groups, none over the limit
+    assert core.counters["data/prompts_too_long"] >= 1 and core.cursor == 8 + core.counters["data/prompts_too_long"]
+    core.close()
+
+
+def test_a_too_long_prompt_is_refused_up_front_or_reported_and_left_out_of_evaluation(tmp_path, model_dir):
+    from asyncrl.controller.scoring import build_scorer, evaluate_greedy
+    from asyncrl.engine.native import NativeEngine
+    from asyncrl.runtime.prepare import check_prompt_lengths
+
+    path = _long_prompt_dataset(tmp_path)
+    over = ["task.name=jsonl_math", f"task.path={path}", "task.eval_size=10", "task.max_prompt_tokens=20"]
+    with pytest.raises(ValueError, match="2 prompts are longer than 20 tokens.*task.too_long=skip"):
+        check_prompt_lengths(load_train_config([*over, "task.too_long=error"]), model_dir)
+    said = []
+    report = check_prompt_lengths(load_train_config(over), model_dir, log=said.append)
+    assert report["train_too_long"] + report["eval_too_long"] == 2 and "skipped and counted" in said[0]
+    assert report["eval_too_long"] >= 1  # (the held-out draw of this file puts a long prompt in evaluation)
+    # evaluation with a real engine whose context is shorter than the long prompts: they are left out
+    cfg = load_train_config(over)
+    scorer = build_scorer(cfg, model_dir)
+    engine = NativeEngine.from_pretrained(model_dir, quant_format="fp32", version=-1, max_batch_size=16,
+                                          max_seq_len=21)
+    result = evaluate_greedy(engine, scorer, max_new_tokens=1)
+    assert result["eval/skipped_too_long"] == report["eval_too_long"]
+    assert result["eval/n"] == 10 - report["eval_too_long"]
+    engine.close()

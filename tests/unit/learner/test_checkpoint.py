@@ -109,3 +109,79 @@ def test_export_hf_loads_with_transformers_and_gives_the_same_logits(tiny, dist_
         got = loaded(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert PreTrainedTokenizerFast.from_pretrained(out).convert_tokens_to_ids("c5") == 5
+
+
+def _flip(path, at=None):
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if at is None else at
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_shard_is_refused_and_resume_falls_back_to_the_previous_good_checkpoint(
+    tiny, dist_info, tmp_path
+):
+    from asyncrl.runtime.checkpoints import choose_resume_point
+    from asyncrl.runtime.files import ChecksumError
+
+    a = _state(tiny, dist_info, seed=0)
+    save_checkpoint(tmp_path, a, dist_info)  # version 0
+    train_step(a, tiny.batch(4, seed=0, version=0), tiny.objective, StepConfig(), dist_info)
+    good = state_dict_sha256(a.model, dist_info)
+    save_checkpoint(tmp_path, a, dist_info)  # version 1
+    train_step(a, tiny.batch(4, seed=1, version=1), tiny.objective, StepConfig(), dist_info)
+    newest = save_checkpoint(tmp_path, a, dist_info)  # version 2
+    shard = max((newest / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _flip(shard)
+    b = _state(tiny, dist_info, seed=5)
+    with pytest.raises(ChecksumError, match="does not match its checksum"):
+        load_checkpoint(newest, b, dist_info)
+    point = choose_resume_point(tmp_path, controller_state=False)
+    assert point.version == 1 and point.learner_dir.name == "step_00000001"
+    assert any("version 2 is not usable" in n and shard.name in n for n in point.notes)
+    load_checkpoint(point.learner_dir, b, dist_info)
+    assert b.version == 1 and state_dict_sha256(b.model, dist_info) == good
+
+
+FULL_DISK_SAVE = """
+import sys, torch
+from pathlib import Path
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from asyncrl.learner import LRSchedule, TrainState, build_optimizer, build_scheduler, init_distributed, shard_model
+from asyncrl.learner import save_checkpoint
+from asyncrl.runtime.files import DiskFullError
+torch.set_num_threads(1)
+info = init_distributed()
+cfg = Qwen2Config(vocab_size=37, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+model = shard_model(Qwen2ForCausalLM(cfg), info)
+opt = build_optimizer(model, lr=1e-2, weight_decay=0.0)
+state = TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, LRSchedule(kind="constant")))
+root = Path(sys.argv[1])
+try:
+    save_checkpoint(root, state, info)
+except DiskFullError as e:
+    print("error:", e)
+print("left:", sorted(p.name for p in root.iterdir()))
+"""
+
+
+def test_a_checkpoint_save_on_a_really_full_disk_says_so_and_leaves_nothing_half_written(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-Urm", "true"]).returncode != 0:
+        pytest.skip("needs user namespaces (unshare -Urm) to mount a small tmpfs as a real full disk")
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[3])
+    (tmp_path / "save.py").write_text(FULL_DISK_SAVE)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = f"mount -t tmpfs -o size=128k tmpfs {mnt} && exec {sys.executable} {tmp_path / 'save.py'} {mnt}"
+    env = {**os.environ, "PYTHONPATH": repo, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "WORLD_SIZE": "1",
+           "RANK": "0", "LOCAL_RANK": "0"}
+    res = subprocess.run(["unshare", "-Urm", "sh", "-c", cmd], capture_output=True, text=True, env=env, cwd=repo)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"error: disk full at {mnt}/step_00000000.tmp" in res.stdout
+    assert "left: []" in res.stdout  # no step_*.tmp, no latest

@@ -1,0 +1,80 @@
+"""Recovering a run folder: the controller's resume point, and moving checkpointed log positions after a repair.
+
+Owns: choosing the controller state to resume from (the same verified checkpoint the learner picks,
+``asyncrl.runtime.checkpoints``), cutting the trajectory log back to it (work after it is redone, so
+keeping it would log it twice), and rewriting controller states after ``asyncrl log repair`` moved
+byte offsets. Never: loads learner weights; resumes from a state that fails its checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from asyncrl.controller.core import _jsonable, read_state
+from asyncrl.log import segment_paths, truncate_log
+from asyncrl.runtime.checkpoints import choose_resume_point
+from asyncrl.runtime.files import ChecksumError, write_checksummed_json
+
+log = logging.getLogger("asyncrl.controller")
+
+
+def resume_point(run_dir: Path) -> tuple[dict[str, Any] | None, int]:
+    """(controller state, version) to resume ``run_dir`` from, with the log cut back to that state."""
+    point = choose_resume_point(run_dir / "checkpoints")
+    for note in point.notes:
+        log.warning("resume: %s", note)
+    if point.controller_state is None:
+        if any(segment_paths(run_dir / "trajectories")):
+            raise ValueError(f"resume: {run_dir} has a trajectory log but no usable controller state to cut it back "
+                             "to; it cannot be resumed without logging work twice. Start a new run folder")
+        return None, 0
+    state = read_state(point.controller_state)
+    dropped = truncate_log(run_dir / "trajectories", *state["log_position"])
+    log.info("resume: version %d; trajectory log cut back to its checkpoint (%d bytes of redone work dropped)",
+             point.version, dropped)
+    return state, point.version
+
+
+def move_log_positions(ckpt_root: Path, repairs) -> list[str]:
+    """Rewrite every controller state whose log position lies in a repaired segment (``repair_log`` result)."""
+    by_index = {r.index: r for r in repairs}
+    out = []
+    for path in sorted(ckpt_root.glob("controller-*.json")):
+        try:
+            state = read_state(path)
+        except (ChecksumError, ValueError) as e:
+            out.append(f"left {path} as it is: {e}")
+            continue
+        seg, off = state["log_position"]
+        if seg in by_index:
+            state["log_position"] = [seg, by_index[seg].new_offset(off)]
+            write_checksummed_json(path, state, default=_jsonable)
+            out.append(f"moved the log position of {path.name}: byte {off} -> {state['log_position'][1]}")
+    return out
+
+
+def repair_main(path: str) -> int:
+    """``asyncrl log repair PATH`` (a run folder or a log folder): remove damaged bytes, say what went."""
+    from asyncrl.log import LogFormatError
+    from asyncrl.log.repair import repair_log
+
+    p = Path(path)
+    log_dir = p / "trajectories" if (p / "trajectories").is_dir() else p
+    try:
+        repairs = repair_log(log_dir)
+    except (LogFormatError, OSError) as e:
+        print(f"asyncrl log repair: {e}")
+        return 2
+    if not repairs:
+        print(f"asyncrl log repair: {log_dir} has no damage; nothing changed")
+        return 0
+    for r in repairs:
+        for c in r.damage:
+            print(f"removed: {c}")
+        print(f"rewrote {r.path} ({sum(e - s for s, e in r.removed)} bytes removed; the original is kept as {r.backup})")
+    if (p / "checkpoints").is_dir():
+        for line in move_log_positions(p / "checkpoints", repairs):
+            print(line)
+    return 0
