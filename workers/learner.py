@@ -2,7 +2,7 @@
 
 Every rank trains the FSDP2-sharded policy; rank 0 alone talks to the controller (batches in,
 versions out), serves weights (quantize-on-send, every format the run publishes) and evaluates.
-One step (ALGORITHMS.md §10): rank 0 asks for batch k and broadcasts it; every rank runs
+One step (docs/algorithms.md §10): rank 0 asks for batch k and broadcasts it; every rank runs
 ``asyncrl.learner.train_step`` (prox log-probs with theta_k, minibatches with global denominators);
 the new version k+1 is gathered, published, announced to the controller; every ``ckpt_every``
 steps a DCP checkpoint is written (all ranks).

@@ -1,4 +1,4 @@
-"""asyncrl.algo: the learner's math as a pure tensor library (ALGORITHMS.md §2-§7, §10-§11).
+"""asyncrl.algo: the learner's math as a pure tensor library (docs/algorithms.md §2-§7, §10-§11).
 
 Tensors in, ``(loss, metrics)`` out. Entry points:
 

@@ -1,4 +1,4 @@
-"""Advantages and sample selection (ALGORITHMS.md §2.7, §3.1-§3.3).
+"""Advantages and sample selection (docs/algorithms.md §2.7, §3.1-§3.3).
 
 Owns the group estimators (GRPO with unbiased std and epsilon 1e-6, Dr. GRPO without std,
 RLOO), the singleton and zero-variance rules, DAPO overlong shaping, the truncation policy, and

@@ -1,4 +1,4 @@
-"""Loss aggregation over the optimiser-step minibatch (ALGORITHMS.md §5).
+"""Loss aggregation over the optimiser-step minibatch (docs/algorithms.md §5).
 
 Owns the three modes (``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``) and the
 rule that denominators are *global*: a micro-batch adds its partial numerator divided by the

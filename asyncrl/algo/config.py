@@ -1,4 +1,4 @@
-"""``ObjectiveConfig``: the frozen description of one policy objective (ALGORITHMS.md §4-§6, §11).
+"""``ObjectiveConfig``: the frozen description of one policy objective (docs/algorithms.md §4-§6, §11).
 
 Owns: the field set, the defaults of §11, and validation with messages that name the fix.
 Never: imports torch, reads files or environment, or knows about Hydra (``asyncrl.config`` maps
@@ -88,7 +88,7 @@ def parse_rs_threshold(mode: str, threshold: str | float) -> tuple[float | None,
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ObjectiveConfig:
-    """One policy objective. Defaults follow ALGORITHMS.md §11.
+    """One policy objective. Defaults follow docs/algorithms.md §11.
 
     kind: ``ppo`` (coupled §6.1: prox is the old policy, behaviour ignored), ``decoupled`` (AReaL
       §6.2: weight r, tokens with r > behav_cap masked), ``tis`` (§6.3), ``acr`` (§6.4), ``tbpo``

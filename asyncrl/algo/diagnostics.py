@@ -1,4 +1,4 @@
-"""Mismatch diagnostics between the proximal and the behaviour policy (ALGORITHMS.md §7).
+"""Mismatch diagnostics between the proximal and the behaviour policy (docs/algorithms.md §7).
 
 Owns the "computed once per step" block of §7: KL estimators k1/k2/k3, chi-square (token and
 sequence), log-perplexity difference, ratio extremes and 99th percentile, the same KL bucketed

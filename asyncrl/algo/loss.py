@@ -1,4 +1,4 @@
-"""``policy_loss``: the one public entry point of the objective (ALGORITHMS.md §2-§7).
+"""``policy_loss``: the one public entry point of the objective (docs/algorithms.md §2-§7).
 
 Owns the order of work for one call: prepare the token set (``inputs.prepare``), guard the
 current log-probs, compute lambda for the configured kind, aggregate with global denominators,

@@ -1,4 +1,4 @@
-"""Numerical guards shared by every objective (ALGORITHMS.md §2).
+"""Numerical guards shared by every objective (docs/algorithms.md §2).
 
 Owns: the constants of §2/§11 (log-ratio bound 20, GSPO bound 10, advantage epsilon), guarded
 exponentiation, log-space clipping with PyTorch ``clamp`` semantics, and masked per-sequence

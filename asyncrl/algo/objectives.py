@@ -1,4 +1,4 @@
-"""Per-token losses lambda of every objective kind (ALGORITHMS.md §4, §6.1-§6.5, §6.7).
+"""Per-token losses lambda of every objective kind (docs/algorithms.md §4, §6.1-§6.5, §6.7).
 
 Owns the mapping kind -> (weight omega, clip bounds, surrogate) and the objective-specific
 metrics (decoupled/*, acr/*, tbpo/*, gspo/*). Token kinds: ppo, decoupled, tis, acr. Sequence

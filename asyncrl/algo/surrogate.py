@@ -1,4 +1,4 @@
-"""The generic clipped surrogate psi of ALGORITHMS.md §4 and its clip indicators.
+"""The generic clipped surrogate psi of docs/algorithms.md §4 and its clip indicators.
 
 Owns psi(R, A; lo, hi, c) written in log space, and the TBPO band function phi (§6.7).
 Never: applies importance weights or masks, aggregates, or computes metrics beyond the per-token

@@ -5,7 +5,7 @@ must fail *before* any process starts (``validate``), each with a message that s
 Never: imports torch, zmq or any heavy module (the launcher loads and checks configs in well under
 a second); lets downstream code see a ``DictConfig`` (``load`` returns these dataclasses).
 
-YAML files in ``configs/`` hold only what differs from these defaults (ARCHITECTURE.md §2, STYLE L7).
+YAML files in ``configs/`` hold only what differs from these defaults (docs/architecture.md §2).
 """
 
 from __future__ import annotations

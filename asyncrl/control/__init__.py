@@ -1,4 +1,4 @@
-"""Control: the systems logic between workers and the learner (ARCHITECTURE.md §1-2).
+"""Control: the systems logic between workers and the learner (docs/architecture.md §1-2).
 
 Owns admission (``StalenessGate``), group assembly and exactly-once result accounting
 (``GroupBuffer``), and learner batches with dynamic sampling and the staleness check

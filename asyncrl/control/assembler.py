@@ -16,11 +16,11 @@ Invariants and the selection rule:
   the batch waits (``try_assemble`` returns ``None``). The gate's admission rule guarantees that
   waiting always ends once those groups complete (see ``gate.py``); this rule lets later groups
   overtake slow ones whenever the slack allows it, and never otherwise.
-- ALGORITHMS.md §3.4 drops tokens with ``eta > eta_max``; here none can exist, because the gate
+- docs/algorithms.md §3.4 drops tokens with ``eta > eta_max``; here none can exist, because the gate
   paces admission instead. A consumed sample with ``k - min_version > eta`` (or a negative
   staleness, which means versions and batch indices disagree) is an internal error and raises
   ``AssertionError``.
-- Dynamic sampling (ALGORITHMS.md §3.2): a complete group for which ``keep(group)`` is false is
+- Dynamic sampling (docs/algorithms.md §3.2): a complete group for which ``keep(group)`` is false is
   removed and its gate slot freed (``on_filtered``), so the gate admits a replacement. With
   ``max_filtered_per_step`` set, once that many groups were filtered for the current batch the
   predicate is no longer applied until the batch is formed (verl's ``max_num_gen_batches``

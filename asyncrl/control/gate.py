@@ -1,4 +1,4 @@
-"""Staleness gate: admission control for prompt groups (AReaL's rule, ARCHITECTURE.md §1 step 1).
+"""Staleness gate: admission control for prompt groups (AReaL's rule, docs/architecture.md §1 step 1).
 
 Owns: the group counters (issued, running, finished, consumed; filtered and cancelled groups leave
 the count) and the admission rule

@@ -1,4 +1,4 @@
-"""Rollout engines behind one small interface (ARCHITECTURE.md §3); see docs/engine.md.
+"""Rollout engines behind one small interface (docs/architecture.md §3); see docs/engine.md.
 
 ``asyncrl.engine`` re-exports the contract types; engines are imported from their modules
 (``asyncrl.engine.native.NativeEngine``) so importing the contract never loads torch models.

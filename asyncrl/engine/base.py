@@ -1,7 +1,7 @@
 """The rollout-engine contract: request/result dataclasses and the ``RolloutEngine`` Protocol.
 
 Owns: the plain data types every engine speaks (``SamplingParams``, ``GenRequest``, ``GenResult``) and
-the Protocol that the native torch engine and the SGLang engine both implement (ARCHITECTURE.md §3).
+the Protocol that the native torch engine and the SGLang engine both implement (docs/architecture.md §3).
 
 Must never: import msgspec, zmq, transformers or any engine implementation. Wire encoding of these
 types belongs to ``protocols/`` and ``workers/``; this module is plain Python + numpy.
@@ -11,11 +11,11 @@ Invariants of a ``GenResult`` (checked by ``GenResult.__post_init__``):
   * ``behav_logp`` is float32, ``versions`` is int32, both 1-D;
   * ``finish_reason`` is one of ``FINISH_REASONS``; a ``"stop"`` result ends with a stop token.
 
-Behaviour log-prob (ALGORITHMS.md §2.1): for a sampled token ``y_t`` it is the log-probability of ``y_t``
+Behaviour log-prob (docs/algorithms.md §2.1): for a sampled token ``y_t`` it is the log-probability of ``y_t``
 under the distribution the engine actually drew from, computed in fp32 over the full vocabulary:
 ``log_softmax(logits.float() / temperature)[y_t]``. Greedy decoding (``temperature == 0``) reports the raw
 ``log_softmax(logits.float())[y_t]``. With truncation enabled (``top_k > 0`` or ``top_p < 1``) the drawn-from
-distribution is the renormalised truncated one, and that is what is reported (ALGORITHMS.md §2.1: the
+distribution is the renormalised truncated one, and that is what is reported (docs/algorithms.md §2.1: the
 learner's prox log-probs are not truncated, so truncation biases the mismatch upward; training rollouts keep
 ``top_p=1, top_k=-1``).
 """
@@ -124,7 +124,7 @@ class GenResult:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What a generation worker needs from an engine (ARCHITECTURE.md §3).
+    """What a generation worker needs from an engine (docs/architecture.md §3).
 
     Thread-safety contract (every engine): ``submit``, ``update_weights``, ``abort``, ``pause``,
     ``resume``, ``close``, ``capabilities`` and the read-only properties may be called from any thread at

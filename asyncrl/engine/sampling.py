@@ -8,10 +8,10 @@ function of ``(seed, sample_id, t)``, so a request's stream does not depend on w
 batch, on restarts, or on the order requests were admitted.
 
 Invariants:
-  * every log-prob is computed in fp32 (ALGORITHMS.md §2.2) from ``logits.float()``;
+  * every log-prob is computed in fp32 (docs/algorithms.md §2.2) from ``logits.float()``;
   * ``behav_logp[b]`` is the log-prob of ``tokens[b]`` under the distribution it was drawn from:
     ``log_softmax(logits / T)`` (greedy: ``T = 1``, argmax), renormalised over the top-k / top-p set when
-    truncation is on (ALGORITHMS.md §2.1);
+    truncation is on (docs/algorithms.md §2.1);
   * a token outside the truncation set is never drawn.
 
 Sampling is inverse-CDF with one uniform per token (``u = uniform(seed, sample_id, t)``): the token is the

@@ -24,7 +24,7 @@ Mapping (SGLang 0.5.23):
     ``--enable-deterministic-inference`` (GPU backends); ``capabilities()["seeded"]`` says which;
   * behaviour log-probs: ``meta_info.output_token_logprobs[t][0]``. SGLang's default sampler returns
     ``log(softmax(logits.float() / T))`` over the full vocabulary (greedy: raw ``log_softmax``), taken
-    *before* top-k/top-p truncation. This departs from ALGORITHMS.md §2.1 (renormalised truncated
+    *before* top-k/top-p truncation. This departs from docs/algorithms.md §2.1 (renormalised truncated
     distribution) when truncation is on; training rollouts use top_p=1, top_k=-1, where they agree.
     The env var ``SGLANG_RETURN_ORIGINAL_LOGPROB`` must stay unset (it returns pre-temperature values);
   * versions: ``meta_info.weight_versions`` spans ``{version, start, end}`` over output tokens; every

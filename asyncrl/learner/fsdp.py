@@ -13,7 +13,7 @@ Invariants:
 * Master weights are fp32 (``shard_model`` casts them); an optional ``param_dtype`` only changes
   the dtype FSDP2 all-gathers for compute (MixedPrecisionPolicy); gradients reduce in fp32.
 * Gradient reduction is a plain SUM across ranks, not FSDP2's default mean: the loss on each
-  rank already divides by the *global* token/sequence count (ALGORITHMS.md §5), so the sum of
+  rank already divides by the *global* token/sequence count (docs/algorithms.md §5), so the sum of
   the per-rank gradients is the gradient of the global loss. ``shard_model`` sets
   ``set_gradient_divide_factor(1.0)`` and ``set_force_sum_reduction_for_comms(True)`` on every
   FSDP module (both are per module, not inherited).

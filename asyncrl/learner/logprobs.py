@@ -1,6 +1,6 @@
 """Per-token log-probabilities (and entropies) of a causal LM, in fp32, at a temperature.
 
-Owns the learner side of the log-prob contract of ALGORITHMS.md §2.1-2.2:
+Owns the learner side of the log-prob contract of docs/algorithms.md §2.1-2.2:
 ``logp[b, t] = log_softmax(logits[b, t-1].float() / temperature)[input_ids[b, t]]`` - the
 log-prob of token t given the tokens before it, stored at position t so it lines up with
 ``LearnerBatch.behav_logp``.

@@ -1,4 +1,4 @@
-"""One learner training step (ALGORITHMS.md §10, items 3-6 on the learner side).
+"""One learner training step (docs/algorithms.md §10, items 3-6 on the learner side).
 
 Owns the order of work inside a step: proximal (and reference) log-probs with the step-start
 weights, the minibatch/micro-batch loop with global denominators, backward, FSDP2-correct
@@ -135,7 +135,7 @@ def _autocast(cfg: StepConfig, device: torch.device) -> contextlib.AbstractConte
 
 def reference_context(ref_model: torch.nn.Module, policy: torch.nn.Module) -> contextlib.AbstractContextManager:
     """The reference policy's forward context: for a PEFT policy passed as its own reference, the
-    adapters are disabled (the reference is the frozen base, ALGORITHMS.md §6.8 with LoRA)."""
+    adapters are disabled (the reference is the frozen base, docs/algorithms.md §6.8 with LoRA)."""
     if ref_model is policy:
         disable = getattr(policy, "disable_adapter", None)
         if disable is None:

@@ -10,7 +10,7 @@ Plots (file: metrics):
 - ``reward.png``: ``train/reward_mean``, its moving average over ``SMOOTH_WINDOW`` steps and, when
   present, ``eval/accuracy`` with the step-0 evaluation drawn as a horizontal baseline.
 - ``eval_accuracy.png``: ``eval/accuracy``.
-- ``kl_by_staleness.png``: ``mismatch/by_staleness/eta=J/kl_k3`` for every J (ALGORITHMS.md §7 spells
+- ``kl_by_staleness.png``: ``mismatch/by_staleness/eta=J/kl_k3`` for every J (docs/algorithms.md §7 spells
   it ``η=J``; both spellings are accepted), one line per J, plus ``mismatch/kl_k3`` over all tokens.
 - ``clip_fractions.png``: keys starting ``actor/clipfrac`` or ``acr/clipfrac``, ``acr/empty_band_frac``,
   ``tbpo/seq_masked_frac``.

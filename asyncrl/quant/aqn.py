@@ -1,4 +1,4 @@
-"""AQN (ALGORITHMS.md §9): the released stage schedule and per-publication noise on RMSNorm gains.
+"""AQN (docs/algorithms.md §9): the released stage schedule and per-publication noise on RMSNorm gains.
 
 Owns: `aqn_sigma` (schedule of NVlabs/QeRL `trl_trainer/noise_scheduler.py`, normative in §9),
 `aqn_trend`, the paper's indexing for comparison, and `add_aqn_noise`, which draws fresh Gaussian noise

@@ -4,7 +4,7 @@ Owns:
   * `code_change_frac(prev, cur)`: fraction of quantised weight codes (per element: fp4 nibbles,
     int8/fp8 codes, bf16/fp32 bit patterns of the target linears) that differ between two
     publications; the quantity behind QuRL's "weight updates vanish under quantisation". Padding
-    columns of fp4 blocks are excluded. Logged as `quant/code_change_frac` (ALGORITHMS.md §7 calls
+    columns of fp4 blocks are excluded. Logged as `quant/code_change_frac` (docs/algorithms.md §7 calls
     it `uaq/code_change_frac`; the issue's name is used here).
   * `quantization_error(state_dict, published)`: per target weight ||W - dequant(Q(W))||_F / ||W||_F,
     as `quant/rel_error_mean` (mean over weights) and `quant/rel_error_max`.

@@ -1,4 +1,4 @@
-"""UAQ (ALGORITHMS.md §8): fold the invariant scale s into RMSNorm gains and the next projections.
+"""UAQ (docs/algorithms.md §8): fold the invariant scale s into RMSNorm gains and the next projections.
 
 Owns: `fold_uaq` / `unfold_uaq` on fp32 master weights of a Llama/Qwen2 decoder, as a model (in
 place) or a state dict (a new dict; the input is not modified).

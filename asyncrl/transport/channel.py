@@ -9,7 +9,7 @@ Never: blocks forever (every receive takes a timeout; sends past the high-water 
 lets a malformed frame escape as an exception from ``recv`` (it is counted, optionally answered with
 an ``Error``, and the loop keeps serving); imports torch.
 
-Interface (ARCHITECTURE.md §3): ``send(msg, to=None, payload=None, timeout_s=None)``,
+Interface (docs/architecture.md §3): ``send(msg, to=None, payload=None, timeout_s=None)``,
 ``recv(timeout_s) -> Envelope | None``, ``close()``. Socket kinds:
   ROUTER/DEALER  control and work (request/reply with peer identities)
   PUSH/PULL      streaming finished samples (PUSH blocks at the HWM: backpressure, nothing dropped)

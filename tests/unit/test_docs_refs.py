@@ -101,9 +101,6 @@ def test_every_section_reference_resolves_to_a_heading():
         "\n".join(missing)
 
 
-@pytest.mark.xfail(strict=False, reason="the code still cites the spec documents by their old upper-case "
-                   "names until the mechanical rewrite to docs/algorithms.md / docs/architecture.md at merge; "
-                   "remove this xfail after that rewrite")
 def test_no_file_cites_the_spec_documents_outside_the_repository():
     bare = []
     for path in source_files():

@@ -1,4 +1,4 @@
-"""House rules that a reader of imports can check (ARCHITECTURE.md §2, §5; STYLE.md L8, L11)."""
+"""House rules that a reader of imports can check (docs/architecture.md §2, §5)."""
 
 from __future__ import annotations
 

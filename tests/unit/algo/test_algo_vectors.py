@@ -1,4 +1,4 @@
-"""Every test vector of ALGORITHMS.md §13.1-§13.8, reproduced through the public API."""
+"""Every test vector of docs/algorithms.md §13.1-§13.8, reproduced through the public API."""
 
 from __future__ import annotations
 

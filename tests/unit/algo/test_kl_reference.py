@@ -1,4 +1,4 @@
-"""The KL-to-reference term of ALGORITHMS.md §6.8 (docs/algorithms.md): k3 = clamp(e^x - x - 1, -10, 10),
+"""The KL-to-reference term of docs/algorithms.md §6.8 (docs/algorithms.md): k3 = clamp(e^x - x - 1, -10, 10),
 x = clamp(ref - theta, +-20), aggregated like the policy loss and weighted by kl_coef; float64."""
 
 from __future__ import annotations

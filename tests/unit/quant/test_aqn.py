@@ -1,4 +1,4 @@
-"""AQN (ALGORITHMS.md §9, test vectors §13.10): schedule, folding example, per-publication noise."""
+"""AQN (docs/algorithms.md §9, test vectors §13.10): schedule, folding example, per-publication noise."""
 
 from __future__ import annotations
 

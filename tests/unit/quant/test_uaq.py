@@ -1,4 +1,4 @@
-"""UAQ folding (ALGORITHMS.md §8, test vectors §13.9)."""
+"""UAQ folding (docs/algorithms.md §8, test vectors §13.9)."""
 
 from __future__ import annotations
 
