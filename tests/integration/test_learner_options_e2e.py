@@ -38,7 +38,10 @@ def _sha(run_dir: Path) -> str:
 
 
 def test_kl_to_a_frozen_reference_trains_end_to_end(tmp_path, procs):
-    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=kl", *SHORT, "algo.kl_coef=0.001")
+    # one update per step, so the first step's KL is measured entirely at theta_0 (the algo group files
+    # take two updates per step; the second would already see a moved policy)
+    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=kl", *SHORT, "algo.kl_coef=0.001",
+                  "learner.n_minibatches=1")
     assert res.returncode == 0, res.stdout[-4000:]
     steps = _metrics(tmp_path / "kl")
     assert [int(r["step"]) for r in steps] == [1, 2, 3]
