@@ -30,6 +30,14 @@ def make_core(tmp_path, model_dir, eta=1, extra=(), **kw):
                           **kw)
 
 
+
+def fill_first_batch(core):
+    """Every assignment of one generous work request answered, then the learner's first batch asked for."""
+    out = core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
+        answer(core, a)
+    core.handle(b"L", P.BatchRequest(step=0))
+
 def hello(role, peer_id, fmt="int8"):
     return P.Hello(protocol_version=P.PROTOCOL_VERSION, role=role, peer_id=peer_id,
                    capabilities={"quant_format": fmt} if role == "generator" else {"version": "0"})
@@ -151,10 +159,7 @@ def test_resume_before_the_first_learner_checkpoint_cuts_the_log_back_to_version
     core = make_core(tmp_path, model_dir)
     core.save(core.checkpoint_path(0))  # what the controller process does when a run starts
     register(core)
-    out = core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
-    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
-        answer(core, a)
-    core.handle(b"L", P.BatchRequest(step=0))
+    fill_first_batch(core)
     core.close()
     first = read_log(tmp_path / "trajectories").records
     assert first  # samples and a batch, no learner checkpoint
@@ -164,10 +169,7 @@ def test_resume_before_the_first_learner_checkpoint_cuts_the_log_back_to_version
     resumed = make_core(tmp_path, model_dir)
     resumed.load_state(state)
     register(resumed)
-    out = resumed.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
-    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
-        answer(resumed, a)
-    resumed.handle(b"L", P.BatchRequest(step=0))
+    fill_first_batch(resumed)
     resumed.close()
     from asyncrl.log.inspect import summarize
 
@@ -195,10 +197,7 @@ def test_log_inspect_reports_duplicated_and_doubly_consumed_samples(tmp_path, mo
 
     core = make_core(tmp_path, model_dir)
     register(core)
-    out = core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
-    for a in [m for _, m in out if isinstance(m, P.RolloutAssignment)]:
-        answer(core, a)
-    core.handle(b"L", P.BatchRequest(step=0))
+    fill_first_batch(core)
     core.close()
     assert summarize(tmp_path / "trajectories")["exactly_once_problems"] == []
     records = read_log(tmp_path / "trajectories").records
