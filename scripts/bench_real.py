@@ -139,7 +139,7 @@ def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) 
     from asyncrl.config import load_train_config
     from asyncrl.controller.prompts import PromptEncoder
     from asyncrl.controller.scoring import task_kwargs
-    from asyncrl.runtime.prepare import prepare_model
+    from asyncrl.models.prepare import prepare_model
     from asyncrl.tasks import make_task
     from workers.learner import objective_config
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
     try:
-        from asyncrl.runtime.prepare import prepare_model
+        from asyncrl.models.prepare import prepare_model
 
         base_dir = prepare_model(load_train_config(base), log=print)
         print(f"evaluating the base model on {n_eval} held-out problems ...", flush=True)

@@ -49,7 +49,7 @@ def evaluate(model_dir: str | Path, overrides: list[str], *, threads: int = 1, m
     from asyncrl.controller.scoring import build_scorer
     from asyncrl.engine import GenRequest, SamplingParams
     from asyncrl.engine.native import NativeEngine
-    from asyncrl.runtime.prepare import prepare_model
+    from asyncrl.models.prepare import prepare_model
 
     torch.set_num_threads(threads)
     cfg = load_train_config(overrides)

@@ -24,8 +24,8 @@ from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore
 from asyncrl.controller.outbox import PeerOutbox
 from asyncrl.controller.recovery import resume_point
-from asyncrl.runtime.files import DiskFullError, atomic_write_text
-from asyncrl.runtime.prepare import model_id
+from asyncrl.models.prepare import model_id
+from asyncrl.rundir.files import DiskFullError, atomic_write_text
 from asyncrl.transport import (
     ZmqChannel,
     advertised,
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
-    from asyncrl.runtime.lock import RunFolderInUse, hold_run_lock
+    from asyncrl.rundir.lock import RunFolderInUse, hold_run_lock
 
     try:
         hold_run_lock(run_dir)  # one controller appends to a run's log (kept for the life of the process)

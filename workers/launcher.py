@@ -9,7 +9,7 @@ with one line naming its fatal error and its log file, then the tail of that log
 Process trees: each child leads its own session, so ``stop`` ends the whole tree it started (the
 learner's ranks under torchrun included) through that session's process-group id, which is the
 child's PID; never by name. One live job per run folder: the launcher holds the run-folder lock
-(``asyncrl.runtime.lock``) and hands it to the controller. Relative paths in the configuration are
+(``asyncrl.rundir.lock``) and hands it to the controller. Relative paths in the configuration are
 resolved against the caller's working directory, which the children also run in.
 Only here: process spawning and signals; everything checkable is checked before the first spawn.
 """
@@ -167,7 +167,7 @@ class Launcher:
               lock_fd: int | None = None) -> Child:
         env, fds = self.env if cuda_devices is None else self.env | {"CUDA_VISIBLE_DEVICES": cuda_devices}, ()
         if lock_fd is not None:  # the controller shares the launcher's run-folder lock
-            from asyncrl.runtime.lock import INHERITED_ENV
+            from asyncrl.rundir.lock import INHERITED_ENV
 
             env, fds = {**env, INHERITED_ENV: str(lock_fd)}, (lock_fd,)
         child = Child(name, args, self.run_dir / "logs" / f"{name}.log", env, pass_fds=fds)
@@ -254,7 +254,7 @@ def end_process_group(pgid: int) -> None:
 
 
 def run_train(overrides: Sequence[str]) -> int:
-    from asyncrl.runtime.lock import acquire_run_lock
+    from asyncrl.rundir.lock import acquire_run_lock
     from workers.roles import prepare_run
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
@@ -368,9 +368,9 @@ def run_replay(overrides: Sequence[str]) -> int:
     (``algo=tbpo``, ``learner.lr=...``) it is a counterfactual on the same data, in its own run folder.
     """
     from asyncrl.config.loader import apply_overrides, read_run_config
-    from asyncrl.controller.replay import check_replayable
+    from asyncrl.log.replay import check_replayable
     from asyncrl.metrics import format_summary, make_plots, write_summary
-    from asyncrl.runtime.prepare import model_id, prepare_model
+    from asyncrl.models.prepare import model_id, prepare_model
 
     runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
     if not runs:

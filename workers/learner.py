@@ -50,7 +50,7 @@ from asyncrl.learner.policy import (
     prepare_policy,
     reference_policy,
 )
-from asyncrl.runtime.prepare import model_id
+from asyncrl.models.prepare import model_id
 from asyncrl.transport import (
     ChannelTimeout,
     WeightServer,
@@ -225,7 +225,7 @@ class ReplaySource:
 
     def __init__(self, log_dir: Path, run_dir: Path, model_id: str, stop: threading.Event,
                  salvage: bool = False) -> None:
-        from asyncrl.controller.replay import load_replay_batches
+        from asyncrl.log.replay import load_replay_batches
         from asyncrl.metrics import MetricsWriter
 
         self.batches = load_replay_batches(log_dir, model_id=model_id, salvage=salvage)
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish-formats", default="")
     args = ap.parse_args(argv)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: never outlive a killed agent
-        from asyncrl.runtime.proc import die_with_parent
+        from workers.proc import die_with_parent
 
         die_with_parent()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     state = TrainState(model, opt, sched, version=0)
     ckpt_root = run_dir / "checkpoints"
     if cfg.resume:  # the same verified checkpoint the controller chose (damaged ones are skipped, said why)
-        from asyncrl.runtime.checkpoints import choose_resume_point
+        from asyncrl.rundir.checkpoints import choose_resume_point
 
         point = choose_resume_point(ckpt_root)
         for note in point.notes:

@@ -35,7 +35,7 @@ SETUP_REQUEST = "run_setup"  # Hello(role="client", capabilities={"request": SET
 def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[TrainConfig, Path, Path]:
     """Config (new, or a resumed run's own with ``resume=RUN``), checks, model folder, run folder."""
     from asyncrl.config.schema import config_warnings
-    from asyncrl.runtime.prepare import check_prompt_lengths, check_prompts, check_task, prepare_model
+    from asyncrl.models.prepare import check_prompt_lengths, check_prompts, check_task, prepare_model
     from workers.launcher import check_transport, new_run_dir, resolve_paths
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]

@@ -1,7 +1,7 @@
 """The controller's logic without sockets: messages in, replies out.
 
 Owns: the dataset cursor, admission under the staleness gate, group assembly and exactly-once
-accounting (through ``asyncrl.control``), scoring with the task's verifier, advantages (through
+accounting (through ``asyncrl.controller``), scoring with the task's verifier, advantages (through
 ``asyncrl.algo``), the trajectory log (every scored sample, every consumed batch), worker liveness,
 learner batches, the training time budget (``learner.time_budget_s``: past it, a batch request is
 answered with ``Shutdown`` and the learner finishes the run), and the controller's checkpointable state.
@@ -28,11 +28,12 @@ import numpy as np
 
 import protocols as P
 from asyncrl.config import TrainConfig
-from asyncrl.control import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
+from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 from asyncrl.controller.scoring import GroupScorer
 from asyncrl.controller.validation import check_sample
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
-from asyncrl.runtime.files import read_checksummed_json, write_checksummed_json
+from asyncrl.log.replay import train_sample
+from asyncrl.rundir.files import read_checksummed_json, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
 MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
@@ -444,13 +445,6 @@ def _vocab_size(welcome_config: dict[str, str], scorer: GroupScorer) -> int:
     if model_config:
         return int(json.loads(model_config)["vocab_size"])
     return len(scorer.tokenizer)
-
-
-def train_sample(fs: P.FinishedSample, *, advantage: float, reward: float) -> P.TrainSample:
-    """What the learner consumes of a scored sample (the controller's batches and replay agree on it)."""
-    return P.TrainSample(sample_id=fs.sample_id, group_id=fs.group_id, prompt_ids=fs.prompt_ids,
-                         response_ids=fs.response_ids, behav_logp=fs.behav_logp, versions=fs.versions,
-                         advantage=advantage, reward=reward, finish_reason=fs.finish_reason)
 
 
 def read_state(path: Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Recovering a run folder: the controller's resume point, and moving checkpointed log positions after a repair.
 
 Owns: choosing the controller state to resume from (the same verified checkpoint the learner picks,
-``asyncrl.runtime.checkpoints``), cutting the trajectory log back to it (work after it is redone, so
+``asyncrl.rundir.checkpoints``), cutting the trajectory log back to it (work after it is redone, so
 keeping it would log it twice), and rewriting controller states after ``asyncrl log repair`` moved
 byte offsets. Never: loads learner weights; resumes from a state that fails its checksum.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 from asyncrl.controller.core import _jsonable, read_state
 from asyncrl.log import segment_paths, truncate_log
-from asyncrl.runtime.checkpoints import choose_resume_point
-from asyncrl.runtime.files import ChecksumError, write_checksummed_json
+from asyncrl.rundir.checkpoints import choose_resume_point
+from asyncrl.rundir.files import ChecksumError, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
 

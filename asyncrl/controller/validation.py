@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import protocols as P
-from asyncrl.control import make_group_id, parse_sample_id
+from asyncrl.controller import make_group_id, parse_sample_id
 
 LOGP_TOLERANCE = 1e-4  # float32 log-softmax of a near-certain token can round a hair above 0
 

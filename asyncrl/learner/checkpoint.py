@@ -10,7 +10,7 @@ Owns the on-disk layout of a learner checkpoint and of an exported model:
                                  the adapters, the base is the model folder's)
         learner.json             {"format", "version", "world_size", "scheduler": LRScheduler.state_dict()}
         extra.json               caller's state (e.g. the controller's), only if given
-        checksums.json           sha256 of every file above (``asyncrl.runtime.checkpoints``)
+        checksums.json           sha256 of every file above (``asyncrl.rundir.checkpoints``)
       step_00000012.tmp/         a save in progress; renamed to step_... when every rank is done
 
 Never does: decide *when* to save (the caller does, e.g. every N versions), or touch the optimiser
@@ -21,7 +21,7 @@ Invariants:
   complete one, so a crash mid-save resumes from the previous checkpoint.
 * Every file of a checkpoint is checksummed when it is saved and verified before it is loaded:
   ``load_checkpoint`` raises ``ChecksumError`` rather than load a damaged shard (the resume point is
-  chosen among verified checkpoints, ``asyncrl.runtime.checkpoints.choose_resume_point``).
+  chosen among verified checkpoints, ``asyncrl.rundir.checkpoints.choose_resume_point``).
 * A save that fails (e.g. ``DiskFullError``) removes its ``.tmp`` folder; the previous checkpoint stays.
 * DCP reshards on load: a checkpoint saved at world size W loads at any world size.
 * Resuming restores weights, AdamW moments, learning-rate schedule position and ``version``; the
@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from asyncrl.learner.fsdp import DistInfo, barrier, full_state_dict
 from asyncrl.learner.step import TrainState
-from asyncrl.runtime.checkpoints import verify_manifest, write_manifest
-from asyncrl.runtime.files import ChecksumError, DiskFullError, raise_if_disk_full
+from asyncrl.rundir.checkpoints import verify_manifest, write_manifest
+from asyncrl.rundir.files import ChecksumError, DiskFullError, raise_if_disk_full
 
 __all__ = [
     "save_checkpoint",

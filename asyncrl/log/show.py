@@ -26,7 +26,7 @@ def run_tokenizer(run: Path, tokenizer_dir: str | None) -> Any:
     if tokenizer_dir:
         return AutoTokenizer.from_pretrained(tokenizer_dir)
     from asyncrl.config.loader import read_run_config
-    from asyncrl.runtime.prepare import model_folder
+    from asyncrl.models.prepare import model_folder
 
     folder = model_folder(read_run_config(run))
     if not (folder / "tokenizer_config.json").is_file():

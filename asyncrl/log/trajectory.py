@@ -27,7 +27,7 @@ from typing import Any
 
 from asyncrl.log.framing import Corruption, LogFormatError, encode_record, header_bytes, scan_segment
 from asyncrl.log.records import SCHEMA_VERSION, LogHeader
-from asyncrl.runtime.files import raise_if_disk_full
+from asyncrl.rundir.files import raise_if_disk_full
 
 
 class LogCorruptionError(ValueError):

@@ -245,7 +245,7 @@ def rejected_counts(metrics: dict, prefix: str) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from asyncrl.config import load_train_config
-    from asyncrl.runtime.prepare import prepare_model
+    from asyncrl.models.prepare import prepare_model
 
     cache = tmp_path_factory.mktemp("models")
     overrides = ["model.warmstart_steps=0", f"model.cache_dir={cache}"]

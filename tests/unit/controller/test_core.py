@@ -179,7 +179,7 @@ def test_resume_before_the_first_learner_checkpoint_cuts_the_log_back_to_version
 
 
 def test_a_damaged_controller_state_is_refused(tmp_path, model_dir):
-    from asyncrl.runtime.files import ChecksumError
+    from asyncrl.rundir.files import ChecksumError
 
     core = make_core(tmp_path, model_dir)
     core.save(tmp_path / "state.json")
@@ -341,7 +341,7 @@ def test_prompts_longer_than_the_model_takes_are_skipped_at_admission_and_counte
 def test_a_too_long_prompt_is_refused_up_front_or_reported_and_left_out_of_evaluation(tmp_path, model_dir):
     from asyncrl.controller.scoring import build_scorer, evaluate_greedy
     from asyncrl.engine.native import NativeEngine
-    from asyncrl.runtime.prepare import check_prompt_lengths
+    from asyncrl.models.prepare import check_prompt_lengths
 
     path = _long_prompt_dataset(tmp_path)
     over = ["task.name=jsonl_math", f"task.path={path}", "task.eval_size=10", "task.max_prompt_tokens=20"]

@@ -121,8 +121,8 @@ def _flip(path, at=None):
 def test_a_flipped_byte_in_a_shard_is_refused_and_resume_falls_back_to_the_previous_good_checkpoint(
     tiny, dist_info, tmp_path
 ):
-    from asyncrl.runtime.checkpoints import choose_resume_point
-    from asyncrl.runtime.files import ChecksumError
+    from asyncrl.rundir.checkpoints import choose_resume_point
+    from asyncrl.rundir.files import ChecksumError
 
     a = _state(tiny, dist_info, seed=0)
     save_checkpoint(tmp_path, a, dist_info)  # version 0
@@ -149,7 +149,7 @@ from pathlib import Path
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from asyncrl.learner import LRSchedule, TrainState, build_optimizer, build_scheduler, init_distributed, shard_model
 from asyncrl.learner import save_checkpoint
-from asyncrl.runtime.files import DiskFullError
+from asyncrl.rundir.files import DiskFullError
 torch.set_num_threads(1)
 info = init_distributed()
 cfg = Qwen2Config(vocab_size=37, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -217,7 +217,7 @@ def test_log_repair_removes_only_the_damaged_bytes_and_maps_offsets(tmp_path):
 
 
 def test_replay_refuses_interior_corruption_unless_salvage(tmp_path):
-    from asyncrl.controller.replay import check_replayable, load_replay_batches
+    from asyncrl.log.replay import check_replayable, load_replay_batches
 
     recs = [sample(i) for i in range(8)]
     batches = [BatchRecord(step=0, sample_ids=["g0/0", "g0/1"]), BatchRecord(step=1, sample_ids=["g1/0", "g1/1"]),

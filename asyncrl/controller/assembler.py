@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.control.buffer import CompleteGroup, GroupBuffer, SampleResult
-from asyncrl.control.gate import StalenessGate
-from asyncrl.control.versions import make_sample_id
+from asyncrl.controller.buffer import CompleteGroup, GroupBuffer, SampleResult
+from asyncrl.controller.gate import StalenessGate
+from asyncrl.controller.versions import make_sample_id
 
 KeepFn = Callable[[CompleteGroup], bool]
 """Dynamic-sampling predicate: ``True`` keeps the group for training."""

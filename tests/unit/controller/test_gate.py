@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.control import ManualVersion, StalenessGate
+from asyncrl.controller import ManualVersion, StalenessGate
 
 
 def _gate(eta: int = 1, B: int = 2, **kw) -> tuple[StalenessGate, ManualVersion]:

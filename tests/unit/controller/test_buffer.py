@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.control import (
+from asyncrl.controller import (
     GroupBuffer,
     GroupState,
     ManualVersion,

@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.control.gate import StalenessGate
-from asyncrl.control.versions import Clock, make_group_id, make_sample_id, parse_sample_id
+from asyncrl.controller.gate import StalenessGate
+from asyncrl.controller.versions import Clock, make_group_id, make_sample_id, parse_sample_id
 
 
 class GroupState(enum.Enum):

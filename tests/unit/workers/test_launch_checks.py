@@ -80,7 +80,7 @@ def _jsonl(path, answers):
 
 
 def test_the_warm_start_cache_is_keyed_by_the_dataset_file(tmp_path):
-    from asyncrl.runtime.prepare import task_fingerprint
+    from asyncrl.models.prepare import task_fingerprint
 
     a, b = _jsonl(tmp_path / "a.jsonl", ["1", "2", "3"]), _jsonl(tmp_path / "b.jsonl", ["4", "5", "6"])
     fa = task_fingerprint(load_train_config(["task.name=jsonl_math", f"task.path={a}"]))
@@ -91,7 +91,7 @@ def test_the_warm_start_cache_is_keyed_by_the_dataset_file(tmp_path):
 
 
 def test_reference_answers_the_verifier_cannot_parse_are_warned_about_and_counted(tmp_path):
-    from asyncrl.runtime.prepare import check_task
+    from asyncrl.models.prepare import check_task
 
     path = _jsonl(tmp_path / "d.jsonl", ["4", "\\frac{", "12", "7", "}}{{"])
     said = []

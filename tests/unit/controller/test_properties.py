@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.control import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
+from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 
 
 @dataclass
@@ -134,7 +134,7 @@ ACTIONS = (
 )
 
 
-# A soak run: ASYNCRL_HYPOTHESIS_EXAMPLES=5000 python -m pytest tests/unit/control/test_properties.py
+# A soak run: ASYNCRL_HYPOTHESIS_EXAMPLES=5000 python -m pytest tests/unit/controller/test_properties.py
 EXAMPLES = int(os.environ.get("ASYNCRL_HYPOTHESIS_EXAMPLES", "40"))
 
 

@@ -14,10 +14,16 @@ import logging
 from pathlib import Path
 
 import protocols as P
-from asyncrl.controller.core import train_sample
 from asyncrl.log import BatchRecord, LogCorruptionError, LogFormatError, SampleRecord, read_log, segment_paths
 
 log = logging.getLogger("asyncrl.replay")
+
+
+def train_sample(fs: P.FinishedSample, *, advantage: float, reward: float) -> P.TrainSample:
+    """What the learner consumes of a scored sample (the controller's batches and replay agree on it)."""
+    return P.TrainSample(sample_id=fs.sample_id, group_id=fs.group_id, prompt_ids=fs.prompt_ids,
+                         response_ids=fs.response_ids, behav_logp=fs.behav_logp, versions=fs.versions,
+                         advantage=advantage, reward=reward, finish_reason=fs.finish_reason)
 
 
 class ReplayError(ValueError):

@@ -17,7 +17,7 @@ import logging
 import re
 from pathlib import Path
 
-from asyncrl.runtime.files import ChecksumError, read_checksummed_json, sha256_file, write_checksummed_json
+from asyncrl.rundir.files import ChecksumError, read_checksummed_json, sha256_file, write_checksummed_json
 
 log = logging.getLogger("asyncrl.checkpoints")
 

@@ -11,13 +11,13 @@ import textwrap
 
 import pytest
 
-from asyncrl.runtime.lock import RunFolderInUse, acquire_run_lock
+from asyncrl.rundir.lock import RunFolderInUse, acquire_run_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _holder(procs, run_dir):
-    code = ("import sys, time; from asyncrl.runtime.lock import acquire_run_lock; "
+    code = ("import sys, time; from asyncrl.rundir.lock import acquire_run_lock; "
             f"acquire_run_lock({str(run_dir)!r}); print('held', flush=True); time.sleep(600)")
     p = procs.python("-c", code, stdout=subprocess.PIPE, env={"PYTHONPATH": REPO})
     assert p.stdout.readline().strip() == b"held"
@@ -44,10 +44,10 @@ def test_a_second_job_on_a_run_folder_is_refused_with_the_holders_pid(tmp_path, 
 
 
 def test_a_lock_handed_to_a_child_is_recognised_and_still_excludes_others(tmp_path, procs):
-    from asyncrl.runtime.lock import INHERITED_ENV
+    from asyncrl.rundir.lock import INHERITED_ENV
 
     fd = acquire_run_lock(tmp_path)
-    code = ("from asyncrl.runtime.lock import hold_run_lock; import sys; "
+    code = ("from asyncrl.rundir.lock import hold_run_lock; import sys; "
             f"print(hold_run_lock({str(tmp_path)!r}) == {fd})")
     p = procs.python("-c", code, stdout=subprocess.PIPE, pass_fds=(fd,),
                      env={"PYTHONPATH": REPO, INHERITED_ENV: str(fd)})
@@ -62,7 +62,7 @@ FULL_DISK = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     from asyncrl.log import EventRecord, TrajectoryLogWriter, read_log
-    from asyncrl.runtime.files import DiskFullError, atomic_write_text
+    from asyncrl.rundir.files import DiskFullError, atomic_write_text
     d = Path(sys.argv[1])
     atomic_write_text(d / "controller_final.json", json.dumps({"old": 1}))
     try:

@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from asyncrl.control.versions import VersionLike, version_reader
+from asyncrl.controller.versions import VersionLike, version_reader
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.control import BatchAssembler, GroupBuffer, ManualVersion, StalenessGate
-from asyncrl.control.assembler import _feasible
+from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, StalenessGate
+from asyncrl.controller.assembler import _feasible
 
 
 def admit(buf, *metas):

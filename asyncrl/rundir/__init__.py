@@ -1,0 +1,3 @@
+"""The run folder on disk, without torch: durable files (atomic writes, checksummed JSON, disk-full
+errors), the one-job-per-folder lock, and the checksum manifest of learner checkpoints with the choice
+of the verified checkpoint a resume starts from."""
