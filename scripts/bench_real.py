@@ -28,7 +28,7 @@ of the run, summed at each sample), and the reward curve (plot ``bench_real_rewa
 
 Run: ``python scripts/bench_real.py [--quick] [--budget-s S] [--eval-size N] [--rows a,b] [--set K=V ...]
 [--json PATH] [--plots DIR] [--keep DIR]``. The full run takes about 3 x (budget + 5 min);
-``--quick`` (60 s budgets, 48 held-out problems) under ten minutes, its figures are only a smoke check.
+``--quick`` (60 s budgets, 2 prompts x 32 new tokens per step, 32 held-out problems) under ten minutes, its figures are only a smoke check.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ from scripts import benchlib  # noqa: E402
 # greedy accuracy: two terms 0.44, three terms 0.08 (48-64 problems each; docs/benchmarks.md).
 PRESET = ["+experiment=smollm2_chain_sum", "task.rg_config={min_terms:2,max_terms:3,min_digits:1,max_digits:1}",
           "task.size=400"]
+# --quick: a smoke check of every row in under ten minutes on this machine, so half the prompts per step
+# and half the answer length of the full run (its first step alone, generation included, is the budget)
+QUICK = ["rollout.groups_per_step=2", "rollout.max_new_tokens=32"]
 SMOKE = ["model=tiny", "task=addition"]  # --smoke: every code path in a minute or two; figures meaningless
 # int8 workers, weight-only (int8_wo: int8 codes + per-channel scales, decoded once per version): the W8A8
 # path (quant=int8) runs torch._int_mm, which on this CPU is 9-28x slower than an fp32 GEMM once a
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.epilog = __doc__.split("\n\n", 1)[1]
     p.add_argument("--budget-s", type=float, default=None,
                    help="training seconds per row (default 1800, quick 60, smoke 1e-6: one step)")
-    p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 200, quick 48, smoke 8)")
+    p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 200, quick 32, smoke 8)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma list of %(default)s")
     p.add_argument("--quant", default="int8_wo", help="the asyncrl workers' format (default %(default)s; "
                    "int8 = W8A8 with torch._int_mm)")
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     benchlib.exit_on_sigterm()
     budget = args.budget_s or (1e-6 if args.smoke else 60.0 if args.quick else 1800.0)
-    n_eval = args.eval_size or (8 if args.smoke else 48 if args.quick else 200)
+    n_eval = args.eval_size or (8 if args.smoke else 32 if args.quick else 200)
     if args.json == p.get_default("json") and (args.quick or args.smoke):  # never over the full run's record
         args.json = args.json.replace(".json", ".smoke.json" if args.smoke else ".quick.json")
     names = [n for n in args.rows.split(",") if n]
@@ -260,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown row(s) {bad}; choose from {list(ROWS)}")
     from asyncrl.config import load_train_config
 
-    base = [*(SMOKE if args.smoke else PRESET), f"quant.fmt={args.quant}", *COMMON, f"task.eval_size={n_eval}",
+    base = [*(SMOKE if args.smoke else PRESET), *(QUICK if args.quick and not args.smoke else []),
+            f"quant.fmt={args.quant}", *COMMON, f"task.eval_size={n_eval}",
             f"learner.time_budget_s={budget:.6f}", *args.set]
     for n in names:
         load_train_config([*base, *(ROWS[n] or [])])  # a bad override fails now, not after an hour
