@@ -62,7 +62,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from asyncrl.transport.auth import keys_main
+    from workers.keys import keys_main
 
     return keys_main(args.rest)
 

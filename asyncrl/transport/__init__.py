@@ -1,20 +1,10 @@
 """Transport: ZeroMQ channels, weight publication/fetch. The only library code that touches zmq.
 
-See ``channel`` for the socket kinds and their guarantees, ``weights`` for the weight path, ``auth``
-for CURVE keys, the ZAP allow-list, handshake counters and the bind-address policy.
+See ``channel`` for the socket kinds and their guarantees, ``weights`` for the weight path, ``keys``
+for CURVE key files and the bind-address policy, ``zap`` for the ZAP allow-list handler and the
+handshake counters. The ``asyncrl keys`` command line lives in ``workers/keys.py``.
 """
 
-from asyncrl.transport.auth import (
-    CurveConfig,
-    auth_metrics,
-    check_bind_security,
-    client_curve,
-    generate_keys,
-    keys_main,
-    load_client_keys,
-    load_server_keys,
-    server_curve,
-)
 from asyncrl.transport.channel import (
     ChannelClosed,
     ChannelStats,
@@ -26,7 +16,17 @@ from asyncrl.transport.channel import (
     is_loopback,
     shared_context,
 )
+from asyncrl.transport.keys import (
+    CurveConfig,
+    check_bind_security,
+    client_curve,
+    generate_keys,
+    load_client_keys,
+    load_server_keys,
+    server_curve,
+)
 from asyncrl.transport.weights import PublishedVersion, WeightClient, WeightFetchError, WeightServer
+from asyncrl.transport.zap import auth_metrics
 
 __all__ = [
     "ChannelClosed",
@@ -46,7 +46,6 @@ __all__ = [
     "client_curve",
     "generate_keys",
     "is_loopback",
-    "keys_main",
     "load_client_keys",
     "load_server_keys",
     "server_curve",

@@ -2,7 +2,7 @@
 
 Owns: socket creation with asyncrl's options (linger 0, high-water marks, receive timeouts),
 binding/connecting (loopback by default; tcp and ipc), decoding with per-reason error counters, and
-the in-process channel with the same interface for unit tests. With a ``CurveConfig`` (``auth``) the
+the in-process channel with the same interface for unit tests. With a ``CurveConfig`` (``keys``) the
 socket speaks CurveZMQ: a bound socket accepts only allow-listed client keys, a connected one
 authenticates the server; handshake outcomes are counted in ``stats.auth``.
 Never: blocks forever (every receive takes a timeout; sends past the high-water mark time out);
@@ -30,7 +30,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from asyncrl.transport.auth import CurveConfig, auth_counter_metrics, is_loopback, secure_socket
+from asyncrl.transport.keys import CurveConfig, is_loopback
+from asyncrl.transport.zap import auth_counter_metrics, secure_socket
 from protocols import Error, Message, ProtocolError, decode_frames, encode, encode_frames
 
 DEFAULT_HWM = 1000

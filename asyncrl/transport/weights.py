@@ -13,7 +13,7 @@ or format is answered with ``Error(code="unknown_version")``. One version may be
 formats (workers of different quantization formats); the first format published is the primary one.
 
 With ``curve`` keys both server sockets (PUB and ROUTER) accept only allow-listed clients, so an
-unknown client neither hears announcements nor fetches weights (``asyncrl.transport.auth``).
+unknown client neither hears announcements nor fetches weights (``asyncrl.transport.keys``, ``asyncrl.transport.zap``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections import OrderedDict
 
 import zmq
 
-from asyncrl.transport.auth import CurveConfig
 from asyncrl.transport.channel import ChannelClosed, ChannelTimeout, ZmqChannel
+from asyncrl.transport.keys import CurveConfig
 from protocols import Error, TensorSpec, WeightAnnounce, WeightChunk, WeightFetch
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from asyncrl.transport import generate_keys
-from asyncrl.transport.auth import CLIENTS_DIR
+from asyncrl.transport.keys import CLIENTS_DIR
 
 pytestmark = pytest.mark.integration
 PEER = os.path.join(os.path.dirname(__file__), "curve_peer.py")

@@ -49,6 +49,33 @@ def test_library_never_imports_workers_or_scripts(path):
     assert not bad, f"{path} imports {bad}: dependency direction is scripts -> workers -> asyncrl -> protocols"
 
 
+LIBRARY = python_files("asyncrl")
+ARGV_PARSERS = {"argparse", "optparse", "getopt", "click", "typer"}
+
+
+def reads_sys_argv(path: Path) -> bool:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return any(isinstance(n, ast.Attribute) and n.attr == "argv" and isinstance(n.value, ast.Name)
+               and n.value.id == "sys" for n in ast.walk(tree)) or any(
+        isinstance(n, ast.ImportFrom) and n.module == "sys" and any(a.name == "argv" for a in n.names)
+        for n in ast.walk(tree))
+
+
+@pytest.mark.parametrize("path", [p for p in LIBRARY if "transport" not in p.relative_to(ROOT / "asyncrl").parts],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_transport_package_imports_zmq(path):
+    bad = {m for m in imported_modules(path) if _top(m) == "zmq"}
+    assert not bad, f"{path} imports {bad}; sockets belong in asyncrl/transport (add a helper there)"
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_argv_parsing_in_the_library(path):
+    # No exemption, not even asyncrl/__main__.py: it hands over to workers/cli.py, which reads argv.
+    bad = {m for m in imported_modules(path) if _top(m) in ARGV_PARSERS}
+    assert not bad and not reads_sys_argv(path), (
+        f"{path} parses the command line ({bad or 'sys.argv'}); argv belongs in workers/ (e.g. workers/cli.py)")
+
+
 @pytest.mark.parametrize("leaf", ["algo", "quant"])
 def test_math_packages_are_leaves(leaf):
     for path in python_files(f"asyncrl/{leaf}"):

@@ -24,12 +24,12 @@ from asyncrl.transport import (
     check_bind_security,
     client_curve,
     generate_keys,
-    keys_main,
     load_client_keys,
     load_server_keys,
     server_curve,
 )
-from asyncrl.transport.auth import CLIENTS_DIR
+from asyncrl.transport.keys import CLIENTS_DIR
+from workers.keys import keys_main
 
 HB = P.Heartbeat(peer_id="w0", time=1.0)
 
