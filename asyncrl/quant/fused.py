@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .int8 import int_mm, quantize_act_int8
+from .linear import Int8Linear
 
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -36,7 +37,7 @@ SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_
 class SiblingGroup:
     """Int8Linear members sharing input and fused storage (see the module docstring)."""
 
-    def __init__(self, members: Sequence[nn.Module]) -> None:
+    def __init__(self, members: Sequence[Int8Linear]) -> None:
         k = members[0].in_features
         assert all(m.in_features == k for m in members)
         has_bias = [m.bias is not None for m in members]
@@ -103,8 +104,6 @@ def fuse_int8_siblings(model: nn.Module) -> int:
     """Group the W8A8 siblings of every attention/MLP block of `model`; returns the number of
     groups formed. Blocks whose siblings are not all Int8Linear with equal in_features and uniform
     bias presence are left unfused."""
-    from .linear import Int8Linear
-
     n = 0
     for parent in model.modules():
         for names in SIBLINGS:

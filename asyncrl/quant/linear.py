@@ -23,6 +23,7 @@ Must never: re-quantise in `forward`, or keep any state other than the buffers a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +31,19 @@ from torch import Tensor, nn
 
 from .formats import dequantize_weight, quantize_weight, weight_suffixes
 from .fp8 import fp8_linear
-from .fused import SiblingGroup
 from .int8 import int8_linear, quantize_act_int8
+
+
+class FusedGroup(Protocol):
+    """What an ``Int8Linear`` needs of the sibling group it belongs to (``fused.SiblingGroup``).
+
+    Declared here so that ``fused.py`` imports this module and not the other way round."""
+
+    def __call__(self, member: nn.Module, x2: Tensor, x: Tensor) -> Tensor: ...
+
+    def is_intact(self) -> bool: ...
+
+    def dissolve(self) -> None: ...
 
 
 class QuantLinear(nn.Module):
@@ -90,7 +102,7 @@ class Int8Linear(QuantLinear):
     """W8A8 with a real integer matmul. Siblings reading one input may be fused (fused.py)."""
 
     fmt = "int8"
-    _group: SiblingGroup | None = None
+    _group: FusedGroup | None = None
 
     def refresh(self) -> None:
         if self._group is not None and not self._group.is_intact():

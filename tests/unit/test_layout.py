@@ -103,6 +103,60 @@ def test_controller_systems_logic_uses_the_standard_library_only(rel):
     assert not bad, f"{rel} imports {bad}; it must stay standard library only (and import only {sorted(siblings)})"
 
 
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(path: Path, known: set[str]) -> set[str]:
+    """Modules of ``known`` that ``path`` imports anywhere (lazy imports too), relative ones resolved.
+    ``from pkg import sub`` counts as an import of ``pkg.sub`` only (the parent package is always loaded first)."""
+    mod = module_name(path)
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([node.module] if node.module else []))
+            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+            found |= subs
+            if len(subs) < len(node.names):
+                found.add(base)
+    out = set()
+    for m in found:
+        while m and m not in known:
+            m = m.rpartition(".")[0]
+        if m and m != mod:
+            out.add(m)
+    return out
+
+
+def test_no_import_cycle_inside_the_library():
+    # A cycle (quant/fused.py <-> quant/linear.py was one) means two modules are one in disguise:
+    # merge them, or move what both need into a third, or declare a Protocol on the lower side.
+    paths = {module_name(p): p for p in python_files("asyncrl")}
+    graph = {m: module_imports(p, set(paths)) for m, p in paths.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, trail: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = trail[trail.index(n):] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n, trail + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
 @pytest.mark.parametrize("path", python_files(*PACKAGES, "tests"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_file_exceeds_the_hard_line_limit(path):
     n = len(path.read_text().splitlines())
