@@ -27,6 +27,7 @@ from asyncrl.controller.recovery import resume_point
 from asyncrl.models.prepare import model_id
 from asyncrl.rundir.files import DiskFullError, atomic_write_text
 from asyncrl.transport import (
+    ChannelPoller,
     ZmqChannel,
     advertised,
     auth_metrics,
@@ -35,6 +36,20 @@ from asyncrl.transport import (
 )
 
 log = logging.getLogger("asyncrl.controller")
+
+POLL_S = 0.05
+"""Longest one loop turn waits for a message before it runs the timers below (a lower bound on how
+promptly a quiet controller notices a dead worker, not a throughput limit: messages wake it at once)."""
+TIMERS_EVERY_S = 0.2
+"""How often ``ControllerCore.poll`` runs: worker liveness (``rollout.dead_after_s``), group deadlines,
+the time budget. Finer than any of those settings, coarse enough to cost nothing."""
+DONE_GRACE_S = 15.0
+"""After the learner's last version, how long the controller keeps serving so that workers can hand
+back their groups and say Goodbye; it exits earlier once every worker has left."""
+MAX_MESSAGE_BYTES = 256 * 2**20
+"""zmq reads a whole message before asyncrl sees it: the most a peer can make the controller hold."""
+BURST = 256
+"""Messages taken from one socket per loop turn before the other socket is served (fairness)."""
 
 
 def welcome_config(cfg, model_dir: Path, samples_address: str) -> dict[str, str]:
@@ -79,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.controller.scoring import build_scorer
     from asyncrl.metrics import MetricsWriter
 
-    limit = 256 * 2**20  # zmq reads a whole message before asyncrl sees it: bound what a peer can make us hold
+    limit = MAX_MESSAGE_BYTES
     ctl = ZmqChannel.bind(zmq.ROUTER, f"tcp://{host}:{cfg.transport.port}", name="controller", reply_errors=True,
                           curve=curve, max_message_bytes=limit)
     pull = ZmqChannel.bind(zmq.PULL, f"tcp://{host}:0", name="samples", hwm=10_000, curve=curve,
@@ -108,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.announce:
         announce(json.loads((run_dir / "controller.json").read_text()), run_dir)
     writer = MetricsWriter(run_dir, purge_step=resume_version + 1 if resume_state is not None else None)
-    poller = zmq.Poller()
-    for ch in (ctl, pull):
-        poller.register(ch._sock, zmq.POLLIN)
+    poller = ChannelPoller([ctl, pull])
     weights_counters: dict[str, float] = {}
     outbox = PeerOutbox(ctl.send, on_drop=lambda peer: core.drop_peer(peer))  # no peer can stall the loop
     t0 = time.monotonic()
@@ -119,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     t_last = t0
     try:
         while not stop["flag"]:
-            ready = dict(poller.poll(50))
+            ready = poller.wait(POLL_S)
             replies = []
-            if pull._sock in ready:
-                for _ in range(256):  # drain a burst, then serve control
+            if pull in ready:
+                for _ in range(BURST):  # drain a burst, then serve control
                     env = pull.recv(0.0)
                     if env is None:
                         break
@@ -130,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                         replies += core.on_sample(env.msg)
                     else:
                         core.counters["samples/unexpected_message"] += 1
-            if ctl._sock in ready:
-                for _ in range(256):
+            if ctl in ready:
+                for _ in range(BURST):
                     env = ctl.recv(0.0)
                     if env is None:
                         break
@@ -155,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         m["time/wall_s"] = now - t0
                         writer.log(env.msg.version, m)
                     replies += core.handle(env.peer, env.msg)
-            if time.monotonic() - last_poll > 0.2:
+            if time.monotonic() - last_poll > TIMERS_EVERY_S:
                 replies += core.poll()
                 last_poll = time.monotonic()
             if core.learner_peer is not None:
@@ -167,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             outbox.counters.clear()
             if core.done and not core.workers:
                 break
-            if core.done and time.monotonic() - core.done_at > 15.0:
+            if core.done and time.monotonic() - core.done_at > DONE_GRACE_S:
                 break
     except DiskFullError as e:  # the log and the last checkpoint stay intact; resume once there is space
         log.error("%s", e)

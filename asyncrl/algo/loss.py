@@ -25,7 +25,7 @@ from asyncrl.algo.aggregation import Denominators, aggregate, count_denominators
 from asyncrl.algo.config import SEQUENCE_KINDS, ObjectiveConfig
 from asyncrl.algo.diagnostics import add_mismatch_stats
 from asyncrl.algo.inputs import Prepared, check_shapes, prepare
-from asyncrl.algo.numerics import LOG_RATIO_BOUND, clamp_log
+from asyncrl.algo.numerics import LOG_RATIO_BOUND, clamp_log, guarded_exp
 from asyncrl.algo.objectives import ObjectiveOut, sequence_objective, token_objective
 from asyncrl.algo.stats import MetricDict, StatsBuilder
 
@@ -205,7 +205,7 @@ def _actor_stats(
     b.frac("actor/clipfrac_lo", out.surrogate.clip_lo, num)
     b.frac("actor/clipfrac_dual", out.surrogate.clip_dual, num)
     ratio_log = out.log_ratio
-    b.mean("actor/ratio_mean", torch.exp(clamp_log(ratio_log)), num)
+    b.mean("actor/ratio_mean", guarded_exp(ratio_log), num)
     b.maximum("actor/ratio_max", torch.exp(ratio_log.to(torch.float64)), num)
     if prep.behav is not None:
         x = torch.where(num, lp - prep.behav, 0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)

@@ -23,7 +23,7 @@ import torch
 from asyncrl.algo.config import ObjectiveConfig
 from asyncrl.algo.correction import acr_log_hi, is_weights
 from asyncrl.algo.inputs import Prepared
-from asyncrl.algo.numerics import GSPO_LOG_RATIO_MAX, clamp_log, seq_any, seq_mean
+from asyncrl.algo.numerics import GSPO_LOG_RATIO_MAX, guarded_exp, seq_any, seq_mean
 from asyncrl.algo.stats import StatsBuilder
 from asyncrl.algo.surrogate import SurrogateOut, clipped_surrogate, tbpo_surrogate
 
@@ -50,7 +50,7 @@ def token_objective(
     omega = None
     mu = prep.mu
     if cfg.kind == "decoupled":
-        omega = torch.where(prep.clean, torch.exp(clamp_log(mu)), 0)  # r, untruncated (§6.2)
+        omega = torch.where(prep.clean, guarded_exp(mu), 0)  # r, untruncated (§6.2)
     elif cfg.kind == "tis":
         omega = is_weights(mu, prep.clean, cfg.is_cap, cfg.is_level)
     elif cfg.kind == "acr":
@@ -103,13 +103,13 @@ def sequence_objective(
         omega = is_weights(prep.mu, prep.clean, cfg.is_cap, cfg.is_level)
         lam = torch.where(num, sur.loss * omega, 0)
         with torch.no_grad():
-            b.mean("gspo/rho_mean", torch.exp(clamp_log(dbar, GSPO_LOG_RATIO_MAX)), used)
+            b.mean("gspo/rho_mean", guarded_exp(dbar, GSPO_LOG_RATIO_MAX), used)
             if cfg.rs_modes:
                 _rs_stats(b, prep)
     else:  # tbpo
         sur = tbpo_surrogate(log_s, adv, cfg.tbpo_eps_pos_high, cfg.tbpo_eps_neg_low, cfg.tbpo_eps_neg_high)
         mbar = seq_mean(prep.mu, prep.clean)
-        w = torch.exp(clamp_log(mbar))  # geometric-mean mismatch weight, detached
+        w = guarded_exp(mbar)  # geometric-mean mismatch weight, detached
         if cfg.tbpo_w_mode == "clamp":  # §6.7 revision: truncate w, keep the response
             w_used = w.clamp(cfg.tbpo_w_low, cfg.tbpo_w_high)
         else:  # drop: responses outside the band are not in ``num`` (kappa_i = 0, inputs.py)
@@ -120,7 +120,7 @@ def sequence_objective(
             log_rho = dbar
             b.frac("tbpo/seq_masked_frac", ~kept, has)
             b.frac("tbpo/kept_seq_frac", kept, has)
-            b.mean("tbpo/rho_mean", torch.exp(clamp_log(log_rho)), used)
+            b.mean("tbpo/rho_mean", guarded_exp(log_rho), used)
             b.mean("tbpo/w_mean", w, has)
             # Responses whose w is outside [w_low, w_high]: clamped (clamp) or dropped (drop), split
             # by the sign of the response's advantage (a zero advantage counts in neither part).

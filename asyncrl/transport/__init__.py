@@ -7,10 +7,10 @@ handshake counters. The ``asyncrl keys`` command line lives in ``workers/keys.py
 
 from asyncrl.transport.channel import (
     ChannelClosed,
+    ChannelPoller,
     ChannelStats,
     ChannelTimeout,
     Envelope,
-    InProcChannel,
     ZmqChannel,
     advertised,
     is_loopback,
@@ -30,11 +30,11 @@ from asyncrl.transport.zap import auth_metrics
 
 __all__ = [
     "ChannelClosed",
+    "ChannelPoller",
     "ChannelStats",
     "ChannelTimeout",
     "CurveConfig",
     "Envelope",
-    "InProcChannel",
     "PublishedVersion",
     "WeightClient",
     "WeightFetchError",

@@ -1,9 +1,8 @@
 """ZeroMQ channels: the only library code that touches zmq sockets directly.
 
 Owns: socket creation with asyncrl's options (linger 0, high-water marks, receive timeouts),
-binding/connecting (loopback by default; tcp and ipc), decoding with per-reason error counters, and
-the in-process channel with the same interface for unit tests. With a ``CurveConfig`` (``keys``) the
-socket speaks CurveZMQ: a bound socket accepts only allow-listed client keys, a connected one
+binding/connecting (loopback by default; tcp and ipc), and decoding with per-reason error counters.
+With a ``CurveConfig`` (``keys``) the socket speaks CurveZMQ: a bound socket accepts only allow-listed client keys, a connected one
 authenticates the server; handshake outcomes are counted in ``stats.auth``.
 Never: blocks forever (every receive takes a timeout; sends past the high-water mark time out);
 lets a malformed frame escape as an exception from ``recv`` (it is counted, optionally answered with
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -326,63 +324,32 @@ class ZmqChannel:
         self.close()
 
 
-class InProcChannel:
-    """Same interface as ``ZmqChannel`` over a pair of in-memory queues (unit tests).
+class ChannelPoller:
+    """Waits on several channels at once, so one loop can serve them all without touching a socket.
 
-    Messages are encoded and decoded on the way, so validation and error counting behave exactly
-    as on a socket. ``maxsize`` plays the role of the high-water mark.
+    ``wait(timeout_s)`` blocks until at least one channel has a message to receive (or the timeout
+    passes) and returns those channels; read them with ``recv(0.0)``. Channels must outlive the poller.
     """
 
-    def __init__(self, inbox: queue.Queue, outbox: queue.Queue, name: str = "inproc") -> None:
-        self._inbox, self._outbox = inbox, outbox
-        self.name = name
-        self.stats = ChannelStats()
-        self._closed = False
+    def __init__(self, channels: Sequence[ZmqChannel]) -> None:
+        self._poller = zmq.Poller()
+        self._channels: dict[zmq.Socket, ZmqChannel] = {}
+        for ch in channels:
+            self._poller.register(ch._sock, zmq.POLLIN)
+            self._channels[ch._sock] = ch
 
-    @classmethod
-    def pair(cls, maxsize: int = DEFAULT_HWM) -> tuple[InProcChannel, InProcChannel]:
-        a, b = queue.Queue(maxsize), queue.Queue(maxsize)
-        return cls(a, b, "inproc-a"), cls(b, a, "inproc-b")
-
-    def send(self, msg: msgspec.Struct, *, to: bytes | None = None, payload=None, timeout_s=10.0) -> None:
-        self.send_frames(encode_frames(msg, payload), timeout_s=timeout_s)
-
-    def send_frames(self, frames: Sequence[Any], *, timeout_s: float | None = 10.0) -> None:
-        if self._closed:
-            raise ChannelClosed(f"channel {self.name} is closed")
-        try:
-            self._outbox.put([bytes(f) for f in frames], timeout=timeout_s)
-        except queue.Full:
-            raise ChannelTimeout(f"{self.name}: send did not complete within {timeout_s}s") from None
-        self.stats.sent += 1
-
-    def recv(self, timeout_s: float) -> Envelope | None:
-        if self._closed:
-            raise ChannelClosed(f"channel {self.name} is closed")
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            try:
-                frames = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return None
-            try:
-                msg, payload = decode_frames(frames)
-            except ProtocolError as e:
-                self.stats.reject(e.reason, str(e))
-                continue
-            self.stats.received += 1
-            return Envelope(msg=msg, payload=payload)
-
-    def close(self) -> None:
-        self._closed = True
+    def wait(self, timeout_s: float) -> list[ZmqChannel]:
+        """The channels with a message waiting, in registration order ([] after ``timeout_s``)."""
+        ready = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        return [ch for sock, ch in self._channels.items() if sock in ready]
 
 
 __all__ = [
     "ChannelClosed",
+    "ChannelPoller",
     "ChannelStats",
     "ChannelTimeout",
     "Envelope",
-    "InProcChannel",
     "ZmqChannel",
     "advertised",
     "encode",

@@ -1,4 +1,4 @@
-"""Channel semantics on real loopback sockets and on the in-process channel."""
+"""Channel semantics on real loopback sockets."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import zmq
 import protocols as P
 from asyncrl.transport import (
     ChannelClosed,
-    ChannelTimeout,
-    InProcChannel,
+    ChannelPoller,
     WeightClient,
     WeightFetchError,
     WeightServer,
@@ -21,21 +20,19 @@ from asyncrl.transport import (
 )
 
 
-def test_inproc_pair_round_trips_and_counts_bad_frames():
-    a, b = InProcChannel.pair()
-    a.send_frames([b"\x00garbage"])
-    a.send(P.WorkRequest(worker_id="w", credits=3))
-    env = b.recv(1.0)
-    assert env.msg == P.WorkRequest(worker_id="w", credits=3)
-    assert b.stats.rejected_total == 1 and b.stats.received == 1
-
-
-def test_inproc_send_times_out_when_the_receiver_stalls():
-    a, _ = InProcChannel.pair(maxsize=2)
-    a.send(P.Shutdown())
-    a.send(P.Shutdown())
-    with pytest.raises(ChannelTimeout):
-        a.send(P.Shutdown(), timeout_s=0.05)
+def test_poller_names_the_channels_with_a_message_waiting():
+    with ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0") as a, ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0") as b, \
+            ZmqChannel.connect(zmq.PUSH, a.address) as to_a, ZmqChannel.connect(zmq.PUSH, b.address) as to_b:
+        poller = ChannelPoller([a, b])
+        assert poller.wait(0.01) == []
+        to_b.send(P.Shutdown())
+        assert poller.wait(30.0) == [b]  # returns as soon as b has a message (30 s only bounds a broken run)
+        to_a.send(P.Shutdown())
+        while len(ready := poller.wait(30.0)) < 2:  # a's message may still be on its way
+            pass
+        assert ready == [a, b]
+        assert a.recv(0.0).msg == P.Shutdown() and b.recv(0.0).msg == P.Shutdown()
+        assert poller.wait(0.0) == []
 
 
 def test_recv_returns_none_after_its_timeout_instead_of_blocking():
