@@ -44,15 +44,56 @@ import zmq
 
 import protocols as P
 from asyncrl.engine.factory import EngineSpec, build_engine
-from asyncrl.transport import ChannelTimeout, WeightClient, WeightFetchError, ZmqChannel, load_client_keys
+from asyncrl.transport import (
+    ChannelTimeout,
+    WeightClient,
+    WeightFetchError,
+    ZmqChannel,
+    end_context,
+    load_client_keys,
+    private_context,
+)
 
 log = logging.getLogger("asyncrl.worker")
 SGLANG_KEYS = ("url", "device", "python", "model_path", "max_total_tokens", "startup_timeout_s", "extra_args")
 
+# Timeouts (seconds). None is a wall-clock expectation of speed: each bounds a wait for a peer that may
+# be gone, and a reachable peer ends the wait at once.
+HELLO_TIMEOUT_S = 120.0
+"""How long a worker keeps saying Hello before it gives up (the controller may still be starting)."""
+HELLO_RETRY_S = 2.0
+"""Wait for a Welcome before saying Hello again (a controller that restarted never saw the first)."""
+ERROR_BACKOFF_S = 0.5
+"""Pause after the controller answered with an error (``not_ready`` while starting, any other) before
+asking again."""
+DRAIN_S = 10.0
+"""Default of ``drain_s=``: on SIGTERM or Shutdown, how long in-flight samples may finish before the rest
+is aborted and handed back."""
+COMMS_EXIT_MARGIN_S = 30.0
+"""Beyond ``drain_s``, how long the engine thread waits for the comms thread to leave."""
+ENGINE_POLL_S = 0.1
+"""Engine thread: longest wait for finished samples before it checks that the comms thread lives."""
+COMMS_RECV_S = 0.01
+"""Comms thread: longest wait for a control message per turn; each turn also sends results, heartbeats
+and work requests, so this bounds their delay."""
+FIRST_WEIGHTS_TIMEOUT_S = 120.0
+"""The first weight fetch (the learner may still be publishing its first version)."""
+WEIGHTS_TIMEOUT_S = 60.0
+"""Fetching an announced version; on failure the worker keeps its current weights."""
+SAMPLE_SEND_TIMEOUT_S = 30.0
+"""How long a finished sample may wait at the samples socket's high-water mark (the controller not
+reading) before it is kept for the next try."""
+CONTROL_SEND_TIMEOUT_S = 5.0
+"""A control message (heartbeat, work request, Goodbye) that cannot leave in this time is dropped and
+logged (a stalled controller)."""
+FLUSH_S = 5.0
+"""On exit, the longest wait for the last samples and the Goodbye to leave (``end_context``: it returns
+as soon as they have; this bounds only a controller that is gone)."""
+
 
 class GeneratorWorker:
     def __init__(self, controller: str, *, worker_id: str = "", quant_fmt: str = "", slots: int = 0,
-                 drain_s: float = 10.0, hello_timeout_s: float = 120.0, curve=None, engine: str = "native",
+                 drain_s: float = DRAIN_S, hello_timeout_s: float = HELLO_TIMEOUT_S, curve=None, engine: str = "native",
                  device: str = "auto", sglang: dict[str, str] | None = None, log_dir: str = "") -> None:
         self.curve = curve  # CurveConfig (client keys) when the job runs with transport.keys_dir
         self.engine_kind = engine
@@ -96,7 +137,7 @@ class GeneratorWorker:
         deadline = time.monotonic() + self.hello_timeout_s
         while time.monotonic() < deadline and not self.stop.is_set():
             self.ctl.send(hello)
-            env = self.ctl.recv(2.0)
+            env = self.ctl.recv(HELLO_RETRY_S)
             if env is None:
                 continue
             msg = env.msg
@@ -105,7 +146,7 @@ class GeneratorWorker:
             if isinstance(msg, P.Reject):
                 raise SystemExit(f"controller refused worker {self.worker_id}: {msg.reason}")
             if isinstance(msg, P.Error) and msg.code == "not_ready":
-                time.sleep(0.5)
+                time.sleep(ERROR_BACKOFF_S)
                 continue
             log.warning("unexpected reply to Hello: %r", msg)
         raise SystemExit(f"no Welcome from controller {self.controller} within {self.hello_timeout_s}s; "
@@ -113,12 +154,16 @@ class GeneratorWorker:
 
     # ------------------------------------------------------------------------------------ run
     def run(self) -> int:
+        # The control and sample sockets get a context of their own, so that leaving can wait until the
+        # last samples and the Goodbye have left (end_context), however long that takes.
+        self.ctx = private_context()
         self.ctl = ZmqChannel.connect(zmq.DEALER, self.controller, name="worker-ctl",
-                                      identity=self.worker_id.encode(), curve=self.curve)
+                                      identity=self.worker_id.encode(), curve=self.curve, context=self.ctx)
         try:
             welcome = self._handshake()
         except SystemExit:
             self.ctl.close()
+            end_context(self.ctx)
             raise
         cfg = welcome.config
         self.fmt = self.requested_fmt or (cfg["quant_format"] if self.engine_kind == "native" else "fp32")
@@ -132,7 +177,7 @@ class GeneratorWorker:
             with self._heartbeats_while_starting():  # an SGLang server can take minutes to start
                 self.engine = build_engine(self._engine_spec(cfg))
                 self.push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name="worker-samples",
-                                               curve=self.curve)
+                                               curve=self.curve, context=self.ctx)
                 self.weights = WeightClient(cfg["weights_announce"], cfg["weights_fetch"],
                                             identity=f"{self.worker_id}-w".encode(), curve=self.curve)
                 self._load_weights(-1)  # the newest the learner serves (the controller's view can lag behind it)
@@ -141,21 +186,25 @@ class GeneratorWorker:
             comms = threading.Thread(target=self._comms_main, name="worker-comms", daemon=True)
             comms.start()
             while comms.is_alive() and self.fatal is None:  # also while draining: in-flight samples finish
-                for res in self.engine.poll(0.1):
+                for res in self.engine.poll(ENGINE_POLL_S):
                     self.results.put(res)
         except BaseException as exc:  # noqa: B036 - every failure of the engine thread ends the process
             self._fail(exc, "engine thread")
         finally:
             self.stop.set()
             if comms is not None:
-                comms.join(timeout=self.drain_s + 30)
+                comms.join(timeout=self.drain_s + COMMS_EXIT_MARGIN_S)
             if self.fatal is not None and not (comms is not None and comms.is_alive()):
                 self._leave(reason=f"fatal: {self.fatal!r}"[:200])  # no-op when the comms thread already left
             if self.engine is not None:
                 self.engine.close()
-            for ch in (self.ctl, self.push, self.weights):
+            if self.weights is not None:
+                self.weights.close()
+            for ch in (self.ctl, self.push):
                 if ch is not None:
-                    ch.close()
+                    ch.close(linger_s=FLUSH_S)  # what was sent (samples, the Goodbye) may still leave
+            if comms is None or not comms.is_alive():  # a comms thread still inside a socket would block it
+                end_context(self.ctx)  # returns once the last samples and the Goodbye have left
             threading.excepthook = old_hook
         return 1 if self.fatal is not None else 0
 
@@ -203,7 +252,7 @@ class GeneratorWorker:
             return
         self._fail(args.exc_value or args.exc_type(), f"thread {args.thread.name if args.thread else '?'}")
 
-    def _load_weights(self, version: int, timeout_s: float = 120.0) -> None:
+    def _load_weights(self, version: int, timeout_s: float = FIRST_WEIGHTS_TIMEOUT_S) -> None:
         from asyncrl.transport.publication import from_wire
 
         ann, buffers = self.weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt)
@@ -248,7 +297,7 @@ class GeneratorWorker:
                     self._send_ctl(P.WorkRequest(worker_id=self.worker_id, credits=free,
                                                  version=self.weights_version))
                     request_in_flight = True
-            env = self.ctl.recv(0.01)
+            env = self.ctl.recv(COMMS_RECV_S)
             if env is None:
                 continue
             msg = env.msg
@@ -265,7 +314,7 @@ class GeneratorWorker:
                 log.info("worker %s re-registered with the controller", self.worker_id)
             elif isinstance(msg, P.Error):
                 request_in_flight = False
-                next_request = time.monotonic() + 0.5
+                next_request = time.monotonic() + ERROR_BACKOFF_S
                 if msg.code == "not_registered":  # declared dead (slow start, pause) or controller restarted
                     log.warning("controller does not know worker %s; joining again", self.worker_id)
                     self._send_ctl(self._hello())
@@ -301,7 +350,7 @@ class GeneratorWorker:
                 quant_format=self.fmt, timings=res.timings,
             )
             try:
-                self.push.send(msg, timeout_s=30.0)
+                self.push.send(msg, timeout_s=SAMPLE_SEND_TIMEOUT_S)
             except ChannelTimeout:
                 log.error("controller stopped taking samples; keeping %s for the next try", res.sample_id)
                 self.results.put(res)
@@ -316,7 +365,7 @@ class GeneratorWorker:
         if ann is None or ann.version <= self.weights_version:
             return False
         try:
-            self._load_weights(ann.version, timeout_s=60.0)
+            self._load_weights(ann.version, timeout_s=WEIGHTS_TIMEOUT_S)
         except (WeightFetchError, ValueError) as e:  # QuantError is a ValueError: keep the old version
             log.error("could not load weights v%d, keeping v%d: %s", ann.version, self.engine.version, e)
             return False
@@ -329,7 +378,7 @@ class GeneratorWorker:
 
     def _send_ctl(self, msg) -> None:
         try:
-            self.ctl.send(msg, timeout_s=5.0)
+            self.ctl.send(msg, timeout_s=CONTROL_SEND_TIMEOUT_S)
         except ChannelTimeout:
             log.warning("control channel stalled; dropped %s", type(msg).__name__)
 
@@ -342,8 +391,7 @@ class GeneratorWorker:
             self.engine.abort(unfinished)
         self._send_ctl(P.Goodbye(peer_id=self.worker_id, unfinished=unfinished, reason=reason))
         log.info("worker %s left: %d samples sent, %d handed back", self.worker_id, self.samples_sent,
-                 len(unfinished))
-        time.sleep(0.2)  # let the Goodbye leave before linger=0 closes the socket
+                 len(unfinished))  # the Goodbye leaves before the process ends: run() flushes on close
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -386,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sglang = {k: getattr(args, f"sglang_{k}") for k in SGLANG_KEYS if hasattr(args, f"sglang_{k}")}
     worker = GeneratorWorker(args.controller, worker_id=getattr(args, "worker_id", ""),
                              quant_fmt=getattr(args, "quant_fmt", ""), slots=int(getattr(args, "slots", 0)),
-                             drain_s=float(getattr(args, "drain_s", 10.0)), curve=curve,
+                             drain_s=float(getattr(args, "drain_s", DRAIN_S)), curve=curve,
                              engine=getattr(args, "engine", "native"), device=getattr(args, "device", "auto"),
                              sglang=sglang, log_dir=getattr(args, "log_dir", ""))
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())

@@ -31,6 +31,22 @@ from asyncrl.config import TrainConfig, save_config
 ROOT = Path(__file__).resolve().parent.parent
 MAX_WORKER_RESTARTS = 8  # a worker that keeps crashing is a bug to see, not to hide forever
 
+# Timeouts (seconds): each bounds a wait for a child that may hang; a healthy child ends it at once.
+CONTROLLER_START_TIMEOUT_S = 120.0
+"""How long the launcher waits for the controller to write ``controller.json`` (it is listening)."""
+START_POLL_S = 0.1
+"""How often the launcher looks for ``controller.json`` meanwhile."""
+SUPERVISE_POLL_S = 0.5
+"""How often the launcher's loop reads new metrics and checks its children."""
+STOP_GRACE_S = 30.0
+"""After SIGTERM, how long a child may take to exit before it is killed."""
+LEARNER_STOP_GRACE_S = 120.0
+"""The same for the learner on Ctrl-C: it writes a resumable checkpoint before it exits."""
+KILL_WAIT_S = 10.0
+"""After SIGKILL, how long to wait for the kernel to reap the child."""
+CONTROLLER_EXIT_TIMEOUT_S = 60.0
+"""After the learner finished, how long the controller may take to write its final files and exit."""
+
 
 class Child:
     def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str],
@@ -183,12 +199,12 @@ class Launcher:
         self.controller = self.spawn("controller", [sys.executable, "-m", "workers.controller", *common],
                                      lock_fd=self.lock_fd)
         addr_file = self.run_dir / "controller.json"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + CONTROLLER_START_TIMEOUT_S
         while not addr_file.exists():
             if self.controller.proc.poll() is not None or time.monotonic() > deadline:
                 self.controller.proc.poll()
                 raise RuntimeError(f"controller did not start: {self.controller.fatal_line()}\n{self.controller.tail()}")
-            time.sleep(0.1)
+            time.sleep(START_POLL_S)
         self.address = json.loads(addr_file.read_text())["control"]
         W = self.cfg.learner.world_size
         learner_gpus, self.worker_gpus = gpu_plan(visible_gpus(), self.cfg)
@@ -225,7 +241,7 @@ class Launcher:
         self.workers.append(self.spawn(name, self.worker_args(name),
                                        cuda_devices=gpus[index] if index < len(gpus) else None))
 
-    def stop(self, children: Sequence[Child] | None = None, grace_s: float = 30.0) -> None:
+    def stop(self, children: Sequence[Child] | None = None, grace_s: float = STOP_GRACE_S) -> None:
         chosen = list(self.children if children is None else children)
         targets = [c for c in chosen if c.proc.poll() is None]
         for c in targets:
@@ -236,7 +252,7 @@ class Launcher:
                 c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 c.proc.kill()
-                c.proc.wait(timeout=10)
+                c.proc.wait(timeout=KILL_WAIT_S)
         for c in chosen:  # whatever the child left behind in its session (torchrun's ranks): by group id
             end_process_group(c.proc.pid)
 
@@ -294,7 +310,7 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int) -> in
                 progress.update(int(r["step"]), r)
             if interrupted["flag"]:
                 print("\ninterrupted: stopping the learner (it writes a resumable checkpoint) and every worker")
-                launcher.stop([launcher.learner], grace_s=120)
+                launcher.stop([launcher.learner], grace_s=LEARNER_STOP_GRACE_S)
                 launcher.stop()
                 rc = 130
                 break
@@ -304,7 +320,7 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int) -> in
                     print(f"\n{launcher.learner.fatal_line()}\n{launcher.learner.tail()}")
                     launcher.stop()
                     break
-                launcher.controller.proc.wait(timeout=60) if _alive(launcher.controller) else None
+                launcher.controller.proc.wait(timeout=CONTROLLER_EXIT_TIMEOUT_S) if _alive(launcher.controller) else None
                 launcher.stop()
                 break
             if launcher.controller.proc.poll() not in (None, 0):  # 0: it finished with the learner
@@ -320,7 +336,7 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int) -> in
                         launcher.restart_worker(w)
                         print(f"restarted {w.name} (restart {launcher.restarts} of {MAX_WORKER_RESTARTS}; "
                               f"add more with: asyncrl worker controller={launcher.address})")
-            time.sleep(0.5)
+            time.sleep(SUPERVISE_POLL_S)
         records, offset = tail_metrics(run_dir / "metrics.jsonl", offset)
         for r in records:
             progress.update(int(r["step"]), r)

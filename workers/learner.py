@@ -58,11 +58,34 @@ from asyncrl.transport import (
     advertised,
     check_bind_security,
     client_curve,
+    end_context,
+    private_context,
     server_curve,
 )
 from asyncrl.transport.publication import to_wire
 
 log = logging.getLogger("asyncrl.learner")
+
+# Timeouts (seconds): each bounds a wait for a peer that may be gone; a reachable peer ends it at once.
+WELCOME_TIMEOUT_S = 120.0
+"""How long rank 0 waits for the controller's Welcome after its Hello."""
+STOP_CHECK_S = 1.0
+"""While waiting for a batch, how often rank 0 checks whether it was asked to stop (SIGTERM)."""
+ACK_RECV_S = 0.5
+"""Longest single wait for a message while rank 0 awaits a checkpoint acknowledgement."""
+CHECKPOINT_ACK_TIMEOUT_S = 60.0
+"""A periodic checkpoint waits this long for the controller to save its state of the same version;
+without the acknowledgement the learner skips that checkpoint (the previous one stays the resume point)."""
+FINAL_ACK_TIMEOUT_S = 15.0
+"""The same for the final checkpoint on the way out (the controller may already be gone)."""
+FINAL_SEND_TIMEOUT_S = 2.0
+"""On the way out, how long the final checkpoint request may wait to leave (a controller that is gone)."""
+COLLECTIVE_TIMEOUT_S = 3600.0
+"""torch.distributed timeout: how long ranks wait for rank 0 in a collective (rank 0 may be waiting for a
+batch, evaluating, or exporting)."""
+FLUSH_S = 5.0
+"""On exit, the longest wait for the last message to the controller (the final version) to leave; it
+returns as soon as it has (``end_context``)."""
 
 
 def objective_config(cfg):
@@ -163,21 +186,22 @@ class ControllerSource:
 
     def __init__(self, address: str, server: WeightServer, version: int, stop: threading.Event, transport) -> None:
         self.stop = stop
+        self._ctx = private_context()  # its own, so that close() can wait until the last message left
         self.ctl = ZmqChannel.connect(zmq.DEALER, address, name="learner-ctl", identity=b"learner",
-                                      curve=client_curve(transport))
+                                      curve=client_curve(transport), context=self._ctx)
         adv = transport.advertise_host
         self.ctl.send(P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner",
                               capabilities={"weights_announce": advertised(server.announce_address, adv),
                                             "weights_fetch": advertised(server.fetch_address, adv),
                                             "version": str(version)}))
-        env = self.ctl.recv(120.0)
+        env = self.ctl.recv(WELCOME_TIMEOUT_S)
         if env is None or not isinstance(env.msg, P.Welcome):
             raise SystemExit(f"controller at {address} did not welcome the learner: {env}")
 
     def next_batch(self, step: int) -> P.TrainBatch | None:
         self.ctl.send(P.BatchRequest(step=step))
         while not self.stop.is_set():
-            env = self.ctl.recv(1.0)
+            env = self.ctl.recv(STOP_CHECK_S)
             if env is None:
                 continue
             if isinstance(env.msg, P.TrainBatch):
@@ -196,28 +220,28 @@ class ControllerSource:
         and acknowledges; returns whether it did (the learner checkpoints only then)."""
         extra = {"checkpoint": 1.0} if checkpoint else {}
         self.ctl.send(P.VersionUpdate(version=version, metrics=_finite(metrics) | extra))
-        return self._await_ack(version, 60.0) if checkpoint else False
+        return self._await_ack(version, CHECKPOINT_ACK_TIMEOUT_S) if checkpoint else False
 
     def _await_ack(self, version: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            env = self.ctl.recv(0.5)
+            env = self.ctl.recv(ACK_RECV_S)
             if env is not None and isinstance(env.msg, P.VersionUpdate) and env.msg.version == version:
                 return True
         log.warning("controller did not acknowledge the checkpoint of version %d", version)
         return False
 
-    def sync_checkpoint(self, version: int, timeout_s: float = 15.0) -> bool:
+    def sync_checkpoint(self, version: int, timeout_s: float = FINAL_ACK_TIMEOUT_S) -> bool:
         """On the way out: ask the controller to save its state for ``version``; False if it cannot."""
         try:
-            self.ctl.send(P.VersionUpdate(version=version, metrics={"checkpoint": 1.0}), timeout_s=2.0)
+            self.ctl.send(P.VersionUpdate(version=version, metrics={"checkpoint": 1.0}), timeout_s=FINAL_SEND_TIMEOUT_S)
         except ChannelTimeout:
             return False
         return self._await_ack(version, timeout_s)
 
     def close(self) -> None:
-        time.sleep(0.2)  # let the last message leave before linger=0 drops it
-        self.ctl.close()
+        self.ctl.close(linger_s=FLUSH_S)
+        end_context(self._ctx)  # returns once the last message (the final version) has left
 
 
 class ReplaySource:
@@ -241,7 +265,7 @@ class ReplaySource:
         self.writer.log(version, _finite(metrics))
         return checkpoint
 
-    def sync_checkpoint(self, version: int, timeout_s: float = 15.0) -> bool:
+    def sync_checkpoint(self, version: int, timeout_s: float = FINAL_ACK_TIMEOUT_S) -> bool:
         return True
 
     def close(self) -> None:
@@ -266,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    info = init_distributed({"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}.get(cfg.learner.device), timeout_s=3600.0)
+    info = init_distributed({"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}.get(cfg.learner.device), timeout_s=COLLECTIVE_TIMEOUT_S)
     L = cfg.learner
     threads = L.num_threads or default_num_threads(cfg.rollout.num_workers, info.world_size)
     torch.set_num_threads(threads)

@@ -81,7 +81,12 @@ def setup_reply(run_dir: Path, model_dir: Path, formats: Sequence[str]) -> dict[
             "publish_formats": ",".join(formats)}
 
 
-def ask_run_setup(controller: str, *, keys_dir: str = "", key_name: str = "", timeout_s: float = 120.0) -> dict:
+SETUP_TIMEOUT_S = 120.0
+"""How long ``asyncrl learner`` waits for the controller to say where the run is."""
+
+
+def ask_run_setup(controller: str, *, keys_dir: str = "", key_name: str = "",
+                  timeout_s: float = SETUP_TIMEOUT_S) -> dict:
     """Ask the controller at ``controller`` for the run folder, the model folder and the formats to publish."""
     import zmq
 

@@ -13,7 +13,9 @@ from asyncrl.transport.channel import (
     Envelope,
     ZmqChannel,
     advertised,
+    end_context,
     is_loopback,
+    private_context,
     shared_context,
 )
 from asyncrl.transport.keys import (
@@ -44,10 +46,12 @@ __all__ = [
     "auth_metrics",
     "check_bind_security",
     "client_curve",
+    "end_context",
     "generate_keys",
     "is_loopback",
     "load_client_keys",
     "load_server_keys",
+    "private_context",
     "server_curve",
     "shared_context",
 ]

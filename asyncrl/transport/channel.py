@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from asyncrl.transport.keys import CurveConfig, is_loopback
-from asyncrl.transport.zap import auth_counter_metrics, secure_socket
+from asyncrl.transport.zap import auth_counter_metrics, secure_socket, shutdown_security
 from protocols import Error, Message, ProtocolError, decode_frames, encode, encode_frames
 
 DEFAULT_HWM = 1000
@@ -114,6 +114,26 @@ def shared_context() -> zmq.Context:
     """The process-wide context (thread-safe; sockets are not, each stays in one thread)."""
     with _CONTEXT_LOCK:
         return zmq.Context.instance()
+
+
+def private_context() -> zmq.Context:
+    """A context for channels whose last messages must leave before the process ends: close those
+    channels with ``linger_s`` > 0, then ``end_context`` waits until the messages have left."""
+    return zmq.Context()
+
+
+def end_context(context: zmq.Context) -> None:
+    """Terminate a private context once all its channels are closed.
+
+    Returns when every message its channels had sent has left (``zmq_ctx_term``: the real flush), or
+    when the longest ``linger_s`` they were closed with has passed (a peer that is gone). A channel
+    still open would make this wait forever, so close them all first. Stops the context's ZAP thread
+    first (its sockets belong to the context too).
+    """
+    if context is shared_context():
+        raise ValueError("end_context ends a private_context(); the shared context lives as long as the process")
+    shutdown_security(context)
+    context.term()
 
 
 class ZmqChannel:
@@ -312,10 +332,18 @@ class ZmqChannel:
         except (ChannelTimeout, ChannelClosed):
             self.stats.reject("error_reply_dropped", f"could not answer peer {peer!r}")
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket. By default unsent messages are dropped at once; with ``linger_s`` > 0 they
+        may still leave within that time (wait for them with ``end_context`` on a private context)."""
         if not self._closed:
             self._closed = True
-            self._sock.close(linger=0)  # a secured socket's monitor stops with it (the ZAP thread sees that)
+            if linger_s > 0 and self.stats.secured:
+                # Stop the handshake monitor now, while the ZAP thread still reads it: a lingering socket
+                # would go on reporting events, and zmq blocks its I/O thread on a monitor nobody reads
+                # (end_context stops that thread), so the context could never end.
+                self._sock.disable_monitor()
+            # otherwise a secured socket's monitor stops with it (the ZAP thread sees that)
+            self._sock.close(linger=max(0, int(linger_s * 1000)))
 
     def __enter__(self) -> ZmqChannel:
         return self
@@ -345,6 +373,8 @@ class ChannelPoller:
 
 
 __all__ = [
+    "end_context",
+    "private_context",
     "ChannelClosed",
     "ChannelPoller",
     "ChannelStats",

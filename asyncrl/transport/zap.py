@@ -9,8 +9,9 @@ socket with keys enforces its ZAP domain, so without a running handler every cli
 reads key files itself (``keys`` does); imports torch.
 
 Lifetime: a context's handler starts with its first secured socket and runs (a daemon thread) for the
-life of the process; contexts are process-global (``channel.shared_context``) and never terminated
-while sockets are in use.
+life of the context: the process-global one (``channel.shared_context``) is never terminated; a
+private one (``channel.private_context``) is ended by ``channel.end_context``, which stops its handler
+first (``shutdown_security``).
 
 Counting: every secured socket gets a zmq monitor; the ZAP thread reads the monitor events and
 counts per socket (``ChannelStats.auth``) and per process (``auth_metrics()``). Reasons:
@@ -214,8 +215,18 @@ def auth_counter_metrics(counts: dict[str, int], prefix: str) -> dict[str, float
     return out
 
 
+def shutdown_security(context: zmq.Context) -> None:
+    """Stop the ZAP thread of ``context`` and close its sockets (``channel.end_context`` calls this
+    before ``context.term()``, which would otherwise wait for them forever)."""
+    with _SECURITY_LOCK:
+        sec = _SECURITY.pop(id(context), None)
+    if sec is not None:
+        sec.close()
+
+
 __all__ = [
     "auth_counter_metrics",
     "auth_metrics",
     "secure_socket",
+    "shutdown_security",
 ]

@@ -23,9 +23,11 @@ from asyncrl.transport import (
     auth_metrics,
     check_bind_security,
     client_curve,
+    end_context,
     generate_keys,
     load_client_keys,
     load_server_keys,
+    private_context,
     server_curve,
 )
 from asyncrl.transport.keys import CLIENTS_DIR
@@ -288,3 +290,15 @@ def test_raw_tcp_bytes_at_a_curve_socket_never_reach_the_decoder(keys):
         assert pull.recv(5.0).msg == HB
         assert pull.recv(0.1) is None
         assert pull.stats.received == 1 and pull.stats.rejected_total == 0
+
+
+def test_a_private_context_with_a_secured_channel_ends_after_its_last_message_left(keys):
+    # its ZAP thread and monitor sockets would keep the context alive: end_context stops them first
+    with ZmqChannel.bind(zmq.ROUTER, "tcp://127.0.0.1:0", curve=load_server_keys(keys)) as srv:
+        ctx = private_context()
+        cli = ZmqChannel.connect(zmq.DEALER, srv.address, curve=load_client_keys(keys), context=ctx)
+        cli.send(HB)
+        cli.close(linger_s=60.0)
+        end_context(ctx)
+        env = srv.recv(30.0)
+        assert env is not None and env.msg == HB

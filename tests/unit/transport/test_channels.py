@@ -16,7 +16,10 @@ from asyncrl.transport import (
     WeightFetchError,
     WeightServer,
     ZmqChannel,
+    end_context,
     is_loopback,
+    private_context,
+    shared_context,
 )
 
 
@@ -33,6 +36,27 @@ def test_poller_names_the_channels_with_a_message_waiting():
         assert ready == [a, b]
         assert a.recv(0.0).msg == P.Shutdown() and b.recv(0.0).msg == P.Shutdown()
         assert poller.wait(0.0) == []
+
+
+def test_end_context_returns_once_every_sent_message_has_left():
+    # 64 messages of 256 KiB: far more than leaves the socket between the last send and close, so with
+    # linger 0 most would be dropped; closed with a linger, ending the context waits until all have left.
+    n, blob = 64, "x" * (256 * 1024)
+    with ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0", hwm=n) as pull:
+        ctx = private_context()
+        push = ZmqChannel.connect(zmq.PUSH, pull.address, context=ctx, hwm=n)
+        for i in range(n):
+            push.send(P.Error(code=str(i), message=blob), timeout_s=30.0)
+        push.close(linger_s=60.0)  # bounds only a broken run: a reachable peer ends the wait
+        end_context(ctx)
+        got = [pull.recv(30.0) for _ in range(n)]
+        assert [e.msg.code for e in got if e is not None] == [str(i) for i in range(n)]
+        assert all(e.msg.message == blob for e in got)
+
+
+def test_end_context_refuses_the_shared_context():
+    with pytest.raises(ValueError, match="private_context"):
+        end_context(shared_context())
 
 
 def test_recv_returns_none_after_its_timeout_instead_of_blocking():
