@@ -10,13 +10,14 @@ Two layers in one package:
   from one event loop. This package's ``__init__`` exports only these, so importing it loads neither
   torch, numpy nor zmq.
 * The controller's logic on top (``core``: messages in, replies out; ``scoring``, ``prompts``,
-  ``validation``, ``outbox``, ``recovery``), imported by module.
+  ``validation``, ``outbox``, ``recovery``; ``workers``: the worker registry, stdlib only; ``scored``:
+  ``ScoredGroup``, a group with its rewards and advantages), imported by module.
 
 Typical wiring (the controller's loop)::
 
     gate = StalenessGate(version_source, eta=2, groups_per_step=B)
     buffer = GroupBuffer(gate, group_size=G)
-    assembler = BatchAssembler(gate, buffer, keep=lambda g: len(set(g.extra["rewards"])) > 1)
+    assembler = BatchAssembler(gate, buffer, keep=lambda g: ScoredGroup.of(g).informative())
 
     buffer.admit(cursor.next, gate.capacity())                       # on a work request
     buffer.assign(worker_id, worker_version=w)                       # -> Assignments to send

@@ -29,24 +29,16 @@ import numpy as np
 import protocols as P
 from asyncrl.config import TrainConfig
 from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
+from asyncrl.controller.scored import ScoredGroup
 from asyncrl.controller.scoring import GroupScorer
 from asyncrl.controller.validation import check_sample
+from asyncrl.controller.workers import WorkerRegistry
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.log.replay import train_sample
 from asyncrl.rundir.files import read_checksummed_json, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
 MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
-
-
-@dataclasses.dataclass
-class WorkerInfo:
-    peer: bytes
-    quant_format: str
-    last_seen: float
-    version: int = -1
-    samples: int = 0
-    tokens_per_s: float = 0.0
 
 
 class ControllerCore:
@@ -62,12 +54,12 @@ class ControllerCore:
         self.gate = StalenessGate(self.version, eta=cfg.rollout.eta, groups_per_step=cfg.rollout.groups_per_step)
         self.buffer = GroupBuffer(self.gate, group_size=cfg.algo.group_size, clock=clock,
                                   assignment_timeout_s=cfg.rollout.assignment_timeout_s)
-        keep = (lambda g: len(set(g.extra["rewards"])) > 1) if cfg.algo.dynamic_sampling else None
+        keep = (lambda g: ScoredGroup.of(g).informative()) if cfg.algo.dynamic_sampling else None
         self.assembler = BatchAssembler(self.gate, self.buffer, keep=keep,
                                         max_filtered_per_step=4 * cfg.rollout.groups_per_step)
         self.cursor = 0  # index of the next problem of the task's prompt stream
         self.vocab_size = _vocab_size(welcome_config, scorer)
-        self.workers: dict[str, WorkerInfo] = {}
+        self.workers = WorkerRegistry()
         self.learner_peer: bytes | None = None
         self.pending_batch: int | None = None  # step the learner asked for and did not get yet
         self.done = False
@@ -163,7 +155,7 @@ class ControllerCore:
                                    f"quant.extra_formats=[{fmt}])")
         if msg.peer_id in self.workers:  # joined again (restart, lost Welcome): its old work is reissued
             self._forget(msg.peer_id, reason="joined again")
-        self.workers[msg.peer_id] = WorkerInfo(peer=peer, quant_format=fmt, last_seen=now)
+        self.workers.join(msg.peer_id, peer=peer, quant_format=fmt, now=now)
         self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
                                     logged_at=time.time()))
         log.info("worker %s joined (%s)", msg.peer_id, fmt)
@@ -229,9 +221,8 @@ class ControllerCore:
 
     def drop_peer(self, peer: bytes) -> None:
         """A peer was dropped for not reading its replies: a worker behind it is forgotten (work reissued)."""
-        for wid, w in list(self.workers.items()):
-            if w.peer == peer:
-                self._forget(wid, reason="dropped: it does not read the controller's replies")
+        for wid in self.workers.behind(peer):
+            self._forget(wid, reason="dropped: it does not read the controller's replies")
 
     def _forget(self, worker_id: str, *, reason: str) -> None:
         if self.workers.pop(worker_id, None) is None:
@@ -290,7 +281,7 @@ class ControllerCore:
         group = self.buffer.get(group_id)
         samples = [s.payload for s in group.samples]
         rewards, advantages = self.scorer.score_group(group.meta, samples)
-        self.buffer.annotate(group_id, rewards=rewards, advantages=advantages)
+        self.buffer.annotate(group_id, **ScoredGroup.annotation(rewards, advantages))
         for s, r, a in zip(samples, rewards, advantages, strict=True):
             self.log.append(SampleRecord(sample=s, reward=float(r), advantage=float(a),
                                          admitted_version=group.admit_version, logged_at=time.time()))
@@ -329,14 +320,15 @@ class ControllerCore:
 
     def _train_batch(self, batch) -> P.TrainBatch:
         samples, rewards = [], []
-        for g in batch.groups:
-            for s, r, a in zip(g.samples, g.extra["rewards"], g.extra["advantages"], strict=True):
-                samples.append(train_sample(s.payload, advantage=float(a), reward=float(r)))
-                rewards.append(float(r))
+        scored = [ScoredGroup.of(g) for g in batch.groups]
+        for sg in scored:
+            for s, r, a in zip(sg.group.samples, sg.rewards, sg.advantages, strict=True):
+                samples.append(train_sample(s.payload, advantage=a, reward=r))
+                rewards.append(r)
         metrics = {
             "train/reward_mean": float(np.mean(rewards)),
             "train/reward_std": float(np.std(rewards)),
-            **response_metrics([g.extra["rewards"] for g in batch.groups], [s.response_ids for s in samples],
+            **response_metrics([list(sg.rewards) for sg in scored], [s.response_ids for s in samples],
                                getattr(self.scorer, "stop_ids", ())),
             "data/filtered_groups": float(len(batch.filtered)),
             "staleness/max": float(batch.max_staleness),
@@ -376,10 +368,9 @@ class ControllerCore:
     # --------------------------------------------------------------------------------- timers
     def poll(self) -> list[tuple[bytes, Any]]:
         now = self.clock()
-        for wid, w in list(self.workers.items()):
-            if now - w.last_seen > self.cfg.rollout.dead_after_s:
-                self.counters["workers/dead"] += 1
-                self._forget(wid, reason=f"missed heartbeats for {now - w.last_seen:.1f}s")
+        for wid, silent_s in self.workers.silent(now, self.cfg.rollout.dead_after_s):
+            self.counters["workers/dead"] += 1
+            self._forget(wid, reason=f"missed heartbeats for {silent_s:.1f}s")
         for a in self.buffer.overdue(now):  # measured from the assignment; a late result is dropped (samples/late)
             self.counters["samples/overdue_groups"] += 1
             self.counters["samples/reissued"] += len(self.buffer.reassign_group(a.group_id))
@@ -391,7 +382,7 @@ class ControllerCore:
         out = {f"controller/{k}": float(v) for k, v in self.counters.items()}
         out["controller/samples_logged"] = float(self.samples_logged)
         out["controller/cursor"] = float(self.cursor)
-        out["throughput/tokens_per_s"] = float(sum(w.tokens_per_s for w in self.workers.values()))
+        out["throughput/tokens_per_s"] = self.workers.tokens_per_s()
         return out
 
     # ----------------------------------------------------------------------------- checkpoint

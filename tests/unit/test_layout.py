@@ -88,7 +88,7 @@ def test_math_packages_are_leaves(leaf):
 # numpy or sockets: each of these modules imports the standard library and the others of this list only.
 # The rule is per module, not per package: the rest of asyncrl/controller (scoring, core) needs torch.
 STDLIB_ONLY = ("asyncrl/controller/__init__.py", "asyncrl/controller/versions.py", "asyncrl/controller/gate.py",
-               "asyncrl/controller/buffer.py", "asyncrl/controller/assembler.py")
+               "asyncrl/controller/buffer.py", "asyncrl/controller/assembler.py", "asyncrl/controller/workers.py")
 
 
 def _module_name(rel: str) -> str:

@@ -1,0 +1,41 @@
+"""A scored group: a complete group of samples with its rewards and advantages, typed.
+
+Owns: ``ScoredGroup`` (what the controller logs and trains on), how its scores are attached to a group
+in the ``GroupBuffer`` (``annotation``, kept in the buffer's checkpointed annotation dict, so the
+checkpoint format is unchanged) and read back (``of``), and the dynamic-sampling predicate on it
+(``informative``: ``asyncrl.algo.is_informative_group`` on the rewards, docs/algorithms.md §3.2).
+Never: computes scores (``scoring.GroupScorer`` does) or decides batches (``assembler``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from asyncrl.algo import is_informative_group
+from asyncrl.controller.buffer import CompleteGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredGroup:
+    group: CompleteGroup
+    rewards: tuple[float, ...]
+    advantages: tuple[float, ...]
+
+    @staticmethod
+    def annotation(rewards: list[float], advantages: list[float]) -> dict[str, Any]:
+        """The buffer annotation (``GroupBuffer.annotate(group_id, **annotation)``) that ``of`` reads."""
+        return {"rewards": list(rewards), "advantages": list(advantages)}
+
+    @classmethod
+    def of(cls, group: CompleteGroup) -> ScoredGroup:
+        """The scores of a complete group annotated with ``annotation``."""
+        try:
+            rewards, advantages = group.extra["rewards"], group.extra["advantages"]
+        except KeyError:
+            raise ValueError(f"group {group.group_id} was never scored (ControllerCore._complete annotates it)") from None
+        return cls(group, tuple(float(r) for r in rewards), tuple(float(a) for a in advantages))
+
+    def informative(self) -> bool:
+        """Dynamic sampling keeps a group whose members' rewards differ (an identical group has no gradient)."""
+        return is_informative_group(self.rewards)

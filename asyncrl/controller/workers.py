@@ -1,0 +1,42 @@
+"""The generation workers a controller knows: who they are, where to reach them, when they spoke last.
+
+Owns: ``WorkerInfo`` (reply address, actor format, last heartbeat, newest weights version, samples,
+tokens/s) and ``WorkerRegistry`` (worker id -> info): joining, the workers behind one reply address,
+the silent ones, and the fleet's throughput. Standard library only (checked by tests/unit/test_layout.py).
+Never: decides what happens to a worker's work (``ControllerCore._forget`` reissues it) or reads messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    peer: bytes
+    quant_format: str
+    last_seen: float
+    version: int = -1
+    samples: int = 0
+    tokens_per_s: float = 0.0
+
+
+class WorkerRegistry(dict[str, WorkerInfo]):
+    """Worker id -> ``WorkerInfo`` (a dict, so lookups read as before), plus the questions a controller asks."""
+
+    def join(self, worker_id: str, *, peer: bytes, quant_format: str, now: float) -> WorkerInfo:
+        """Register ``worker_id`` (the caller forgets an earlier registration of it first)."""
+        info = self[worker_id] = WorkerInfo(peer=peer, quant_format=quant_format, last_seen=now)
+        return info
+
+    def behind(self, peer: bytes) -> list[str]:
+        """The workers that reply address ``peer`` reaches."""
+        return [wid for wid, w in self.items() if w.peer == peer]
+
+    def silent(self, now: float, dead_after_s: float) -> list[tuple[str, float]]:
+        """(worker id, seconds since it was last heard) of every worker silent for more than ``dead_after_s``."""
+        return [(wid, now - w.last_seen) for wid, w in self.items() if now - w.last_seen > dead_after_s]
+
+    def tokens_per_s(self) -> float:
+        """The fleet's generation throughput, as the workers last reported it."""
+        return float(sum(w.tokens_per_s for w in self.values()))
