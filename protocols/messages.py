@@ -282,18 +282,33 @@ def _check_token_arrays(m: FinishedSample | TrainSample) -> None:
 
 # ------------------------------------------------------------------------------------------ weights
 class TensorSpec(_Base, tag="tensor_spec"):
-    """One entry of a weight manifest. ``digest`` ("xxh3_128:<hex>", since 1.1) is the integrity
-    digest of the tensor's bytes; ``sha256`` is what 1.0 publishers sent instead (still honoured)."""
+    """One entry of a weight manifest: the one manifest type of asyncrl (``asyncrl.quant`` builds and
+    verifies publications from it, ``asyncrl.transport`` ships it in ``WeightAnnounce`` and checks every
+    ``WeightChunk`` against it, the engines load what it describes).
+
+    ``role``: ``full_precision`` (a tensor asyncrl.quant publishes untouched), ``weight``, ``codes``,
+    ``scale``, ``global_scale`` (the format tensors of a quantized linear, asyncrl.quant.formats); the
+    default ``full`` is what a publisher that never quantizes may leave.
+    ``logical_shape``: the [N, K] of the linear a ``codes``/``weight`` entry encodes (``()``: none).
+    ``digest`` ("xxh3_128:<hex>", since 1.1) is the integrity digest of the tensor's bytes; ``sha256`` is
+    what 1.0 publishers sent instead. The two agree after construction and decoding: a sha256-only entry
+    gets ``digest = "sha256:<hex>"``, and a ``sha256:`` digest is mirrored into ``sha256`` for 1.0 readers."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    role: str = "full"  # e.g. "full", "codes", "scale", "global_scale"
+    role: str = "full"
     fmt: str = ""
     sha256: str = ""
     logical_shape: tuple[int, ...] = ()
     digest: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.digest and self.sha256:
+            self.digest = f"sha256:{self.sha256}"
+        elif not self.sha256 and self.digest.startswith("sha256:"):
+            self.sha256 = self.digest.removeprefix("sha256:")
 
 
 class WeightAnnounce(_Base, tag="weight_announce"):
@@ -318,7 +333,8 @@ class WeightFetch(_Base, tag="weight_fetch"):
 
 
 class WeightChunk(_Base, tag="weight_chunk"):
-    """Header of one tensor of a published version; its raw bytes travel in the next ZeroMQ frame."""
+    """Header of one tensor of a published version; its raw bytes travel in the next ZeroMQ frame.
+    Its name, dtype, shape and byte count are those of manifest entry ``index`` (``for_entry``/``describes``)."""
 
     version: int
     index: int
@@ -327,6 +343,18 @@ class WeightChunk(_Base, tag="weight_chunk"):
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+
+    @classmethod
+    def for_entry(cls, spec: TensorSpec, *, version: int, index: int, count: int) -> WeightChunk:
+        """The chunk header of manifest entry ``index`` (of ``count``) of ``version``."""
+        return cls(version=version, index=index, count=count, name=spec.name, dtype=spec.dtype,
+                   shape=tuple(spec.shape), nbytes=spec.nbytes)
+
+    def describes(self, spec: TensorSpec, *, version: int, index: int) -> bool:
+        """Whether this header is manifest entry ``index`` of ``version`` (what a fetch expects next)."""
+        return (self.version == version and self.index == index and self.name == spec.name
+                and self.dtype == spec.dtype and tuple(self.shape) == tuple(spec.shape)
+                and self.nbytes == spec.nbytes)
 
 
 # ---------------------------------------------------------------------------------------- learning
