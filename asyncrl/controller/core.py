@@ -158,7 +158,8 @@ class ControllerCore:
             start = _learner_version(msg)
             if start is None or start < self.version.version:
                 self.counters["control/rejected_hello"] += 1
-                return P.Reject(reason=f"learner version {start} is not a version >= {self.version.version}; "
+                said = "names no version (Hello.version)" if start is None else f"starts at version {start}"
+                return P.Reject(reason=f"the learner {said}, the controller is at version {self.version.version}; "
                                        "resume the learner and the controller from the same run folder")
             weights = msg.capabilities.get("weights_announce", ""), msg.capabilities.get("weights_fetch", "")
             if not all(weights):

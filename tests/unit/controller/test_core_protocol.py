@@ -74,7 +74,7 @@ def test_a_workers_version_arrives_as_an_int_field_of_its_heartbeat(core):
 
 def test_the_learners_version_is_an_int_and_a_1_2_learners_string_is_still_read(core, tmp_path):
     (_, r), = core.handle(b"L", learner(capabilities=WEIGHTS))  # a 1.3 learner must name its version
-    assert isinstance(r, P.Reject) and "learner version None" in r.reason
+    assert isinstance(r, P.Reject) and "names no version (Hello.version)" in r.reason
     (_, r), = core.handle(b"L", learner(version=4, capabilities={"weights_announce": "tcp://l:1"}))
     assert isinstance(r, P.Reject) and "weights_announce and weights_fetch" in r.reason
     (_, r), = core.handle(b"L", learner(version=4, capabilities=WEIGHTS))
