@@ -14,6 +14,7 @@ from protocols.codec import (
     encode,
     encode_frames,
     parse_version,
+    speaks_typed_control,
 )
 from protocols.messages import *  # noqa: F403
 from protocols.messages import (
@@ -24,12 +25,14 @@ from protocols.messages import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     ROLES,
+    TYPED_CONTROL_MINOR,
     Array,
     Message,
     SamplingParams,
     TensorSpec,
     check_array,
 )
+from protocols.setup import RunSetup, WorkerSetup
 
 __all__ = [
     "DTYPE_SIZES",
@@ -47,6 +50,10 @@ __all__ = [
     "encode",
     "encode_frames",
     "parse_version",
+    "speaks_typed_control",
+    "TYPED_CONTROL_MINOR",
+    "RunSetup",
+    "WorkerSetup",
     "SamplingParams",
     "check_array",
     "TensorSpec",

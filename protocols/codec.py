@@ -17,6 +17,7 @@ import msgspec
 from protocols.messages import (
     PROTOCOL_MAJOR,
     PROTOCOL_VERSION,
+    TYPED_CONTROL_MINOR,
     Hello,
     Message,
     Reject,
@@ -115,6 +116,16 @@ def parse_version(version: str) -> tuple[int, int]:
         return int(major), int(minor)
     except ValueError:
         raise ProtocolError("version", f"protocol version {version!r} is not MAJOR.MINOR") from None
+
+
+def speaks_typed_control(version: str) -> bool:
+    """Whether a peer that announced protocol ``version`` sends and reads the typed setup, versions and
+    control flags of 1.3 (evolution rule 6); False for 1.0-1.2 peers and for an unreadable version."""
+    try:
+        major, minor = parse_version(version)
+    except ProtocolError:
+        return False
+    return (major, minor) >= (PROTOCOL_MAJOR, TYPED_CONTROL_MINOR)
 
 
 def check_hello(hello: Hello) -> Reject | None:

@@ -13,6 +13,10 @@ Evolution rules (msgspec schema evolution, enforced in review):
   5. Every connection starts with ``Hello``; a server refuses a peer whose major version differs, with a
      ``Reject`` that states both versions. Different minors interoperate (old peers ignore new fields,
      new peers see defaults for fields old peers do not send).
+  6. When a minor version replaces an older form of the same information (1.3: typed setup, versions and
+     control flags instead of string dictionaries), a peer reads the older form only from a peer that
+     announced an older minor (``Hello``/``Welcome.protocol_version``), and writes it only to such a peer
+     (``speaks_typed_control``); peers of the same minor never see it.
 
 Arrays travel as ``Array`` (raw bytes + dtype + shape), never as Python lists. Validation happens at
 decode time (``__post_init__`` runs inside msgspec's decoder), so a decoded message is well-formed.
@@ -24,9 +28,15 @@ import math
 
 import msgspec
 
+from protocols.setup import RunSetup, WorkerSetup
+
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 2  # 1.1: TensorSpec.digest; 1.2: WeightAnnounce.aqn_resample
+# 1.1: TensorSpec.digest; 1.2: WeightAnnounce.aqn_resample; 1.3: Hello.version, Welcome.setup/run,
+# VersionUpdate.checkpoint/checkpointed/done, Heartbeat.version (typed, instead of string/float dicts)
+PROTOCOL_MINOR = 3
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+TYPED_CONTROL_MINOR = 3
+"""The first minor whose peers send the typed setup, versions and control flags (evolution rule 6)."""
 
 # dtype name -> item size in bytes. The names are numpy's (``np.dtype(name)`` round-trips them).
 DTYPE_SIZES: dict[str, int] = {
@@ -117,28 +127,54 @@ def _check_vectors(specs: tuple) -> None:
 
 
 # ----------------------------------------------------------------------------------------- handshake
+def _check_version(owner: str, version: int) -> None:
+    if version < -1:
+        raise ValueError(f"{owner}.version must be a weights version >= 0 (or -1: none yet), got {version}")
+
+
 class Hello(_Base, tag="hello"):
-    """First message on every control connection."""
+    """First message on every control connection.
+
+    ``version`` (since 1.3): the newest weights version the peer holds; the learner's is the version it
+    starts at (0, or a resumed checkpoint's), -1 when it has none. A 1.0-1.2 learner sent it as the string
+    ``capabilities["version"]``; a 1.3 learner sends both, so a 1.2 controller still reads it."""
 
     protocol_version: str
     role: str
     peer_id: str
     capabilities: dict[str, str] = {}
+    version: int = -1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"unknown role {self.role!r}; expected one of {ROLES}")
         if not self.peer_id:
             raise ValueError("peer_id must be a non-empty string")
+        _check_version("Hello", self.version)
 
 
 class Welcome(_Base, tag="welcome"):
-    """Handshake accepted. ``latest_version`` lets a late joiner fetch the newest weights at once."""
+    """Handshake accepted. ``latest_version`` lets a late joiner fetch the newest weights at once.
+
+    ``setup`` (since 1.3): a generation worker's ``WorkerSetup``; ``run``: the ``RunSetup`` a learner
+    that asked where the run is gets. ``config`` is the string form 1.0-1.2 peers read; a 1.3 controller
+    fills it only for such peers (``WorkerSetup.to_legacy``). Read a Welcome with ``worker_setup()`` /
+    ``run_setup()``, which accept either form."""
 
     protocol_version: str
     server_id: str
     latest_version: int = -1
     config: dict[str, str] = {}
+    setup: WorkerSetup | None = None
+    run: RunSetup | None = None
+
+    def worker_setup(self) -> WorkerSetup:
+        """The worker setup, typed (a 1.0-1.2 controller's ``config`` is parsed); ``ValueError`` names the gap."""
+        return self.setup if self.setup is not None else WorkerSetup.from_legacy(self.config)
+
+    def run_setup(self) -> RunSetup:
+        """The run setup, typed (a 1.0-1.2 controller's ``config`` is parsed); ``ValueError`` names the gap."""
+        return self.run if self.run is not None else RunSetup.from_legacy(self.config)
 
 
 class Reject(_Base, tag="reject"):
@@ -246,18 +282,33 @@ def _check_token_arrays(m: FinishedSample | TrainSample) -> None:
 
 # ------------------------------------------------------------------------------------------ weights
 class TensorSpec(_Base, tag="tensor_spec"):
-    """One entry of a weight manifest. ``digest`` ("xxh3_128:<hex>", since 1.1) is the integrity
-    digest of the tensor's bytes; ``sha256`` is what 1.0 publishers sent instead (still honoured)."""
+    """One entry of a weight manifest: the one manifest type of asyncrl (``asyncrl.quant`` builds and
+    verifies publications from it, ``asyncrl.transport`` ships it in ``WeightAnnounce`` and checks every
+    ``WeightChunk`` against it, the engines load what it describes).
+
+    ``role``: ``full_precision`` (a tensor asyncrl.quant publishes untouched), ``weight``, ``codes``,
+    ``scale``, ``global_scale`` (the format tensors of a quantized linear, asyncrl.quant.formats); the
+    default ``full`` is what a publisher that never quantizes may leave.
+    ``logical_shape``: the [N, K] of the linear a ``codes``/``weight`` entry encodes (``()``: none).
+    ``digest`` ("xxh3_128:<hex>", since 1.1) is the integrity digest of the tensor's bytes; ``sha256`` is
+    what 1.0 publishers sent instead. The two agree after construction and decoding: a sha256-only entry
+    gets ``digest = "sha256:<hex>"``, and a ``sha256:`` digest is mirrored into ``sha256`` for 1.0 readers."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    role: str = "full"  # e.g. "full", "codes", "scale", "global_scale"
+    role: str = "full"
     fmt: str = ""
     sha256: str = ""
     logical_shape: tuple[int, ...] = ()
     digest: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.digest and self.sha256:
+            self.digest = f"sha256:{self.sha256}"
+        elif not self.sha256 and self.digest.startswith("sha256:"):
+            self.sha256 = self.digest.removeprefix("sha256:")
 
 
 class WeightAnnounce(_Base, tag="weight_announce"):
@@ -282,7 +333,8 @@ class WeightFetch(_Base, tag="weight_fetch"):
 
 
 class WeightChunk(_Base, tag="weight_chunk"):
-    """Header of one tensor of a published version; its raw bytes travel in the next ZeroMQ frame."""
+    """Header of one tensor of a published version; its raw bytes travel in the next ZeroMQ frame.
+    Its name, dtype, shape and byte count are those of manifest entry ``index`` (``for_entry``/``describes``)."""
 
     version: int
     index: int
@@ -291,6 +343,18 @@ class WeightChunk(_Base, tag="weight_chunk"):
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+
+    @classmethod
+    def for_entry(cls, spec: TensorSpec, *, version: int, index: int, count: int) -> WeightChunk:
+        """The chunk header of manifest entry ``index`` (of ``count``) of ``version``."""
+        return cls(version=version, index=index, count=count, name=spec.name, dtype=spec.dtype,
+                   shape=tuple(spec.shape), nbytes=spec.nbytes)
+
+    def describes(self, spec: TensorSpec, *, version: int, index: int) -> bool:
+        """Whether this header is manifest entry ``index`` of ``version`` (what a fetch expects next)."""
+        return (self.version == version and self.index == index and self.name == spec.name
+                and self.dtype == spec.dtype and tuple(self.shape) == tuple(spec.shape)
+                and self.nbytes == spec.nbytes)
 
 
 # ---------------------------------------------------------------------------------------- learning
@@ -324,16 +388,39 @@ class TrainBatch(_Base, tag="train_batch"):
 
 
 class VersionUpdate(_Base, tag="version_update"):
-    """The learner finished step ``version - 1`` and published ``version``."""
+    """The learner finished step ``version - 1`` and published ``version``; ``metrics`` are numbers only.
+
+    Control (since 1.3; 1.0-1.2 peers sent these as ``metrics`` entries "checkpoint", "checkpointed", "done"
+    with the value 1.0):
+    ``checkpoint``: learner -> controller, save your state for ``version`` and acknowledge (the learner
+    writes its own checkpoint of ``version`` only after the acknowledgement); ``checkpointed``:
+    controller -> learner, that acknowledgement; ``done``: learner -> controller, training is finished."""
 
     version: int
     metrics: dict[str, float] = {}
+    checkpoint: bool = False
+    checkpointed: bool = False
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        if self.version < 0:
+            raise ValueError(f"VersionUpdate.version must be >= 0, got {self.version}")
+        if self.checkpoint and self.checkpointed:
+            raise ValueError("a VersionUpdate is a checkpoint request (learner) or its acknowledgement "
+                             "(controller), not both; set one of checkpoint / checkpointed")
 
 
 class Heartbeat(_Base, tag="heartbeat"):
+    """A worker is alive. ``version`` (since 1.3): the weights version its engine uses for new work
+    (-1: none yet); 1.0-1.2 workers sent it as the float ``stats["version"]``. ``stats`` are numbers."""
+
     peer_id: str
     time: float
     stats: dict[str, float] = {}
+    version: int = -1
+
+    def __post_init__(self) -> None:
+        _check_version("Heartbeat", self.version)
 
 
 class Goodbye(_Base, tag="goodbye"):

@@ -64,9 +64,9 @@ def _learner(control: str, stop_after_s: float, out) -> None:
 
     announce(0)
     ctl = ZmqChannel.connect(zmq.DEALER, control, name="bench-learner", identity=b"learner")
-    ctl.send(P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner",
+    ctl.send(P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner", version=0,
                      capabilities={"weights_announce": server.announce_address,
-                                   "weights_fetch": server.fetch_address, "version": "0"}))
+                                   "weights_fetch": server.fetch_address}))
     env = ctl.recv(60.0)
     if env is None or not isinstance(env.msg, P.Welcome):
         raise SystemExit(f"controller did not welcome the learner: {env}")
@@ -88,7 +88,7 @@ def _learner(control: str, stop_after_s: float, out) -> None:
         step += 1
         announce(step)
         ctl.send(P.VersionUpdate(version=step, metrics={}))
-    ctl.send(P.VersionUpdate(version=step, metrics={"done": 1.0}))
+    ctl.send(P.VersionUpdate(version=step, done=True))
     time.sleep(0.3)
     ctl.close()
     server.close()
@@ -117,15 +117,15 @@ def _worker(control: str, worker_id: str, response_tokens: int, vocab: int, out)
             raise SystemExit(f"rejected: {env.msg.reason}")
         else:
             time.sleep(0.2)
-    cfg = welcome.config
-    slots, heartbeat_s = int(cfg["worker_slots"]), float(cfg["heartbeat_s"])
-    push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name=f"{worker_id}-samples")
-    weights = WeightClient(cfg["weights_announce"], cfg["weights_fetch"])
+    setup = welcome.worker_setup()
+    slots, heartbeat_s = setup.worker_slots, setup.heartbeat_s
+    push = ZmqChannel.connect(zmq.PUSH, setup.samples_address, name=f"{worker_id}-samples")
+    weights = WeightClient(setup.weights_announce, setup.weights_fetch)
     version = welcome.latest_version
     sent, last_hb, next_request = 0, 0.0, 0.0
 
     def heartbeat() -> None:
-        ctl.send(P.Heartbeat(peer_id=worker_id, time=time.time(), stats={"version": float(version)}))
+        ctl.send(P.Heartbeat(peer_id=worker_id, time=time.time(), version=version))
 
     heartbeat()
     done = False

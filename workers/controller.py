@@ -21,7 +21,7 @@ import zmq
 
 import protocols as P
 from asyncrl.config.loader import read_run_config
-from asyncrl.controller.core import ControllerCore
+from asyncrl.controller.core import ControllerCore, ModelInfo
 from asyncrl.controller.outbox import PeerOutbox
 from asyncrl.controller.recovery import resume_point
 from asyncrl.models.prepare import model_id
@@ -52,16 +52,15 @@ BURST = 256
 """Messages taken from one socket per loop turn before the other socket is served (fairness)."""
 
 
-def welcome_config(cfg, model_dir: Path, samples_address: str) -> dict[str, str]:
+def model_info(cfg, model_dir: Path) -> ModelInfo:
+    """What joining workers learn about the model: its complete config, EOS ids, id and folder."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     eos = config.eos_token_id
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    return {"samples_address": samples_address, "model_config": config.to_json_string(use_diff=False),
-            "eos_token_ids": json.dumps(eos_ids), "worker_slots": str(cfg.rollout.worker_slots),
-            "heartbeat_s": str(cfg.rollout.heartbeat_s), "model_id": model_id(cfg, model_dir),
-            "max_seq_len": "0", "model_dir": str(Path(model_dir).resolve())}
+    return ModelInfo(config_json=config.to_json_string(use_diff=False), eos_token_ids=tuple(int(t) for t in eos_ids),
+                     model_id=model_id(cfg, model_dir), model_dir=str(Path(model_dir).resolve()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a log it cannot cut back, corrupt log/state: one line that says what to do
         raise SystemExit(f"controller: {e}") from None
     core = ControllerCore(cfg, run_dir=run_dir, scorer=build_scorer(cfg, model_dir),
-                          welcome_config=welcome_config(cfg, model_dir, advertised(pull.address, adv)),
+                          model=model_info(cfg, model_dir), samples_address=advertised(pull.address, adv),
                           publish_formats=formats)
     if resume_state is not None:
         core.version.set(resume_version)
@@ -154,15 +153,16 @@ def main(argv: list[str] | None = None) -> int:
                     if (isinstance(env.msg, P.Hello) and env.msg.role == "client"
                             and env.msg.capabilities.get("request") == SETUP_REQUEST):
                         # `asyncrl learner`: where the run folder and the model are (before it loads anything)
+                        legacy = {} if P.speaks_typed_control(env.msg.protocol_version) else setup.to_legacy()
                         replies.append((env.peer, P.Welcome(protocol_version=P.PROTOCOL_VERSION,
-                                                            server_id="controller", config=setup)))
+                                                            server_id="controller", run=setup, config=legacy)))
                         continue
                     if isinstance(env.msg, P.VersionUpdate):
                         if env.peer == core.learner_peer:  # the learner's weight-server counters, for the run files
                             weights_counters.update({k: v for k, v in env.msg.metrics.items()
                                                      if k.startswith("transport/weights")})
                         now = time.monotonic()
-                        m = dict(env.msg.metrics) | core.metrics() | _transport_metrics(ctl, pull)
+                        m = dict(env.msg.metrics) | _flag_marks(env.msg) | core.metrics() | _transport_metrics(ctl, pull)
                         m["throughput/samples_per_s"] = (core.samples_logged - samples_at_last) / max(1e-9, now - t_last)
                         samples_at_last, t_last = core.samples_logged, now
                         m["time/wall_s"] = now - t0
@@ -200,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             ctl.close()
             pull.close()
     return 0
+
+
+def _flag_marks(msg: P.VersionUpdate) -> dict[str, float]:
+    """The control flags of a version update as marks in its metrics.jsonl record (``done`` marks the final
+    record, which plots skip); the message itself carries them as typed fields."""
+    return {name: 1.0 for name in ("checkpoint", "done") if getattr(msg, name)}
 
 
 def _transport_metrics(ctl: ZmqChannel, pull: ZmqChannel) -> dict[str, float]:

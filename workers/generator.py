@@ -1,7 +1,8 @@
 """Generation worker process: ``asyncrl worker controller=tcp://HOST:PORT [key=value ...]``.
 
 One process = one rollout engine. Joins a running job at any time from any host: the controller's
-``Welcome`` carries everything else (sample and weight addresses, the model architecture, EOS ids),
+``Welcome`` carries everything else in its ``WorkerSetup`` (sample and weight addresses, the model
+architecture, EOS ids, slots, heartbeat period),
 the worker fetches the newest weights in its quantization format, then asks for work with a credit
 window and streams every finished sample at once.
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -165,20 +165,25 @@ class GeneratorWorker:
             self.ctl.close()
             end_context(self.ctx)
             raise
-        cfg = welcome.config
-        self.fmt = self.requested_fmt or (cfg["quant_format"] if self.engine_kind == "native" else "fp32")
+        try:
+            setup = welcome.worker_setup()
+        except ValueError as e:
+            self.ctl.close()
+            raise SystemExit(f"worker {self.worker_id}: {e}") from None
+        self.typed = P.speaks_typed_control(welcome.protocol_version)  # False: a 1.0-1.2 controller
+        self.fmt = self.requested_fmt or (setup.quant_format if self.engine_kind == "native" else "fp32")
         self.wire_fmt = self._wire_format()
-        self.slots = self.requested_slots or int(cfg["worker_slots"])
-        self.heartbeat_s = float(cfg.get("heartbeat_s", "1.0"))
+        self.slots = self.requested_slots or setup.worker_slots
+        self.heartbeat_s = setup.heartbeat_s
         self.engine = self.push = self.weights = comms = None
         old_hook = threading.excepthook
         threading.excepthook = self._thread_died  # any thread of this process, the engine's included
         try:
             with self._heartbeats_while_starting():  # an SGLang server can take minutes to start
-                self.engine = build_engine(self._engine_spec(cfg))
-                self.push = ZmqChannel.connect(zmq.PUSH, cfg["samples_address"], name="worker-samples",
+                self.engine = build_engine(self._engine_spec(setup))
+                self.push = ZmqChannel.connect(zmq.PUSH, setup.samples_address, name="worker-samples",
                                                curve=self.curve, context=self.ctx)
-                self.weights = WeightClient(cfg["weights_announce"], cfg["weights_fetch"],
+                self.weights = WeightClient(setup.weights_announce, setup.weights_fetch,
                                             identity=f"{self.worker_id}-w".encode(), curve=self.curve)
                 self._load_weights(-1)  # the newest the learner serves (the controller's view can lag behind it)
             log.info("worker %s ready: %s engine, %s actor, weights v%d, %d slots", self.worker_id,
@@ -217,8 +222,7 @@ class GeneratorWorker:
 
         def beat() -> None:
             while not done.wait(self.heartbeat_s):
-                self._send_ctl(P.Heartbeat(peer_id=self.worker_id, time=time.time(),
-                                           stats={"version": -1.0, "outstanding": 0.0, "samples": 0.0}))
+                self._send_ctl(self._heartbeat(-1, {"outstanding": 0.0, "samples": 0.0}))
 
         helper = threading.Thread(target=beat, name="worker-start-heartbeat", daemon=True)
         helper.start()
@@ -228,12 +232,12 @@ class GeneratorWorker:
             done.set()
             helper.join()
 
-    def _engine_spec(self, cfg: dict[str, str]) -> EngineSpec:
+    def _engine_spec(self, setup: P.WorkerSetup) -> EngineSpec:
         sg = self.sglang
         extra = [a for a in sg.get("extra_args", "").strip("[]").split(",") if a]
         return EngineSpec(kind=self.engine_kind, quant_format=self.fmt, device=self.device, slots=self.slots,
-                          eos_token_ids=json.loads(cfg["eos_token_ids"]), max_seq_len=int(cfg.get("max_seq_len", "0")),
-                          model_config_json=cfg["model_config"], model_path=sg.get("model_path") or cfg.get("model_dir", ""),
+                          eos_token_ids=list(setup.eos_token_ids), max_seq_len=setup.max_seq_len,
+                          model_config_json=setup.model_config, model_path=sg.get("model_path") or setup.model_dir,
                           sglang_url=sg.get("url", ""), sglang_device=sg.get("device", "auto"),
                           sglang_python=sg.get("python", ""), sglang_max_total_tokens=int(sg.get("max_total_tokens", 0)),
                           sglang_startup_timeout_s=float(sg.get("startup_timeout_s", 600.0)), sglang_extra_args=extra,
@@ -282,7 +286,7 @@ class GeneratorWorker:
                 self._leave(reason=f"fatal: {self.fatal!r}"[:200])
                 return
             if now - last_hb >= self.heartbeat_s:
-                self._send_ctl(P.Heartbeat(peer_id=self.worker_id, time=time.time(), stats=self._stats()))
+                self._send_ctl(self._heartbeat(self.engine.version, self._stats()))
                 last_hb = now
             if self._maybe_update_weights():
                 next_request = 0.0  # new weights: ask for the work they unlock now, not after a back-off
@@ -373,8 +377,14 @@ class GeneratorWorker:
 
     def _stats(self) -> dict[str, float]:
         dt = max(1e-6, time.monotonic() - self.t_start)
-        return {"version": float(self.engine.version), "outstanding": float(len(self.outstanding)),
-                "samples": float(self.samples_sent), "tokens_per_s": self.tokens_generated / dt}
+        return {"outstanding": float(len(self.outstanding)), "samples": float(self.samples_sent),
+                "tokens_per_s": self.tokens_generated / dt}
+
+    def _heartbeat(self, version: int, stats: dict[str, float]) -> P.Heartbeat:
+        """``version``: the engine's weights version (-1: none yet); a 1.0-1.2 controller reads it from stats."""
+        if not self.typed:
+            stats = stats | {"version": float(version)}
+        return P.Heartbeat(peer_id=self.worker_id, time=time.time(), stats=stats, version=max(-1, int(version)))
 
     def _send_ctl(self, msg) -> None:
         try:

@@ -190,13 +190,16 @@ class ControllerSource:
         self.ctl = ZmqChannel.connect(zmq.DEALER, address, name="learner-ctl", identity=b"learner",
                                       curve=client_curve(transport), context=self._ctx)
         adv = transport.advertise_host
+        # capabilities["version"]: the string a 1.0-1.2 controller reads (Hello.version is the 1.3 field)
         self.ctl.send(P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner",
+                              version=version,
                               capabilities={"weights_announce": advertised(server.announce_address, adv),
                                             "weights_fetch": advertised(server.fetch_address, adv),
                                             "version": str(version)}))
         env = self.ctl.recv(WELCOME_TIMEOUT_S)
         if env is None or not isinstance(env.msg, P.Welcome):
             raise SystemExit(f"controller at {address} did not welcome the learner: {env}")
+        self.typed = P.speaks_typed_control(env.msg.protocol_version)  # False: a 1.0-1.2 controller
 
     def next_batch(self, step: int) -> P.TrainBatch | None:
         self.ctl.send(P.BatchRequest(step=step))
@@ -215,18 +218,25 @@ class ControllerSource:
                 return None
         return None
 
-    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False) -> bool:
+    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False,
+               done: bool = False) -> bool:
         """Announce ``version``. With ``checkpoint``, the controller saves its state for this version
-        and acknowledges; returns whether it did (the learner checkpoints only then)."""
-        extra = {"checkpoint": 1.0} if checkpoint else {}
-        self.ctl.send(P.VersionUpdate(version=version, metrics=_finite(metrics) | extra))
+        and acknowledges; returns whether it did (the learner checkpoints only then). ``done``: training
+        is finished."""
+        self.ctl.send(self._update(version, _finite(metrics), checkpoint=checkpoint, done=done))
         return self._await_ack(version, CHECKPOINT_ACK_TIMEOUT_S) if checkpoint else False
+
+    def _update(self, version: int, metrics: dict[str, float], *, checkpoint: bool, done: bool) -> P.VersionUpdate:
+        if not self.typed:  # a 1.0-1.2 controller reads the control flags among the metrics
+            metrics = metrics | {k: 1.0 for k, on in (("checkpoint", checkpoint), ("done", done)) if on}
+        return P.VersionUpdate(version=version, metrics=metrics, checkpoint=checkpoint, done=done)
 
     def _await_ack(self, version: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             env = self.ctl.recv(ACK_RECV_S)
-            if env is not None and isinstance(env.msg, P.VersionUpdate) and env.msg.version == version:
+            if (env is not None and isinstance(env.msg, P.VersionUpdate) and env.msg.version == version
+                    and (env.msg.checkpointed or not self.typed)):  # a 1.0-1.2 controller acks with any update
                 return True
         log.warning("controller did not acknowledge the checkpoint of version %d", version)
         return False
@@ -234,7 +244,7 @@ class ControllerSource:
     def sync_checkpoint(self, version: int, timeout_s: float = FINAL_ACK_TIMEOUT_S) -> bool:
         """On the way out: ask the controller to save its state for ``version``; False if it cannot."""
         try:
-            self.ctl.send(P.VersionUpdate(version=version, metrics={"checkpoint": 1.0}), timeout_s=FINAL_SEND_TIMEOUT_S)
+            self.ctl.send(self._update(version, {}, checkpoint=True, done=False), timeout_s=FINAL_SEND_TIMEOUT_S)
         except ChannelTimeout:
             return False
         return self._await_ack(version, timeout_s)
@@ -261,8 +271,9 @@ class ReplaySource:
             return None
         return self.batches[step]
 
-    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False) -> bool:
-        self.writer.log(version, _finite(metrics))
+    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False,
+               done: bool = False) -> bool:
+        self.writer.log(version, _finite(metrics) | ({"done": 1.0} if done else {}))  # done marks the final record
         return checkpoint
 
     def sync_checkpoint(self, version: int, timeout_s: float = FINAL_ACK_TIMEOUT_S) -> bool:
@@ -437,7 +448,7 @@ def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluato
         sha = sha256_of_state_dict(sd)
         (run_dir / "learner_final.json").write_text(json.dumps(
             {"version": state.version, "state_dict_sha256": sha, **final}, indent=2))
-        source.report(state.version, final | {"done": 1.0})
+        source.report(state.version, final, done=True)
 
 
 def _agree(flag: bool, info) -> bool:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import TrainConfig, load_train_config, save_config
+from protocols import RunSetup
 
 SETUP_REQUEST = "run_setup"  # Hello(role="client", capabilities={"request": SETUP_REQUEST})
 
@@ -75,10 +76,10 @@ def run_controller(overrides: Sequence[str]) -> int:
                             "--publish-formats", ",".join(publish_formats(cfg)), "--announce"])
 
 
-def setup_reply(run_dir: Path, model_dir: Path, formats: Sequence[str]) -> dict[str, str]:
-    """What the controller tells a learner that asks where the run is (the Welcome's config)."""
-    return {"run_dir": str(Path(run_dir).resolve()), "model_dir": str(Path(model_dir).resolve()),
-            "publish_formats": ",".join(formats)}
+def setup_reply(run_dir: Path, model_dir: Path, formats: Sequence[str]) -> RunSetup:
+    """What the controller tells a learner that asks where the run is (``Welcome.run``)."""
+    return RunSetup(run_dir=str(Path(run_dir).resolve()), model_dir=str(Path(model_dir).resolve()),
+                    publish_formats=list(formats))
 
 
 SETUP_TIMEOUT_S = 120.0
@@ -86,7 +87,7 @@ SETUP_TIMEOUT_S = 120.0
 
 
 def ask_run_setup(controller: str, *, keys_dir: str = "", key_name: str = "",
-                  timeout_s: float = SETUP_TIMEOUT_S) -> dict:
+                  timeout_s: float = SETUP_TIMEOUT_S) -> RunSetup:
     """Ask the controller at ``controller`` for the run folder, the model folder and the formats to publish."""
     import zmq
 
@@ -105,9 +106,9 @@ def ask_run_setup(controller: str, *, keys_dir: str = "", key_name: str = "",
     if env is None:
         raise ValueError(f"no answer from a controller at {controller} within {timeout_s:.0f} s; start "
                          "`asyncrl controller` first and pass the address it prints (controller=tcp://HOST:PORT)")
-    if not isinstance(env.msg, P.Welcome) or "run_dir" not in env.msg.config:
+    if not isinstance(env.msg, P.Welcome):
         raise ValueError(f"the controller at {controller} did not describe its run: {env.msg!r}")
-    return dict(env.msg.config)
+    return env.msg.run_setup()
 
 
 def parse_kv(argv: Sequence[str], prog: str, known: set[str], epilog: str) -> dict[str, str]:
@@ -152,8 +153,8 @@ def run_learner(argv: Sequence[str]) -> int:
         raise ValueError("controller=tcp://HOST:PORT is required (printed by `asyncrl controller`)")
     setup = ask_run_setup(kv["controller"], keys_dir=kv.get("transport.keys_dir", ""),
                           key_name=kv.get("transport.key_name", ""))
-    run_dir = Path(kv.get("run_dir") or setup["run_dir"])
-    model_dir = Path(kv.get("model_dir") or setup["model_dir"])
+    run_dir = Path(kv.get("run_dir") or setup.run_dir)
+    model_dir = Path(kv.get("model_dir") or setup.model_dir)
     for name, folder, marker in (("run_dir", run_dir, "config.json"), ("model_dir", model_dir, "config.json")):
         if not (folder / marker).is_file():
             raise ValueError(f"{name} {folder} (from the controller) is not readable on this host "
@@ -163,7 +164,7 @@ def run_learner(argv: Sequence[str]) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     return learner_main(["--run-dir", str(run_dir), "--model-dir", str(model_dir), "--controller", kv["controller"],
-                         "--publish-formats", setup.get("publish_formats", "")])
+                         "--publish-formats", ",".join(setup.publish_formats)])
 
 
 def announce(addresses: dict[str, str], run_dir: Path) -> None:

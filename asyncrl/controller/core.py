@@ -41,13 +41,29 @@ log = logging.getLogger("asyncrl.controller")
 MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a joining worker learns about the model (``workers/controller.py`` reads it from the model folder).
+
+    ``config_json``: the model's complete Hugging Face config as JSON text (the architecture a native
+    engine builds; its ``vocab_size`` bounds valid token ids)."""
+
+    config_json: str
+    eos_token_ids: tuple[int, ...] = ()
+    model_id: str = ""
+    model_dir: str = ""
+
+
 class ControllerCore:
-    def __init__(self, cfg: TrainConfig, *, run_dir: Path, scorer: GroupScorer, welcome_config: dict[str, str],
-                 publish_formats: list[str], clock=time.monotonic) -> None:
+    def __init__(self, cfg: TrainConfig, *, run_dir: Path, scorer: GroupScorer, model: ModelInfo,
+                 samples_address: str, publish_formats: list[str], clock=time.monotonic) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.scorer = scorer
-        self.welcome_config = dict(welcome_config)
+        self.model = model
+        self.samples_address = samples_address
+        self.weights_addresses: tuple[str, str] | None = None  # the learner's weight server (announce, fetch)
+        self.learner_typed = True  # the learner speaks protocol >= 1.3 (typed control flags)
         self.publish_formats = publish_formats
         self.clock = clock
         self.version = ManualVersion(0)
@@ -58,7 +74,7 @@ class ControllerCore:
         self.assembler = BatchAssembler(self.gate, self.buffer, keep=keep,
                                         max_filtered_per_step=4 * cfg.rollout.groups_per_step)
         self.cursor = 0  # index of the next problem of the task's prompt stream
-        self.vocab_size = _vocab_size(welcome_config, scorer)
+        self.vocab_size = _vocab_size(model, scorer)
         self.workers = WorkerRegistry()
         self.learner_peer: bytes | None = None
         self.pending_batch: int | None = None  # step the learner asked for and did not get yet
@@ -72,7 +88,7 @@ class ControllerCore:
         self.max_consumed_staleness = 0
         self.samples_logged = 0
         self.log = TrajectoryLogWriter(self.run_dir / "trajectories", config=dataclasses.asdict(cfg),
-                                       run_name=cfg.run_name, model=welcome_config.get("model_id", ""),
+                                       run_name=cfg.run_name, model=model.model_id,
                                        fsync=cfg.log.fsync, fsync_every=cfg.log.fsync_every,
                                        rotate_bytes=cfg.log.rotate_mb * 2**20, salvage=cfg.log.salvage)
         for c in self.log.repaired:
@@ -131,16 +147,23 @@ class ControllerCore:
             if self.learner_peer is not None and self.learner_peer != peer:
                 self.counters["control/rejected_hello"] += 1
                 return P.Reject(reason="a learner is already registered with this controller")
-            start = msg.capabilities.get("version", "0")
-            if not start.isdigit() or int(start) < self.version.version:
+            start = _learner_version(msg)
+            if start is None or start < self.version.version:
                 self.counters["control/rejected_hello"] += 1
-                return P.Reject(reason=f"learner version {start!r} is not a version >= {self.version.version}; "
+                said = "names no version (Hello.version)" if start is None else f"starts at version {start}"
+                return P.Reject(reason=f"the learner {said}, the controller is at version {self.version.version}; "
                                        "resume the learner and the controller from the same run folder")
+            weights = msg.capabilities.get("weights_announce", ""), msg.capabilities.get("weights_fetch", "")
+            if not all(weights):
+                self.counters["control/rejected_hello"] += 1
+                return P.Reject(reason="the learner's Hello must name its weight server: capabilities "
+                                       "weights_announce and weights_fetch (the addresses workers fetch from)")
             self.learner_peer = peer
-            self.welcome_config.update({k: v for k, v in msg.capabilities.items() if k.startswith("weights_")})
-            if int(start) != self.version.version:
-                log.info("learner starts at version %s", start)
-                self.version.set(int(start))
+            self.learner_typed = P.speaks_typed_control(msg.protocol_version)
+            self.weights_addresses = weights
+            if start != self.version.version:
+                log.info("learner starts at version %d", start)
+                self.version.set(start)
             return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
                              latest_version=self.version.version)
         if msg.role != "generator":
@@ -159,9 +182,19 @@ class ControllerCore:
         self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
                                     logged_at=time.time()))
         log.info("worker %s joined (%s)", msg.peer_id, fmt)
+        setup = self.worker_setup(fmt)
+        legacy = {} if P.speaks_typed_control(msg.protocol_version) else setup.to_legacy()  # a 1.0-1.2 worker
         return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
-                         latest_version=self.version.version,
-                         config=self.welcome_config | {"quant_format": fmt})
+                         latest_version=self.version.version, setup=setup, config=legacy)
+
+    def worker_setup(self, fmt: str) -> P.WorkerSetup:
+        """What a worker that fetches ``fmt`` is told when it joins (the one place a ``WorkerSetup`` is filled)."""
+        assert self.weights_addresses is not None, "workers are welcomed only once the learner has registered"
+        r, m = self.cfg.rollout, self.model
+        return P.WorkerSetup(samples_address=self.samples_address, weights_announce=self.weights_addresses[0],
+                             weights_fetch=self.weights_addresses[1], model_config=m.config_json,
+                             worker_slots=r.worker_slots, heartbeat_s=r.heartbeat_s, quant_format=fmt,
+                             eos_token_ids=list(m.eos_token_ids), model_id=m.model_id, model_dir=m.model_dir)
 
     def _work(self, peer: bytes, msg: P.WorkRequest, now: float) -> list[tuple[bytes, Any]]:
         w = self.workers.get(msg.worker_id)
@@ -214,9 +247,12 @@ class ControllerCore:
             self.counters["control/unknown_heartbeat"] += 1
             return
         w.last_seen = now
-        version, tps = msg.stats.get("version", w.version), msg.stats.get("tokens_per_s", 0.0)
-        if math.isfinite(version):  # stats are the peer's word: never let a NaN reach int()
-            w.version = max(w.version, int(version))
+        version = msg.version
+        if version < 0:  # a 1.0-1.2 worker: its version is a float among its stats
+            legacy = msg.stats.get("version", -1.0)
+            version = int(legacy) if math.isfinite(legacy) else -1  # the peer's word: never let a NaN reach int()
+        w.version = max(w.version, version)
+        tps = msg.stats.get("tokens_per_s", 0.0)
         w.tokens_per_s = tps if math.isfinite(tps) else 0.0  # alive, but its assignments' deadlines stand
 
     def drop_peer(self, peer: bytes) -> None:
@@ -352,14 +388,19 @@ class ControllerCore:
         if msg.version > self.version.version:
             self.version.set(msg.version)
             self.assembler.release_through(msg.version)
-        if msg.metrics.get("done", 0.0) >= 1.0 and not self.done:
+        done, checkpoint = msg.done, msg.checkpoint
+        if not self.learner_typed:  # a 1.0-1.2 learner sends its control flags among the metrics
+            done = done or msg.metrics.get("done", 0.0) >= 1.0
+            checkpoint = checkpoint or msg.metrics.get("checkpoint", 0.0) >= 1.0
+        if done and not self.done:
             self.done = True
             self.done_at = self.clock()
         out = []
-        if msg.metrics.get("checkpoint", 0.0) >= 1.0 and self.learner_peer is not None:
+        if checkpoint and self.learner_peer is not None:
             # Saved before the learner writes its own checkpoint of this version (it waits for the ack).
             self.save(self.checkpoint_path(msg.version))
-            out.append((self.learner_peer, P.VersionUpdate(version=msg.version, metrics={"checkpointed": 1.0})))
+            legacy = {} if self.learner_typed else {"checkpointed": 1.0}
+            out.append((self.learner_peer, P.VersionUpdate(version=msg.version, checkpointed=True, metrics=legacy)))
         return out + self._try_batch()
 
     def checkpoint_path(self, version: int) -> Path:
@@ -430,12 +471,26 @@ def response_metrics(group_rewards: list[list[float]], responses: list[P.Array],
             "train/first_token_stop_frac": float(np.mean(first))}
 
 
-def _vocab_size(welcome_config: dict[str, str], scorer: GroupScorer) -> int:
+def _vocab_size(model: ModelInfo, scorer: GroupScorer) -> int:
     """Rows of the model's embedding (from the config the workers get), else the tokenizer's size."""
-    model_config = welcome_config.get("model_config")
-    if model_config:
-        return int(json.loads(model_config)["vocab_size"])
+    vocab = json.loads(model.config_json).get("vocab_size") if model.config_json else None
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        return vocab
     return len(scorer.tokenizer)
+
+
+def _learner_version(hello: P.Hello) -> int | None:
+    """The version a learner starts at: ``Hello.version`` (1.3), or the string capability a 1.0-1.2 learner
+    sent (absent: 0); None when there is none a controller could trust."""
+    if hello.version >= 0:
+        return hello.version
+    if P.speaks_typed_control(hello.protocol_version):
+        return None  # a 1.3 learner names its version, always
+    try:
+        start = int(hello.capabilities.get("version", "0"))
+    except ValueError:
+        return None
+    return start if start >= 0 else None
 
 
 def read_state(path: Path) -> dict[str, Any]:

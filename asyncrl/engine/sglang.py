@@ -2,7 +2,8 @@
 
 Owns: the request life cycle on the client side (queued here -> in flight as one ``/generate`` call ->
 finished), the mapping of asyncrl requests/results onto SGLang's native API, and the ordered control
-channel (pause / resume / abort / weight updates / cache flush). docs/sglang.md is the long form; every
+channel (pause / resume / abort / weight updates / cache flush: typed operations, ``Control`` and
+``WeightUpdate``). docs/sglang.md is the long form; every
 endpoint and field below was read in SGLang 0.5.23's source (entrypoints/http_server.py,
 managers/io_struct.py, layers/sampler.py, utils/weight_versions.py).
 
@@ -37,6 +38,7 @@ Mapping (SGLang 0.5.23):
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import threading
@@ -71,6 +73,33 @@ def request_seed(seed: int, sample_id: str) -> int:
     streams under one run seed; SGLang hashes it with the token position."""
     h = hashlib.blake2b(f"{seed}\x00{sample_id}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") >> 1
+
+
+class Control(enum.Enum):
+    """A control operation without arguments, applied by the control thread in the order recorded."""
+
+    PAUSE = "pause"  # /pause_generation in place
+    RESUME = "resume"  # /continue_generation
+    RESUME_FOR_CLOSE = "resume_for_close"  # /continue_generation only if a caller had paused
+    ABORT = "abort"  # /abort_request for every in-flight sample whose abort was asked for
+    FLUSH = "flush"  # /flush_cache (a refusal while requests run is ignored)
+    STOP = "stop"  # end the control thread (close)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdate:
+    """The control operation that moves the server to ``version`` (pause, load ``payload``, resume)."""
+
+    version: int
+    payload: TensorUpdate | Path | BroadcastWeights
+
+    @property
+    def skippable(self) -> bool:
+        """A tensor or folder update a newer one replaces; broadcast updates are never skipped."""
+        return not isinstance(self.payload, BroadcastWeights)
+
+
+ControlOp = Control | WeightUpdate
 
 
 @dataclass(slots=True)
@@ -134,7 +163,7 @@ class SGLangEngine:
         self._live: set[str] = set()
         self._results: deque[GenResult] = deque()
         self._aborts: set[str] = set()  # in flight, abort wanted, result not back yet
-        self._controls: deque[tuple] = deque()
+        self._controls: deque[ControlOp] = deque()
         self._errors: deque[BaseException] = deque()
         self._latest_version = self._version
         self._paused = False  # what callers asked for
@@ -233,16 +262,12 @@ class SGLangEngine:
             if version <= self._latest_version:
                 raise ValueError(f"weight version {version} is not newer than {self._latest_version}")
             if not isinstance(payload, BroadcastWeights):
-                kept = deque(
-                    c
-                    for c in self._controls
-                    if not (c[0] == "update" and not isinstance(c[2], BroadcastWeights))
-                )
+                kept = deque(c for c in self._controls if not (isinstance(c, WeightUpdate) and c.skippable))
                 self._updates -= len(self._controls) - len(kept)
                 self._controls = kept
             self._updates += 1
             self._latest_version = version
-            self._controls.append(("update", version, payload))
+            self._controls.append(WeightUpdate(version, payload))
             self._cond.notify_all()
 
     def abort(self, sample_ids: Sequence[str]) -> None:
@@ -260,7 +285,7 @@ class SGLangEngine:
             hit = wanted & set(self._inflight) - self._aborts
             if hit:
                 self._aborts |= hit
-                self._controls.append(("abort",))
+                self._controls.append(Control.ABORT)
             self._cond.notify_all()
 
     def pause(self) -> None:
@@ -268,20 +293,20 @@ class SGLangEngine:
         with self._lock:
             if not self._paused:
                 self._paused = True
-                self._controls.append(("pause",))
+                self._controls.append(Control.PAUSE)
                 self._cond.notify_all()
 
     def resume(self) -> None:
         with self._lock:
             if self._paused:
                 self._paused = False
-                self._controls.append(("resume",))
+                self._controls.append(Control.RESUME)
                 self._cond.notify_all()
 
     def flush_cache(self) -> None:
         """Queue a ``/flush_cache`` (SGLang refuses it while requests run; the refusal is ignored)."""
         with self._lock:
-            self._controls.append(("flush",))
+            self._controls.append(Control.FLUSH)
             self._cond.notify_all()
 
     def init_broadcast_group(
@@ -321,9 +346,7 @@ class SGLangEngine:
                 self._finish_locked(p, [], [], [], "abort")
             self._queue.clear()
             self._aborts |= set(self._inflight)
-            self._controls.append(("resume_for_close",))
-            self._controls.append(("abort",))
-            self._controls.append(("stop",))
+            self._controls.extend((Control.RESUME_FOR_CLOSE, Control.ABORT, Control.STOP))
             self._cond.notify_all()
             deadline = time.monotonic() + timeout_s
             while self._inflight and self._cond.wait(max(0.0, deadline - time.monotonic())):
@@ -518,9 +541,9 @@ class SGLangEngine:
                     if self._aborts and not self._closed:
                         break  # re-send pending aborts (SGLang ignores one for a rid it has not seen yet)
                     self._cond.wait(timeout=1.0)
-                op = self._controls.popleft() if self._controls else ("abort",)
+                op = self._controls.popleft() if self._controls else Control.ABORT
             try:
-                if op[0] == "stop":
+                if op is Control.STOP:
                     return
                 self._apply(op)
             except (SGLangError, ValueError) as exc:
@@ -529,32 +552,31 @@ class SGLangEngine:
                     self._cond.notify_all()
             finally:
                 with self._lock:
-                    if op[0] == "update":
+                    if isinstance(op, WeightUpdate):
                         self._updates -= 1
                     self._pump()
-            if op[0] == "abort":
+            if op is Control.ABORT:
                 time.sleep(self.abort_retry_s)
 
-    def _apply(self, op: tuple) -> None:
-        kind = op[0]
-        if kind == "pause":
+    def _apply(self, op: ControlOp) -> None:
+        if isinstance(op, WeightUpdate):
+            self._apply_update(op.version, op.payload)
+        elif op is Control.PAUSE:
             self.http.post("/pause_generation", {"mode": "in_place"})
-        elif kind in ("resume", "resume_for_close"):
-            if kind == "resume" or self._paused:
+        elif op is Control.RESUME or op is Control.RESUME_FOR_CLOSE:
+            if op is Control.RESUME or self._paused:
                 self.http.post("/continue_generation", {})
-        elif kind == "abort":
+        elif op is Control.ABORT:
             with self._lock:
                 rids = [self._inflight[s].rid for s in self._aborts if s in self._inflight]
             for rid in rids:
                 self.http.post("/abort_request", {"rid": rid}, expect_json=False)
-        elif kind == "flush":
+        elif op is Control.FLUSH:
             try:
                 self.http.post("/flush_cache", {}, expect_json=False)
             except SGLangRequestError as exc:
                 if exc.status != 400:
                     raise
-        elif kind == "update":
-            self._apply_update(op[1], op[2])
 
     def _apply_update(self, version: int, payload: TensorUpdate | Path | BroadcastWeights) -> None:
         user_paused = self._paused

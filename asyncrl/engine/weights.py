@@ -1,7 +1,7 @@
 """Weight handling for the native engine: quantizing the actor once, validating and loading updates.
 
-Owns: the bridge between the engine and ``asyncrl.quant`` (the only engine module that imports it, lazily,
-so an fp32 engine works without it) and the loading of plain state dicts.
+Owns: the bridge between the engine and ``asyncrl.quant`` (the only native-engine module that imports it)
+and the loading of plain state dicts.
 
 Must never: quantize on the hot path of a weight update when a ``PublishedWeights`` is given (those are
 loaded as published, ``asyncrl.quant.load_published``), or replace parameter tensors (loads copy in
@@ -18,25 +18,9 @@ from typing import Any
 
 import torch
 
+from asyncrl.quant import PublishedWeights, load_published, publish, quantize_model
+
 QUANT_FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
-
-
-_QUANT_API = ("quantize_model", "publish", "load_published", "PublishedWeights")
-
-
-def _quant(fmt: str):
-    """``asyncrl.quant``, imported on first use; ``ValueError`` if it is missing or incomplete."""
-    try:
-        import asyncrl.quant as quant
-    except ImportError as exc:
-        raise ValueError(f"quant_format={fmt!r} needs asyncrl.quant, which failed to import: {exc}") from exc
-    missing = [name for name in _QUANT_API if not hasattr(quant, name)]
-    if missing:
-        raise ValueError(
-            f"quant_format={fmt!r} needs asyncrl.quant.{{{', '.join(missing)}}}, which this checkout lacks; "
-            "use quant_format='fp32'"
-        )
-    return quant
 
 
 def quantize_actor(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
@@ -45,23 +29,9 @@ def quantize_actor(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
         raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {fmt!r}")
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if fmt != "fp32":
-        model = _quant(fmt).quantize_model(model, fmt)
+        model = quantize_model(model, fmt)
     model._asyncrl_hf_shapes = shapes
     return model
-
-
-def published_format(weights: Any) -> str | None:
-    """The format a ``PublishedWeights`` says it holds, if it says."""
-    for attr in ("fmt", "format"):
-        value = getattr(weights, attr, None)
-        if isinstance(value, str):
-            return value
-    manifest = getattr(weights, "manifest", None)
-    for attr in ("fmt", "format"):
-        value = getattr(manifest, attr, None) if manifest is not None else None
-        if isinstance(value, str):
-            return value
-    return None
 
 
 def check_weights(weights: Any, fmt: str, model: torch.nn.Module) -> None:
@@ -85,17 +55,12 @@ def check_weights(weights: Any, fmt: str, model: torch.nn.Module) -> None:
                 f"wrong shape {wrong[:5]}; send the learner's full HF state dict"
             )
         return
-    try:
-        quant = _quant(fmt)
-    except ValueError:
-        quant = None
-    if quant is None or not isinstance(weights, quant.PublishedWeights):
+    if not isinstance(weights, PublishedWeights):
         raise ValueError(
             f"weights must be a state dict or an asyncrl.quant.PublishedWeights, got {type(weights).__name__}"
         )
-    got = published_format(weights)
-    if got is not None and got != fmt:
-        raise ValueError(f"published weights are {got!r} but this engine runs {fmt!r}; publish in {fmt!r}")
+    if weights.fmt != fmt:
+        raise ValueError(f"published weights are {weights.fmt!r} but this engine runs {fmt!r}; publish in {fmt!r}")
 
 
 def _hf_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -116,11 +81,9 @@ def apply_weights(model: torch.nn.Module, weights: Any, fmt: str, version: int) 
         if fmt == "fp32":
             load_plain_state_dict(model, weights)
             return
-        quant = _quant(fmt)
-        weights = quant.publish(dict(weights), fmt, version=version)
-        quant.load_published(model, weights)
+        load_published(model, publish(dict(weights), fmt, version=version))
         return
-    _quant(fmt).load_published(model, weights)
+    load_published(model, weights)
 
 
 @torch.no_grad()

@@ -49,7 +49,7 @@ from .linear import LINEAR_CLASSES, QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, TARGET_LINEARS, model_format, quantize_model
 from .publish import PublishedWeights, load_published, publish
 from .uaq import UAQ_SITES, fold_uaq, unfold_uaq
-from .wire import ManifestEntry, RawTensor
+from .wire import RawTensor
 
 __all__ = [
     "DEFAULT_AQN_SITES",
@@ -63,7 +63,6 @@ __all__ = [
     "BlockShapeError",
     "ChecksumMismatchError",
     "FormatMismatchError",
-    "ManifestEntry",
     "ManifestMismatchError",
     "NonFiniteWeightError",
     "PublishedWeights",

@@ -31,7 +31,7 @@ def _code_entries(pub: PublishedWeights) -> dict[str, tuple[int, ...]]:
     return {
         e.name: e.logical_shape
         for e in pub.manifest
-        if e.role in (ROLE_CODES, ROLE_WEIGHT) and e.logical_shape is not None
+        if e.role in (ROLE_CODES, ROLE_WEIGHT) and e.logical_shape
     }
 
 
@@ -110,7 +110,7 @@ def publication_metrics(
     n_weight = sum(
         e.logical_shape[0] * e.logical_shape[1]
         for e in published.manifest
-        if e.role in (ROLE_CODES, ROLE_WEIGHT) and e.logical_shape is not None
+        if e.role in (ROLE_CODES, ROLE_WEIGHT) and e.logical_shape
     )
     linear_bytes = sum(e.nbytes for e in published.manifest if e.role != ROLE_FULL)
     out = {

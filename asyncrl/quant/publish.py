@@ -9,8 +9,9 @@ its format tensors `P.qweight`, `P.weight_scale`, ... (formats.py); every other 
 copied untouched. Names showing the same memory (tied embeddings: `lm_head.weight` and
 `model.embed_tokens.weight`) are published once, under the first name in sorted order; the loader
 fills the other name through the model's own tie. Tensor names are exactly the state-dict keys of
-the converted model. Manifest entries (wire.py) follow the sorted tensor names and record name,
-dtype, shape, format, role, byte count, per-tensor digest and, for codes, the logical [N, K].
+the converted model. Manifest entries (`protocols.TensorSpec`, built by wire.manifest_entry) follow the
+sorted tensor names and record name, dtype, shape, format, role, byte count, per-tensor digest and, for
+codes, the logical [N, K]; the transport ships the same entries unchanged.
 
 Checksum: sha256 (hex) of the canonical JSON header (version, fmt, AQN record, manifest; sorted keys,
 no spaces), and the header embeds every tensor's own integrity digest (XXH3-128, wire.py) over its
@@ -36,6 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from protocols import TensorSpec
+
 from . import aqn as aqn_mod
 from .errors import (
     ChecksumMismatchError,
@@ -57,15 +60,15 @@ from .formats import (
 from .int8 import all_finite
 from .linear import QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, is_target_weight, model_format
-from .wire import (  # ManifestEntry and RawTensor are also imported from here by asyncrl.transport
+from .wire import (  # RawTensor is also imported from here by asyncrl.transport
     DTYPES,
-    ManifestEntry,
     RawTensor,
     checksum_of,
-    digest,
     digest_matches,
     dtype_name,
+    entry_from_dict,
     header_dict,
+    manifest_entry,
     raw_bytes,
     tensor_from_bytes,
 )
@@ -78,7 +81,7 @@ class PublishedWeights:
     version: int
     fmt: str
     tensors: dict[str, Tensor]
-    manifest: list[ManifestEntry]
+    manifest: list[TensorSpec]
     checksum: str
     aqn_seed: int | None = None
     aqn_sigma: float = 0.0
@@ -106,20 +109,13 @@ class PublishedWeights:
         """Rebuild from `header()` and `to_raw()` output (copies each buffer once; ``copy=False``:
         tensors are views of the buffers, `wire.tensor_from_bytes`). Only the layout is checked
         here; `verify()` / `load_published` check manifest, digests and checksum."""
-        tensors: dict[str, Tensor] = {}
-        for item in raw:
-            name, data, dtype, shape = item
-            if dtype not in DTYPES:
-                raise ManifestMismatchError(f"unknown dtype {dtype!r}", tensor_name=name)
-            if name in tensors:
-                raise ManifestMismatchError("sent twice", tensor_name=name)
-            tensors[name] = tensor_from_bytes(name, data, DTYPES[dtype], tuple(shape), copy=copy)
+        tensors = _tensors_of(raw, copy=copy)
         try:
             return cls(
                 version=int(header["version"]),
                 fmt=str(header["fmt"]),
                 tensors=tensors,
-                manifest=[ManifestEntry.from_dict(d) for d in header["manifest"]],
+                manifest=[entry_from_dict(d) for d in header["manifest"]],
                 checksum=str(header["checksum"]),
                 aqn_seed=None if header.get("aqn_seed") is None else int(header["aqn_seed"]),
                 aqn_sigma=float(header.get("aqn_sigma", 0.0)),
@@ -129,6 +125,18 @@ class PublishedWeights:
             raise ManifestMismatchError(
                 f"malformed publication header ({exc!r}); send PublishedWeights.header() unchanged"
             ) from exc
+
+    @classmethod
+    def from_manifest(cls, manifest: Sequence[TensorSpec], buffers: Sequence[Any], *, version: int, fmt: str,
+                      checksum: str, aqn_seed: int | None = None, aqn_sigma: float = 0.0,
+                      aqn_resample: str = "publication", copy: bool = True) -> PublishedWeights:
+        """Rebuild from a manifest and one raw buffer per entry, in manifest order (what a transport
+        received); the entries' dtype and shape lay the bytes out. Checked as `from_raw`."""
+        if len(buffers) != len(manifest):
+            raise ManifestMismatchError(f"{len(buffers)} buffers for a manifest of {len(manifest)} entries")
+        raw = [RawTensor(e.name, buf, e.dtype, tuple(e.shape)) for e, buf in zip(manifest, buffers, strict=True)]
+        return cls(version=int(version), fmt=fmt, tensors=_tensors_of(raw, copy=copy), manifest=list(manifest),
+                   checksum=checksum, aqn_seed=aqn_seed, aqn_sigma=float(aqn_sigma), aqn_resample=aqn_resample)
 
     def verify(self) -> None:
         """Check format, manifest vs tensors, per-tensor digests, checksum, finiteness and scales.
@@ -171,7 +179,19 @@ class PublishedWeights:
             _check_values(e, self.tensors[e.name])
 
 
-def _check_values(e: ManifestEntry, t: Tensor) -> None:
+def _tensors_of(raw: Sequence[RawTensor | tuple], *, copy: bool) -> dict[str, Tensor]:
+    tensors: dict[str, Tensor] = {}
+    for item in raw:
+        name, data, dtype, shape = item
+        if dtype not in DTYPES:
+            raise ManifestMismatchError(f"unknown dtype {dtype!r}", tensor_name=name)
+        if name in tensors:
+            raise ManifestMismatchError("sent twice", tensor_name=name)
+        tensors[name] = tensor_from_bytes(name, data, DTYPES[dtype], tuple(shape), copy=copy)
+    return tensors
+
+
+def _check_values(e: TensorSpec, t: Tensor) -> None:
     if t.dtype == torch.float8_e8m0fnu:
         if bool((t.view(torch.uint8) == 255).any()):
             raise NonFiniteWeightError("E8M0 scale byte 255 (NaN)", tensor_name=e.name)
@@ -229,7 +249,7 @@ def publish(
             tensors_in, sigma=aqn_sigma, seed=aqn_seed, sites=aqn_sites, uaq_s=uaq_s, uaq_sites=uaq_sites
         )
     out: dict[str, Tensor] = {}
-    entries: list[ManifestEntry] = []
+    entries: list[TensorSpec] = []
     roles = weight_suffixes(fmt)
     seen: set[tuple] = set()
     for name in sorted(tensors_in):
@@ -246,14 +266,14 @@ def publish(
                 qname = prefix + suffix
                 logical = tuple(t.shape) if roles[suffix] in (ROLE_CODES, ROLE_WEIGHT) else None
                 out[qname] = _snapshot(q, t)
-                entries.append(_entry(qname, out[qname], fmt, roles[suffix], logical))
+                entries.append(manifest_entry(qname, out[qname], fmt, roles[suffix], logical))
         else:
             if t.is_floating_point() and not all_finite(t):
                 raise NonFiniteWeightError(
                     "non-finite value(s); fix the learner update before publishing", tensor_name=name
                 )
             out[name] = _snapshot(t, t)
-            entries.append(_entry(name, out[name], fmt, ROLE_FULL, None))
+            entries.append(manifest_entry(name, out[name], fmt, ROLE_FULL))
     entries.sort(key=lambda e: e.name)
     seed = None if record is None else record.seed
     sigma = 0.0 if record is None else record.sigma
@@ -277,19 +297,6 @@ def _snapshot(t: Tensor, source: Tensor) -> Tensor:
     if t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
         t = t.clone()
     return t
-
-
-def _entry(name: str, t: Tensor, fmt: str, role: str, logical: tuple[int, ...] | None) -> ManifestEntry:
-    return ManifestEntry(
-        name=name,
-        dtype=dtype_name(t.dtype),
-        shape=tuple(t.shape),
-        fmt=fmt,
-        role=role,
-        nbytes=t.numel() * t.element_size(),
-        digest=digest(t),
-        logical_shape=logical,
-    )
 
 
 def load_published(model: nn.Module, published: PublishedWeights) -> None:
@@ -325,7 +332,7 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
                 tensor_name=name,
             )
     for e in published.manifest:
-        if e.logical_shape is None:
+        if not e.logical_shape:
             continue
         mod = _module_or_none(model, e.name.rpartition(".")[0])
         if isinstance(mod, QuantLinear) and e.logical_shape != (mod.out_features, mod.in_features):

@@ -1,8 +1,9 @@
 """Wire form of a publication: dtype names, raw bytes, digests, manifest entries, header checksum.
 
-Owns: how a tensor becomes (name, raw bytes, dtype string, shape) and back, the `ManifestEntry`
-record, the per-tensor integrity digests, and the canonical header whose sha256 is a publication's
-checksum.
+Owns: how a tensor becomes (name, raw bytes, dtype string, shape) and back, the per-tensor integrity
+digests, and the canonical header whose sha256 is a publication's checksum. Manifest entries are
+`protocols.TensorSpec` (the one manifest type; this module builds them, `manifest_entry`, and writes them
+into the canonical header, `entry_dict`).
 
 Raw bytes are the tensor's memory in C order, little-endian (the byte order of every platform torch
 supports here). The header is canonical JSON (sorted keys, no spaces, no NaN) of version, fmt,
@@ -23,12 +24,13 @@ import hashlib
 import json
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import torch
 import xxhash
 from torch import Tensor
+
+from protocols import TensorSpec
 
 from .errors import ManifestMismatchError, QuantError
 
@@ -85,38 +87,26 @@ def digest_matches(t: Tensor, expected: str) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class ManifestEntry:
-    """One published tensor. `role`: weight | codes | scale | global_scale | full_precision."""
+def manifest_entry(name: str, t: Tensor, fmt: str, role: str, logical: tuple[int, ...] | None = None) -> TensorSpec:
+    """The manifest entry of a contiguous CPU tensor about to be published (digest of its bytes included).
+    `role`: full | weight | codes | scale | global_scale; `logical`: the [N, K] a codes/weight entry encodes."""
+    return TensorSpec(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), nbytes=t.numel() * t.element_size(),
+                      role=role, fmt=fmt, digest=digest(t), logical_shape=tuple(logical or ()))
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    fmt: str
-    role: str
-    nbytes: int
-    digest: str  # "xxh3_128:<hex>" (or "sha256:<hex>" from older publishers)
-    logical_shape: tuple[int, ...] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        d["logical_shape"] = None if self.logical_shape is None else list(self.logical_shape)
-        return d
+def entry_dict(e: TensorSpec) -> dict[str, Any]:
+    """An entry as the canonical header writes it (the checksum covers exactly these keys: a 1.0-1.2
+    publisher's checksum is reproduced; ``sha256`` appears only as a ``digest`` of that algorithm)."""
+    return {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "fmt": e.fmt, "role": e.role,
+            "nbytes": int(e.nbytes), "digest": e.digest, "logical_shape": list(e.logical_shape) or None}
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ManifestEntry:
-        ls = d.get("logical_shape")
-        return cls(
-            name=str(d["name"]),
-            dtype=str(d["dtype"]),
-            shape=tuple(int(s) for s in d["shape"]),
-            fmt=str(d["fmt"]),
-            role=str(d["role"]),
-            nbytes=int(d["nbytes"]),
-            digest=str(d["digest"]) if "digest" in d else f"sha256:{d['sha256']}",
-            logical_shape=None if ls is None else tuple(int(s) for s in ls),
-        )
+
+def entry_from_dict(d: Mapping[str, Any]) -> TensorSpec:
+    """Inverse of `entry_dict` (an entry with a ``sha256`` key instead of ``digest`` is a 1.0 one)."""
+    return TensorSpec(name=str(d["name"]), dtype=str(d["dtype"]), shape=tuple(int(s) for s in d["shape"]),
+                      nbytes=int(d["nbytes"]), role=str(d["role"]), fmt=str(d["fmt"]),
+                      digest=str(d["digest"]) if "digest" in d else f"sha256:{d['sha256']}",
+                      logical_shape=tuple(int(s) for s in d.get("logical_shape") or ()))
 
 
 class RawTensor(NamedTuple):
@@ -168,7 +158,7 @@ def header_dict(
     fmt: str,
     aqn_seed: int | None,
     aqn_sigma: float,
-    manifest: Sequence[ManifestEntry],
+    manifest: Sequence[TensorSpec],
     aqn_resample: str = "publication",
 ) -> dict[str, Any]:
     """The canonical header (without the checksum itself). ``aqn_resample`` appears only when it is
@@ -178,7 +168,7 @@ def header_dict(
         "fmt": fmt,
         "aqn_seed": aqn_seed,
         "aqn_sigma": float(aqn_sigma),
-        "manifest": [e.to_dict() for e in manifest],
+        "manifest": [entry_dict(e) for e in manifest],
     }
     if aqn_resample != "publication":
         out["aqn_resample"] = aqn_resample

@@ -27,7 +27,7 @@ import zmq
 
 from asyncrl.transport.channel import ChannelClosed, ChannelTimeout, ZmqChannel
 from asyncrl.transport.keys import CurveConfig
-from protocols import Error, TensorSpec, WeightAnnounce, WeightChunk, WeightFetch
+from protocols import Error, WeightAnnounce, WeightChunk, WeightFetch
 
 
 class WeightFetchError(RuntimeError):
@@ -152,8 +152,7 @@ class WeightServer:
         try:
             self._router.send(ann, to=peer, timeout_s=self.send_timeout_s)
             for i, (spec, buf) in enumerate(zip(ann.manifest, entry.buffers, strict=True)):
-                chunk = WeightChunk(version=ann.version, index=i, count=len(ann.manifest), name=spec.name,
-                                    dtype=spec.dtype, shape=spec.shape, nbytes=spec.nbytes)
+                chunk = WeightChunk.for_entry(spec, version=ann.version, index=i, count=len(ann.manifest))
                 self._router.send(chunk, to=peer, payload=memoryview(buf).cast("B"),
                                   timeout_s=self.send_timeout_s)
         except (ChannelTimeout, ChannelClosed) as e:
@@ -230,7 +229,7 @@ class WeightClient:
         for i, spec in enumerate(ann.manifest):
             env = next_msg(f"chunk {i}")
             chunk = env.msg
-            if not isinstance(chunk, WeightChunk) or not _chunk_matches(chunk, spec, ann.version, i):
+            if not isinstance(chunk, WeightChunk) or not chunk.describes(spec, version=ann.version, index=i):
                 raise WeightFetchError(f"chunk {i} does not match manifest entry {spec.name!r}: {chunk!r}")
             buffers.append(env.payload)
         return ann, buffers
@@ -244,8 +243,3 @@ class WeightClient:
         self._sub.close()
         self._dealer.close()
 
-
-def _chunk_matches(chunk: WeightChunk, spec: TensorSpec, version: int, index: int) -> bool:
-    return (chunk.version == version and chunk.index == index and chunk.name == spec.name
-            and chunk.dtype == spec.dtype and tuple(chunk.shape) == tuple(spec.shape)
-            and chunk.nbytes == spec.nbytes)

@@ -9,7 +9,6 @@ its attack is under way and keeps attacking until SIGTERM:
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -58,8 +57,9 @@ def main() -> int:
         return 0
     ch = ZmqChannel.connect(zmq.DEALER, address, identity=role.encode())
     welcome = _register(ch, role)
-    vocab = json.loads(welcome.config["model_config"])["vocab_size"]
-    push = ZmqChannel.connect(zmq.PUSH, welcome.config["samples_address"])
+    setup = welcome.worker_setup()
+    vocab = setup.vocab_size()
+    push = ZmqChannel.connect(zmq.PUSH, setup.samples_address)
     print("ready", flush=True)
     last_beat = last_ask = 0.0
 
@@ -72,7 +72,7 @@ def main() -> int:
     while not STOP["flag"]:
         now = time.monotonic()
         if now - last_beat > 1.0:
-            send(P.Heartbeat(peer_id=role, time=time.time(), stats={"version": 1e6}))
+            send(P.Heartbeat(peer_id=role, time=time.time(), version=10**6))
             last_beat = now
         if now - last_ask > 0.05:  # as eager as a real worker: it competes for every admitted group
             # it claims the newest weights, so the controller hands it groups of every version

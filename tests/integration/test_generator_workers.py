@@ -1,6 +1,7 @@
 """Two generation worker processes (fp32 and int8) driven by a controller stand-in on real sockets.
 
-The stand-in speaks the real protocol: Welcome with the model architecture, assignments on
+The stand-in speaks the real protocol as a 1.2 controller would (a string ``Welcome.config``, which 1.3
+workers still read: old-peer compatibility), with the model architecture, assignments on
 WorkRequest, samples on PULL, weights from a real WeightServer. A new version is published while the
 workers are generating; every sample must arrive exactly once, with per-token versions that only go
 forward, and the quantization format of the worker that made it.
@@ -62,7 +63,8 @@ def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(p
                 m = env.msg
                 if isinstance(m, P.Hello):
                     joined[m.peer_id] = m.capabilities["quant_format"]
-                    ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in",
+                    # a 1.2 controller's Welcome (string config, no typed setup): the workers still join
+                    ctl.send(P.Welcome(protocol_version="1.2", server_id="stand-in",
                                        latest_version=server.latest_version, config=config), to=env.peer)
                 elif isinstance(m, P.WorkRequest):
                     # half the groups for each worker, however late one of them starts

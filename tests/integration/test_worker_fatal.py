@@ -9,7 +9,6 @@ restarts it, instead of living on with a dead thread.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 
@@ -40,10 +39,10 @@ def test_worker_whose_engine_refuses_an_assignment_hands_it_back_and_exits_nonze
     try:
         ann, bufs = to_wire(publish(model.state_dict(), "fp32", version=0))
         server.publish(ann, bufs)
-        config = {"samples_address": pull.address, "weights_announce": server.announce_address,
-                  "weights_fetch": server.fetch_address, "worker_slots": "4", "heartbeat_s": "0.5",
-                  "model_config": AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False),
-                  "eos_token_ids": json.dumps([2]), "quant_format": "fp32", "max_seq_len": str(MAX_SEQ_LEN)}
+        setup = P.WorkerSetup(samples_address=pull.address, weights_announce=server.announce_address,
+                              weights_fetch=server.fetch_address, worker_slots=4, heartbeat_s=0.5,
+                              model_config=AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False),
+                              eos_token_ids=[2], quant_format="fp32", max_seq_len=MAX_SEQ_LEN)
         worker = procs.python("-m", "asyncrl", "worker", f"controller={ctl.address}", "worker_id=w0",
                               "device=cpu", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         too_long = P.Array.from_numpy(np.full(MAX_SEQ_LEN + 4, 53, np.int32))
@@ -59,7 +58,7 @@ def test_worker_whose_engine_refuses_an_assignment_hands_it_back_and_exits_nonze
             if isinstance(m, P.Hello):
                 assert m.capabilities["engine"] == "native"
                 ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in",
-                                   latest_version=0, config=config), to=env.peer)
+                                   latest_version=0, setup=setup), to=env.peer)
             elif isinstance(m, P.WorkRequest) and not assigned:
                 ctl.send(P.RolloutAssignment(group_id="g0", sample_ids=sample_ids, prompt_ids=too_long,
                                              params=params, n_samples=4), to=env.peer)

@@ -9,7 +9,7 @@ import pytest
 
 import protocols as P
 from asyncrl.config import load_train_config
-from asyncrl.controller.core import ControllerCore, read_state
+from asyncrl.controller.core import ControllerCore, ModelInfo, read_state
 from asyncrl.controller.scoring import build_scorer
 from asyncrl.log import BatchRecord, SampleRecord, read_log, truncate_log
 from asyncrl.models import ensure_tiny_model
@@ -25,9 +25,12 @@ def model_dir(tmp_path_factory):
 def make_core(tmp_path, model_dir, eta=1, extra=(), **kw):
     cfg = load_train_config([f"algo.group_size={G}", f"rollout.groups_per_step={B}", f"rollout.eta={eta}",
                              "rollout.worker_slots=8", "log.fsync=never", *extra])
-    return ControllerCore(cfg, run_dir=tmp_path, scorer=build_scorer(cfg, model_dir),
-                          welcome_config={"samples_address": "x", "model_id": "tiny:test"}, publish_formats=["int8"],
-                          **kw)
+    return ControllerCore(cfg, run_dir=tmp_path, scorer=build_scorer(cfg, model_dir), model=model_info(model_dir),
+                          samples_address="tcp://x:1", publish_formats=["int8"], **kw)
+
+
+def model_info(model_dir) -> ModelInfo:
+    return ModelInfo(config_json=(model_dir / "config.json").read_text(), eos_token_ids=(2,), model_id="tiny:test")
 
 
 
@@ -38,15 +41,19 @@ def fill_first_batch(core):
         answer(core, a)
     core.handle(b"L", P.BatchRequest(step=0))
 
-def hello(role, peer_id, fmt="int8"):
+LEARNER_CAPS = {"weights_announce": "tcp://l:1", "weights_fetch": "tcp://l:2"}
+
+
+def hello(role, peer_id, fmt="int8", version=0):
     return P.Hello(protocol_version=P.PROTOCOL_VERSION, role=role, peer_id=peer_id,
-                   capabilities={"quant_format": fmt} if role == "generator" else {"version": "0"})
+                   version=version if role == "learner" else -1,
+                   capabilities={"quant_format": fmt} if role == "generator" else LEARNER_CAPS)
 
 
 def register(core):
     assert isinstance(core.handle(b"L", hello("learner", "learner"))[0][1], P.Welcome)
     assert isinstance(core.handle(b"W", hello("generator", "w"))[0][1], P.Welcome)
-    core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, stats={"version": 0.0}))
+    core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, version=0))
 
 
 def answer(core, assignment, worker="w", version=0, correct=(True, False, False, False)):
@@ -76,7 +83,7 @@ def test_peers_cannot_speak_for_others(tmp_path, model_dir):
     core = make_core(tmp_path, model_dir)
     register(core)
     (_, r1), = core.handle(b"EVIL", P.Goodbye(peer_id="w"))
-    (_, r2), = core.handle(b"EVIL", P.VersionUpdate(version=5, metrics={"done": 1.0}))
+    (_, r2), = core.handle(b"EVIL", P.VersionUpdate(version=5, done=True))
     (_, r3), = core.handle(b"EVIL", P.BatchRequest(step=0))
     assert all(isinstance(r, P.Error) for r in (r1, r2, r3))
     assert "w" in core.workers and core.version.version == 0 and not core.done
@@ -261,11 +268,11 @@ def test_a_worker_that_heartbeats_but_never_returns_loses_its_group_and_its_late
     assert len(held) == 1
     for _ in range(4):  # alive and heartbeating every 3 s, but it never returns the group
         clock.t += 3
-        core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, stats={"version": 0.0}))
+        core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, version=0))
         core.poll()
     assert core.counters["samples/overdue_groups"] == 1 and "w" in core.workers
     assert isinstance(core.handle(b"V", hello("generator", "v"))[0][1], P.Welcome)
-    core.handle(b"V", P.Heartbeat(peer_id="v", time=0.0, stats={"version": 0.0}))
+    core.handle(b"V", P.Heartbeat(peer_id="v", time=0.0, version=0))
     again = _assignments(core.handle(b"V", P.WorkRequest(worker_id="v", credits=G)))
     assert again[0].group_id == held[0].group_id and again[0].sample_ids == held[0].sample_ids
     answer(core, held[0], worker="w")  # the late result

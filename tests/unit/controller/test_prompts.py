@@ -9,7 +9,7 @@ import json
 import pytest
 
 from asyncrl.config import load_train_config
-from asyncrl.controller.core import ControllerCore
+from asyncrl.controller.core import ControllerCore, ModelInfo
 from asyncrl.controller.prompts import PromptEncoder, resolve_prompt_format, stop_token_ids
 from asyncrl.controller.scoring import build_scorer
 from asyncrl.models import ensure_tiny_model
@@ -85,10 +85,10 @@ def test_controller_sends_the_encoded_prompt_and_the_stop_tokens(tmp_path, tiny_
     cfg = load_train_config(["algo.group_size=2", "rollout.groups_per_step=1", "rollout.worker_slots=2",
                              "log.fsync=never"])
     scorer = build_scorer(cfg, tiny_dir)
-    core = ControllerCore(cfg, run_dir=tmp_path, scorer=scorer,
-                          welcome_config={"samples_address": "x", "model_id": "tiny:test"}, publish_formats=["int8"])
-    core.handle(b"L", P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner",
-                              capabilities={"version": "0"}))
+    core = ControllerCore(cfg, run_dir=tmp_path, scorer=scorer, samples_address="tcp://x:1", publish_formats=["int8"],
+                          model=ModelInfo(config_json=(tiny_dir / "config.json").read_text()))
+    core.handle(b"L", P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner", version=0,
+                              capabilities={"weights_announce": "tcp://l:1", "weights_fetch": "tcp://l:2"}))
     core.handle(b"W", P.Hello(protocol_version=P.PROTOCOL_VERSION, role="generator", peer_id="w",
                               capabilities={"quant_format": "int8"}))
     (_, a), = core.handle(b"W", P.WorkRequest(worker_id="w", credits=2, version=0))

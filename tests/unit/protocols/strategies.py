@@ -85,11 +85,23 @@ def train_samples(draw) -> P.TrainSample:
     )
 
 
+addresses = st.builds("tcp://{}:{}".format, st.sampled_from(["127.0.0.1", "node-3"]), st.integers(1, 65535))
+worker_setups = st.builds(
+    P.WorkerSetup, samples_address=addresses, weights_announce=addresses, weights_fetch=addresses,
+    model_config=st.builds(lambda v: f'{{"vocab_size": {v}, "model_type": "llama"}}', st.integers(1, 10**6)),
+    worker_slots=st.integers(1, 4096), heartbeat_s=st.floats(1e-3, 60), quant_format=st.sampled_from(["fp32", "int8"]),
+    eos_token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=3), model_id=st.text(max_size=16),
+    model_dir=st.text(max_size=16), max_seq_len=st.integers(0, 2**20),
+)
+run_setups = st.builds(P.RunSetup, run_dir=ids, model_dir=ids,
+                       publish_formats=st.lists(st.sampled_from(["fp32", "int8", "nvfp4"]), max_size=3))
+
 MESSAGES = {
     P.Hello: st.builds(P.Hello, protocol_version=st.just(P.PROTOCOL_VERSION), role=st.sampled_from(P.ROLES),
-                       peer_id=ids, capabilities=meta),
+                       peer_id=ids, capabilities=meta, version=st.integers(-1, 10**6)),
     P.Welcome: st.builds(P.Welcome, protocol_version=st.just(P.PROTOCOL_VERSION), server_id=ids,
-                         latest_version=st.integers(-1, 10**6), config=meta),
+                         latest_version=st.integers(-1, 10**6), config=meta, setup=st.none() | worker_setups,
+                         run=st.none() | run_setups),
     P.Reject: st.builds(P.Reject, reason=st.text(max_size=64)),
     P.WorkRequest: st.builds(P.WorkRequest, worker_id=ids, credits=st.integers(0, 10**6),
                              version=st.integers(-1, 10**6)),
@@ -108,8 +120,9 @@ MESSAGES = {
     P.BatchRequest: st.builds(P.BatchRequest, step=st.integers(0, 10**6)),
     P.TrainBatch: st.builds(P.TrainBatch, step=st.integers(0, 10**6), samples=st.lists(train_samples(), max_size=3),
                             metrics=fmetrics),
-    P.VersionUpdate: st.builds(P.VersionUpdate, version=st.integers(0, 10**6), metrics=fmetrics),
-    P.Heartbeat: st.builds(P.Heartbeat, peer_id=ids, time=small_floats, stats=fmetrics),
+    P.VersionUpdate: st.builds(P.VersionUpdate, version=st.integers(0, 10**6), metrics=fmetrics,
+                               checkpoint=st.booleans(), done=st.booleans()),
+    P.Heartbeat: st.builds(P.Heartbeat, peer_id=ids, time=small_floats, stats=fmetrics, version=st.integers(-1, 10**6)),
     P.Goodbye: st.builds(P.Goodbye, peer_id=ids, unfinished=st.lists(ids, max_size=4), reason=st.text(max_size=16)),
     P.Shutdown: st.builds(P.Shutdown, reason=st.text(max_size=32)),
     P.Error: st.builds(P.Error, code=st.text(max_size=16), message=st.text(max_size=64)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import msgspec
 import pytest
 import torch
 
@@ -201,7 +202,7 @@ def test_non_finite_value_in_a_received_publication_is_refused_and_model_kept():
 def _reseal(pub: PublishedWeights, tensors: dict) -> PublishedWeights:
     from asyncrl.quant.wire import checksum_of, digest, header_dict
 
-    manifest = [dataclasses.replace(e, digest=digest(tensors[e.name])) for e in pub.manifest]
+    manifest = [msgspec.structs.replace(e, digest=digest(tensors[e.name])) for e in pub.manifest]
     checksum = checksum_of(header_dict(pub.version, pub.fmt, pub.aqn_seed, pub.aqn_sigma, manifest))
     return dataclasses.replace(pub, tensors=tensors, manifest=manifest, checksum=checksum)
 

@@ -1,0 +1,131 @@
+"""The typed setup a controller hands a peer in its ``Welcome`` (protocol 1.3).
+
+Owns: ``WorkerSetup`` (what a generation worker needs to join: addresses, model architecture, EOS ids,
+slots, heartbeat period, actor format), ``RunSetup`` (what ``asyncrl learner`` needs: the run folder,
+the model folder, the formats to publish), their validation, and their translation to and from the
+``dict[str, str]`` that 1.0-1.2 peers read and wrote as ``Welcome.config``.
+Never: imports anything but msgspec and the standard library; reads files or sockets.
+
+Invariant: a decoded ``WorkerSetup``/``RunSetup`` is well-formed (``__post_init__`` runs inside msgspec's
+decoder), so a peer never parses a number or a JSON list out of a string.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+import msgspec
+
+
+class _Struct(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    """The options of every protocol Struct (``protocols.messages._Base``)."""
+
+
+def _nonempty(owner: str, **fields: str) -> None:
+    for name, value in fields.items():
+        if not value:
+            raise ValueError(f"{owner}.{name} must be a non-empty string; the controller fills it")
+
+
+class WorkerSetup(_Struct, tag="worker_setup"):
+    """Everything a generation worker learns from the controller when it joins.
+
+    ``model_config`` is the model's Hugging Face ``config.json`` text (the architecture a native engine
+    builds); ``quant_format`` is the published format this worker fetches; ``max_seq_len`` 0 means the
+    model's own limit; ``model_dir`` is the controller's model folder (an SGLang server started by the
+    worker loads it when the folder is shared)."""
+
+    samples_address: str
+    weights_announce: str
+    weights_fetch: str
+    model_config: str
+    worker_slots: int
+    heartbeat_s: float
+    quant_format: str
+    eos_token_ids: list[int] = []
+    model_id: str = ""
+    model_dir: str = ""
+    max_seq_len: int = 0
+
+    def __post_init__(self) -> None:
+        _nonempty("WorkerSetup", samples_address=self.samples_address, weights_announce=self.weights_announce,
+                  weights_fetch=self.weights_fetch, quant_format=self.quant_format)
+        if self.worker_slots < 1:
+            raise ValueError(f"WorkerSetup.worker_slots must be >= 1, got {self.worker_slots}; "
+                             "set rollout.worker_slots to a positive number")
+        if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
+            raise ValueError(f"WorkerSetup.heartbeat_s must be a finite number > 0, got {self.heartbeat_s}; "
+                             "set rollout.heartbeat_s to a positive number of seconds")
+        if self.max_seq_len < 0:
+            raise ValueError(f"WorkerSetup.max_seq_len must be >= 0 (0: the model's limit), got {self.max_seq_len}")
+        bad = [t for t in self.eos_token_ids if t < 0]
+        if bad:
+            raise ValueError(f"WorkerSetup.eos_token_ids must be token ids >= 0, got {bad}")
+        try:
+            arch = json.loads(self.model_config)
+        except ValueError:
+            arch = None
+        if not isinstance(arch, dict):
+            raise ValueError("WorkerSetup.model_config must be the JSON text of the model's config.json "
+                             f"(a JSON object), got {self.model_config[:40]!r}")
+
+    def vocab_size(self) -> int | None:
+        """Rows of the model's embedding, as its config says (None when it does not say)."""
+        v = json.loads(self.model_config).get("vocab_size")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def to_legacy(self) -> dict[str, str]:
+        """The ``Welcome.config`` a 1.0-1.2 worker reads (sent to such peers only)."""
+        return {"samples_address": self.samples_address, "weights_announce": self.weights_announce,
+                "weights_fetch": self.weights_fetch, "model_config": self.model_config,
+                "eos_token_ids": json.dumps(list(self.eos_token_ids)), "worker_slots": str(self.worker_slots),
+                "heartbeat_s": repr(float(self.heartbeat_s)), "quant_format": self.quant_format,
+                "model_id": self.model_id, "max_seq_len": str(self.max_seq_len), "model_dir": self.model_dir}
+
+    @classmethod
+    def from_legacy(cls, config: Mapping[str, str]) -> WorkerSetup:
+        """Read the ``Welcome.config`` of a 1.0-1.2 controller; ``ValueError`` naming the bad key."""
+        def need(key: str) -> str:
+            if key not in config:
+                raise ValueError(f"the controller's Welcome has no {key!r} (neither a typed setup nor a legacy "
+                                 "config entry); run a controller of this asyncrl version")
+            return config[key]
+
+        try:
+            eos = json.loads(config.get("eos_token_ids", "[]"))
+            if not isinstance(eos, list) or not all(isinstance(t, int) for t in eos):
+                raise ValueError(f"eos_token_ids {config.get('eos_token_ids')!r} is not a JSON list of ints")
+            return cls(samples_address=need("samples_address"), weights_announce=need("weights_announce"),
+                       weights_fetch=need("weights_fetch"), model_config=need("model_config"),
+                       worker_slots=int(need("worker_slots")), heartbeat_s=float(config.get("heartbeat_s", "1.0")),
+                       quant_format=need("quant_format"), eos_token_ids=eos, model_id=config.get("model_id", ""),
+                       model_dir=config.get("model_dir", ""), max_seq_len=int(config.get("max_seq_len", "0")))
+        except ValueError as e:
+            raise ValueError(f"the controller's legacy Welcome.config is unusable: {e}") from None
+
+
+class RunSetup(_Struct, tag="run_setup"):
+    """What the controller tells ``asyncrl learner`` that asks where the run is (docs/cluster.md)."""
+
+    run_dir: str
+    model_dir: str
+    publish_formats: list[str] = []
+
+    def __post_init__(self) -> None:
+        _nonempty("RunSetup", run_dir=self.run_dir, model_dir=self.model_dir)
+        if any(not f for f in self.publish_formats):
+            raise ValueError(f"RunSetup.publish_formats must name formats, got {self.publish_formats}")
+
+    def to_legacy(self) -> dict[str, str]:
+        """The ``Welcome.config`` a 1.0-1.2 learner reads."""
+        return {"run_dir": self.run_dir, "model_dir": self.model_dir, "publish_formats": ",".join(self.publish_formats)}
+
+    @classmethod
+    def from_legacy(cls, config: Mapping[str, str]) -> RunSetup:
+        if "run_dir" not in config or "model_dir" not in config:
+            raise ValueError(f"the controller's Welcome does not describe its run (keys {sorted(config)}); "
+                             "run a controller of this asyncrl version")
+        return cls(run_dir=config["run_dir"], model_dir=config["model_dir"],
+                   publish_formats=[f for f in config.get("publish_formats", "").split(",") if f])

@@ -1,0 +1,109 @@
+"""ControllerCore's side of protocol 1.3: typed worker setup, learner versions, checkpoint flags, worker
+versions, and the 1.2 forms it still reads from (and writes to) 1.2 peers only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import protocols as P
+from asyncrl.config import load_train_config
+from asyncrl.controller.core import ControllerCore, ModelInfo
+from asyncrl.controller.scoring import build_scorer
+from asyncrl.models import ensure_tiny_model
+
+WEIGHTS = {"weights_announce": "tcp://l:1", "weights_fetch": "tcp://l:2"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+@pytest.fixture
+def core(tmp_path, model_dir):
+    cfg = load_train_config(["algo.group_size=4", "rollout.groups_per_step=2", "rollout.worker_slots=8",
+                             "rollout.heartbeat_s=0.25", "log.fsync=never"])
+    c = ControllerCore(cfg, run_dir=tmp_path, scorer=build_scorer(cfg, model_dir), samples_address="tcp://c:9",
+                       model=ModelInfo(config_json=(model_dir / "config.json").read_text(), eos_token_ids=(2,),
+                                       model_id="tiny:test", model_dir=str(model_dir)),
+                       publish_formats=["int8", "fp32"])
+    yield c
+    c.close()
+
+
+def learner(proto="1.3", **kw):
+    return P.Hello(protocol_version=proto, role="learner", peer_id="learner", **kw)
+
+
+def worker(proto="1.3", fmt="int8", peer_id="w"):
+    return P.Hello(protocol_version=proto, role="generator", peer_id=peer_id, capabilities={"quant_format": fmt})
+
+
+def test_a_worker_is_welcomed_with_one_typed_setup_filled_from_the_run(core, model_dir):
+    assert isinstance(core.handle(b"L", learner(version=0, capabilities=WEIGHTS))[0][1], P.Welcome)
+    (_, w), = core.handle(b"W", worker(fmt="fp32"))
+    assert isinstance(w, P.Welcome) and w.config == {}  # a 1.3 worker gets no string config
+    s = w.worker_setup()
+    assert (s.samples_address, s.weights_announce, s.weights_fetch) == ("tcp://c:9", "tcp://l:1", "tcp://l:2")
+    assert (s.worker_slots, s.heartbeat_s, s.quant_format, s.eos_token_ids) == (8, 0.25, "fp32", [2])
+    assert s.model_id == "tiny:test" and s.vocab_size() == json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    assert s == core.worker_setup("fp32")
+
+
+def test_a_1_2_worker_gets_the_string_config_it_reads_and_its_float_version_is_used(core):
+    core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
+    (_, w), = core.handle(b"O", worker(proto="1.2", peer_id="old"))
+    assert w.config == core.worker_setup("int8").to_legacy() and w.config["worker_slots"] == "8"
+    assert P.WorkerSetup.from_legacy(w.config) == w.setup
+    core.handle(b"O", P.Heartbeat(peer_id="old", time=0.0, stats={"version": 3.0}))
+    assert core.workers["old"].version == 3
+    core.handle(b"O", P.Heartbeat(peer_id="old", time=0.0, stats={"version": float("nan")}))
+    assert core.workers["old"].version == 3  # a NaN from the peer never reaches int()
+
+
+def test_a_workers_version_arrives_as_an_int_field_of_its_heartbeat(core):
+    core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
+    core.handle(b"W", worker())
+    core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, version=5, stats={"tokens_per_s": 12.0}))
+    assert core.workers["w"].version == 5 and core.workers["w"].tokens_per_s == 12.0
+    core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, version=-1))  # not loaded yet: never goes back
+    assert core.workers["w"].version == 5
+
+
+def test_the_learners_version_is_an_int_and_a_1_2_learners_string_is_still_read(core, tmp_path):
+    (_, r), = core.handle(b"L", learner(capabilities=WEIGHTS))  # a 1.3 learner must name its version
+    assert isinstance(r, P.Reject) and "names no version (Hello.version)" in r.reason
+    (_, r), = core.handle(b"L", learner(version=4, capabilities={"weights_announce": "tcp://l:1"}))
+    assert isinstance(r, P.Reject) and "weights_announce and weights_fetch" in r.reason
+    (_, r), = core.handle(b"L", learner(version=4, capabilities=WEIGHTS))
+    assert isinstance(r, P.Welcome) and core.version.version == 4 and core.learner_typed
+
+
+@pytest.mark.parametrize("cap,ok", [("6", True), ("x", False), ("-3", False), ("²", False)])
+def test_a_1_2_learners_string_version_is_parsed_or_refused(core, cap, ok):
+    (_, r), = core.handle(b"L", learner(proto="1.2", capabilities=WEIGHTS | {"version": cap}))
+    assert isinstance(r, P.Welcome if ok else P.Reject)
+    if ok:
+        assert core.version.version == 6 and not core.learner_typed
+
+
+def test_checkpoint_request_ack_and_done_are_typed_fields(core):
+    core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
+    # a metric that happens to be named like a 1.2 flag is a metric for a 1.3 learner
+    assert core.handle(b"L", P.VersionUpdate(version=1, metrics={"checkpoint": 1.0, "done": 1.0})) == []
+    assert not core.done and not core.checkpoint_path(1).exists()
+    (peer, ack), = core.handle(b"L", P.VersionUpdate(version=2, checkpoint=True))
+    assert peer == b"L" and ack == P.VersionUpdate(version=2, checkpointed=True)
+    assert core.checkpoint_path(2).exists()
+    core.handle(b"L", P.VersionUpdate(version=3, done=True))
+    assert core.done and core.version.version == 3
+
+
+def test_a_1_2_learners_flags_in_metrics_are_honoured_and_acknowledged_in_its_form(core):
+    core.handle(b"L", learner(proto="1.2", capabilities=WEIGHTS | {"version": "0"}))
+    (_, ack), = core.handle(b"L", P.VersionUpdate(version=1, metrics={"checkpoint": 1.0, "loss": 0.5}))
+    assert ack.checkpointed and ack.metrics == {"checkpointed": 1.0} and core.checkpoint_path(1).exists()
+    core.handle(b"L", P.VersionUpdate(version=2, metrics={"done": 1.0}))
+    assert core.done
