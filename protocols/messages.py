@@ -24,6 +24,8 @@ import math
 
 import msgspec
 
+from protocols.values import FINISH_REASONS
+
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 2  # 1.1: TensorSpec.digest; 1.2: WeightAnnounce.aqn_resample
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
@@ -46,7 +48,6 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 ROLES = ("controller", "generator", "learner", "client")
-FINISH_REASONS = ("stop", "length", "abort")
 MAX_ARRAY_RANK = 8
 
 

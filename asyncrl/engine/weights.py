@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-QUANT_FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
-
+from protocols.values import FORMATS as QUANT_FORMATS
 
 _QUANT_API = ("quantize_model", "publish", "load_published", "PublishedWeights")
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
+
+from asyncrl.config.schema import LR_SCHEDULES
 
 __all__ = ["LRSchedule", "lr_multiplier", "build_optimizer", "build_scheduler"]
 
@@ -34,14 +35,14 @@ class LRSchedule:
     min_lr_ratio: the floor, as a fraction of the peak learning rate, in [0, 1].
     """
 
-    kind: Literal["constant", "cosine", "linear"] = "constant"
+    kind: str = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("constant", "cosine", "linear"):
-            raise ValueError(f"unknown LR schedule kind {self.kind!r}; use 'constant', 'cosine' or 'linear'")
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"unknown LR schedule kind {self.kind!r}; use one of {', '.join(LR_SCHEDULES)}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

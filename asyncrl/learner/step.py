@@ -321,10 +321,10 @@ def train_step(
     # Proximal (and reference) log-probs with theta_k, before any update. Coupled PPO (§6.1) has no
     # proximal policy: the sampler's own log-probs are the old policy (verl bypass mode); on stale,
     # quantized rollouts that is the naive baseline QuRL reports collapsing.
-    reuse = cfg.reuse_prox and objective.kind != "ppo" and objective.rejection_denominator == "pre_mask"
+    reuse = cfg.reuse_prox and objective.objective != "ppo" and objective.rejection_denominator == "pre_mask"
     prox: list[list[torch.Tensor | None]] = []
     for j, mb in enumerate(plan):
-        if objective.kind == "ppo":
+        if objective.objective == "ppo":
             prox.append([m.behav_logp for m in mb.micros])
         elif reuse and j == 0:
             prox.append([None] * len(mb.micros))

@@ -9,8 +9,9 @@ Must never: import other asyncrl packages (this is a leaf), do I/O, or touch the
 in place except through `fold_uaq` / `unfold_uaq` on a model, which are in place by contract.
 """
 
+from protocols.values import AQN_RESAMPLE
+
 from .aqn import (
-    AQN_RESAMPLE,
     DEFAULT_AQN_SITES,
     AqnRecord,
     ForwardAqn,

@@ -72,7 +72,7 @@ def test_merged_published_weights_give_the_adapter_models_logits(tiny, dist_info
 
 
 def test_lora_kl_reference_is_the_base_without_adapters(tiny, dist_info):
-    objective = ObjectiveConfig(kind="acr", kl_coef=0.1)
+    objective = ObjectiveConfig(objective="acr", kl_coef=0.1)
     state = _lora_state(tiny, dist_info)
     assert reference_policy(state.model, None, dist_info) is state.model
     first = train_step(state, tiny.batch(6, seed=1), objective, StepConfig(), dist_info, ref_model=state.model)
@@ -85,7 +85,7 @@ def test_full_fine_tuning_reference_is_a_frozen_copy_of_the_initial_weights(tiny
     model = tiny.model(seed=2)
     ref = reference_policy(model, copy.deepcopy(model), dist_info)
     assert ref is not model and all(not p.requires_grad for p in ref.parameters())
-    objective = ObjectiveConfig(kind="acr", kl_coef=0.1)
+    objective = ObjectiveConfig(objective="acr", kl_coef=0.1)
     opt = build_optimizer(model, lr=5e-2)
     state = TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, LRSchedule()))
     first = train_step(state, tiny.batch(6, seed=1), objective, StepConfig(), dist_info, ref_model=ref)

@@ -41,7 +41,7 @@ def _norm(tensors):
 
 @pytest.mark.parametrize("kind", ["acr", "gspo"])  # token-mean and seq-mean-token-mean denominators
 def test_micro_batch_split_gives_the_same_loss_and_gradient_as_the_whole_minibatch(tiny, dist_info, kind):
-    objective = ObjectiveConfig(kind=kind, agg="token-mean" if kind == "acr" else "seq-mean-token-mean")
+    objective = ObjectiveConfig(objective=kind, agg="token-mean" if kind == "acr" else "seq-mean-token-mean")
     batch = tiny.batch(5, seed=1, temperature=0.8)
     base = tiny.model(seed=3)
     before = {k: v.clone() for k, v in base.state_dict().items()}
@@ -99,7 +99,7 @@ def test_tokens_staler_than_eta_max_leave_the_denominator_and_can_empty_the_step
     batch = tiny.batch(3, version=0)  # every token was sampled by version 0
     state = _state(tiny.model(), dist_info)
     state.version = 10
-    m = train_step(state, batch, ObjectiveConfig(kind="acr", eta_max=2), StepConfig(), dist_info)
+    m = train_step(state, batch, ObjectiveConfig(objective="acr", eta_max=2), StepConfig(), dist_info)
     assert m["learner/num_tokens"] == 0 and m["learner/skipped_empty_minibatches"] == 1
 
 
@@ -194,11 +194,11 @@ def test_loss_fn_returning_plain_metrics_is_rejected_with_the_fix(tiny, dist_inf
 def test_kl_to_reference_without_a_reference_model_is_rejected(tiny, dist_info):
     state = _state(tiny.model(), dist_info)
     with pytest.raises(ValueError, match="ref_model"):
-        train_step(state, tiny.batch(2), ObjectiveConfig(kind="tis", kl_coef=1e-3), StepConfig(), dist_info)
+        train_step(state, tiny.batch(2), ObjectiveConfig(objective="tis", kl_coef=1e-3), StepConfig(), dist_info)
 
 
 def test_kl_to_reference_uses_the_reference_models_logprobs(tiny, dist_info):
-    objective = ObjectiveConfig(kind="tis", kl_coef=1e-3)
+    objective = ObjectiveConfig(objective="tis", kl_coef=1e-3)
     batch = tiny.batch(3)
     same = train_step(
         _state(tiny.model(seed=1), dist_info), batch, objective, StepConfig(), dist_info,
@@ -228,6 +228,6 @@ def test_coupled_ppo_uses_the_sampler_log_probs_as_the_old_policy(tiny, dist_inf
     mask = batch.loss_mask
     expected = float(torch.exp(torch.where(mask, current - batch.behav_logp, 0.0))[mask].mean())
     state = _state(model, dist_info, lr=1e-6)
-    metrics = train_step(state, batch, ObjectiveConfig(kind="ppo"), StepConfig(micro_batch_size=8), dist_info)
+    metrics = train_step(state, batch, ObjectiveConfig(objective="ppo"), StepConfig(micro_batch_size=8), dist_info)
     assert metrics["actor/ratio_mean"] == pytest.approx(expected, rel=1e-4)
     assert abs(metrics["actor/ratio_mean"] - 1.0) > 1e-3  # behav differs from the learner: not a recompute
