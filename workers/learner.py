@@ -29,7 +29,6 @@ from asyncrl.config.loader import read_run_config
 from asyncrl.learner import (
     LearnerBatch,
     LRSchedule,
-    StepConfig,
     TrainState,
     build_optimizer,
     build_scheduler,
@@ -292,11 +291,6 @@ def main(argv: list[str] | None = None) -> int:
         if point.learner_dir is not None:
             load_checkpoint(point.learner_dir, state, info)
             log.info("resumed learner at version %d", state.version)
-    step_cfg = StepConfig(n_minibatches=L.n_minibatches, micro_batch_size=L.micro_batch_size,
-                          max_tokens_per_micro_batch=L.max_tokens_per_micro_batch, max_grad_norm=L.grad_clip,
-                          log_entropy=L.log_entropy, reuse_prox=L.reuse_prox and L.lora.dropout == 0,
-                          skip_zero_advantage=L.skip_zero_advantage, autocast=L.autocast,
-                          train_dropout=lora is not None and lora.dropout > 0)
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
     replay = bool(args.replay_log)
 
@@ -333,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             batch = batch_from_message(msg, cfg.rollout.temperature, pad_id) if info.is_main else None
             batch = broadcast_batch(batch, info)
             t_wait = time.perf_counter() - t0
-            metrics = train_step(state, batch, cfg.algo, step_cfg, info, ref_model=ref_model)
+            metrics = train_step(state, batch, cfg.algo, cfg.learner, info, ref_model=ref_model)
             t_train = time.perf_counter() - t0 - t_wait
             eval_due = bool(L.eval_every) and state.version % L.eval_every == 0 and state.version < L.total_steps
             sd = policy_state_dict(model, lora) if (not replay or eval_due) else {}

@@ -18,14 +18,13 @@ from asyncrl.algo.config import AlgoConfig
 from asyncrl.controller.prompts import PROMPT_FORMATS
 from asyncrl.engine.factory import ENGINES as ROLLOUT_ENGINES
 from asyncrl.engine.factory import SGLANG_SERVING
+from asyncrl.learner.options import LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
 from asyncrl.tasks.answers import ANSWER_FORMATS
 from asyncrl.tasks.registry import TASKS
 from protocols.values import AQN_RESAMPLE
 from protocols.values import FORMATS as QUANT_FORMATS
 
-LR_SCHEDULES = ("constant", "linear", "cosine")
-"""``learner.lr_schedule`` values (``asyncrl.learner.schedule.LRSchedule.kind``)."""
 DEVICES = ("auto", "cpu", "cuda")
 """``learner.device`` and ``sglang.device`` values; ``rollout.device`` also takes ``cuda:N``."""
 MODEL_NAMES = ("tiny", "smollm2", "path")
@@ -159,22 +158,21 @@ class LoraConfig:
     mode for that forward; the proximal log-probs then come from a separate eval-mode pass)."""
 
 
-@dataclass(kw_only=True)
-class LearnerConfig:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LearnerConfig(StepConfig):
+    """The learner process: the training-step options of ``asyncrl.learner.options.StepConfig`` (its
+    fields, defaults and validation, e.g. ``learner.n_minibatches``, ``learner.chunk_tokens``) plus the
+    run's length, optimiser, schedule, devices and checkpoints. ``train_step`` gets it as is."""
+
     world_size: int = 1
     """FSDP2 ranks (torchrun processes); gloo on CPU, NCCL on GPU."""
     total_steps: int = 400
     """Learner steps (= policy versions) to train."""
     lr: float = 3e-4
     lr_schedule: str = "linear"
-    """constant, linear or cosine decay after warmup."""
+    """constant, linear or cosine decay after warmup (``asyncrl.learner.options.LRSchedule``)."""
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
-    n_minibatches: int = 1
-    """Optimizer updates per step (each over 1/n of the batch). Every ``configs/algo/`` file sets 2:
-    with one update the ratio to the proximal policy is 1 and the trust region never acts."""
-    micro_batch_size: int = 64
-    grad_clip: float = 1.0
     weight_decay: float = 0.0
     device: str = "auto"
     """``auto`` (NCCL on the GPUs when CUDA is available, else gloo on the CPU), ``cpu`` (gloo) or ``cuda``
@@ -192,21 +190,20 @@ class LearnerConfig:
     num_threads: int = 0
     """Torch intra-op threads per learner rank; 0 = the CPUs left beside one per generation
     worker, shared by the ranks."""
-    max_tokens_per_micro_batch: int = 0
-    """Cap each micro-batch at this many padded positions (rows x longest row); 0 = by
-    ``micro_batch_size`` only."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
-    autocast: str = ""
-    """``bf16``: forwards under bfloat16 autocast with fp32 master weights; empty = fp32."""
-    reuse_prox: bool = True
-    """First minibatch: proximal log-probs from its own training forward (equal by construction)."""
-    skip_zero_advantage: bool = True
-    """Responses with zero advantage get no forward/backward (they stay in the denominators);
-    ignored when ``algo.kl_coef`` or ``algo.entropy_coef`` is > 0."""
-    log_entropy: bool = True
-    """Log ``actor/entropy`` every step (from the same chunked LM-head pass as the log-probs)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        # LoRA dropout decides train_dropout, and a dropout forward is not the proximal policy.
+        dropout = self.lora.rank > 0 and self.lora.dropout > 0
+        if self.train_dropout and not dropout:
+            raise ValueError("train_dropout follows the LoRA dropout; set learner.lora.rank > 0 and "
+                             "learner.lora.dropout > 0 instead")
+        object.__setattr__(self, "train_dropout", dropout)
+        if self.lora.dropout > 0:
+            object.__setattr__(self, "reuse_prox", False)
+        StepConfig.__post_init__(self)
 
 
 @dataclass(kw_only=True)
@@ -315,19 +312,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.learner.total_steps >= 1, "learner.total_steps must be >= 1"),
         (cfg.learner.lr > 0, "learner.lr must be > 0"),
         (cfg.learner.time_budget_s >= 0, "learner.time_budget_s must be >= 0 (0 = no time limit)"),
-        (cfg.learner.n_minibatches >= 1, "learner.n_minibatches must be >= 1"),
         (cfg.learner.num_threads >= 0, "learner.num_threads must be >= 0 (0 = automatic)"),
-        (cfg.learner.max_tokens_per_micro_batch >= 0,
-         "learner.max_tokens_per_micro_batch must be >= 0 (0 = by micro_batch_size)"),
-        (cfg.learner.autocast in ("", "bf16"), f"learner.autocast={cfg.learner.autocast!r}: use '' (fp32) or bf16"),
         (cfg.learner.lora.rank >= 0, "learner.lora.rank must be >= 0 (0 = full fine-tuning)"),
         (cfg.learner.lora.rank == 0 or bool(cfg.learner.lora.target_modules),
          "learner.lora.target_modules is empty; name the projections to adapt, e.g. [q_proj,v_proj]"),
         (cfg.learner.lora.rank == 0 or not {"lm_head", "embed_tokens"} & set(cfg.learner.lora.target_modules),
          "learner.lora.target_modules may not include lm_head or embed_tokens; adapt the decoder projections"),
         (0.0 <= cfg.learner.lora.dropout < 1.0, "learner.lora.dropout must be in [0, 1)"),
-        (cfg.learner.micro_batch_size >= 1,
-         f"learner.micro_batch_size={cfg.learner.micro_batch_size} must be >= 1 (sequences per forward pass)"),
         (cfg.task.max_prompt_tokens >= 0, "task.max_prompt_tokens must be >= 0 (0: the model's context - 1)"),
         (cfg.log.rotate_mb >= 1, f"log.rotate_mb={cfg.log.rotate_mb} must be >= 1 (segment size in MiB)"),
         (cfg.log.fsync_every >= 1, f"log.fsync_every={cfg.log.fsync_every} must be >= 1"),

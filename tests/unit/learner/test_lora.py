@@ -142,7 +142,7 @@ def test_activation_checkpointing_changes_no_value_or_gradient(tiny, dist_info):
             assert checkpoint_decoder_layers(model) == 2
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         state = TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, LRSchedule()))
-        m = train_step(state, batch, tiny.objective, StepConfig(max_grad_norm=0.0), dist_info)
+        m = train_step(state, batch, tiny.objective, StepConfig(grad_clip=0.0), dist_info)
         res.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
     assert res[0][0]["learner/loss"] == res[1][0]["learner/loss"]
     assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])

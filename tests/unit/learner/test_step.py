@@ -62,7 +62,7 @@ def test_micro_batch_split_gives_the_same_loss_and_gradient_as_the_whole_minibat
     for micro in (5, 2, 1):
         # SGD with lr 1 and no clipping: the weight change is exactly minus the gradient.
         state = _state(copy.deepcopy(base), dist_info, opt="sgd", lr=1.0)
-        cfg = StepConfig(micro_batch_size=micro, max_grad_norm=0.0)
+        cfg = StepConfig(micro_batch_size=micro, grad_clip=0.0)
         m = train_step(state, batch, objective, cfg, dist_info)
         delta = _delta(before, state.model)
         for name, p in ref.named_parameters():
@@ -172,12 +172,12 @@ def test_grad_clipping_scales_the_update_to_the_max_norm_and_reports_the_raw_nor
     base = tiny.model(seed=6)
     before = {k: v.clone() for k, v in base.state_dict().items()}
     free = _state(copy.deepcopy(base), dist_info, opt="sgd", lr=1.0)
-    m_free = train_step(free, batch, tiny.objective, StepConfig(max_grad_norm=0.0), dist_info)
+    m_free = train_step(free, batch, tiny.objective, StepConfig(grad_clip=0.0), dist_info)
     raw = _norm(_delta(before, free.model).values())
     assert m_free["learner/grad_norm"] == pytest.approx(raw, rel=1e-5)
 
     clipped = _state(copy.deepcopy(base), dist_info, opt="sgd", lr=1.0)
-    m = train_step(clipped, batch, tiny.objective, StepConfig(max_grad_norm=1e-3), dist_info)
+    m = train_step(clipped, batch, tiny.objective, StepConfig(grad_clip=1e-3), dist_info)
     assert m["learner/grad_norm"] == pytest.approx(raw, rel=1e-5)
     assert _norm(_delta(before, clipped.model).values()) == pytest.approx(1e-3, rel=1e-3)
 
