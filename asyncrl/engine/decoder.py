@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from asyncrl.runtime.prepare import SUPPORTED_MODEL_TYPES
+from asyncrl.models.prepare import SUPPORTED_MODEL_TYPES
 
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
