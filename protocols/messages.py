@@ -29,6 +29,7 @@ import math
 import msgspec
 
 from protocols.setup import RunSetup, WorkerSetup
+from protocols.values import FINISH_REASONS
 
 PROTOCOL_MAJOR = 1
 # 1.1: TensorSpec.digest; 1.2: WeightAnnounce.aqn_resample; 1.3: Hello.version, Welcome.setup/run,
@@ -56,7 +57,6 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 ROLES = ("controller", "generator", "learner", "client")
-FINISH_REASONS = ("stop", "length", "abort")
 MAX_ARRAY_RANK = 8
 
 

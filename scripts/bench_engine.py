@@ -26,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from protocols.values import FORMATS  # noqa: E402
 from scripts.benchlib import (  # noqa: E402
     interleaved,
     load_stats,
@@ -36,7 +37,6 @@ from scripts.benchlib import (  # noqa: E402
     write_json,
 )
 
-FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
 HF_FORMATS = ("fp32", "int8")
 PROMPTS = ("What is 12+30? ", "Compute 7*8 and explain. ", "The sum of 101 and 99 is ", "Q: 5-9=? A: ")
 

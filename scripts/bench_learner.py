@@ -103,7 +103,7 @@ def child(spec: dict) -> dict:
     times, cpu, prox = [], [], []
     for _ in range(spec["steps"]):
         t0, c0 = time.perf_counter(), time.process_time()
-        m = train_step(state, batch, ObjectiveConfig(kind="acr"), cfg, info)
+        m = train_step(state, batch, ObjectiveConfig(objective="acr"), cfg, info)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         prox.append(m["learner/prox_seconds"])

@@ -144,7 +144,6 @@ def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) 
     from asyncrl.controller.scoring import task_kwargs
     from asyncrl.models.prepare import prepare_model
     from asyncrl.tasks import make_task
-    from workers.learner import objective_config
 
     python = ensure_trl_venv()
     cfg = load_train_config(cfg_overrides)
@@ -155,13 +154,12 @@ def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) 
                             cfg.task.system_prompt)
     task = make_task(cfg.task.name, **task_kwargs(cfg))
     a, r, L = cfg.algo, cfg.rollout, cfg.learner
-    objective = objective_config(cfg)  # the objective's own clip range where the run leaves it unset
     spec = {"model_dir": str(model_dir), "out_dir": str(tmp / "trl-model"), "metrics": str(tmp / "trl-metrics.jsonl"),
             "task_name": cfg.task.name, "task_kwargs": task_kwargs(cfg), "prompt_format": encoder.format,
             "system_prompt": cfg.task.system_prompt, "group_size": a.group_size, "groups_per_step": r.groups_per_step,
             "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "lr": L.lr,
             "warmup_steps": L.warmup_steps, "micro_batch_size": L.micro_batch_size, "grad_clip": L.grad_clip,
-            "weight_decay": L.weight_decay, "eps_low": objective.eps_low, "eps_high": objective.eps_high, "seed": cfg.seed,
+            "weight_decay": L.weight_decay, "eps_low": a.clip_low, "eps_high": a.clip_high, "seed": cfg.seed,
             "time_budget_s": budget_s, "threads": threads,
             "gradient_checkpointing": bool(getattr(L, "activation_checkpointing", False)),
             "bf16": getattr(L, "autocast", "") == "bf16",

@@ -29,7 +29,6 @@ from asyncrl.config.loader import read_run_config
 from asyncrl.learner import (
     LearnerBatch,
     LRSchedule,
-    StepConfig,
     TrainState,
     build_optimizer,
     build_scheduler,
@@ -86,18 +85,6 @@ batch, evaluating, or exporting)."""
 FLUSH_S = 5.0
 """On exit, the longest wait for the last message to the controller (the final version) to leave; it
 returns as soon as it has (``end_context``)."""
-
-
-def objective_config(cfg):
-    from asyncrl.algo import ObjectiveConfig
-
-    a = cfg.algo
-    return ObjectiveConfig(kind=a.objective, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
-                           is_cap=a.is_cap, is_level=a.is_level, behav_cap=a.behav_cap,
-                           tbpo_eps_pos_high=a.tbpo_eps_pos_high, tbpo_eps_neg_low=a.tbpo_eps_neg_low,
-                           tbpo_eps_neg_high=a.tbpo_eps_neg_high, tbpo_w_low=a.tbpo_w_low,
-                           tbpo_w_high=a.tbpo_w_high, tbpo_w_mode=a.tbpo_w_mode, agg=a.agg, kl_coef=a.kl_coef,
-                           entropy_coef=a.entropy_coef)
 
 
 def batch_from_message(msg: P.TrainBatch, temperature: float, pad_id: int) -> LearnerBatch:
@@ -339,12 +326,6 @@ def main(argv: list[str] | None = None) -> int:
         if point.learner_dir is not None:
             load_checkpoint(point.learner_dir, state, info)
             log.info("resumed learner at version %d", state.version)
-    objective = objective_config(cfg)
-    step_cfg = StepConfig(n_minibatches=L.n_minibatches, micro_batch_size=L.micro_batch_size,
-                          max_tokens_per_micro_batch=L.max_tokens_per_micro_batch, max_grad_norm=L.grad_clip,
-                          log_entropy=L.log_entropy, reuse_prox=L.reuse_prox and L.lora.dropout == 0,
-                          skip_zero_advantage=L.skip_zero_advantage, autocast=L.autocast,
-                          train_dropout=lora is not None and lora.dropout > 0)
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
     replay = bool(args.replay_log)
 
@@ -381,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             batch = batch_from_message(msg, cfg.rollout.temperature, pad_id) if info.is_main else None
             batch = broadcast_batch(batch, info)
             t_wait = time.perf_counter() - t0
-            metrics = train_step(state, batch, objective, step_cfg, info, ref_model=ref_model)
+            metrics = train_step(state, batch, cfg.algo, cfg.learner, info, ref_model=ref_model)
             t_train = time.perf_counter() - t0 - t_wait
             eval_due = bool(L.eval_every) and state.version % L.eval_every == 0 and state.version < L.total_steps
             sd = policy_state_dict(model, lora) if (not replay or eval_due) else {}

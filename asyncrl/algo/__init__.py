@@ -13,31 +13,72 @@ Tensors in, ``(loss, metrics)`` out. Entry points:
 
 Never: imports torch.distributed, zmq, msgspec, the transport or any other asyncrl sub-package,
 does I/O, or reads global configuration. It is a leaf of the dependency graph.
+Importing the package is cheap (no torch): ``asyncrl.algo.config`` is imported at once (the run
+schema in ``asyncrl.config`` nests its ``AlgoConfig``); the tensor modules load on first use of a name.
 Invariants: fp32 log-space arithmetic, clamped exponentials, where-masking before arithmetic,
 finite losses; departures from the spec are marked DEPARTURE in the code and listed in
 docs/algorithms.md.
 """
 
-from asyncrl.algo.advantages import (
-    apply_truncation_policy,
-    filter_groups,
-    group_advantages,
-    is_informative_group,
-    overlong_penalty,
-    token_advantages,
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.algo.config import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    OBJECTIVES,
+    RS_MODES,
+    TBPO_W_MODES,
+    AlgoConfig,
+    ObjectiveConfig,
 )
-from asyncrl.algo.aggregation import Denominators, aggregate
-from asyncrl.algo.config import AGGREGATIONS, KINDS, RS_MODES, TBPO_W_MODES, ObjectiveConfig
-from asyncrl.algo.correction import is_weights, rejection_keep
-from asyncrl.algo.diagnostics import mismatch_metrics, response_stats
-from asyncrl.algo.loss import loss_denominators, policy_loss
-from asyncrl.algo.stats import MetricDict, Stat, merge_metrics
+
+if TYPE_CHECKING:
+    from asyncrl.algo.advantages import (
+        apply_truncation_policy,
+        filter_groups,
+        group_advantages,
+        is_informative_group,
+        overlong_penalty,
+        token_advantages,
+    )
+    from asyncrl.algo.aggregation import Denominators, aggregate
+    from asyncrl.algo.correction import is_weights, rejection_keep
+    from asyncrl.algo.diagnostics import mismatch_metrics, response_stats
+    from asyncrl.algo.loss import loss_denominators, policy_loss
+    from asyncrl.algo.stats import MetricDict, Stat, merge_metrics
+
+_LAZY = {
+    "advantages": ("apply_truncation_policy", "filter_groups", "group_advantages", "is_informative_group",
+                   "overlong_penalty", "token_advantages"),
+    "aggregation": ("Denominators", "aggregate"),
+    "correction": ("is_weights", "rejection_keep"),
+    "diagnostics": ("mismatch_metrics", "response_stats"),
+    "loss": ("loss_denominators", "policy_loss"),
+    "stats": ("MetricDict", "Stat", "merge_metrics"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """The tensor API, imported (with torch) on first use."""
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncrl.algo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"asyncrl.algo.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
+    "ADVANTAGES",
     "AGGREGATIONS",
-    "KINDS",
+    "OBJECTIVES",
     "RS_MODES",
     "TBPO_W_MODES",
+    "AlgoConfig",
     "Denominators",
     "MetricDict",
     "ObjectiveConfig",

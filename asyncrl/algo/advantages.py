@@ -19,11 +19,12 @@ from collections.abc import Sequence
 
 import torch
 
+from asyncrl.algo.config import ADVANTAGES
 from asyncrl.algo.numerics import ADV_EPS
 from asyncrl.algo.stats import MetricDict, Stat, StatsBuilder
 
 __all__ = [
-    "ESTIMATORS",
+    "ADVANTAGES",
     "TRUNCATION_POLICIES",
     "group_advantages",
     "token_advantages",
@@ -33,7 +34,7 @@ __all__ = [
     "filter_groups",
 ]
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo")
+
 TRUNCATION_POLICIES = ("keep", "mask", "overlong_shaping")
 
 
@@ -60,8 +61,8 @@ def group_advantages(
     grpo: (R_i - mean) / (std_unbiased + eps); drgrpo: R_i - mean; rloo: R_i - mean of the
     other members = G/(G-1) (R_i - mean). Zero-variance group: 0 exactly; singleton group: 0.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator={estimator!r} is not valid; choose one of: {', '.join(ESTIMATORS)}")
+    if estimator not in ADVANTAGES:
+        raise ValueError(f"estimator={estimator!r} is not valid; choose one of: {', '.join(ADVANTAGES)}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [N] (one scalar per response), got shape {tuple(rewards.shape)}")
     if not bool(torch.isfinite(rewards).all()):

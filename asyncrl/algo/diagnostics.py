@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from asyncrl.algo.config import LEVELS
 from asyncrl.algo.numerics import clamp_log, seq_any, seq_mean, seq_sum
 from asyncrl.algo.stats import MetricDict, StatsBuilder
 
@@ -100,8 +101,8 @@ def mismatch_metrics(
     and ``is_level`` describe the TIS weights for ``is/*``; ``is_cap=None`` reports only
     ``is/ess_raw``. Returns a reducible ``MetricDict`` (glossary: docs/metrics.md).
     """
-    if is_level not in ("token", "sequence"):
-        raise ValueError(f"is_level must be 'token' or 'sequence', got {is_level!r}")
+    if is_level not in LEVELS:
+        raise ValueError(f"is_level must be one of {', '.join(LEVELS)}, got {is_level!r}")
     if prox_logp.shape != mask.shape or behav_logp.shape != mask.shape:
         raise ValueError(
             f"prox_logp {tuple(prox_logp.shape)}, behav_logp {tuple(behav_logp.shape)} and mask "

@@ -93,7 +93,7 @@ def prepare(
 
     prox_logp, behav_logp, ref_logp: [B, T]; advantages: [B, T] or [B]; mask: [B, T] bool or
     0/1; versions: [B, T] int (may hold anything outside ``mask``). ``behav_logp`` may be None
-    only for ``kind='ppo'``.
+    only for ``objective='ppo'``.
     """
     if not isinstance(cfg, ObjectiveConfig):
         raise ValueError(f"cfg must be an asyncrl.algo.ObjectiveConfig, got {type(cfg).__name__}")
@@ -104,7 +104,7 @@ def prepare(
     uses_behav = cfg.uses_behaviour
     if uses_behav and behav_logp is None:
         raise ValueError(
-            f"kind={cfg.kind!r} needs behav_logp (the sampler's log-probs); only kind='ppo' ignores it"
+            f"kind={cfg.objective!r} needs behav_logp (the sampler's log-probs); only kind='ppo' ignores it"
         )
     check_shapes(
         {
@@ -173,15 +173,15 @@ def prepare(
         ref = torch.where(clean, ref, 0) if ref is not None else None
         mu = mismatch_log_ratio(prox, behav, clean) if behav is not None else None
 
-        if cfg.kind == "ppo":
+        if cfg.objective == "ppo":
             keep = clean
-        elif cfg.kind == "tbpo":
+        elif cfg.objective == "tbpo":
             keep = clean  # w_mode=clamp truncates w in the objective and drops nothing (§6.7 revision)
             if cfg.tbpo_w_mode == "drop":
                 keep = clean & tbpo_keep(mu, clean, cfg.tbpo_w_low, cfg.tbpo_w_high).unsqueeze(-1)
         else:
             keep = clean
-            if cfg.kind == "decoupled":
+            if cfg.objective == "decoupled":
                 keep = keep & behav_cap_keep(mu, clean, cfg.behav_cap)
             if cfg.rs_modes:
                 keep = keep & rejection_keep(mu, clean, cfg.rs_modes, cfg.rs_thresholds)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.algo.aggregation import Denominators, aggregate, count_denominators, resolve_denominators
-from asyncrl.algo.config import SEQUENCE_KINDS, ObjectiveConfig
+from asyncrl.algo.config import SEQUENCE_OBJECTIVES, ObjectiveConfig
 from asyncrl.algo.diagnostics import add_mismatch_stats
 from asyncrl.algo.inputs import Prepared, check_shapes, prepare
 from asyncrl.algo.numerics import LOG_RATIO_BOUND, clamp_log, guarded_exp
@@ -83,10 +83,10 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, MetricDict]:
-    """Policy loss of ``cfg.kind`` for one (micro-)batch, and its metrics.
+    """Policy loss of ``cfg.objective`` for one (micro-)batch, and its metrics.
 
     logp: [B, T] current policy log-probs of the sampled tokens (the only input with gradient).
-    prox_logp: [B, T] proximal (step-start) log-probs, no grad. For ``kind='ppo'`` this is the
+    prox_logp: [B, T] proximal (step-start) log-probs, no grad. For ``objective='ppo'`` this is the
       old policy and ``behav_logp`` is ignored (may be None).
     behav_logp: [B, T] log-probs reported by the sampler (behaviour policy).
     advantages: [B, T] per-token advantages (or [B], broadcast).
@@ -137,16 +137,16 @@ def policy_loss(
     term_mask = prep.den & ~theta_bad  # tokens of the KL / entropy terms
     lp = torch.where(prep.clean & ~theta_bad, lp, 0)  # masked before any arithmetic (§2.4)
 
-    objective = sequence_objective if cfg.kind in SEQUENCE_KINDS else token_objective
+    objective = sequence_objective if cfg.objective in SEQUENCE_OBJECTIVES else token_objective
     out = objective(lp, prep, num, cfg, b)
-    pg_loss = aggregate(out.token_loss, prep.den, cfg.agg, num_tokens=den.num_tokens, num_seqs=den.num_seqs)
+    pg_loss = aggregate(out.token_loss, prep.den, cfg.aggregation, num_tokens=den.num_tokens, num_seqs=den.num_seqs)
     loss = pg_loss
 
     kl_loss = ent_loss = None
     if ref_logp is not None and cfg.kl_coef > 0:
         x = clamp_log(torch.where(term_mask, prep.ref - lp, 0))
         k3 = torch.where(term_mask, (torch.exp(x) - x - 1).clamp(-KL_REF_CLAMP, KL_REF_CLAMP), 0)
-        kl_loss = aggregate(k3, prep.den, cfg.agg, num_tokens=den.num_tokens, num_seqs=den.num_seqs)
+        kl_loss = aggregate(k3, prep.den, cfg.aggregation, num_tokens=den.num_tokens, num_seqs=den.num_seqs)
         loss = loss + cfg.kl_coef * kl_loss
     ent_ok = None
     if entropy is not None:
@@ -154,7 +154,7 @@ def policy_loss(
         ent_ok = term_mask & torch.isfinite(ent.detach())
         ent = torch.where(ent_ok, ent, 0)
         if cfg.entropy_coef > 0:
-            ent_loss = aggregate(ent, prep.den, cfg.agg, num_tokens=den.num_tokens, num_seqs=den.num_seqs)
+            ent_loss = aggregate(ent, prep.den, cfg.aggregation, num_tokens=den.num_tokens, num_seqs=den.num_seqs)
             loss = loss - cfg.entropy_coef * ent_loss
 
     finite_loss = torch.isfinite(loss.detach())
@@ -186,8 +186,8 @@ def policy_loss(
         if ent_loss is not None:
             b.total("actor/entropy_loss", ent_loss.detach())
         if prep.mu is not None:
-            is_cap = cfg.is_cap if cfg.kind in ("tis", "acr", "gspo") else None
-            is_level = cfg.is_level if cfg.kind in ("tis", "gspo") else "token"
+            is_cap = cfg.is_cap if cfg.objective in ("tis", "acr", "gspo") else None
+            is_level = cfg.is_level if cfg.objective in ("tis", "gspo") else "token"
             add_mismatch_stats(
                 b, prep.mu, prep.clean, is_cap=is_cap, is_level=is_level, staleness=prep.staleness
             )

@@ -45,34 +45,34 @@ def token_objective(
     """lambda = kappa * omega * psi(R, A; lo, hi, c) for ppo / decoupled / tis / acr (§4 table)."""
     delta = torch.where(num, logp - prep.prox, 0)
     adv = prep.adv
-    log_lo = math.log1p(-cfg.eps_low)
-    log_hi: float | torch.Tensor = math.log1p(cfg.eps_high)
+    log_lo = math.log1p(-cfg.clip_low)
+    log_hi: float | torch.Tensor = math.log1p(cfg.clip_high)
     omega = None
     mu = prep.mu
-    if cfg.kind == "decoupled":
+    if cfg.objective == "decoupled":
         omega = torch.where(prep.clean, guarded_exp(mu), 0)  # r, untruncated (§6.2)
-    elif cfg.kind == "tis":
+    elif cfg.objective == "tis":
         omega = is_weights(mu, prep.clean, cfg.is_cap, cfg.is_level)
-    elif cfg.kind == "acr":
+    elif cfg.objective == "acr":
         omega = is_weights(mu, prep.clean, cfg.is_cap, "token")
-        log_hi = acr_log_hi(mu, cfg.eps_high)
+        log_hi = acr_log_hi(mu, cfg.clip_high)
     sur = clipped_surrogate(delta, adv, log_lo, log_hi, cfg.dual_clip)
     lam = sur.loss if omega is None else sur.loss * omega
     lam = torch.where(num, lam, 0)
 
     with torch.no_grad():
-        if cfg.kind == "decoupled":
+        if cfg.objective == "decoupled":
             b.frac("decoupled/masked_frac", ~prep.keep, prep.clean)
             b.mean("decoupled/behav_imp_weight_mean", omega, prep.keep)
             b.maximum("decoupled/behav_imp_weight_max", omega, prep.keep)
             b.mean("decoupled/behav_approx_kl", mu, prep.keep)
-        if cfg.kind == "acr":
+        if cfg.objective == "acr":
             hi = torch.exp(log_hi.to(torch.float64))
             b.mean("acr/hi_mean", hi, num)
             b.frac("acr/clipfrac_hi", sur.clip_hi, num)
             b.frac("acr/empty_band_frac", log_hi < log_lo, num)
             # DEPARTURE (naming detail): restricted to A > 0 so it compares with acr/clipfrac_hi.
-            b.frac("acr/tis_would_clip_frac", (adv > 0) & (delta.detach() > math.log1p(cfg.eps_high)), num)
+            b.frac("acr/tis_would_clip_frac", (adv > 0) & (delta.detach() > math.log1p(cfg.clip_high)), num)
         if cfg.rs_modes:
             _rs_stats(b, prep)
     return ObjectiveOut(lam, sur, delta.detach())
@@ -96,9 +96,9 @@ def sequence_objective(
     log_s = torch.where(num, log_rho.unsqueeze(-1).expand_as(lp), 0)
     has = seq_any(prep.clean)
     used = seq_any(num)
-    if cfg.kind == "gspo":
+    if cfg.objective == "gspo":
         sur = clipped_surrogate(
-            log_s, adv, math.log1p(-cfg.eps_low), math.log1p(cfg.eps_high), None, max_log=GSPO_LOG_RATIO_MAX
+            log_s, adv, math.log1p(-cfg.clip_low), math.log1p(cfg.clip_high), None, max_log=GSPO_LOG_RATIO_MAX
         )
         omega = is_weights(prep.mu, prep.clean, cfg.is_cap, cfg.is_level)
         lam = torch.where(num, sur.loss * omega, 0)

@@ -73,6 +73,46 @@ def check_known_keys(tree: Any, *, source: str = "configuration") -> None:
     walk(tree, "")
 
 
+def structured(source: Any = TrainConfig) -> Any:
+    """``OmegaConf.structured(source)`` (the schema class, or a ``TrainConfig``) with every section
+    writable: library configs nested in the schema (``asyncrl.algo.AlgoConfig``) are frozen
+    dataclasses, which OmegaConf would otherwise make read-only nodes that no override can change."""
+    from omegaconf import DictConfig, OmegaConf
+
+    node = OmegaConf.structured(source)
+
+    def writable(n: Any) -> None:
+        OmegaConf.set_readonly(n, False)
+        if isinstance(n, DictConfig):
+            for key in n:
+                child = n._get_node(key)
+                if OmegaConf.is_config(child):
+                    writable(child)
+
+    writable(node)
+    return node
+
+
+def to_train_config(node: Any) -> TrainConfig:
+    """The ``TrainConfig`` of a composed node; a section's own validation error (a library config
+    refusing a value) names the section's key, e.g. ``algo.eps_low=...``."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.to_object(node)
+    except ValueError as e:
+        raise ValueError(_with_section(str(e))) from None
+    assert isinstance(cfg, TrainConfig)
+    return cfg
+
+
+def _with_section(message: str) -> str:
+    """``eps_low=2.0 must ...`` -> ``algo.eps_low=2.0 must ...`` when one section has that leaf."""
+    head = message.split("=", 1)[0].split(" ", 1)[0]
+    keys = [k for k in schema_keys() if k.rpartition(".")[2] == head and "." in k]
+    return f"{keys[0].rpartition('.')[0]}.{message}" if len(keys) == 1 and message.startswith(head) else message
+
+
 def _group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
@@ -101,17 +141,16 @@ def load_train_config(overrides: Sequence[str] = (), *, config_name: str = "trai
             check_known_keys(_nested(key), source=f"override {ov!r}")
         else:
             check_known_keys({key: None}, source=f"override {ov!r}")
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    ConfigStore.instance().store(name="train_schema", node=structured())
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             composed = compose(config_name=config_name, overrides=list(overrides))
         tree = OmegaConf.to_container(composed, resolve=False)
         check_known_keys(tree, source="composed configuration (an override or a configs/ file)")
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), composed)
-        cfg = OmegaConf.to_object(merged)
+        merged = OmegaConf.merge(structured(), composed)
+        cfg = to_train_config(merged)
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(f"bad configuration: {e}".replace("\n", " ")) from None
-    assert isinstance(cfg, TrainConfig)
     return validate(cfg)
 
 
@@ -134,10 +173,8 @@ def config_from_dict(data: dict) -> TrainConfig:
     """Rebuild a ``TrainConfig`` from ``to_dict`` output (a run folder's config.json)."""
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(data))
-    cfg = OmegaConf.to_object(merged)
-    assert isinstance(cfg, TrainConfig)
-    return validate(cfg)
+    merged = OmegaConf.merge(structured(), OmegaConf.create(data))
+    return validate(to_train_config(merged))
 
 
 def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
@@ -149,7 +186,7 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    merged = OmegaConf.structured(cfg)
+    merged = structured(cfg)
     dotlist = []
     for ov in overrides:
         if "=" not in ov:
@@ -168,10 +205,9 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
             dotlist.append(ov)
     try:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
-        out = OmegaConf.to_object(merged)
+        out = to_train_config(merged)
     except OmegaConfBaseException as e:
         raise ValueError(f"bad override: {e}".replace("\n", " ")) from None
-    assert isinstance(out, TrainConfig)
     return validate(out)
 
 

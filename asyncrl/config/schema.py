@@ -14,17 +14,23 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-OBJECTIVES = ("ppo", "decoupled", "tis", "acr", "tbpo", "gspo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-ADVANTAGES = ("grpo", "drgrpo", "rloo")
-QUANT_FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
-TASKS = ("addition", "addition2", "jsonl_math", "reasoning_gym")
-LR_SCHEDULES = ("constant", "linear", "cosine")
-FSYNC = ("always", "every_n", "rotation", "never")
-PROMPT_FORMATS = ("auto", "chat", "raw")
-ANSWER_FORMATS = ("math_verify", "tag", "boxed", "last_number", "plain")
-ROLLOUT_ENGINES = ("native", "sglang")
-SGLANG_SERVING = ("fp32", "bf16", "fp8")
+from asyncrl.algo.config import AlgoConfig
+from asyncrl.controller.prompts import PROMPT_FORMATS
+from asyncrl.engine.factory import ENGINES as ROLLOUT_ENGINES
+from asyncrl.engine.factory import SGLANG_SERVING
+from asyncrl.learner.options import LR_SCHEDULES, StepConfig
+from asyncrl.log.trajectory import FSYNC_POLICIES
+from asyncrl.tasks.answers import ANSWER_FORMATS
+from asyncrl.tasks.registry import TASKS
+from protocols.values import AQN_RESAMPLE
+from protocols.values import FORMATS as QUANT_FORMATS
+
+DEVICES = ("auto", "cpu", "cuda")
+"""``learner.device`` and ``sglang.device`` values; ``rollout.device`` also takes ``cuda:N``."""
+MODEL_NAMES = ("tiny", "smollm2", "path")
+"""``model.name`` values (``asyncrl.models``)."""
+TOO_LONG = ("skip", "error")
+"""``task.too_long`` values."""
 
 
 @dataclass(kw_only=True)
@@ -82,46 +88,6 @@ class TaskConfig:
     too_long: str = "skip"
     """A prompt over the limit: ``skip`` (admission skips it, counted in data/prompts_too_long; the
     evaluation set leaves it out) or ``error`` (the dataset is refused when the run starts)."""
-
-
-@dataclass(kw_only=True)
-class AlgoConfig:
-    objective: str = "acr"
-    """Policy objective: ppo (coupled), decoupled (AReaL), tis, acr (QuRL), tbpo (QaRL), gspo."""
-    advantage: str = "grpo"
-    """grpo (unbiased std), drgrpo (no std), rloo."""
-    group_size: int = 8
-    """Responses per prompt (G)."""
-    eps_low: float | None = None
-    eps_high: float | None = None
-    """Clip range of the trust ratio; null = the objective's own (0.2/0.2; GSPO 3e-4/4e-4). 0.28 high
-    for DAPO clip-higher."""
-    dual_clip: float | None = 3.0
-    """Dual-clip constant c for negative advantages; null disables it."""
-    is_cap: float = 2.0
-    """TIS/ACR truncation cap C of the prox/behaviour ratio."""
-    is_level: str = "token"
-    """``token`` or ``sequence`` importance weights."""
-    behav_cap: float = 5.0
-    """Decoupled PPO: tokens with prox/behaviour ratio above this are masked."""
-    tbpo_eps_pos_high: float = 4e-4
-    tbpo_eps_neg_low: float = 3e-4
-    tbpo_eps_neg_high: float = 4e-4
-    tbpo_w_low: float = 0.5
-    tbpo_w_high: float = 2.0
-    tbpo_w_mode: str = "clamp"
-    """TBPO mismatch band [tbpo_w_low, tbpo_w_high] on the per-response weight w: ``clamp`` truncates w
-    and keeps the response (default; w also carries the staleness at eta > 0), ``drop`` removes the
-    response (QaRL as written; for eta=0). docs/algorithms.md §6.7."""
-    agg: str | None = None
-    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum; null = the objective's
-    own (seq-mean-token-mean for gspo and tbpo, token-mean otherwise). A comparison of objectives
-    should set one value for all."""
-    kl_coef: float = 0.0
-    """KL-to-reference coefficient (k3); 0 disables the reference forward."""
-    entropy_coef: float = 0.0
-    dynamic_sampling: bool = False
-    """DAPO filter: drop groups whose rewards are all equal (they carry no gradient)."""
 
 
 @dataclass(kw_only=True)
@@ -192,22 +158,21 @@ class LoraConfig:
     mode for that forward; the proximal log-probs then come from a separate eval-mode pass)."""
 
 
-@dataclass(kw_only=True)
-class LearnerConfig:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LearnerConfig(StepConfig):
+    """The learner process: the training-step options of ``asyncrl.learner.options.StepConfig`` (its
+    fields, defaults and validation, e.g. ``learner.n_minibatches``, ``learner.chunk_tokens``) plus the
+    run's length, optimiser, schedule, devices and checkpoints. ``train_step`` gets it as is."""
+
     world_size: int = 1
     """FSDP2 ranks (torchrun processes); gloo on CPU, NCCL on GPU."""
     total_steps: int = 400
     """Learner steps (= policy versions) to train."""
     lr: float = 3e-4
     lr_schedule: str = "linear"
-    """constant, linear or cosine decay after warmup."""
+    """constant, linear or cosine decay after warmup (``asyncrl.learner.options.LRSchedule``)."""
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
-    n_minibatches: int = 1
-    """Optimizer updates per step (each over 1/n of the batch). Every ``configs/algo/`` file sets 2:
-    with one update the ratio to the proximal policy is 1 and the trust region never acts."""
-    micro_batch_size: int = 64
-    grad_clip: float = 1.0
     weight_decay: float = 0.0
     device: str = "auto"
     """``auto`` (NCCL on the GPUs when CUDA is available, else gloo on the CPU), ``cpu`` (gloo) or ``cuda``
@@ -225,21 +190,20 @@ class LearnerConfig:
     num_threads: int = 0
     """Torch intra-op threads per learner rank; 0 = the CPUs left beside one per generation
     worker, shared by the ranks."""
-    max_tokens_per_micro_batch: int = 0
-    """Cap each micro-batch at this many padded positions (rows x longest row); 0 = by
-    ``micro_batch_size`` only."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
-    autocast: str = ""
-    """``bf16``: forwards under bfloat16 autocast with fp32 master weights; empty = fp32."""
-    reuse_prox: bool = True
-    """First minibatch: proximal log-probs from its own training forward (equal by construction)."""
-    skip_zero_advantage: bool = True
-    """Responses with zero advantage get no forward/backward (they stay in the denominators);
-    ignored when ``algo.kl_coef`` or ``algo.entropy_coef`` is > 0."""
-    log_entropy: bool = True
-    """Log ``actor/entropy`` every step (from the same chunked LM-head pass as the log-probs)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        # LoRA dropout decides train_dropout, and a dropout forward is not the proximal policy.
+        dropout = self.lora.rank > 0 and self.lora.dropout > 0
+        if self.train_dropout and not dropout:
+            raise ValueError("train_dropout follows the LoRA dropout; set learner.lora.rank > 0 and "
+                             "learner.lora.dropout > 0 instead")
+        object.__setattr__(self, "train_dropout", dropout)
+        if self.lora.dropout > 0:
+            object.__setattr__(self, "reuse_prox", False)
+        StepConfig.__post_init__(self)
 
 
 @dataclass(kw_only=True)
@@ -307,7 +271,7 @@ class TrainConfig:
 def check_device(name: str, value: str) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; ``ValueError`` naming the fix otherwise."""
     head, _, index = value.partition(":")
-    if value in ("auto", "cpu", "cuda") or (head == "cuda" and index.isdigit()):
+    if value in DEVICES or (head == "cuda" and index.isdigit()):
         return value
     raise ValueError(f"{name}={value!r} is not a device; choose auto, cpu, cuda or cuda:N (N = GPU index)")
 
@@ -325,24 +289,18 @@ def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Cross-field checks; raises ``ValueError`` naming the key and the fix. Touches no heavy module."""
-    _choice("algo.objective", cfg.algo.objective, OBJECTIVES)
-    if cfg.algo.agg is not None:
-        _choice("algo.agg", cfg.algo.agg, AGGREGATIONS)
-    _choice("algo.advantage", cfg.algo.advantage, ADVANTAGES)
-    _choice("algo.is_level", cfg.algo.is_level, ("token", "sequence"))
-    _choice("algo.tbpo_w_mode", cfg.algo.tbpo_w_mode, ("clamp", "drop"))
+    # cfg.algo (asyncrl.algo.AlgoConfig) validated itself when it was built; the checks here span sections.
     _choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
-    _choice("quant.aqn_resample", cfg.quant.aqn_resample, ("publication", "forward"))
+    _choice("quant.aqn_resample", cfg.quant.aqn_resample, AQN_RESAMPLE)
     for fmt in cfg.quant.extra_formats:
         _choice("quant.extra_formats[]", fmt, QUANT_FORMATS)
-    _choice("task.name", cfg.task.name, TASKS)
+    _choice("task.name", cfg.task.name, tuple(TASKS))
     _choice("learner.lr_schedule", cfg.learner.lr_schedule, LR_SCHEDULES)
-    _choice("log.fsync", cfg.log.fsync, FSYNC)
-    _choice("task.too_long", cfg.task.too_long, ("skip", "error"))
-    _choice("model.name", cfg.model.name, ("tiny", "smollm2", "path"))
+    _choice("log.fsync", cfg.log.fsync, FSYNC_POLICIES)
+    _choice("task.too_long", cfg.task.too_long, TOO_LONG)
+    _choice("model.name", cfg.model.name, MODEL_NAMES)
     checks = [
         (cfg.rollout.eta >= 0, f"rollout.eta={cfg.rollout.eta} must be >= 0 (0 = synchronous training)"),
-        (cfg.algo.group_size >= 2, f"algo.group_size={cfg.algo.group_size}: GRPO needs groups of >= 2"),
         (cfg.rollout.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
         (cfg.rollout.num_workers >= 0, "rollout.num_workers must be >= 0"),
         (cfg.rollout.worker_slots >= cfg.algo.group_size,
@@ -354,28 +312,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.learner.total_steps >= 1, "learner.total_steps must be >= 1"),
         (cfg.learner.lr > 0, "learner.lr must be > 0"),
         (cfg.learner.time_budget_s >= 0, "learner.time_budget_s must be >= 0 (0 = no time limit)"),
-        (cfg.learner.n_minibatches >= 1, "learner.n_minibatches must be >= 1"),
         (cfg.learner.num_threads >= 0, "learner.num_threads must be >= 0 (0 = automatic)"),
-        (cfg.learner.max_tokens_per_micro_batch >= 0,
-         "learner.max_tokens_per_micro_batch must be >= 0 (0 = by micro_batch_size)"),
-        (cfg.learner.autocast in ("", "bf16"), f"learner.autocast={cfg.learner.autocast!r}: use '' (fp32) or bf16"),
         (cfg.learner.lora.rank >= 0, "learner.lora.rank must be >= 0 (0 = full fine-tuning)"),
         (cfg.learner.lora.rank == 0 or bool(cfg.learner.lora.target_modules),
          "learner.lora.target_modules is empty; name the projections to adapt, e.g. [q_proj,v_proj]"),
         (cfg.learner.lora.rank == 0 or not {"lm_head", "embed_tokens"} & set(cfg.learner.lora.target_modules),
          "learner.lora.target_modules may not include lm_head or embed_tokens; adapt the decoder projections"),
         (0.0 <= cfg.learner.lora.dropout < 1.0, "learner.lora.dropout must be in [0, 1)"),
-        (cfg.algo.kl_coef >= 0, "algo.kl_coef must be >= 0 (0 disables the reference policy)"),
-        (cfg.learner.micro_batch_size >= 1,
-         f"learner.micro_batch_size={cfg.learner.micro_batch_size} must be >= 1 (sequences per forward pass)"),
         (cfg.task.max_prompt_tokens >= 0, "task.max_prompt_tokens must be >= 0 (0: the model's context - 1)"),
         (cfg.log.rotate_mb >= 1, f"log.rotate_mb={cfg.log.rotate_mb} must be >= 1 (segment size in MiB)"),
         (cfg.log.fsync_every >= 1, f"log.fsync_every={cfg.log.fsync_every} must be >= 1"),
-        (cfg.algo.is_cap > 1, "algo.is_cap (C) must be > 1"),
-        ((cfg.algo.eps_low is None or 0 < cfg.algo.eps_low < 1)
-         and (cfg.algo.eps_high is None or cfg.algo.eps_high > 0),
-         "algo.eps_low must be in (0, 1) and algo.eps_high > 0 (or null for the objective's defaults)"),
-        (cfg.algo.dual_clip is None or cfg.algo.dual_clip > 1, "algo.dual_clip must be > 1 or null"),
         (cfg.rollout.assignment_timeout_s > 0, "rollout.assignment_timeout_s must be > 0"),
         (cfg.rollout.dead_after_s > cfg.rollout.heartbeat_s,
          "rollout.dead_after_s must exceed rollout.heartbeat_s"),
@@ -392,8 +338,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"task.rg_config is for task.name=reasoning_gym (this run uses {cfg.task.name}); drop it")
     _choice("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
     check_device("rollout.device", cfg.rollout.device)
-    _choice("learner.device", cfg.learner.device, ("auto", "cpu", "cuda"))
-    _choice("sglang.device", cfg.sglang.device, ("auto", "cpu", "cuda"))
+    _choice("learner.device", cfg.learner.device, DEVICES)
+    _choice("sglang.device", cfg.sglang.device, DEVICES)
     if cfg.rollout.engine == "sglang" and cfg.quant.fmt not in SGLANG_SERVING:
         raise ValueError(f"rollout.engine=sglang serves {', '.join(SGLANG_SERVING)} (fp8: GPU only), not "
                          f"quant.fmt={cfg.quant.fmt}; set quant.fmt=fp32, or keep native workers for "

@@ -3,7 +3,8 @@
 Owns: the plain data types every engine speaks (``SamplingParams``, ``GenRequest``, ``GenResult``) and
 the Protocol that the native torch engine and the SGLang engine both implement (docs/architecture.md §3).
 
-Must never: import msgspec, zmq, transformers or any engine implementation. Wire encoding of these
+Must never: import zmq, transformers or any engine implementation, or encode anything (the value lists it
+shares with the wire, ``FINISH_REASONS``, come from ``protocols.values``). Wire encoding of these
 types belongs to ``protocols/`` and ``workers/``; this module is plain Python + numpy.
 
 Invariants of a ``GenResult`` (checked by ``GenResult.__post_init__``):
@@ -29,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-FINISH_REASONS = ("stop", "length", "abort")
+from protocols.values import FINISH_REASONS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

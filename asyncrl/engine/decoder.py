@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+from asyncrl.models.prepare import SUPPORTED_MODEL_TYPES
+
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.engine.base import GenRequest, GenResult
+from asyncrl.engine.base import FINISH_REASONS, GenRequest, GenResult
 from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangRequestError
 from asyncrl.engine.sglang_server import SGLangServerProcess, cpu_env, free_port, server_command
 from asyncrl.engine.sglang_weights import (
@@ -636,7 +636,7 @@ def parse_generate_output(out: Any, req: GenRequest) -> tuple[list[int], list[fl
             f"request {req.sample_id!r}: SGLang /generate answer lacks output_ids / meta_info.finish_reason / "
             f"output_token_logprobs / weight_versions ({exc!r}); is the server SGLang 0.5.23?"
         ) from exc
-    if reason not in ("stop", "length", "abort"):
+    if reason not in FINISH_REASONS:
         raise ValueError(f"request {req.sample_id!r}: unknown SGLang finish reason {reason!r}")
     if len(lps) != len(ids) or any(int(lp[1]) != t for lp, t in zip(lps, ids, strict=False)):
         raise ValueError(

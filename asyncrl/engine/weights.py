@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from asyncrl.quant import PublishedWeights, load_published, publish, quantize_model
-
-QUANT_FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
+from protocols.values import FORMATS as QUANT_FORMATS
 
 
 def quantize_actor(model: torch.nn.Module, fmt: str) -> torch.nn.Module:

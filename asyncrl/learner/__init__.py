@@ -2,29 +2,61 @@
 
 Owns everything the learner *process* (workers/learner.py) needs to train, save and export a
 policy; it never opens sockets, reads argv/env beyond torchrun's variables, or computes an
-objective (that is ``asyncrl.algo``). Importing this package imports torch.
+objective (that is ``asyncrl.algo``). The options (``StepConfig``, ``LRSchedule``,
+``asyncrl.learner.options``) import without torch, so the run schema can extend them; every other
+name loads (with torch) on first use.
 """
 
-from asyncrl.learner.batch import LearnerBatch
-from asyncrl.learner.checkpoint import (
-    export_hf,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    sha256_of_state_dict,
-    state_dict_sha256,
-)
-from asyncrl.learner.fsdp import (
-    DistInfo,
-    broadcast_batch,
-    close_distributed,
-    full_state_dict,
-    init_distributed,
-    shard_model,
-)
-from asyncrl.learner.logprobs import token_logprobs
-from asyncrl.learner.schedule import LRSchedule, build_optimizer, build_scheduler, lr_multiplier
-from asyncrl.learner.step import StepConfig, TrainState, train_step
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.learner.options import LRSchedule, StepConfig
+
+if TYPE_CHECKING:
+    from asyncrl.learner.batch import LearnerBatch
+    from asyncrl.learner.checkpoint import (
+        export_hf,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+        sha256_of_state_dict,
+        state_dict_sha256,
+    )
+    from asyncrl.learner.fsdp import (
+        DistInfo,
+        broadcast_batch,
+        close_distributed,
+        full_state_dict,
+        init_distributed,
+        shard_model,
+    )
+    from asyncrl.learner.logprobs import token_logprobs
+    from asyncrl.learner.schedule import build_optimizer, build_scheduler, lr_multiplier
+    from asyncrl.learner.step import TrainState, train_step
+
+_LAZY = {
+    "batch": ("LearnerBatch",),
+    "checkpoint": ("export_hf", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "sha256_of_state_dict",
+                   "state_dict_sha256"),
+    "fsdp": ("DistInfo", "broadcast_batch", "close_distributed", "full_state_dict", "init_distributed", "shard_model"),
+    "logprobs": ("token_logprobs",),
+    "schedule": ("build_optimizer", "build_scheduler", "lr_multiplier"),
+    "step": ("TrainState", "train_step"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """The torch side of the package, imported on first use."""
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncrl.learner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"asyncrl.learner.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LearnerBatch",

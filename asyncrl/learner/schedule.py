@@ -15,43 +15,12 @@ decay to a floor (``min_lr_ratio``) avoided it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from asyncrl.learner.options import LRSchedule
+
 __all__ = ["LRSchedule", "lr_multiplier", "build_optimizer", "build_scheduler"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LRSchedule:
-    """Learning-rate multiplier schedule, in training steps.
-
-    kind: "constant" (after warm-up), "cosine" or "linear" decay from 1 to ``min_lr_ratio``
-      between the end of warm-up and ``total_steps``, then flat at the floor.
-    warmup_steps: linear ramp (step + 1) / warmup_steps over the first steps; 0 disables it.
-    total_steps: where decay ends; required for "cosine" and "linear".
-    min_lr_ratio: the floor, as a fraction of the peak learning rate, in [0, 1].
-    """
-
-    kind: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("constant", "cosine", "linear"):
-            raise ValueError(f"unknown LR schedule kind {self.kind!r}; use 'constant', 'cosine' or 'linear'")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.kind != "constant":
-            if self.total_steps is None or self.total_steps <= self.warmup_steps:
-                raise ValueError(
-                    f"LR schedule {self.kind!r} needs total_steps > warmup_steps (got total_steps="
-                    f"{self.total_steps}, warmup_steps={self.warmup_steps}); set total_steps to the run length"
-                )
 
 
 def lr_multiplier(step: int, sched: LRSchedule) -> float:

@@ -51,6 +51,7 @@ from asyncrl.algo import MetricDict, ObjectiveConfig, Stat, loss_denominators, m
 from asyncrl.learner.batch import LearnerBatch
 from asyncrl.learner.fsdp import DistInfo, all_reduce_sum
 from asyncrl.learner.logprobs import token_logprobs
+from asyncrl.learner.options import StepConfig
 from asyncrl.learner.plan import plan_step
 
 __all__ = ["StepConfig", "TrainState", "LossFn", "train_step", "clip_grad_norm", "reference_context"]
@@ -60,60 +61,6 @@ log = logging.getLogger(__name__)
 LossFn = Callable[..., tuple[torch.Tensor, MetricDict]]
 """``(logp, prox_logp, behav_logp, advantages, mask, cfg, *, num_tokens, num_seqs, versions,
 learner_version, ref_logp, entropy) -> (loss, MetricDict)``: ``asyncrl.algo.policy_loss``."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepConfig:
-    """How one training step is cut up, computed and clipped.
-
-    n_minibatches: optimiser updates per step (the step batch is split into this many).
-    micro_batch_size: at most this many sequences per forward/backward on one rank.
-    max_tokens_per_micro_batch: > 0 also caps a micro-batch at this many padded positions
-      (rows x longest row; see ``plan.py``); 0 cuts by ``micro_batch_size`` alone. Memory knobs
-      only: the result does not depend on them beyond float summation order.
-    max_grad_norm: clip the global L2 gradient norm to this; <= 0 disables clipping (the norm is
-      still measured and logged).
-    chunk_tokens: positions per fp32 log-softmax chunk of the LM head (memory knob, logprobs.py).
-    log_entropy: compute the current policy's token entropy (metric ``actor/entropy``) even when
-      the objective has no entropy bonus; it comes from the same head chunks as the log-probs.
-    reuse_prox: take the first minibatch's proximal log-probs from its own training forward
-      (before any update they are the same function of the same weights) instead of a separate
-      no-grad pass; see ``train_step``.
-    skip_zero_advantage: give no forward/backward to responses whose advantage is 0 at every
-      loss token (their gradient is exactly 0) while they still count in the denominators;
-      only when the objective has no KL or entropy term.
-    autocast: "bf16" runs the forwards under ``torch.autocast`` in bfloat16 (weights, gradients
-      and optimiser stay fp32; log-probs and the loss are computed in fp32); "" = plain fp32.
-    train_dropout: the training forward runs in train mode (dropout on, e.g. LoRA dropout); the
-      proximal and reference passes stay in eval mode, so ``reuse_prox`` must be off.
-    """
-
-    n_minibatches: int = 1
-    micro_batch_size: int = 8
-    max_tokens_per_micro_batch: int = 0
-    max_grad_norm: float = 1.0
-    chunk_tokens: int = 256
-    log_entropy: bool = True
-    reuse_prox: bool = True
-    skip_zero_advantage: bool = True
-    autocast: str = ""
-    train_dropout: bool = False
-
-    def __post_init__(self) -> None:
-        if self.n_minibatches < 1:
-            raise ValueError(f"n_minibatches must be >= 1, got {self.n_minibatches}")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.max_tokens_per_micro_batch < 0:
-            raise ValueError(
-                f"max_tokens_per_micro_batch must be >= 0 (0 = by micro_batch_size), got {self.max_tokens_per_micro_batch}"
-            )
-        if self.chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.train_dropout and self.reuse_prox:
-            raise ValueError("train_dropout needs reuse_prox=False: a dropout forward is not the proximal policy")
-        if self.autocast not in ("", "bf16"):
-            raise ValueError(f"autocast must be '' (fp32) or 'bf16', got {self.autocast!r}")
 
 
 @dataclass(slots=True)
@@ -321,10 +268,10 @@ def train_step(
     # Proximal (and reference) log-probs with theta_k, before any update. Coupled PPO (§6.1) has no
     # proximal policy: the sampler's own log-probs are the old policy (verl bypass mode); on stale,
     # quantized rollouts that is the naive baseline QuRL reports collapsing.
-    reuse = cfg.reuse_prox and objective.kind != "ppo" and objective.rejection_denominator == "pre_mask"
+    reuse = cfg.reuse_prox and objective.objective != "ppo" and objective.rejection_denominator == "pre_mask"
     prox: list[list[torch.Tensor | None]] = []
     for j, mb in enumerate(plan):
-        if objective.kind == "ppo":
+        if objective.objective == "ppo":
             prox.append([m.behav_logp for m in mb.micros])
         elif reuse and j == 0:
             prox.append([None] * len(mb.micros))
@@ -364,7 +311,7 @@ def train_step(
             continue
         ran += 1
         parts += mb_parts
-        grad_norm = clip_grad_norm(model, cfg.max_grad_norm, info)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip, info)
         if skip_votes == 0 and math.isfinite(loss_global) and math.isfinite(grad_norm):
             state.optimizer.step()
             losses.append(loss_global)

@@ -9,8 +9,9 @@ Must never: import other asyncrl packages (this is a leaf), do I/O, or touch the
 in place except through `fold_uaq` / `unfold_uaq` on a model, which are in place by contract.
 """
 
+from protocols.values import AQN_RESAMPLE, FORMATS, QUANTIZED_FORMATS
+
 from .aqn import (
-    AQN_RESAMPLE,
     DEFAULT_AQN_SITES,
     AqnRecord,
     ForwardAqn,
@@ -31,7 +32,7 @@ from .errors import (
     QuantError,
     UnknownFormatError,
 )
-from .formats import FORMATS, QUANTIZED_FORMATS, dequantize_weight, quantize_weight, weight_suffixes
+from .formats import dequantize_weight, quantize_weight, weight_suffixes
 from .fp4 import (
     dequantize_mxfp4,
     dequantize_nvfp4,

@@ -140,9 +140,6 @@ def add_aqn_noise(
     return out, AqnRecord(seed=int(seed), sigma=float(sigma), sites=tuple(sites))
 
 
-AQN_RESAMPLE = ("publication", "forward")
-
-
 def forward_noise(seed: int, sample_id: str, t: int, sigma: float, n_sites: int, hidden: int) -> Tensor:
     """z [n_sites, hidden] fp32 of the forward that samples token `t` of `sample_id` (module docstring)."""
     gen = torch.Generator(device="cpu").manual_seed(derive_seed(seed, f"{sample_id}\x1f{t}"))

@@ -1,6 +1,6 @@
 """Format registry: one `quantize_weight` / `dequantize_weight` pair over all formats.
 
-Owns: `FORMATS`, the names and roles of the tensors that stand for one linear weight in each format,
+Owns: the names and roles of the tensors that stand for one linear weight in each format,
 and the dispatch to the per-format rules (int8.py, fp8.py, fp4.py). Quantised modules (linear.py) and
 publication (publish.py) both go through `quantize_weight`, so a published copy is bit-identical to a
 locally quantised one by construction.
@@ -25,11 +25,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from protocols.values import FORMATS
+
 from . import fp4, fp8, int8
 from .errors import UnknownFormatError
-
-FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
-QUANTIZED_FORMATS: tuple[str, ...] = ("int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
 
 ROLE_WEIGHT = "weight"
 ROLE_CODES = "codes"

@@ -28,6 +28,9 @@ from fractions import Fraction
 
 STRICT_FORMATS = ("tag", "boxed", "last_number")
 EXTRACT_FORMATS = (*STRICT_FORMATS, "plain")
+ANSWER_FORMATS = ("math_verify", *EXTRACT_FORMATS)
+"""Every ``task.answer_format`` some task accepts (jsonl_math: math_verify and the strict ones;
+reasoning_gym: the extract ones)."""
 
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")

@@ -127,7 +127,7 @@ def _parse_record(obj: Any, where: str, fix: str, keys: tuple[str, str] = ("prom
     return prompt, answer
 
 
-ANSWER_FORMATS = ("math_verify", *STRICT_FORMATS)
+JSONL_ANSWER_FORMATS = ("math_verify", *STRICT_FORMATS)
 
 
 def _key(prompt: str) -> str:
@@ -169,8 +169,8 @@ class JsonlMathTask(EpochStreamMixin):
     ) -> None:
         if "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template must contain '{{prompt}}', got {prompt_template!r}")
-        if answer_format not in ANSWER_FORMATS:
-            raise ValueError(f"jsonl_math: answer_format={answer_format!r}; choose one of {', '.join(ANSWER_FORMATS)}")
+        if answer_format not in JSONL_ANSWER_FORMATS:
+            raise ValueError(f"jsonl_math: answer_format={answer_format!r}; choose one of {', '.join(JSONL_ANSWER_FORMATS)}")
         keys = {"prompt_key": prompt_key, "answer_key": answer_key}
         records = load_jsonl_problems(path, what="path", **keys)
         if eval_path is not None:

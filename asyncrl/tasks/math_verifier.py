@@ -36,10 +36,10 @@ import multiprocessing
 import multiprocessing.pool
 import threading
 import weakref
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Isolation = Literal["auto", "inline", "process"]
-ISOLATIONS = ("auto", "inline", "process")
+ISOLATIONS: tuple[str, ...] = get_args(Isolation)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -98,10 +98,10 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float, lean: bool
         result["loaded_sha"] = state_dict_sha256(model, info)
     while state.version < STEPS:
         micro = 1 if state.version == SHORT_STEP else 2
-        step_cfg = StepConfig(n_minibatches=2, micro_batch_size=micro, max_grad_norm=max_grad_norm,
+        step_cfg = StepConfig(n_minibatches=2, micro_batch_size=micro, grad_clip=max_grad_norm,
                               max_tokens_per_micro_batch=12 if lean else 0)
         batch = broadcast_batch(_batch(state.version) if info.is_main else None, info)
-        m = train_step(state, batch, ObjectiveConfig(kind="acr"), step_cfg, info)
+        m = train_step(state, batch, ObjectiveConfig(objective="acr"), step_cfg, info)
         result["losses"].append(m["learner/loss"])
         result["grad_norms"].append(m["learner/grad_norm"])
         result["tokens"].append(m["actor/tokens"])

@@ -6,16 +6,16 @@ Configuration mapping (AReaL -> asyncrl), and why:
 * AReaL's ``old_logprobs`` is the behaviour policy and ``proximal_logprobs`` the proximal one, as
   our ``behav_logp`` / ``prox_logp``. AReaL applies a behaviour weight *only* when
   ``rejection_sampling`` is set; with ``rejection_sampling=None`` the loss is the coupled clip
-  against prox. So coupled PPO / clip-higher / dual clip map to ``kind='ppo'`` (behaviour ignored)
+  against prox. So coupled PPO / clip-higher / dual clip map to ``objective='ppo'`` (behaviour ignored)
   and an untruncated decoupled weight maps to ``rejection_sampling(action='mask', upper=1e30)``.
 * ``eps_clip`` / ``eps_clip_higher`` / ``c_clip`` = ``eps_low`` / ``eps_high`` / ``dual_clip``
   (``eps_clip_higher=None`` means symmetric; ``c_clip=None`` disables the dual clip).
 * Decoupled with clamp = token TIS: ``rejection_sampling(level='token', action='clamp',
-  metric='ratio', upper=C)`` clamps r to [0, C] = min(r, C) -> ``kind='tis', is_cap=C``.
+  metric='ratio', upper=C)`` clamps r to [0, C] = min(r, C) -> ``objective='tis', is_cap=C``.
 * Decoupled with mask: ``action='mask', upper=u`` drops tokens with r > u and keeps the original
-  token count as denominator -> ``kind='decoupled', behav_cap=u, rejection_denominator='pre_mask'``.
+  token count as denominator -> ``objective='decoupled', behav_cap=u, rejection_denominator='pre_mask'``.
 * Sequence ratio: ``importance_sampling_level='sequence'`` (GSPO) uses the geometric-mean ratio and
-  the per-sequence mean advantage, aggregated over tokens -> ``kind='gspo', agg='token-mean'``
+  the per-sequence mean advantage, aggregated over tokens -> ``objective='gspo', agg='token-mean'``
   with ``behav_logp = prox_logp`` (no behaviour weight, as AReaL without rejection sampling) or a
   token clamp weight (``is_level='token'``). Not compared: AReaL's sequence-level *behaviour* weight
   (geometric mean of r) -- our ``is_level='sequence'`` follows verl (product of r, §6.3).
@@ -61,55 +61,55 @@ def _rs(action: str, upper: float) -> dict:
 # name -> (ours, AReaL kwargs, batch scales, behav := prox?)
 VARIANTS = {
     "coupled_ppo": (
-        ObjectiveConfig(kind="ppo", dual_clip=None),
+        ObjectiveConfig(objective="ppo", dual_clip=None),
         {"eps_clip": 0.2, "eps_clip_higher": None, "c_clip": None, "rejection_sampling": None},
         {"delta": 0.3, "mu": 0.0},
         True,
     ),
     "clip_higher": (
-        ObjectiveConfig(kind="ppo", eps_high=0.28, dual_clip=None),
+        ObjectiveConfig(objective="ppo", eps_high=0.28, dual_clip=None),
         {"eps_clip": 0.2, "eps_clip_higher": 0.28, "c_clip": None, "rejection_sampling": None},
         {"delta": 0.3, "mu": 0.0},
         True,
     ),
     "dual_clip": (
-        ObjectiveConfig(kind="ppo", eps_high=0.28, dual_clip=3.0),
+        ObjectiveConfig(objective="ppo", eps_high=0.28, dual_clip=3.0),
         {"eps_clip": 0.2, "eps_clip_higher": 0.28, "c_clip": 3.0, "rejection_sampling": None},
         {"delta": 0.8, "mu": 0.0},
         True,
     ),
     "decoupled_clamp_is_token_tis": (
-        ObjectiveConfig(kind="tis", is_cap=2.0, dual_clip=3.0),
+        ObjectiveConfig(objective="tis", is_cap=2.0, dual_clip=3.0),
         {"eps_clip": 0.2, "eps_clip_higher": None, "c_clip": 3.0, "rejection_sampling": _rs("clamp", 2.0)},
         {"delta": 0.5, "mu": 0.6},
         False,
     ),
     "decoupled_mask": (
-        ObjectiveConfig(kind="decoupled", behav_cap=1.5, dual_clip=None),
+        ObjectiveConfig(objective="decoupled", behav_cap=1.5, dual_clip=None),
         {"eps_clip": 0.2, "eps_clip_higher": None, "c_clip": None, "rejection_sampling": _rs("mask", 1.5)},
         {"delta": 0.3, "mu": 0.5},
         False,
     ),
     "decoupled_no_cap": (
-        ObjectiveConfig(kind="decoupled", behav_cap=None, dual_clip=3.0),
+        ObjectiveConfig(objective="decoupled", behav_cap=None, dual_clip=3.0),
         {"eps_clip": 0.2, "eps_clip_higher": None, "c_clip": 3.0, "rejection_sampling": _rs("mask", 1e30)},
         {"delta": 0.5, "mu": 0.3},
         False,
     ),
     "gspo_sequence_ratio": (
-        ObjectiveConfig(kind="gspo", agg="token-mean"),
+        ObjectiveConfig(objective="gspo", agg="token-mean"),
         {"eps_clip": 3e-4, "eps_clip_higher": 4e-4, "c_clip": None, "rejection_sampling": None},
         {"delta": 3e-4, "mu": 0.0},
         True,
     ),
     "gspo_wide_band": (
-        ObjectiveConfig(kind="gspo", agg="token-mean", eps_low=0.05, eps_high=0.1),
+        ObjectiveConfig(objective="gspo", agg="token-mean", eps_low=0.05, eps_high=0.1),
         {"eps_clip": 0.05, "eps_clip_higher": 0.1, "c_clip": None, "rejection_sampling": None},
         {"delta": 0.2, "mu": 0.0},
         True,
     ),
     "gspo_with_token_clamp_weight": (
-        ObjectiveConfig(kind="gspo", agg="token-mean", eps_low=0.05, eps_high=0.1, is_cap=2.0),
+        ObjectiveConfig(objective="gspo", agg="token-mean", eps_low=0.05, eps_high=0.1, is_cap=2.0),
         {"eps_clip": 0.05, "eps_clip_higher": 0.1, "c_clip": None, "rejection_sampling": _rs("clamp", 2.0)},
         {"delta": 0.2, "mu": 0.6},
         False,
@@ -132,7 +132,7 @@ def areal_results(run_areal):
     for name, seed in CASES:
         _, kw, _, _ = VARIANTS[name]
         b = _inputs(name, seed)
-        level = "sequence" if VARIANTS[name][0].kind == "gspo" else "token"
+        level = "sequence" if VARIANTS[name][0].objective == "gspo" else "token"
         cases[f"{name}/{seed}"] = {**b, **kw, "importance_sampling_level": level}
     results, info = run_areal(cases)
     assert info["areal_version"] == "1.0.4", info

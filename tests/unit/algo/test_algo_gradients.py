@@ -13,19 +13,19 @@ from tests.unit.algo.algo_helpers import random_batch
 
 WIDE = {"eps_low": 0.2, "eps_high": 0.25}
 CONFIGS = {
-    "ppo": ObjectiveConfig(kind="ppo"),
-    "ppo_no_dual": ObjectiveConfig(kind="ppo", dual_clip=None, eps_high=0.28),
-    "decoupled": ObjectiveConfig(kind="decoupled", behav_cap=1.5),
-    "tis": ObjectiveConfig(kind="tis", is_cap=1.3),
-    "tis_seq": ObjectiveConfig(kind="tis", is_cap=2.0, is_level="sequence"),
+    "ppo": ObjectiveConfig(objective="ppo"),
+    "ppo_no_dual": ObjectiveConfig(objective="ppo", dual_clip=None, eps_high=0.28),
+    "decoupled": ObjectiveConfig(objective="decoupled", behav_cap=1.5),
+    "tis": ObjectiveConfig(objective="tis", is_cap=1.3),
+    "tis_seq": ObjectiveConfig(objective="tis", is_cap=2.0, is_level="sequence"),
     "tis_rs": ObjectiveConfig(
-        kind="tis", rs_modes=("token_k3", "seq_mean_k1"), rs_thresholds=("0.3", "0.6_1.6")
+        objective="tis", rs_modes=("token_k3", "seq_mean_k1"), rs_thresholds=("0.3", "0.6_1.6")
     ),
-    "acr": ObjectiveConfig(kind="acr", is_cap=2.0),
-    "gspo": ObjectiveConfig(kind="gspo", agg="seq-mean-token-mean", **WIDE),
-    "gspo_seq_is": ObjectiveConfig(kind="gspo", is_level="sequence", is_cap=1.5, **WIDE),
+    "acr": ObjectiveConfig(objective="acr", is_cap=2.0),
+    "gspo": ObjectiveConfig(objective="gspo", agg="seq-mean-token-mean", **WIDE),
+    "gspo_seq_is": ObjectiveConfig(objective="gspo", is_level="sequence", is_cap=1.5, **WIDE),
     "tbpo": ObjectiveConfig(
-        kind="tbpo",
+        objective="tbpo",
         agg="seq-mean-token-mean",
         tbpo_eps_pos_high=0.2,
         tbpo_eps_neg_low=0.2,
@@ -43,7 +43,7 @@ def _args(b):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gradcheck_float64_for_each_kind(name):
     cfg = CONFIGS[name]
-    b = random_batch(11, delta_scale=0.15 if cfg.kind in ("gspo", "tbpo") else 0.3)
+    b = random_batch(11, delta_scale=0.15 if cfg.objective in ("gspo", "tbpo") else 0.3)
     logp = b["logp"].clone().requires_grad_(True)
 
     def f(lp):
@@ -55,7 +55,7 @@ def test_gradcheck_float64_for_each_kind(name):
 
 
 def test_gradcheck_gspo_at_its_default_band():
-    cfg = ObjectiveConfig(kind="gspo", agg="seq-mean-token-mean")
+    cfg = ObjectiveConfig(objective="gspo", agg="seq-mean-token-mean")
     b = random_batch(5, delta_scale=1e-4)
     logp = b["logp"].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(
@@ -67,7 +67,7 @@ def test_gradcheck_gspo_at_its_default_band():
 
 
 def test_gradcheck_with_kl_and_entropy_terms():
-    cfg = ObjectiveConfig(kind="acr", kl_coef=0.05, entropy_coef=0.01, agg="seq-mean-token-sum")
+    cfg = ObjectiveConfig(objective="acr", kl_coef=0.05, entropy_coef=0.01, agg="seq-mean-token-sum")
     b = random_batch(3)
     ref = b["prox"] + 0.1
     logp = b["logp"].clone().requires_grad_(True)
@@ -124,12 +124,12 @@ def test_micro_batches_with_global_denominators_equal_the_whole_batch(name, agg)
 
 
 def test_post_mask_denominators_split_like_the_whole_batch():
-    cfg = ObjectiveConfig(kind="decoupled", behav_cap=1.2, rejection_denominator="post_mask")
+    cfg = ObjectiveConfig(objective="decoupled", behav_cap=1.2, rejection_denominator="post_mask")
     _split_equals_whole(cfg, random_batch(8, B=8, T=6, dtype=torch.float32), [2, 4, 7])
 
 
 def test_merged_micro_batch_metrics_equal_whole_batch_metrics():
-    cfg = ObjectiveConfig(kind="tis", eta_max=1)
+    cfg = ObjectiveConfig(objective="tis", eta_max=1)
     m_whole, m_merged = _split_equals_whole(cfg, random_batch(9, B=8, T=6, dtype=torch.float32), [1, 4])
     for name, v in m_whole.items():
         if name == "mismatch/log_r_p99":  # merged as the max of the parts: an upper bound

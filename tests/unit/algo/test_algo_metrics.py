@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.algo import (
-    KINDS,
+    OBJECTIVES,
     MetricDict,
     ObjectiveConfig,
     Stat,
@@ -128,8 +128,8 @@ def _all_emitted_names() -> set[str]:
     ref = b["prox"] + 0.1
     ent = torch.rand_like(b["prox"])
     extra = {"tis": {"rs_modes": ("token_k2",), "rs_thresholds": ("1.0",)}}
-    for kind in KINDS:
-        cfg = ObjectiveConfig(kind=kind, kl_coef=0.1, entropy_coef=0.01, eta_max=1, **extra.get(kind, {}))
+    for kind in OBJECTIVES:
+        cfg = ObjectiveConfig(objective=kind, kl_coef=0.1, entropy_coef=0.01, eta_max=1, **extra.get(kind, {}))
         _, m = policy_loss(
             b["logp"],
             b["prox"],
@@ -144,7 +144,7 @@ def _all_emitted_names() -> set[str]:
         )
         names |= set(m.stats)
         if kind == "tbpo":  # the paper-literal w_mode logs the dropped fraction by advantage sign
-            drop = ObjectiveConfig(kind=kind, tbpo_w_mode="drop")
+            drop = ObjectiveConfig(objective=kind, tbpo_w_mode="drop")
             names |= set(policy_loss(b["logp"], b["prox"], b["behav"], b["adv"], b["mask"], drop)[1].stats)
     names |= set(mismatch_metrics(b["prox"], b["behav"], b["mask"]).stats)
     names |= set(group_advantages(torch.tensor([1.0, 0.0]))[1].stats)

@@ -17,14 +17,14 @@ advs = st.floats(min_value=-3.0, max_value=3.0, allow_nan=False).filter(lambda a
 
 def _expected(cfg: ObjectiveConfig, A: float, R: float, r: float) -> tuple[float, float]:
     """(lambda, d lambda / d l_theta) from the §4 table and closed forms, in float64."""
-    lo, hi, c = 1 - cfg.eps_low, 1 + cfg.eps_high, cfg.dual_clip
+    lo, hi, c = 1 - cfg.clip_low, 1 + cfg.clip_high, cfg.dual_clip
     omega = 1.0
-    if cfg.kind == "decoupled":
+    if cfg.objective == "decoupled":
         omega = r if cfg.behav_cap is None or r <= cfg.behav_cap else 0.0
-    elif cfg.kind in ("tis", "acr"):
+    elif cfg.objective in ("tis", "acr"):
         omega = min(r, cfg.is_cap)
-    if cfg.kind == "acr":
-        hi = (1 + cfg.eps_high) / r
+    if cfg.objective == "acr":
+        hi = (1 + cfg.clip_high) / r
     for bound in (lo, hi) + ((c,) if c is not None else ()):
         assume(abs(math.log(R) - math.log(bound)) > 1e-6)  # stay off the kinks
     loss = omega * ref_psi(A, R, lo, hi, c)
@@ -38,12 +38,12 @@ def _expected(cfg: ObjectiveConfig, A: float, R: float, r: float) -> tuple[float
 @pytest.mark.parametrize(
     "cfg",
     [
-        ObjectiveConfig(kind="ppo"),
-        ObjectiveConfig(kind="ppo", dual_clip=None, eps_high=0.28),
-        ObjectiveConfig(kind="decoupled", behav_cap=3.0),
-        ObjectiveConfig(kind="tis", is_cap=2.0),
-        ObjectiveConfig(kind="acr", is_cap=2.0),
-        ObjectiveConfig(kind="acr", is_cap=8.0, eps_high=0.28, dual_clip=None),
+        ObjectiveConfig(objective="ppo"),
+        ObjectiveConfig(objective="ppo", dual_clip=None, eps_high=0.28),
+        ObjectiveConfig(objective="decoupled", behav_cap=3.0),
+        ObjectiveConfig(objective="tis", is_cap=2.0),
+        ObjectiveConfig(objective="acr", is_cap=2.0),
+        ObjectiveConfig(objective="acr", is_cap=8.0, eps_high=0.28, dual_clip=None),
     ],
     ids=["ppo", "ppo-clip-higher-no-dual", "decoupled-cap3", "tis", "acr", "acr-dapo-no-dual"],
 )

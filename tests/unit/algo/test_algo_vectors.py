@@ -69,7 +69,7 @@ def test_dapo_overlong_shaping_matches_13_1(length, penalty):
 
 # ---------------------------------------------------------------- 13.2 coupled PPO
 
-PPO = ObjectiveConfig(kind="ppo", eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+PPO = ObjectiveConfig(objective="ppo", eps_low=0.2, eps_high=0.2, dual_clip=3.0)
 
 
 @pytest.mark.parametrize(
@@ -100,12 +100,12 @@ def test_coupled_ppo_five_tokens_token_mean_and_clip_fractions():
 
 
 def test_without_dual_clip_negative_token_keeps_its_gradient():
-    val, grad, _ = one_token(ObjectiveConfig(kind="ppo", dual_clip=None), -1, 4.0)
+    val, grad, _ = one_token(ObjectiveConfig(objective="ppo", dual_clip=None), -1, 4.0)
     assert (val, grad) == (pytest.approx(4.0, abs=TOL), pytest.approx(4.0, abs=TOL))
 
 
 def test_dapo_clip_higher_raises_only_the_upper_bound():
-    dapo = ObjectiveConfig(kind="ppo", eps_low=0.2, eps_high=0.28)
+    dapo = ObjectiveConfig(objective="ppo", eps_low=0.2, eps_high=0.28)
     assert one_token(dapo, +1, 1.25)[:2] == (pytest.approx(-1.25, abs=TOL), pytest.approx(-1.25, abs=TOL))
     assert one_token(PPO, +1, 1.25)[:2] == (pytest.approx(-1.2, abs=TOL), pytest.approx(0.0, abs=TOL))
     assert one_token(dapo, -1, 0.75)[:2] == (pytest.approx(0.8, abs=TOL), pytest.approx(0.0, abs=TOL))
@@ -121,9 +121,9 @@ TOKENS_13_3 = [
     (0.5 / 0.4, -1, 0.7),
     (0.5 / 0.2, -1, 0.9),
 ]
-DECOUPLED = ObjectiveConfig(kind="decoupled", behav_cap=None)
-TIS = ObjectiveConfig(kind="tis", is_cap=2.0)
-ACR = ObjectiveConfig(kind="acr", is_cap=2.0)
+DECOUPLED = ObjectiveConfig(objective="decoupled", behav_cap=None)
+TIS = ObjectiveConfig(objective="tis", is_cap=2.0)
+ACR = ObjectiveConfig(objective="acr", is_cap=2.0)
 
 
 @pytest.mark.parametrize(
@@ -140,8 +140,8 @@ def test_decoupled_tis_acr_tokens_match_13_3(i, dec, tis, acr):
     r, A, R = TOKENS_13_3[i]
     for cfg, (loss, g) in ((DECOUPLED, dec), (TIS, tis), (ACR, acr)):
         val, grad, _ = one_token(cfg, A, R, r)
-        assert val == pytest.approx(loss, abs=TOL), cfg.kind
-        assert grad == pytest.approx(g, abs=TOL), cfg.kind
+        assert val == pytest.approx(loss, abs=TOL), cfg.objective
+        assert grad == pytest.approx(g, abs=TOL), cfg.objective
 
 
 def _five(cfg):
@@ -159,14 +159,14 @@ def test_token_means_over_a_to_e_match_13_3():
 
 
 def test_areal_mask_cap_keeps_rejected_tokens_in_the_denominator():
-    loss, grad, m = _five(ObjectiveConfig(kind="decoupled", behav_cap=2.0))
+    loss, grad, m = _five(ObjectiveConfig(objective="decoupled", behav_cap=2.0))
     assert loss == pytest.approx(-0.242, abs=TOL)
     assert float(grad[0, 2]) == 0.0 and float(grad[0, 4]) == 0.0
     assert m["decoupled/masked_frac"] == pytest.approx(0.4)
 
 
 def test_acr_with_clip_higher_matches_13_3():
-    acr = ObjectiveConfig(kind="acr", is_cap=2.0, eps_high=0.28)
+    acr = ObjectiveConfig(objective="acr", is_cap=2.0, eps_high=0.28)
     loss, grad, m = one_token(acr, +1, 1.0, 1.25)
     assert (loss, grad) == (pytest.approx(-1.25, abs=TOL), pytest.approx(-1.25, abs=TOL))
     assert m["acr/hi_mean"] == pytest.approx(1.024, abs=TOL)
@@ -195,7 +195,7 @@ def test_sequence_tis_weight_is_the_capped_product_on_every_token():
     w = is_weights(mu, mask, 2.0, "sequence")
     assert w[0].tolist() == pytest.approx([2.0, 2.0, 2.0], abs=TOL)
     # through the loss: A=+1, R=1 -> lambda = -2 per token
-    loss, _, m = run(ObjectiveConfig(kind="tis", is_level="sequence"), [[0.0] * 3], [[1.0] * 3], [[0.5] * 3])
+    loss, _, m = run(ObjectiveConfig(objective="tis", is_level="sequence"), [[0.0] * 3], [[1.0] * 3], [[0.5] * 3])
     assert loss == pytest.approx(-2.0, abs=TOL)
     assert m["is/trunc_frac"] == 1.0
 
@@ -205,7 +205,7 @@ def test_geo_rs_seq_mean_k1_matches_13_4(threshold, kept):
     mu = torch.full((1, 3), 0.5)
     keep = rejection_keep(mu, torch.ones(1, 3, dtype=torch.bool), ("seq_mean_k1",), (threshold,))
     assert keep.all().item() is kept and keep.any().item() is kept
-    cfg = ObjectiveConfig(kind="tis", rs_modes=("seq_mean_k1",), rs_thresholds=(threshold,))
+    cfg = ObjectiveConfig(objective="tis", rs_modes=("seq_mean_k1",), rs_thresholds=(threshold,))
     _, grad, m = run(cfg, [[0.0] * 3], [[1.0] * 3], [[0.5] * 3])
     assert m["rs/seq_masked_frac"] == (0.0 if kept else 1.0)
     assert bool((grad != 0).all()) is kept
@@ -221,7 +221,7 @@ def test_token_tis_weights_and_trunc_frac_match_13_4():
 
 # ---------------------------------------------------------------- 13.5 GSPO
 
-GSPO = ObjectiveConfig(kind="gspo", agg="seq-mean-token-mean")
+GSPO = ObjectiveConfig(objective="gspo", agg="seq-mean-token-mean")
 
 
 @pytest.mark.parametrize(
@@ -233,7 +233,7 @@ GSPO = ObjectiveConfig(kind="gspo", agg="seq-mean-token-mean")
     ],
 )
 def test_gspo_sequences_match_13_5(delta, A, rho, loss, g):
-    assert (GSPO.eps_low, GSPO.eps_high) == (3e-4, 4e-4)
+    assert (GSPO.clip_low, GSPO.clip_high) == (3e-4, 4e-4)
     L = len(delta)
     val, grad, m = run(GSPO, [delta], [[A] * L])
     assert val == pytest.approx(loss, abs=TOL)
@@ -259,7 +259,7 @@ def test_gspo_empty_response_is_excluded_from_the_sequence_count():
 # ---------------------------------------------------------------- 13.6 TBPO
 
 TBPO = ObjectiveConfig(
-    kind="tbpo",
+    objective="tbpo",
     tbpo_w_mode="drop",  # the 13.6 table drops sequence 3 (w = 3 outside [0.5, 2])
     agg="seq-mean-token-mean",
     tbpo_eps_pos_high=0.2,
@@ -320,13 +320,13 @@ def _tbpo_13_6b(mode: str):
     mu = [m + [0.0] * (width - len(m)) for _, _, m in SEQS_13_6B]
     adv = [[A] * width for A, _, _ in SEQS_13_6B]
     mask = [[t < len(d) for t in range(width)] for _, d, _ in SEQS_13_6B]
-    return run(ObjectiveConfig(kind="tbpo", tbpo_w_mode=mode), delta, adv, mu, mask, dtype=torch.float64)
+    return run(ObjectiveConfig(objective="tbpo", tbpo_w_mode=mode), delta, adv, mu, mask, dtype=torch.float64)
 
 
 def test_tbpo_default_w_mode_is_clamp():
-    assert ObjectiveConfig(kind="tbpo").tbpo_w_mode == "clamp"
+    assert ObjectiveConfig(objective="tbpo").tbpo_w_mode == "clamp"
     with pytest.raises(ValueError, match="tbpo_w_mode='cut' is not valid; choose one of: clamp, drop"):
-        ObjectiveConfig(kind="tbpo", tbpo_w_mode="cut")
+        ObjectiveConfig(objective="tbpo", tbpo_w_mode="cut")
 
 
 @pytest.mark.parametrize(
@@ -370,7 +370,7 @@ def test_aggregation_modes_match_13_7(agg, expected):
 
 def test_aggregation_through_policy_loss_with_split_micro_batches():
     # lambda = -A R with R = 1, A = -value (unclipped): token losses 2 | 1 1 1 | (empty)
-    cfg = ObjectiveConfig(kind="ppo", agg="seq-mean-token-mean")
+    cfg = ObjectiveConfig(objective="ppo", agg="seq-mean-token-mean")
     values, mask = _agg_inputs()
     logp = torch.zeros(3, 3)
     whole, _ = policy_loss(logp, logp, None, -values, mask, cfg)

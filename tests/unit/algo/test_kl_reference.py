@@ -22,7 +22,7 @@ def _loss(kl_coef: float, agg: str = "token-mean"):
     same = theta.detach().clone()  # prox = behaviour = theta: ratio 1, weights 1
     zero_adv = torch.zeros(1, 4, dtype=torch.float64)
     mask = torch.ones(1, 4, dtype=torch.bool)
-    cfg = ObjectiveConfig(kind="tis", kl_coef=kl_coef, agg=agg)
+    cfg = ObjectiveConfig(objective="tis", kl_coef=kl_coef, agg=agg)
     loss, metrics = policy_loss(theta, same, same, zero_adv, mask, cfg, ref_logp=ref, compute_dtype=torch.float64)
     loss.backward()
     return loss, metrics, theta.grad

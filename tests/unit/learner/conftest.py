@@ -15,7 +15,7 @@ from asyncrl.algo import ObjectiveConfig
 from asyncrl.learner import LearnerBatch, init_distributed
 
 VOCAB = 37
-OBJECTIVE = ObjectiveConfig(kind="acr")
+OBJECTIVE = ObjectiveConfig(objective="acr")
 
 
 def tiny_config(tie: bool = False) -> Qwen2Config:

@@ -72,7 +72,7 @@ def test_merged_published_weights_give_the_adapter_models_logits(tiny, dist_info
 
 
 def test_lora_kl_reference_is_the_base_without_adapters(tiny, dist_info):
-    objective = ObjectiveConfig(kind="acr", kl_coef=0.1)
+    objective = ObjectiveConfig(objective="acr", kl_coef=0.1)
     state = _lora_state(tiny, dist_info)
     assert reference_policy(state.model, None, dist_info) is state.model
     first = train_step(state, tiny.batch(6, seed=1), objective, StepConfig(), dist_info, ref_model=state.model)
@@ -85,7 +85,7 @@ def test_full_fine_tuning_reference_is_a_frozen_copy_of_the_initial_weights(tiny
     model = tiny.model(seed=2)
     ref = reference_policy(model, copy.deepcopy(model), dist_info)
     assert ref is not model and all(not p.requires_grad for p in ref.parameters())
-    objective = ObjectiveConfig(kind="acr", kl_coef=0.1)
+    objective = ObjectiveConfig(objective="acr", kl_coef=0.1)
     opt = build_optimizer(model, lr=5e-2)
     state = TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, LRSchedule()))
     first = train_step(state, tiny.batch(6, seed=1), objective, StepConfig(), dist_info, ref_model=ref)
@@ -142,7 +142,7 @@ def test_activation_checkpointing_changes_no_value_or_gradient(tiny, dist_info):
             assert checkpoint_decoder_layers(model) == 2
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         state = TrainState(model=model, optimizer=opt, scheduler=build_scheduler(opt, LRSchedule()))
-        m = train_step(state, batch, tiny.objective, StepConfig(max_grad_norm=0.0), dist_info)
+        m = train_step(state, batch, tiny.objective, StepConfig(grad_clip=0.0), dist_info)
         res.append((m, {k: v.clone() for k, v in model.state_dict().items()}))
     assert res[0][0]["learner/loss"] == res[1][0]["learner/loss"]
     assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])

@@ -41,7 +41,7 @@ def _norm(tensors):
 
 @pytest.mark.parametrize("kind", ["acr", "gspo"])  # token-mean and seq-mean-token-mean denominators
 def test_micro_batch_split_gives_the_same_loss_and_gradient_as_the_whole_minibatch(tiny, dist_info, kind):
-    objective = ObjectiveConfig(kind=kind, agg="token-mean" if kind == "acr" else "seq-mean-token-mean")
+    objective = ObjectiveConfig(objective=kind, agg="token-mean" if kind == "acr" else "seq-mean-token-mean")
     batch = tiny.batch(5, seed=1, temperature=0.8)
     base = tiny.model(seed=3)
     before = {k: v.clone() for k, v in base.state_dict().items()}
@@ -62,7 +62,7 @@ def test_micro_batch_split_gives_the_same_loss_and_gradient_as_the_whole_minibat
     for micro in (5, 2, 1):
         # SGD with lr 1 and no clipping: the weight change is exactly minus the gradient.
         state = _state(copy.deepcopy(base), dist_info, opt="sgd", lr=1.0)
-        cfg = StepConfig(micro_batch_size=micro, max_grad_norm=0.0)
+        cfg = StepConfig(micro_batch_size=micro, grad_clip=0.0)
         m = train_step(state, batch, objective, cfg, dist_info)
         delta = _delta(before, state.model)
         for name, p in ref.named_parameters():
@@ -99,7 +99,7 @@ def test_tokens_staler_than_eta_max_leave_the_denominator_and_can_empty_the_step
     batch = tiny.batch(3, version=0)  # every token was sampled by version 0
     state = _state(tiny.model(), dist_info)
     state.version = 10
-    m = train_step(state, batch, ObjectiveConfig(kind="acr", eta_max=2), StepConfig(), dist_info)
+    m = train_step(state, batch, ObjectiveConfig(objective="acr", eta_max=2), StepConfig(), dist_info)
     assert m["learner/num_tokens"] == 0 and m["learner/skipped_empty_minibatches"] == 1
 
 
@@ -172,12 +172,12 @@ def test_grad_clipping_scales_the_update_to_the_max_norm_and_reports_the_raw_nor
     base = tiny.model(seed=6)
     before = {k: v.clone() for k, v in base.state_dict().items()}
     free = _state(copy.deepcopy(base), dist_info, opt="sgd", lr=1.0)
-    m_free = train_step(free, batch, tiny.objective, StepConfig(max_grad_norm=0.0), dist_info)
+    m_free = train_step(free, batch, tiny.objective, StepConfig(grad_clip=0.0), dist_info)
     raw = _norm(_delta(before, free.model).values())
     assert m_free["learner/grad_norm"] == pytest.approx(raw, rel=1e-5)
 
     clipped = _state(copy.deepcopy(base), dist_info, opt="sgd", lr=1.0)
-    m = train_step(clipped, batch, tiny.objective, StepConfig(max_grad_norm=1e-3), dist_info)
+    m = train_step(clipped, batch, tiny.objective, StepConfig(grad_clip=1e-3), dist_info)
     assert m["learner/grad_norm"] == pytest.approx(raw, rel=1e-5)
     assert _norm(_delta(before, clipped.model).values()) == pytest.approx(1e-3, rel=1e-3)
 
@@ -194,11 +194,11 @@ def test_loss_fn_returning_plain_metrics_is_rejected_with_the_fix(tiny, dist_inf
 def test_kl_to_reference_without_a_reference_model_is_rejected(tiny, dist_info):
     state = _state(tiny.model(), dist_info)
     with pytest.raises(ValueError, match="ref_model"):
-        train_step(state, tiny.batch(2), ObjectiveConfig(kind="tis", kl_coef=1e-3), StepConfig(), dist_info)
+        train_step(state, tiny.batch(2), ObjectiveConfig(objective="tis", kl_coef=1e-3), StepConfig(), dist_info)
 
 
 def test_kl_to_reference_uses_the_reference_models_logprobs(tiny, dist_info):
-    objective = ObjectiveConfig(kind="tis", kl_coef=1e-3)
+    objective = ObjectiveConfig(objective="tis", kl_coef=1e-3)
     batch = tiny.batch(3)
     same = train_step(
         _state(tiny.model(seed=1), dist_info), batch, objective, StepConfig(), dist_info,
@@ -228,6 +228,6 @@ def test_coupled_ppo_uses_the_sampler_log_probs_as_the_old_policy(tiny, dist_inf
     mask = batch.loss_mask
     expected = float(torch.exp(torch.where(mask, current - batch.behav_logp, 0.0))[mask].mean())
     state = _state(model, dist_info, lr=1e-6)
-    metrics = train_step(state, batch, ObjectiveConfig(kind="ppo"), StepConfig(micro_batch_size=8), dist_info)
+    metrics = train_step(state, batch, ObjectiveConfig(objective="ppo"), StepConfig(micro_batch_size=8), dist_info)
     assert metrics["actor/ratio_mean"] == pytest.approx(expected, rel=1e-4)
     assert abs(metrics["actor/ratio_mean"] - 1.0) > 1e-3  # behav differs from the learner: not a recompute

@@ -76,7 +76,7 @@ def _with_zero_groups(batch: LearnerBatch, zero_rows: list[int]) -> LearnerBatch
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_zero_advantage_rows_get_no_backward_and_leave_the_update_unchanged(tiny, dist_info, agg):
     batch = _with_zero_groups(tiny.batch(6, seed=3), [1, 2, 4])
-    objective = ObjectiveConfig(kind="acr", agg=agg)
+    objective = ObjectiveConfig(objective="acr", agg=agg)
     base = tiny.model(seed=4)
     seen_rows = []
 
@@ -113,7 +113,7 @@ def test_a_minibatch_of_only_zero_advantages_makes_no_update(tiny, dist_info):
 def test_zero_advantage_rows_are_trained_when_a_kl_or_entropy_term_is_on(tiny, dist_info):
     batch = _with_zero_groups(tiny.batch(4, seed=3), [0, 1])
     state = _state(tiny.model(seed=1), dist_info)
-    m = train_step(state, batch, ObjectiveConfig(kind="acr", entropy_coef=0.01), StepConfig(), dist_info)
+    m = train_step(state, batch, ObjectiveConfig(objective="acr", entropy_coef=0.01), StepConfig(), dist_info)
     assert m["learner/zero_adv_seqs_no_backward"] == 0 and m["learner/updates"] == 1
     assert zero_advantage_rows(batch).tolist() == [True, True, False, False]
 

@@ -1,0 +1,17 @@
+"""Value lists both ends of a socket share: weight formats, the AQN draw policy, finish reasons.
+
+Owns: ``FORMATS`` (every published/actor weight format: ``WeightChunk.fmt``, a worker's quant format,
+``quant.fmt`` of a run), ``QUANTIZED_FORMATS`` (those with codes and scales), ``AQN_RESAMPLE``
+(``quant.aqn_resample``) and ``FINISH_REASONS`` (how a sample ended). The one definition of each:
+``protocols.messages``, ``asyncrl.quant``, the engines and the run schema import them from here.
+Never: imports anything beyond the standard library, or says how a format is computed (asyncrl/quant).
+"""
+
+from __future__ import annotations
+
+FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
+QUANTIZED_FORMATS: tuple[str, ...] = ("int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
+AQN_RESAMPLE: tuple[str, ...] = ("publication", "forward")
+"""When AQN noise is drawn: once per published version, or at every rollout forward (QeRL)."""
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+"""``stop`` (a stop token was sampled), ``length`` (max_new_tokens reached), ``abort`` (cancelled)."""
