@@ -85,9 +85,8 @@ def child(spec: dict) -> dict:
         shard_model,
         train_step,
     )
-    from asyncrl.learner.policy import LoraSpec, prepare_policy
-
     from asyncrl.learner.memory import bound_malloc_retention
+    from asyncrl.learner.policy import LoraSpec, prepare_policy
 
     row = ROWS[spec["row"]]
     if not row.get("unbounded_malloc"):
