@@ -17,6 +17,11 @@ Rows:
                   proximal log-probs reused from the first forward
   full-bf16       the same under bf16 autocast (fp32 master weights)
   lora            LoRA r=16 (alpha 32) on every projection, same knobs as ``full``
+  lora-glibc-default  ``lora`` with glibc's default malloc settings: freed activations stay in
+                  its heap (asyncrl/learner/memory.py); its RSS minus ``lora``'s is that retention
+
+Every other row bounds glibc's retention as the learner process does (``bound_malloc_retention``
+at process start).
 
 Run: ``python scripts/bench_learner.py [--quick] [--model smollm2|tiny|PATH] [--json PATH]``.
 """
@@ -39,6 +44,8 @@ ROWS = {
     "full": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=0),
     "full-bf16": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="bf16", lora=0),
     "lora": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=16),
+    "lora-glibc-default": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=16,
+                               unbounded_malloc=True),
 }
 
 
@@ -78,12 +85,15 @@ def child(spec: dict) -> dict:
         shard_model,
         train_step,
     )
+    from asyncrl.learner.memory import bound_malloc_retention
     from asyncrl.learner.policy import LoraSpec, prepare_policy
 
+    row = ROWS[spec["row"]]
+    if not row.get("unbounded_malloc"):
+        bound_malloc_retention()
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
     info = init_distributed()
-    row = ROWS[spec["row"]]
     model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32)
     vocab = int(model.config.vocab_size)
     if row["fsdp"]:

@@ -121,7 +121,8 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
     data = run_bench(procs, tmp_path, "bench_learner", "--quick", "--model", "tiny", "--samples", "8",
                      "--new-tokens", "8", timeout_s=600)
     rows = data["tables"]["rows"]
-    assert [r["row"] for r in rows] == ["fsdp-ws1-mb64", "full", "full-bf16", "lora"]
+    assert [r["row"] for r in rows] == ["fsdp-ws1-mb64", "full", "full-bf16", "lora", "lora-glibc-default"]
     check_rows(rows, ["peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "cpu_s_per_1k_tokens", "cpu_ratio",
                       "prox_s", "trainable_params", "trained_tokens"], text=("row",))
-    assert rows[-1]["trainable_params"] < rows[1]["trainable_params"]  # LoRA trains adapters only
+    assert rows[3]["trainable_params"] < rows[1]["trainable_params"]  # LoRA trains adapters only
+    assert rows[4]["trainable_params"] == rows[3]["trainable_params"]  # the same LoRA, default malloc

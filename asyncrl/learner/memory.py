@@ -1,0 +1,71 @@
+"""How much freed memory the learner process keeps: glibc malloc's retention, bounded.
+
+Owns one process-wide allocator setting. On Linux/glibc, torch's CPU tensors come from
+``malloc``. glibc serves a request of at least the *mmap threshold* with its own ``mmap`` (given
+back to the kernel by ``free``) and smaller ones from its heap, whose freed chunks it keeps for
+reuse. The threshold is dynamic: each time a mmapped chunk is freed the threshold rises to that
+chunk's size (up to 32 MiB), so after the first layer of a forward almost every activation of a
+2048-token micro-batch (0.1-12 MiB each) is served from the heap. Interleaved with tensors that
+stay alive (the layer inputs kept for activation checkpointing, LoRA's small rank-r
+activations), the freed chunks are rarely reusable as a whole and never given back: measured on
+SmolLM2-135M, one LoRA training forward of 19 x 104 tokens left the process at 2.47 GB RSS of
+which ``malloc_trim`` returned 1.44 GB (full fine-tuning: 1.70 GB, 0.70 GB returned).
+
+``bound_malloc_retention`` fixes the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also turns
+the dynamic adjustment off) and the heap-top trim threshold, so every tensor of at least that
+size lives in its own mapping and goes back to the kernel when freed.
+
+Never does: change any value computed (the allocator only decides where bytes live), allocate,
+or act outside glibc (elsewhere it reports False and does nothing).
+
+Invariants: idempotent; process-wide (every thread's allocations); call it once at process start,
+before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+__all__ = ["DEFAULT_MMAP_THRESHOLD", "bound_malloc_retention", "malloc_trim"]
+
+DEFAULT_MMAP_THRESHOLD = 1 << 20
+"""1 MiB: activations of a micro-batch are larger, so each is its own mapping; smaller objects
+(Python, metadata, tiny tensors) keep the heap's speed."""
+
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+_M_MMAP_THRESHOLD = -3
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):  # musl and others
+        return None
+    return libc
+
+
+def bound_malloc_retention(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
+    """Serve every allocation of at least ``mmap_threshold`` bytes by its own mmap (returned to
+    the kernel when freed) and trim the heap top above twice that. True when glibc took both
+    settings; False where the C library is not glibc (nothing changed)."""
+    if mmap_threshold < 4096 or mmap_threshold > 32 << 20:
+        raise ValueError(f"mmap_threshold must be in [4 KiB, 32 MiB] (glibc's range), got {mmap_threshold}")
+    libc = _libc()
+    if libc is None:
+        return False
+    ok_mmap = libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(mmap_threshold)) == 1
+    ok_trim = libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(2 * mmap_threshold)) == 1
+    return ok_mmap and ok_trim
+
+
+def malloc_trim() -> bool:
+    """Give the kernel every whole free page of the heap now (glibc ``malloc_trim(0)``).
+    True if memory was released; False if none was, or outside glibc."""
+    libc = _libc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
