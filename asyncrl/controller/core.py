@@ -47,6 +47,8 @@ class WorkerInfo:
     version: int = -1
     samples: int = 0
     tokens_per_s: float = 0.0
+    weight_sync_s: float = 0.0  # the worker's own totals (heartbeat stats): seconds fetching new versions, and how many
+    weight_syncs: float = 0.0
 
 
 class ControllerCore:
@@ -226,6 +228,9 @@ class ControllerCore:
         if math.isfinite(version):  # stats are the peer's word: never let a NaN reach int()
             w.version = max(w.version, int(version))
         w.tokens_per_s = tps if math.isfinite(tps) else 0.0  # alive, but its assignments' deadlines stand
+        sync_s, syncs = msg.stats.get("weight_sync_s", 0.0), msg.stats.get("weight_syncs", 0.0)
+        if math.isfinite(sync_s) and math.isfinite(syncs) and sync_s >= 0 and syncs >= 0:
+            w.weight_sync_s, w.weight_syncs = sync_s, syncs
 
     def drop_peer(self, peer: bytes) -> None:
         """A peer was dropped for not reading its replies: a worker behind it is forgotten (work reissued)."""
@@ -392,6 +397,9 @@ class ControllerCore:
         out["controller/samples_logged"] = float(self.samples_logged)
         out["controller/cursor"] = float(self.cursor)
         out["throughput/tokens_per_s"] = float(sum(w.tokens_per_s for w in self.workers.values()))
+        syncs = sum(w.weight_syncs for w in self.workers.values())
+        if syncs > 0:  # per version and worker: fetch + unpack + hand-over, as the workers measure it
+            out["workers/weight_sync_s"] = sum(w.weight_sync_s for w in self.workers.values()) / syncs
         return out
 
     # ----------------------------------------------------------------------------- checkpoint
