@@ -270,6 +270,7 @@ class _Worker:
         self.version = 0
         self.outstanding = 0
         self.requesting = False
+        self.sent = (0, 0)  # (credits, version) of the last request
         self.parked_since: float | None = None  # last NoWork: the next request waits for a retry tick
         self.wake_due = False
         self.loading = False
@@ -284,6 +285,7 @@ class _Worker:
             self.wake()
             return
         self.requesting = True
+        self.sent = (free, self.version)
         self.job.to_controller(("work", self, free, self.version))
 
     def wake(self) -> None:
@@ -307,6 +309,8 @@ class _Worker:
         if not assignments:
             self.job.result.nowork += 1
             self.parked_since = self.job.sim.now
+            if (self.job.p.slots - self.outstanding, self.version) != self.sent:
+                self.wake()  # its credits or weights changed while the request was out: the next tick differs
             return
         for a in assignments:
             for sid in a.sample_ids:
@@ -343,17 +347,19 @@ class _Worker:
                 keep.append(row)
                 continue
             self.job.result.stage_wall.setdefault("token_s", []).append((now - row[3]) / row[4])
-            self.on_finished((row[0], row[2], row[4]))
+            self.on_finished((row[0], row[2], row[4]), request=False)
         self.rows = keep
+        self.try_request()  # the comms thread flushes a step's results together, then asks for its free credits
         self._step()
 
-    def on_finished(self, sample: tuple[str, int, int]) -> None:
+    def on_finished(self, sample: tuple[str, int, int], request: bool = True) -> None:
         """``sample``: (sample id, behaviour version, response tokens)."""
         if self.loading:
             self.held.append(sample)
             return
         self._send(sample)
-        self.try_request()
+        if request:
+            self.try_request()
 
     def _send(self, sample: tuple[str, int, int]) -> None:
         self.outstanding -= 1
