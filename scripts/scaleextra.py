@@ -30,7 +30,7 @@ from scripts.scalecluster import (
     controller_msg_s,
     derived,
 )
-from scripts.scalesim import simulate, window_rate
+from scripts.scalesim import simulate, window_rate, window_staleness
 
 LOG_FSYNC_EVERY = 64  # log.fsync_every default (asyncrl/config/schema.py)
 LOG_BYTES_PER_TOKEN = 12  # token id (int32) + behaviour log-prob (float32) + version (int32) per response token
@@ -57,9 +57,10 @@ def simulate_shape(shape: ClusterShape, eta: int, shrink: int) -> dict[str, Any]
     r = simulate(cluster_params(small, eta=eta))
     w = window_rate(r.version_times, r.batch_samples)
     span = r.version_times[-1]
-    n = sum(r.staleness.values()) or 1
+    hist = window_staleness(r)
+    n = sum(hist.values()) or 1
     return {"step_s": w["step_s"], "samples_per_s": w["samples_per_s"] * shrink,
-            "staleness": " ".join(f"{k}:{v / n:.2f}" for k, v in sorted(r.staleness.items())),
+            "staleness": " ".join(f"{k}:{v / n:.2f}" for k, v in sorted(hist.items())),
             "gen_busy": statistics.fmean(r.worker_busy_s) / span, "learner_busy": r.learner_busy_s / span,
             "controller_busy": r.controller_busy_s / span,
             "controller_msgs_per_s": r.controller_msgs / span * shrink,

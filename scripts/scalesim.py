@@ -243,6 +243,8 @@ class Result:
     """Time the controller learned of version k (index k-1), as ``metrics.jsonl``'s ``time`` column."""
     staleness: Counter = field(default_factory=Counter)
     """Consumed samples per staleness (learner version at consumption - behaviour version)."""
+    batch_staleness: list[Counter] = field(default_factory=list)
+    """The same per batch (index = learner step), to leave out warm-up batches as a run's window does."""
     learner_busy_s: float = 0.0
     worker_busy_s: list[float] = field(default_factory=list)
     controller_busy_s: float = 0.0
@@ -488,9 +490,9 @@ class _Job:
         if batch is None:
             return
         self.pending_batch = None
-        for g in batch.groups:
-            for s in g.samples:
-                self.result.staleness[batch.step - s.min_version] += 1
+        this: Counter = Counter(batch.step - s.min_version for g in batch.groups for s in g.samples)
+        self.result.staleness.update(this)
+        self.result.batch_staleness.append(this)
         tokens = sum(s.payload + self.p.prompt_tokens for g in batch.groups for s in g.samples)
         self.sim.at(self.p.msg_s, self._learn, tokens)
 
@@ -545,4 +547,14 @@ def window_rate(version_times: list[float], batch_samples: int, warmup: int | No
     if n < 1:
         raise ValueError(f"only {steps} versions: simulate or run more steps than the {skip} of warm-up")
     wall = win[-1] - win[0]
-    return {"samples_per_s": n * batch_samples / wall, "step_s": wall / n, "steps_timed": float(n)}
+    return {"samples_per_s": n * batch_samples / wall, "step_s": wall / n, "steps_timed": float(n),
+            "first_step": float(skip)}
+
+
+def window_staleness(r: Result) -> Counter:
+    """Staleness of the batches a run's window counts (learner steps >= the warm-up, as ``scalecal.measure``)."""
+    skip = max(2, len(r.version_times) // 10)
+    out: Counter = Counter()
+    for c in r.batch_staleness[skip:]:
+        out.update(c)
+    return out

@@ -38,14 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts import benchlib  # noqa: E402
 from scripts.scalecal import calibrate, measure  # noqa: E402
-from scripts.scalesim import Params, simulate, window_rate  # noqa: E402
+from scripts.scalesim import Params, simulate, window_rate, window_staleness  # noqa: E402
 
 
 def predict(p: Params, *, workers: int, eta: int, steps: int) -> dict[str, Any]:
     r = simulate(replace(p, workers=workers, eta=eta, steps=steps))
     w = window_rate(r.version_times, r.batch_samples)
     span = r.version_times[-1] if r.version_times else 1.0
-    return {"samples_per_s": w["samples_per_s"], "step_s": w["step_s"], "staleness": dict(sorted(r.staleness.items())),
+    return {"samples_per_s": w["samples_per_s"], "step_s": w["step_s"], "staleness": dict(sorted(window_staleness(r).items())),
             "learner_busy": r.learner_busy_s / span, "gen_busy": statistics.fmean(r.worker_busy_s) / span,
             "nowork_replies": r.nowork}
 
@@ -135,11 +135,14 @@ def validate(runs: dict[tuple[int, int], Path], cal_cell: tuple[int, int], steps
     summary = []
     for cal, rows in sorted(per_cal.items()):
         errs = [abs(r["error"]) for r in rows if not r["calibration"]]
+        if not errs:  # a grid of one cell: nothing else to predict
+            continue
         summary.append({"calibrated_from": f"w{cal[0]}-eta{cal[1]}", "median_abs_error": statistics.median(errs),
                         "max_abs_error": max(errs), "cells_within_15pct": sum(e <= 0.15 for e in errs),
                         "cells": len(errs)})
-    benchlib.print_table("the same from every possible calibration run (errors over the other cells)", summary,
-                         ["calibrated_from", "median_abs_error", "max_abs_error", "cells_within_15pct", "cells"])
+    if summary:
+        benchlib.print_table("the same from every possible calibration run (errors over the other cells)", summary,
+                             ["calibrated_from", "median_abs_error", "max_abs_error", "cells_within_15pct", "cells"])
     return {"calibrated_from": list(cal_cell), "cells": main, "by_calibration_cell": summary,
             "calibrations": {f"w{c[0]}-eta{c[1]}": v for c, v in calibrations.items()}}
 
