@@ -91,6 +91,9 @@ def extrapolate(*, quick: bool, shrink: int) -> dict[str, Any]:
                     "shape": name, "eta": eta, "samples_per_s": got["samples_per_s"],
                     "controller_msgs_per_s": got["controller_msgs_per_s"], "controller_capacity_msgs_per_s": 1 / ctl,
                     "controller_use": got["controller_msgs_per_s"] * ctl,
+                    # the model times empty NoWork retries without charging them; a worker holding fewer free credits
+                    # than a group polls every nowork_retry_s, so this many extra messages/s is the worst case
+                    "nowork_polls_per_s_max": shape.gen_gpus / cluster_params(shape, eta=eta).nowork_retry_s,
                     "weight_sync_GB_per_version": d["fetch_bytes"] * shape.gen_gpus / 1e9,
                     "weight_sync_GB_per_s": weight_bytes_s / 1e9, "publisher_link_GB_per_s": shape.egress_bw / 1e9,
                     "fetch_s_per_version": got["fetch_s"],

@@ -26,6 +26,7 @@ Run: ``python scripts/simulate_scale.py [--quick] [--run DIR | --validate [--reu
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -98,6 +99,8 @@ def run_grid(runs_dir: Path, workers: list[int], etas: list[int], steps: int, ex
             if (runs_dir / name / "summary.json").exists():
                 out[(w, e)] = runs_dir / name
                 continue
+            if (runs_dir / name / "config.json").exists():  # an earlier attempt that did not finish: start it over
+                shutil.rmtree(runs_dir / name)
             overrides = [f"learner.total_steps={steps}", f"rollout.num_workers={w}", f"rollout.eta={e}",
                          "learner.eval_every=0", "learner.ckpt_every=0", *extra]
             t0 = time.time()
