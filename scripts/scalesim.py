@@ -14,7 +14,7 @@ The model, stage by stage (each a plain reading of the code it stands for):
   to the controller together with the request for batch k+1 (``msg_s`` one-way each).
 * **Controller** (``asyncrl/controller/core.py``), one process, messages served first come first served
   at ``ctl_msg_s`` CPU seconds each. Admission, assignment and batch assembly are the REAL
-  ``StalenessGate``, ``GroupBuffer`` and ``BatchAssembler`` of ``asyncrl.control`` (so eta, the
+  ``StalenessGate``, ``GroupBuffer`` and ``BatchAssembler`` of ``asyncrl.controller`` (so eta, the
   admission-version rule and earliest-deadline batching are the system's own), driven by the same
   calls ``ControllerCore`` makes: a work request for ``credits`` samples asks for ``credits //
   group_size`` groups, admits what the gate allows beyond those already pending, assigns groups the
@@ -45,7 +45,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncrl.control import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
+from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 
 
 # ----------------------------------------------------------------------------------------- kernel
