@@ -116,6 +116,8 @@ class GeneratorWorker:
         self.samples_sent = 0
         self.weights_version = -1  # newest version handed to the engine (applied at its next step)
         self.tokens_generated = 0
+        self.weight_sync_s = 0.0  # seconds spent fetching + unpacking + handing over new versions (comms thread)
+        self.weight_syncs = 0
         self.t_start = time.monotonic()
 
     # ------------------------------------------------------------------------------ handshake
@@ -259,11 +261,14 @@ class GeneratorWorker:
     def _load_weights(self, version: int, timeout_s: float = FIRST_WEIGHTS_TIMEOUT_S) -> None:
         from asyncrl.transport.publication import from_wire
 
+        t0 = time.perf_counter()
         ann, buffers = self.weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt)
         if ann.version <= self.weights_version:
             return
         self.engine.update_weights(ann.version, from_wire(ann, buffers))
         self.weights_version = ann.version
+        self.weight_sync_s += time.perf_counter() - t0
+        self.weight_syncs += 1
 
     # -------------------------------------------------------------------------- comms thread
     def _comms_main(self) -> None:
@@ -378,7 +383,8 @@ class GeneratorWorker:
     def _stats(self) -> dict[str, float]:
         dt = max(1e-6, time.monotonic() - self.t_start)
         return {"outstanding": float(len(self.outstanding)), "samples": float(self.samples_sent),
-                "tokens_per_s": self.tokens_generated / dt}
+                "tokens_per_s": self.tokens_generated / dt,
+                "weight_sync_s": self.weight_sync_s, "weight_syncs": float(self.weight_syncs)}
 
     def _heartbeat(self, version: int, stats: dict[str, float]) -> P.Heartbeat:
         """``version``: the engine's weights version (-1: none yet); a 1.0-1.2 controller reads it from stats."""

@@ -254,6 +254,9 @@ class ControllerCore:
         w.version = max(w.version, version)
         tps = msg.stats.get("tokens_per_s", 0.0)
         w.tokens_per_s = tps if math.isfinite(tps) else 0.0  # alive, but its assignments' deadlines stand
+        sync_s, syncs = msg.stats.get("weight_sync_s", 0.0), msg.stats.get("weight_syncs", 0.0)
+        if math.isfinite(sync_s) and math.isfinite(syncs) and sync_s >= 0 and syncs >= 0:
+            w.weight_sync_s, w.weight_syncs = sync_s, syncs
 
     def drop_peer(self, peer: bytes) -> None:
         """A peer was dropped for not reading its replies: a worker behind it is forgotten (work reissued)."""
@@ -424,6 +427,9 @@ class ControllerCore:
         out["controller/samples_logged"] = float(self.samples_logged)
         out["controller/cursor"] = float(self.cursor)
         out["throughput/tokens_per_s"] = self.workers.tokens_per_s()
+        syncs = sum(w.weight_syncs for w in self.workers.values())
+        if syncs > 0:  # per version and worker: fetch + unpack + hand-over, as the workers measure it
+            out["workers/weight_sync_s"] = sum(w.weight_sync_s for w in self.workers.values()) / syncs
         return out
 
     # ----------------------------------------------------------------------------- checkpoint

@@ -19,6 +19,8 @@ class WorkerInfo:
     version: int = -1
     samples: int = 0
     tokens_per_s: float = 0.0
+    weight_sync_s: float = 0.0  # the worker's own totals (heartbeat stats): seconds fetching new versions, and how many
+    weight_syncs: float = 0.0
 
 
 class WorkerRegistry(dict[str, WorkerInfo]):

@@ -367,3 +367,16 @@ def test_a_too_long_prompt_is_refused_up_front_or_reported_and_left_out_of_evalu
     assert result["eval/skipped_too_long"] == report["eval_too_long"]
     assert result["eval/n"] == 10 - report["eval_too_long"]
     engine.close()
+
+
+def test_workers_weight_sync_seconds_are_the_mean_per_version_over_workers_and_bad_stats_are_ignored(tmp_path, model_dir):
+    core = make_core(tmp_path, model_dir)
+    register(core)
+    assert "workers/weight_sync_s" not in core.metrics()  # nobody has fetched a version yet
+    assert isinstance(core.handle(b"V", hello("generator", "v"))[0][1], P.Welcome)
+    core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, stats={"weight_sync_s": 3.0, "weight_syncs": 2.0}))
+    core.handle(b"V", P.Heartbeat(peer_id="v", time=0.0, stats={"weight_sync_s": 1.0, "weight_syncs": 2.0}))
+    assert core.metrics()["workers/weight_sync_s"] == pytest.approx(1.0)  # 4 s over 4 fetches
+    core.handle(b"V", P.Heartbeat(peer_id="v", time=0.0, stats={"weight_sync_s": float("nan"), "weight_syncs": 9.0}))
+    assert core.metrics()["workers/weight_sync_s"] == pytest.approx(1.0)  # a NaN from a peer changes nothing
+    core.close()

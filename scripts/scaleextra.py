@@ -1,0 +1,123 @@
+"""Extrapolation of the scale model to cluster shapes, and what limits scale there.
+
+Owns: the ``--extrapolate`` table of ``scripts/simulate_scale.py``: every shape of
+``scripts/scalecluster.py`` at several eta, its speedup over eta = 0 next to AReaL's published one, and
+the load it puts on the three shared pieces (the controller, the publisher's link, the trajectory log's
+fsyncs), each against a capacity measured on this machine (controller: ``bench_controller.json``;
+fsync: timed here, now). Never: starts a training run.
+
+A shape is simulated at 1/``shrink`` of its size (GPUs and prompts per step divided by ``shrink``; the
+publisher's link bandwidth divided and the controller's cost per message multiplied by it, so every
+per-GPU and per-message load is the full cluster's); rates are reported for the full cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from typing import Any
+
+from scripts import benchlib
+from scripts.scalecluster import (
+    AREAL,
+    ASSUMPTIONS,
+    SHAPES,
+    ClusterShape,
+    cluster_params,
+    controller_msg_s,
+    derived,
+)
+from scripts.scalesim import simulate, window_rate, window_staleness
+
+LOG_FSYNC_EVERY = 64  # log.fsync_every default (asyncrl/config/schema.py)
+LOG_BYTES_PER_TOKEN = 12  # token id (int32) + behaviour log-prob (float32) + version (int32) per response token
+
+
+def fsync_seconds(rounds: int = 20, record_bytes: int = 64 * 4096) -> float:
+    """Median seconds of one append of ``record_bytes`` + fsync on this machine's temp disk."""
+    times = []
+    with tempfile.NamedTemporaryFile(prefix="fsync-probe-") as f:
+        payload = os.urandom(record_bytes)
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def simulate_shape(shape: ClusterShape, eta: int, shrink: int) -> dict[str, Any]:
+    small = replace(shape, gen_gpus=max(1, shape.gen_gpus // shrink), train_gpus=max(1, shape.train_gpus // shrink),
+                    groups_per_step=max(1, shape.groups_per_step // shrink), egress_bw=shape.egress_bw / shrink,
+                    ctl_msg_s=shape.ctl_msg_s * shrink)
+    r = simulate(cluster_params(small, eta=eta))
+    w = window_rate(r.version_times, r.batch_samples)
+    span = r.version_times[-1]
+    hist = window_staleness(r)
+    n = sum(hist.values()) or 1
+    return {"step_s": w["step_s"], "samples_per_s": w["samples_per_s"] * shrink,
+            "staleness": " ".join(f"{k}:{v / n:.2f}" for k, v in sorted(hist.items())),
+            "gen_busy": statistics.fmean(r.worker_busy_s) / span, "learner_busy": r.learner_busy_s / span,
+            "controller_busy": r.controller_busy_s / span,
+            "controller_msgs_per_s": r.controller_msgs / span * shrink,
+            "train_s": statistics.fmean(r.stage_wall.get("train_s", [0.0])),
+            "fetch_s": statistics.fmean(r.stage_wall.get("fetch_s", [0.0]))}
+
+
+def extrapolate(*, quick: bool, shrink: int) -> dict[str, Any]:
+    ctl = controller_msg_s()
+    etas = [0, 4] if quick else [0, 1, 2, 4, 8]
+    names = ["areal-7b", "7b-192gen-64train"] if quick else list(SHAPES)
+    fsync = fsync_seconds()
+    rows, limits, compare = [], [], []
+    for name in names:
+        shape = replace(SHAPES[name], ctl_msg_s=ctl, steps=8 if quick else 12)
+        d = derived(shape)
+        base = None
+        for eta in etas:
+            got = simulate_shape(shape, eta, shrink)
+            base = got if eta == 0 else base
+            speed = got["samples_per_s"] / base["samples_per_s"] if base else float("nan")
+            rows.append({"shape": name, "gen_gpus": shape.gen_gpus, "train_gpus": shape.train_gpus, "eta": eta,
+                         "speedup_vs_eta0": speed, **got})
+            if eta == max(etas):
+                tokens_per_sample = d["mean_len"]
+                weight_bytes_s = d["fetch_bytes"] * shape.gen_gpus / got["step_s"]
+                limits.append({
+                    "shape": name, "eta": eta, "samples_per_s": got["samples_per_s"],
+                    "controller_msgs_per_s": got["controller_msgs_per_s"], "controller_capacity_msgs_per_s": 1 / ctl,
+                    "controller_use": got["controller_msgs_per_s"] * ctl,
+                    # the model times empty NoWork retries without charging them; a worker holding fewer free credits
+                    # than a group polls every nowork_retry_s, so this many extra messages/s is the worst case
+                    "nowork_polls_per_s_max": shape.gen_gpus / cluster_params(shape, eta=eta).nowork_retry_s,
+                    "weight_sync_GB_per_version": d["fetch_bytes"] * shape.gen_gpus / 1e9,
+                    "weight_sync_GB_per_s": weight_bytes_s / 1e9, "publisher_link_GB_per_s": shape.egress_bw / 1e9,
+                    "fetch_s_per_version": got["fetch_s"],
+                    "log_MB_per_s": got["samples_per_s"] * tokens_per_sample * LOG_BYTES_PER_TOKEN / 1e6,
+                    "log_fsyncs_per_s": got["samples_per_s"] / LOG_FSYNC_EVERY, "fsync_s_here": fsync,
+                    "log_fsync_use": got["samples_per_s"] / LOG_FSYNC_EVERY * fsync})
+        if name in AREAL:
+            a = AREAL[name]
+            sync = next(r for r in rows if r["shape"] == name and r["eta"] == 0)
+            best = max((r for r in rows if r["shape"] == name), key=lambda r: r["speedup_vs_eta0"])
+            at4 = next((r for r in rows if r["shape"] == name and r["eta"] == 4), best)
+            compare.append({"shape": name, "areal_speedup": a["sync_hours"] / a["async_hours"],
+                            "predicted_speedup_eta4": at4["speedup_vs_eta0"], "predicted_best": best["speedup_vs_eta0"],
+                            "best_eta": best["eta"], "areal_sync_step_s": a["sync_hours"] * 3.6,
+                            "predicted_sync_step_s": sync["step_s"], "areal_async_step_s": a["async_hours"] * 3.6,
+                            "predicted_async_step_s_eta4": at4["step_s"]})
+    benchlib.print_table(f"cluster shapes (simulated at 1/{shrink} size, rates for the full cluster); assumptions: "
+                         + "; ".join(ASSUMPTIONS), rows,
+                         ["shape", "gen_gpus", "train_gpus", "eta", "step_s", "samples_per_s", "speedup_vs_eta0",
+                          "gen_busy", "learner_busy", "controller_busy", "train_s", "fetch_s", "staleness"])
+    if compare:
+        benchlib.print_table("async/sync speedup vs AReaL v0.3 Table 2 (1000 PPO steps; hours x 3.6 = seconds per step)",
+                             compare, list(compare[0]))
+    benchlib.print_table("what limits scale (at the largest eta): load on the shared pieces vs their capacity here",
+                         limits, list(limits[0]))
+    return {"assumptions": ASSUMPTIONS, "shrink": shrink, "shapes": {n: derived(SHAPES[n]) for n in names},
+            "rows": rows, "areal": compare, "limits": limits, "controller_msg_s": ctl, "fsync_s": fsync}
