@@ -38,6 +38,8 @@ class QuantLinear(nn.Module):
     """Base class. Buffers: the format's weight tensors (+ `bias` if the source had one)."""
 
     fmt: str = ""
+    # Buffers registered in __init__ (declared for the type checker; nn.Module stores them).
+    bias: Tensor | None
 
     def __init__(
         self, in_features: int, out_features: int, tensors: Mapping[str, Tensor], bias: Tensor | None
@@ -80,6 +82,7 @@ class QuantLinear(nn.Module):
 
 class Bf16Linear(QuantLinear):
     fmt = "bf16"
+    weight: Tensor
 
     def _compute(self, x2: Tensor) -> Tensor:
         y = F.linear(x2.to(torch.bfloat16), self.weight).float()
@@ -91,6 +94,8 @@ class Int8Linear(QuantLinear):
 
     fmt = "int8"
     _group: SiblingGroup | None = None
+    qweight: Tensor
+    weight_scale: Tensor
 
     def refresh(self) -> None:
         if self._group is not None and not self._group.is_intact():
@@ -120,6 +125,9 @@ class Fp8Linear(QuantLinear):
     """E4M3 weights; per-token E4M3 activations unless `act_quant=False`."""
 
     fmt = "fp8"
+    qweight: Tensor
+    weight_scale: Tensor
+    _w_codes: Tensor
 
     def __init__(
         self,
@@ -145,6 +153,8 @@ class Fp8Linear(QuantLinear):
 
 class DecodedLinear(QuantLinear):
     """Weight-only formats: decode once per load, fp32 GEMM per forward."""
+
+    _w_decoded: Tensor
 
     def refresh(self) -> None:
         w = dequantize_weight(self.weight_tensors(), self.fmt, self.in_features)
