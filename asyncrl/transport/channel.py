@@ -54,6 +54,12 @@ class Envelope:
     peer: bytes | None = None
     payload: memoryview | bytes | None = None
 
+    def sender(self) -> bytes:
+        """``peer`` of an envelope received on a ROUTER socket (which always sets it)."""
+        if self.peer is None:
+            raise ValueError("this envelope has no sender identity: only a ROUTER channel's recv() sets peer")
+        return self.peer
+
 
 @dataclasses.dataclass
 class ChannelStats:
@@ -340,7 +346,8 @@ class InProcChannel:
 
     @classmethod
     def pair(cls, maxsize: int = DEFAULT_HWM) -> tuple[InProcChannel, InProcChannel]:
-        a, b = queue.Queue(maxsize), queue.Queue(maxsize)
+        a: queue.Queue[list[bytes]] = queue.Queue(maxsize)
+        b: queue.Queue[list[bytes]] = queue.Queue(maxsize)
         return cls(a, b, "inproc-a"), cls(b, a, "inproc-b")
 
     def send(self, msg: msgspec.Struct, *, to: bytes | None = None, payload=None, timeout_s=10.0) -> None:
