@@ -38,16 +38,27 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import zmq
 
 import protocols as P
+from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.factory import EngineSpec, build_engine
 from asyncrl.transport import ChannelTimeout, WeightClient, WeightFetchError, ZmqChannel, load_client_keys
 
 log = logging.getLogger("asyncrl.worker")
 SGLANG_KEYS = ("url", "device", "python", "model_path", "max_total_tokens", "startup_timeout_s", "extra_args")
+
+
+T = TypeVar("T")
+
+
+def _built(part: T | None, what: str) -> T:
+    if part is None:
+        raise RuntimeError(f"the worker's {what} is used before run() built it")
+    return part
 
 
 class GeneratorWorker:
@@ -76,6 +87,22 @@ class GeneratorWorker:
         self.weights_version = -1  # newest version handed to the engine (applied at its next step)
         self.tokens_generated = 0
         self.t_start = time.monotonic()
+        # built by run() once the controller's Welcome says where to connect
+        self.engine: RolloutEngine | None = None
+        self.push: ZmqChannel | None = None
+        self.weights: WeightClient | None = None
+
+    @property
+    def _engine(self) -> RolloutEngine:
+        return _built(self.engine, "engine")
+
+    @property
+    def _push(self) -> ZmqChannel:
+        return _built(self.push, "samples channel")
+
+    @property
+    def _weights(self) -> WeightClient:
+        return _built(self.weights, "weight client")
 
     # ------------------------------------------------------------------------------ handshake
     def _wire_format(self) -> str:
@@ -206,10 +233,10 @@ class GeneratorWorker:
     def _load_weights(self, version: int, timeout_s: float = 120.0) -> None:
         from asyncrl.transport.publication import from_wire
 
-        ann, buffers = self.weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt)
+        ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt)
         if ann.version <= self.weights_version:
             return
-        self.engine.update_weights(ann.version, from_wire(ann, buffers))
+        self._engine.update_weights(ann.version, from_wire(ann, buffers))
         self.weights_version = ann.version
 
     # -------------------------------------------------------------------------- comms thread
@@ -281,7 +308,7 @@ class GeneratorWorker:
                                 top_k=p.top_k, stop_token_ids=tuple(p.stop_token_ids) or None, seed=p.seed)
         for sid in a.sample_ids:
             self.outstanding[sid] = a.group_id
-        self.engine.submit([GenRequest(sample_id=sid, prompt_ids=prompt, params=params) for sid in a.sample_ids])
+        self._engine.submit([GenRequest(sample_id=sid, prompt_ids=prompt, params=params) for sid in a.sample_ids])
 
     def _flush_results(self) -> None:
         while True:
@@ -301,7 +328,7 @@ class GeneratorWorker:
                 quant_format=self.fmt, timings=res.timings,
             )
             try:
-                self.push.send(msg, timeout_s=30.0)
+                self._push.send(msg, timeout_s=30.0)
             except ChannelTimeout:
                 log.error("controller stopped taking samples; keeping %s for the next try", res.sample_id)
                 self.results.put(res)
@@ -312,19 +339,19 @@ class GeneratorWorker:
 
     def _maybe_update_weights(self) -> bool:
         """Fetch and hand over the newest announced version; True if the engine got new weights."""
-        ann = self.weights.poll_announce(0.0, fmt=self.wire_fmt)
+        ann = self._weights.poll_announce(0.0, fmt=self.wire_fmt)
         if ann is None or ann.version <= self.weights_version:
             return False
         try:
             self._load_weights(ann.version, timeout_s=60.0)
         except (WeightFetchError, ValueError) as e:  # QuantError is a ValueError: keep the old version
-            log.error("could not load weights v%d, keeping v%d: %s", ann.version, self.engine.version, e)
+            log.error("could not load weights v%d, keeping v%d: %s", ann.version, self._engine.version, e)
             return False
         return True
 
     def _stats(self) -> dict[str, float]:
         dt = max(1e-6, time.monotonic() - self.t_start)
-        return {"version": float(self.engine.version), "outstanding": float(len(self.outstanding)),
+        return {"version": float(self._engine.version), "outstanding": float(len(self.outstanding)),
                 "samples": float(self.samples_sent), "tokens_per_s": self.tokens_generated / dt}
 
     def _send_ctl(self, msg) -> None:
@@ -339,7 +366,7 @@ class GeneratorWorker:
         self.left = True
         unfinished = list(self.outstanding)
         if unfinished:
-            self.engine.abort(unfinished)
+            self._engine.abort(unfinished)
         self._send_ctl(P.Goodbye(peer_id=self.worker_id, unfinished=unfinished, reason=reason))
         log.info("worker %s left: %d samples sent, %d handed back", self.worker_id, self.samples_sent,
                  len(unfinished))
