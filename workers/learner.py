@@ -51,7 +51,6 @@ from asyncrl.learner.policy import (
     prepare_policy,
     reference_policy,
 )
-from asyncrl.learner.schedule import schedule_kind
 from asyncrl.models.prepare import model_id
 from asyncrl.transport import (
     ChannelTimeout,
@@ -295,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
              "activation checkpointing" if L.activation_checkpointing else "no activation checkpointing",
              info.world_size, ", KL reference" if ref_model is not None else "")
     opt = build_optimizer(model, lr=L.lr, weight_decay=L.weight_decay)
-    sched = build_scheduler(opt, LRSchedule(kind=schedule_kind(L.lr_schedule), warmup_steps=L.warmup_steps,
+    sched = build_scheduler(opt, LRSchedule(kind=L.lr_schedule, warmup_steps=L.warmup_steps,
                                             total_steps=max(L.total_steps, L.warmup_steps + 1),
                                             min_lr_ratio=L.min_lr_ratio))
     state = TrainState(model, opt, sched, version=0)

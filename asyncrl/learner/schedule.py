@@ -16,23 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
 __all__ = ["LRSchedule", "lr_multiplier", "build_optimizer", "build_scheduler"]
-
-
-ScheduleKind = Literal["constant", "cosine", "linear"]
-SCHEDULE_KINDS: tuple[ScheduleKind, ...] = get_args(ScheduleKind)
-
-
-def schedule_kind(name: str) -> ScheduleKind:
-    """``name`` (e.g. the config's ``learner.lr_schedule``) as a schedule kind; ``ValueError`` if unknown."""
-    for kind in SCHEDULE_KINDS:
-        if name == kind:
-            return kind
-    raise ValueError(f"unknown LR schedule kind {name!r}; use 'constant', 'cosine' or 'linear'")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,13 +34,14 @@ class LRSchedule:
     min_lr_ratio: the floor, as a fraction of the peak learning rate, in [0, 1].
     """
 
-    kind: ScheduleKind = "constant"
+    kind: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        schedule_kind(self.kind)
+        if self.kind not in ("constant", "cosine", "linear"):
+            raise ValueError(f"unknown LR schedule kind {self.kind!r}; use 'constant', 'cosine' or 'linear'")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
