@@ -346,8 +346,7 @@ class InProcChannel:
 
     @classmethod
     def pair(cls, maxsize: int = DEFAULT_HWM) -> tuple[InProcChannel, InProcChannel]:
-        a: queue.Queue[list[bytes]] = queue.Queue(maxsize)
-        b: queue.Queue[list[bytes]] = queue.Queue(maxsize)
+        a, b = queue.Queue(maxsize), queue.Queue(maxsize)
         return cls(a, b, "inproc-a"), cls(b, a, "inproc-b")
 
     def send(self, msg: msgspec.Struct, *, to: bytes | None = None, payload=None, timeout_s=10.0) -> None:
