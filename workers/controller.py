@@ -135,14 +135,13 @@ def main(argv: list[str] | None = None) -> int:
                     env = ctl.recv(0.0)
                     if env is None:
                         break
-                    peer = env.sender()  # a ROUTER socket: every envelope names its sender
-                    if outbox.muted(peer):  # dropped for not reading its replies: ignored, counted
+                    if outbox.muted(env.peer):  # dropped for not reading its replies: ignored, counted
                         core.counters["control/muted_peer_message"] += 1
                         continue
                     if (isinstance(env.msg, P.Hello) and env.msg.role == "client"
                             and env.msg.capabilities.get("request") == SETUP_REQUEST):
                         # `asyncrl learner`: where the run folder and the model are (before it loads anything)
-                        replies.append((peer, P.Welcome(protocol_version=P.PROTOCOL_VERSION,
+                        replies.append((env.peer, P.Welcome(protocol_version=P.PROTOCOL_VERSION,
                                                             server_id="controller", config=setup)))
                         continue
                     if isinstance(env.msg, P.VersionUpdate):
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                         samples_at_last, t_last = core.samples_logged, now
                         m["time/wall_s"] = now - t0
                         writer.log(env.msg.version, m)
-                    replies += core.handle(peer, env.msg)
+                    replies += core.handle(env.peer, env.msg)
             if time.monotonic() - last_poll > 0.2:
                 replies += core.poll()
                 last_poll = time.monotonic()
