@@ -51,12 +51,6 @@ class Prepared:
     staleness: torch.Tensor | None
     """learner_version - versions, int64 [B, T] (None without versions)."""
 
-    def behaviour_mu(self) -> torch.Tensor:
-        """``mu`` for an objective that uses the behaviour policy (every kind but coupled ppo)."""
-        if self.mu is None:
-            raise ValueError("this objective needs behav_logp, but the inputs were prepared for kind='ppo'")
-        return self.mu
-
 
 def check_shapes(name_to_tensor: dict[str, torch.Tensor | None], shape: torch.Size) -> None:
     for name, t in name_to_tensor.items():
@@ -179,7 +173,7 @@ def prepare(
         ref = torch.where(clean, ref, 0) if ref is not None else None
         mu = mismatch_log_ratio(prox, behav, clean) if behav is not None else None
 
-        if mu is None:  # coupled ppo: the only kind without behaviour log-probs (checked above)
+        if cfg.kind == "ppo":
             keep = clean
         elif cfg.kind == "tbpo":
             keep = clean  # w_mode=clamp truncates w in the objective and drops nothing (§6.7 revision)

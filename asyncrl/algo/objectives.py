@@ -47,30 +47,30 @@ def token_objective(
     adv = prep.adv
     log_lo = math.log1p(-cfg.eps_low)
     log_hi: float | torch.Tensor = math.log1p(cfg.eps_high)
-    acr_hi: torch.Tensor | None = None  # acr only: the per-token upper log bound
-    omega: torch.Tensor | None = None
+    omega = None
+    mu = prep.mu
     if cfg.kind == "decoupled":
-        omega = torch.where(prep.clean, torch.exp(clamp_log(prep.behaviour_mu())), 0)  # r, untruncated (§6.2)
+        omega = torch.where(prep.clean, torch.exp(clamp_log(mu)), 0)  # r, untruncated (§6.2)
     elif cfg.kind == "tis":
-        omega = is_weights(prep.behaviour_mu(), prep.clean, cfg.is_cap, cfg.is_level)
+        omega = is_weights(mu, prep.clean, cfg.is_cap, cfg.is_level)
     elif cfg.kind == "acr":
-        omega = is_weights(prep.behaviour_mu(), prep.clean, cfg.is_cap, "token")
-        log_hi = acr_hi = acr_log_hi(prep.behaviour_mu(), cfg.eps_high)
+        omega = is_weights(mu, prep.clean, cfg.is_cap, "token")
+        log_hi = acr_log_hi(mu, cfg.eps_high)
     sur = clipped_surrogate(delta, adv, log_lo, log_hi, cfg.dual_clip)
     lam = sur.loss if omega is None else sur.loss * omega
     lam = torch.where(num, lam, 0)
 
     with torch.no_grad():
-        if cfg.kind == "decoupled" and omega is not None:
+        if cfg.kind == "decoupled":
             b.frac("decoupled/masked_frac", ~prep.keep, prep.clean)
             b.mean("decoupled/behav_imp_weight_mean", omega, prep.keep)
             b.maximum("decoupled/behav_imp_weight_max", omega, prep.keep)
-            b.mean("decoupled/behav_approx_kl", prep.behaviour_mu(), prep.keep)
-        if acr_hi is not None:  # kind acr
-            hi = torch.exp(acr_hi.to(torch.float64))
+            b.mean("decoupled/behav_approx_kl", mu, prep.keep)
+        if cfg.kind == "acr":
+            hi = torch.exp(log_hi.to(torch.float64))
             b.mean("acr/hi_mean", hi, num)
             b.frac("acr/clipfrac_hi", sur.clip_hi, num)
-            b.frac("acr/empty_band_frac", acr_hi < log_lo, num)
+            b.frac("acr/empty_band_frac", log_hi < log_lo, num)
             # DEPARTURE (naming detail): restricted to A > 0 so it compares with acr/clipfrac_hi.
             b.frac("acr/tis_would_clip_frac", (adv > 0) & (delta.detach() > math.log1p(cfg.eps_high)), num)
         if cfg.rs_modes:
@@ -100,7 +100,7 @@ def sequence_objective(
         sur = clipped_surrogate(
             log_s, adv, math.log1p(-cfg.eps_low), math.log1p(cfg.eps_high), None, max_log=GSPO_LOG_RATIO_MAX
         )
-        omega = is_weights(prep.behaviour_mu(), prep.clean, cfg.is_cap, cfg.is_level)
+        omega = is_weights(prep.mu, prep.clean, cfg.is_cap, cfg.is_level)
         lam = torch.where(num, sur.loss * omega, 0)
         with torch.no_grad():
             b.mean("gspo/rho_mean", torch.exp(clamp_log(dbar, GSPO_LOG_RATIO_MAX)), used)
@@ -108,7 +108,7 @@ def sequence_objective(
                 _rs_stats(b, prep)
     else:  # tbpo
         sur = tbpo_surrogate(log_s, adv, cfg.tbpo_eps_pos_high, cfg.tbpo_eps_neg_low, cfg.tbpo_eps_neg_high)
-        mbar = seq_mean(prep.behaviour_mu(), prep.clean)
+        mbar = seq_mean(prep.mu, prep.clean)
         w = torch.exp(clamp_log(mbar))  # geometric-mean mismatch weight, detached
         if cfg.tbpo_w_mode == "clamp":  # §6.7 revision: truncate w, keep the response
             w_used = w.clamp(cfg.tbpo_w_low, cfg.tbpo_w_high)

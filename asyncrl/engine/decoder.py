@@ -28,45 +28,6 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_Fn = Callable[[torch.Tensor], torch.Tensor]
-
-
-class _Attention(Protocol):
-    q_proj: _Fn
-    k_proj: _Fn
-    v_proj: _Fn
-    o_proj: _Fn
-    head_dim: int
-    scaling: float
-
-
-class _Layer(Protocol):
-    self_attn: _Attention
-    input_layernorm: _Fn
-    post_attention_layernorm: _Fn
-    mlp: _Fn
-
-
-class _Backbone(Protocol):
-    embed_tokens: torch.nn.Embedding
-    rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    layers: Sequence[_Layer]
-    norm: _Fn
-
-
-class HFDecoder(Protocol):
-    """The module tree of a Hugging Face Llama/Qwen2 causal LM that ``DecoderRunner`` calls."""
-
-    config: PretrainedConfig
-    model: _Backbone
-    lm_head: _Fn
-
-
-def decoder_view(model: torch.nn.Module) -> HFDecoder:
-    """``model`` typed as the HF decoder tree (``check_supported`` vouches for it on the config's model_type)."""
-    return cast(HFDecoder, model)
-
-
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -138,6 +99,45 @@ class SlotKVCache:
         self.k.clear()
         self.v.clear()
         self.cap_rows = self.cap_len = 0
+
+
+_Fn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Attention(Protocol):
+    q_proj: _Fn
+    k_proj: _Fn
+    v_proj: _Fn
+    o_proj: _Fn
+    head_dim: int
+    scaling: float
+
+
+class _Layer(Protocol):
+    self_attn: _Attention
+    input_layernorm: _Fn
+    post_attention_layernorm: _Fn
+    mlp: _Fn
+
+
+class _Backbone(Protocol):
+    embed_tokens: torch.nn.Embedding
+    rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    layers: Sequence[_Layer]
+    norm: _Fn
+
+
+class HFDecoder(Protocol):
+    """The module tree of a Hugging Face Llama/Qwen2 causal LM that ``DecoderRunner`` calls."""
+
+    config: PretrainedConfig
+    model: _Backbone
+    lm_head: _Fn
+
+
+def decoder_view(model: torch.nn.Module) -> HFDecoder:
+    """``model`` typed as the HF decoder tree (``check_supported`` vouches for it on the config's model_type)."""
+    return cast(HFDecoder, model)
 
 
 class DecoderRunner:

@@ -215,20 +215,19 @@ def publish(
     record = None
     if aqn_resample not in aqn_mod.AQN_RESAMPLE:
         raise QuantError(f"aqn_resample={aqn_resample!r}: choose one of {', '.join(aqn_mod.AQN_RESAMPLE)}")
-    if aqn_sigma != 0.0:
-        if aqn_seed is None:
-            raise QuantError("aqn_sigma > 0 needs aqn_seed (record it with the version to reproduce)")
-        if aqn_resample == "forward":
-            if uaq_sites:
-                raise QuantError("aqn_resample='forward' does not scale sigma for UAQ-folded gains; "
-                                 "use aqn_resample='publication' with UAQ")
-            if not (math.isfinite(aqn_sigma) and aqn_sigma > 0):
-                raise QuantError(f"AQN sigma must be finite and >= 0, got {aqn_sigma}")
-            record = aqn_mod.AqnRecord(seed=int(aqn_seed), sigma=float(aqn_sigma), sites=tuple(aqn_sites))
-        else:
-            tensors_in, record = aqn_mod.add_aqn_noise(
-                tensors_in, sigma=aqn_sigma, seed=aqn_seed, sites=aqn_sites, uaq_s=uaq_s, uaq_sites=uaq_sites
-            )
+    if aqn_sigma != 0.0 and aqn_seed is None:
+        raise QuantError("aqn_sigma > 0 needs aqn_seed (record it with the version to reproduce)")
+    if aqn_sigma != 0.0 and aqn_resample == "forward":
+        if uaq_sites:
+            raise QuantError("aqn_resample='forward' does not scale sigma for UAQ-folded gains; "
+                             "use aqn_resample='publication' with UAQ")
+        if not (math.isfinite(aqn_sigma) and aqn_sigma > 0):
+            raise QuantError(f"AQN sigma must be finite and >= 0, got {aqn_sigma}")
+        record = aqn_mod.AqnRecord(seed=int(aqn_seed), sigma=float(aqn_sigma), sites=tuple(aqn_sites))
+    elif aqn_sigma != 0.0:
+        tensors_in, record = aqn_mod.add_aqn_noise(
+            tensors_in, sigma=aqn_sigma, seed=aqn_seed, sites=aqn_sites, uaq_s=uaq_s, uaq_sites=uaq_sites
+        )
     out: dict[str, Tensor] = {}
     entries: list[ManifestEntry] = []
     roles = weight_suffixes(fmt)
@@ -346,7 +345,7 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
 
 def _aliased_names(state: Mapping[str, Tensor]) -> dict[str, list[str]]:
     """Names sharing storage with another name (tied weights) -> the other names."""
-    by_ptr: dict[tuple[int, int | torch.SymInt, tuple[int, ...]], list[str]] = {}
+    by_ptr: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
     for name, t in state.items():
         by_ptr.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(
             name
