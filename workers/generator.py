@@ -351,7 +351,7 @@ class GeneratorWorker:
 
     def _stats(self) -> dict[str, float]:
         dt = max(1e-6, time.monotonic() - self.t_start)
-        return {"version": float(self._engine.version), "outstanding": float(len(self.outstanding)),
+        return {"version": float(self.engine.version), "outstanding": float(len(self.outstanding)),
                 "samples": float(self.samples_sent), "tokens_per_s": self.tokens_generated / dt}
 
     def _send_ctl(self, msg) -> None:

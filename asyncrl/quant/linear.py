@@ -94,6 +94,7 @@ class Int8Linear(QuantLinear):
 
     fmt = "int8"
     _group: SiblingGroup | None = None
+
     qweight: Tensor
     weight_scale: Tensor
 
