@@ -376,4 +376,4 @@ Message = (
     | Error
 )
 
-MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__
