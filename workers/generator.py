@@ -97,10 +97,6 @@ class GeneratorWorker:
         return _built(self.engine, "engine")
 
     @property
-    def _push(self) -> ZmqChannel:
-        return _built(self.push, "samples channel")
-
-    @property
     def _weights(self) -> WeightClient:
         return _built(self.weights, "weight client")
 
@@ -328,7 +324,7 @@ class GeneratorWorker:
                 quant_format=self.fmt, timings=res.timings,
             )
             try:
-                self._push.send(msg, timeout_s=30.0)
+                self.push.send(msg, timeout_s=30.0)
             except ChannelTimeout:
                 log.error("controller stopped taking samples; keeping %s for the next try", res.sample_id)
                 self.results.put(res)

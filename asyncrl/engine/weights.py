@@ -46,8 +46,7 @@ def quantize_actor(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if fmt != "fp32":
         model = _quant(fmt).quantize_model(model, fmt)
-    # a plain instance attribute (Module.__setattr__ is typed for tensors and modules only)
-    vars(model)["_asyncrl_hf_shapes"] = shapes
+    model._asyncrl_hf_shapes = shapes
     return model
 
 

@@ -12,7 +12,7 @@ from asyncrl.quant.publish import ManifestEntry, PublishedWeights, RawTensor
 from protocols import TensorSpec, WeightAnnounce
 
 
-def to_wire(published: PublishedWeights) -> tuple[WeightAnnounce, list[memoryview | bytes | bytearray]]:
+def to_wire(published: PublishedWeights) -> tuple[WeightAnnounce, list[memoryview]]:
     specs = [
         TensorSpec(name=e.name, dtype=e.dtype, shape=tuple(e.shape), nbytes=e.nbytes, role=e.role, fmt=e.fmt,
                    sha256=e.digest.removeprefix("sha256:") if e.digest.startswith("sha256:") else "",
