@@ -61,8 +61,10 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu -q
 
+# ruff on every Python tree; mypy on the packages (settings in pyproject.toml; .mypy_cache keeps reruns fast).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl workers protocols scripts tests
+	$(VENV)/bin/mypy asyncrl workers protocols
 
 clean-venv:
 	rm -rf $(VENV)

@@ -463,4 +463,4 @@ Message = (
     | Error
 )
 
-MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__

@@ -38,11 +38,13 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import zmq
 
 import protocols as P
+from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.factory import EngineSpec, build_engine
 from asyncrl.transport import (
     ChannelTimeout,
@@ -91,6 +93,15 @@ FLUSH_S = 5.0
 as soon as they have; this bounds only a controller that is gone)."""
 
 
+T = TypeVar("T")
+
+
+def _built(part: T | None, what: str) -> T:
+    if part is None:
+        raise RuntimeError(f"the worker's {what} is used before run() built it")
+    return part
+
+
 class GeneratorWorker:
     def __init__(self, controller: str, *, worker_id: str = "", quant_fmt: str = "", slots: int = 0,
                  drain_s: float = DRAIN_S, hello_timeout_s: float = HELLO_TIMEOUT_S, curve=None, engine: str = "native",
@@ -119,6 +130,18 @@ class GeneratorWorker:
         self.weight_sync_s = 0.0  # seconds spent fetching + unpacking + handing over new versions (comms thread)
         self.weight_syncs = 0
         self.t_start = time.monotonic()
+        # built by run() once the controller's Welcome says where to connect
+        self.engine: RolloutEngine | None = None
+        self.push: ZmqChannel | None = None
+        self.weights: WeightClient | None = None
+
+    @property
+    def _engine(self) -> RolloutEngine:
+        return _built(self.engine, "engine")
+
+    @property
+    def _weights(self) -> WeightClient:
+        return _built(self.weights, "weight client")
 
     # ------------------------------------------------------------------------------ handshake
     def _wire_format(self) -> str:
@@ -262,10 +285,10 @@ class GeneratorWorker:
         from asyncrl.transport.publication import from_wire
 
         t0 = time.perf_counter()
-        ann, buffers = self.weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt)
+        ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt)
         if ann.version <= self.weights_version:
             return
-        self.engine.update_weights(ann.version, from_wire(ann, buffers))
+        self._engine.update_weights(ann.version, from_wire(ann, buffers))
         self.weights_version = ann.version
         self.weight_sync_s += time.perf_counter() - t0
         self.weight_syncs += 1
@@ -339,7 +362,7 @@ class GeneratorWorker:
                                 top_k=p.top_k, stop_token_ids=tuple(p.stop_token_ids) or None, seed=p.seed)
         for sid in a.sample_ids:
             self.outstanding[sid] = a.group_id
-        self.engine.submit([GenRequest(sample_id=sid, prompt_ids=prompt, params=params) for sid in a.sample_ids])
+        self._engine.submit([GenRequest(sample_id=sid, prompt_ids=prompt, params=params) for sid in a.sample_ids])
 
     def _flush_results(self) -> None:
         while True:
@@ -370,13 +393,13 @@ class GeneratorWorker:
 
     def _maybe_update_weights(self) -> bool:
         """Fetch and hand over the newest announced version; True if the engine got new weights."""
-        ann = self.weights.poll_announce(0.0, fmt=self.wire_fmt)
+        ann = self._weights.poll_announce(0.0, fmt=self.wire_fmt)
         if ann is None or ann.version <= self.weights_version:
             return False
         try:
             self._load_weights(ann.version, timeout_s=WEIGHTS_TIMEOUT_S)
         except (WeightFetchError, ValueError) as e:  # QuantError is a ValueError: keep the old version
-            log.error("could not load weights v%d, keeping v%d: %s", ann.version, self.engine.version, e)
+            log.error("could not load weights v%d, keeping v%d: %s", ann.version, self._engine.version, e)
             return False
         return True
 
@@ -404,7 +427,7 @@ class GeneratorWorker:
         self.left = True
         unfinished = list(self.outstanding)
         if unfinished:
-            self.engine.abort(unfinished)
+            self._engine.abort(unfinished)
         self._send_ctl(P.Goodbye(peer_id=self.worker_id, unfinished=unfinished, reason=reason))
         log.info("worker %s left: %d samples sent, %d handed back", self.worker_id, self.samples_sent,
                  len(unfinished))  # the Goodbye leaves before the process ends: run() flushes on close

@@ -181,7 +181,8 @@ class Launcher:
 
     def spawn(self, name: str, args: list[str], cuda_devices: str | None = None, *,
               lock_fd: int | None = None) -> Child:
-        env, fds = self.env if cuda_devices is None else self.env | {"CUDA_VISIBLE_DEVICES": cuda_devices}, ()
+        env = self.env if cuda_devices is None else self.env | {"CUDA_VISIBLE_DEVICES": cuda_devices}
+        fds: tuple[int, ...] = ()
         if lock_fd is not None:  # the controller shares the launcher's run-folder lock
             from asyncrl.rundir.lock import INHERITED_ENV
 

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -64,6 +65,9 @@ from asyncrl.transport import (
 )
 from asyncrl.transport.publication import to_wire
 
+if TYPE_CHECKING:
+    from asyncrl.quant import PublishedWeights
+
 log = logging.getLogger("asyncrl.learner")
 
 # Timeouts (seconds): each bounds a wait for a peer that may be gone; a reachable peer ends it at once.
@@ -101,7 +105,7 @@ class Publisher:
 
     def __init__(self, cfg, formats: list[str], server: WeightServer) -> None:
         self.cfg, self.formats, self.server = cfg, formats, server
-        self.prev = {}
+        self.prev: dict[str, PublishedWeights] = {}
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         from asyncrl.quant import aqn_sigma, code_change_frac, publication_seed, publish
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id or 0
     if cfg.quant.uaq:  # §8: fold once on the fp32 master weights, before optimiser states exist
         from asyncrl.quant import fold_uaq
@@ -334,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
     replay = bool(args.replay_log)
 
-    source = server = publisher = evaluator = None
+    # rank 0 only:
+    source: ReplaySource | ControllerSource | None = None
+    server: WeightServer | None = None
+    publisher: Publisher | None = None
+    evaluator: Evaluator | None = None
     # Weights are gathered (merged, for LoRA) only to publish or evaluate, and dropped right after:
     # the learner process holds no full copy of the policy between steps.
     sd = policy_state_dict(model, lora) if not replay or (state.version == 0 and L.eval_every) else {}
@@ -360,11 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         while state.version < L.total_steps:
             k = state.version
             t0 = time.perf_counter()
-            msg = source.next_batch(k) if info.is_main else None
+            msg = source.next_batch(k) if source is not None else None  # rank 0
             if _agree(info.is_main and msg is None, info):
                 log.info("learner stopping before step %d", k)
                 break
-            batch = batch_from_message(msg, cfg.rollout.temperature, pad_id) if info.is_main else None
+            batch = batch_from_message(msg, cfg.rollout.temperature, pad_id) if msg is not None else None
             batch = broadcast_batch(batch, info)
             t_wait = time.perf_counter() - t0
             metrics = train_step(state, batch, cfg.algo, cfg.learner, info, ref_model=ref_model)
@@ -373,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             sd = policy_state_dict(model, lora) if (not replay or eval_due) else {}
             ckpt = bool(L.ckpt_every) and state.version % L.ckpt_every == 0 and state.version < L.total_steps
             if info.is_main:
+                assert source is not None and evaluator is not None and msg is not None  # rank 0 holds them
                 if publisher is not None:
                     metrics |= publisher.publish(sd, state.version)
                 if server is not None:  # the weight server's received/rejected counters reach metrics.jsonl
@@ -391,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                 save_checkpoint(ckpt_root, state, info, keep_last=3)
         # A final checkpoint only with the controller's state of the same version (it may be gone:
         # then the last periodic checkpoint stays the resume point).
-        if _agree(info.is_main and source.sync_checkpoint(state.version), info):
+        if _agree(source is not None and source.sync_checkpoint(state.version), info):  # rank 0
             save_checkpoint(ckpt_root, state, info, keep_last=3)
         if not _agree(info.is_main and stop.is_set(), info):  # finished (or the replayed log ran out): export, hash, final eval
             finish_run(cfg, state, model, model_dir, run_dir, info, evaluator, source, t_run, lora)

@@ -43,8 +43,9 @@ def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[Tr
     if resume:
         from asyncrl.config.loader import read_run_config
 
-        run_dir: Path | None = Path(resume[0]).resolve()
-        cfg = read_run_config(run_dir)  # a resumed run keeps its own configuration
+        resumed = Path(resume[0]).resolve()
+        run_dir: Path | None = resumed
+        cfg = read_run_config(resumed)  # a resumed run keeps its own configuration
         ignored = [o for o in overrides if not o.startswith("resume=")]
         if ignored:
             print(f"asyncrl {command}: resume keeps the run's configuration; ignoring {ignored}")

@@ -31,7 +31,7 @@ class Denominators(NamedTuple):
     num_seqs: float
     """N_seq: responses with at least one such token (``seq-mean-*``)."""
 
-    def __add__(self, other: object) -> Denominators:  # type: ignore[override]
+    def __add__(self, other: object) -> Denominators:
         if not isinstance(other, Denominators):
             return NotImplemented
         return Denominators(self.num_tokens + other.num_tokens, self.num_seqs + other.num_seqs)

@@ -143,7 +143,7 @@ def policy_loss(
     loss = pg_loss
 
     kl_loss = ent_loss = None
-    if ref_logp is not None and cfg.kl_coef > 0:
+    if prep.ref is not None:  # ref_logp was given and kl_coef > 0 (prepare() keeps it only then)
         x = clamp_log(torch.where(term_mask, prep.ref - lp, 0))
         k3 = torch.where(term_mask, (torch.exp(x) - x - 1).clamp(-KL_REF_CLAMP, KL_REF_CLAMP), 0)
         kl_loss = aggregate(k3, prep.den, cfg.aggregation, num_tokens=den.num_tokens, num_seqs=den.num_seqs)
@@ -180,7 +180,7 @@ def policy_loss(
             b.total("actor/kl_loss", kl_loss.detach())
         if ref_logp is not None and kl_loss is not None:
             b.mean("actor/kl_ref", k3.detach(), term_mask)
-        if entropy is not None:
+        if ent_ok is not None:  # entropy was given
             b.mean("actor/entropy", ent.detach(), ent_ok)
             b.total("actor/nonfinite_entropy", (term_mask & ~ent_ok).sum())
         if ent_loss is not None:

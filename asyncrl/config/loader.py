@@ -31,7 +31,7 @@ def schema_keys(schema: type = TrainConfig, prefix: str = "") -> dict[str, type 
     for f in dataclasses.fields(schema):
         key = f"{prefix}{f.name}"
         kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             out[key] = kind
             out |= schema_keys(kind, prefix=f"{key}.")
         else:
@@ -199,7 +199,10 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
             if not path.is_file():
                 raise ValueError(f"{key}={value!r} is not a config in configs/{key}/; choose one of "
                                  f"{', '.join(_group_options(key))}")
-            delta = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k != "defaults"}
+            loaded = OmegaConf.to_container(OmegaConf.load(path))
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path} must be a YAML mapping of keys (like the other files in configs/{key}/)")
+            delta = {k: v for k, v in loaded.items() if k != "defaults"}
             merged = OmegaConf.merge(merged, delta if is_global(path) else {key: delta})
         else:
             dotlist.append(ov)

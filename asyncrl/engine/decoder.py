@@ -19,10 +19,16 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, cast
+
 import torch
 import torch.nn.functional as F
 
 from asyncrl.models.prepare import SUPPORTED_MODEL_TYPES
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -96,25 +102,65 @@ class SlotKVCache:
         self.cap_rows = self.cap_len = 0
 
 
+_Fn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Attention(Protocol):
+    q_proj: _Fn
+    k_proj: _Fn
+    v_proj: _Fn
+    o_proj: _Fn
+    head_dim: int
+    scaling: float
+
+
+class _Layer(Protocol):
+    self_attn: _Attention
+    input_layernorm: _Fn
+    post_attention_layernorm: _Fn
+    mlp: _Fn
+
+
+class _Backbone(Protocol):
+    embed_tokens: torch.nn.Embedding
+    rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    layers: Sequence[_Layer]
+    norm: _Fn
+
+
+class HFDecoder(Protocol):
+    """The module tree of a Hugging Face Llama/Qwen2 causal LM that ``DecoderRunner`` calls."""
+
+    config: PretrainedConfig
+    model: _Backbone
+    lm_head: _Fn
+
+
+def decoder_view(model: torch.nn.Module) -> HFDecoder:
+    """``model`` typed as the HF decoder tree (``check_supported`` vouches for it on the config's model_type)."""
+    return cast(HFDecoder, model)
+
+
 class DecoderRunner:
     """Runs prefill for new rows and one decode step for live rows of a Llama/Qwen2 HF model."""
 
     def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int) -> None:
-        config = model.config
+        hf = decoder_view(model)
+        config = hf.config
         check_supported(config)
-        self.model = model
+        self.model = hf
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
-        attn = model.model.layers[0].self_attn
+        attn = hf.model.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = float(attn.scaling)
-        self.cache = SlotKVCache(len(model.model.layers), self.n_kv_heads, self.head_dim, max_rows, max_len)
+        self.cache = SlotKVCache(len(hf.model.layers), self.n_kv_heads, self.head_dim, max_rows, max_len)
 
     @property
     def device(self) -> torch.device:
         return self.model.model.embed_tokens.weight.device
 
-    def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``h: [B, L, D]`` -> q ``[B, H, L, hd]``, k/v ``[B, KV, L, hd]`` with rotary applied to q, k."""
         B, L, _ = h.shape
         attn = layer.self_attn
@@ -134,7 +180,7 @@ class DecoderRunner:
         B, _, Lq, _ = q.shape
         return out.transpose(1, 2).reshape(B, Lq, self.n_heads * self.head_dim)
 
-    def _block_tail(self, layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _block_tail(self, layer: _Layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         x = x + layer.self_attn.o_proj(attn_out)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 

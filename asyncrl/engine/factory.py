@@ -17,8 +17,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
+from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV
 
 ENGINES = ("native", "sglang")
@@ -107,14 +108,14 @@ def sglang_python(explicit: str = "") -> str:
                      "or attach to a running server with sglang.url=http://HOST:PORT")
 
 
-def build_engine(spec: EngineSpec) -> Any:
+def build_engine(spec: EngineSpec) -> RolloutEngine:
     """The ``RolloutEngine`` described by ``spec`` (at version -1, without policy weights yet)."""
     if spec.kind == "native":
         return _build_native(spec)
     return _build_sglang(spec)
 
 
-def _build_native(spec: EngineSpec) -> Any:
+def _build_native(spec: EngineSpec) -> RolloutEngine:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -132,11 +133,20 @@ def _build_native(spec: EngineSpec) -> Any:
                         eos_token_ids=spec.eos_token_ids)
 
 
-def _build_sglang(spec: EngineSpec) -> Any:
+class _SGLangEngineArgs(TypedDict):
+    """Keyword arguments of ``SGLangEngine`` shared by ``attach`` and ``launch``."""
+
+    quant_format: str
+    version: int
+    max_batch_size: int
+    eos_token_ids: list[int] | None
+
+
+def _build_sglang(spec: EngineSpec) -> RolloutEngine:
     from asyncrl.engine.sglang import SGLangEngine
 
-    common = {"quant_format": spec.quant_format, "version": -1, "max_batch_size": spec.slots,
-              "eos_token_ids": spec.eos_token_ids or None}
+    common = _SGLangEngineArgs(quant_format=spec.quant_format, version=-1, max_batch_size=spec.slots,
+                               eos_token_ids=spec.eos_token_ids or None)
     if spec.sglang_url:
         return SGLangEngine.attach(spec.sglang_url, **common)
     if not spec.model_path or not Path(spec.model_path).is_dir():

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from asyncrl.engine.base import GenRequest, GenResult
-from asyncrl.engine.decoder import DecoderRunner
+from asyncrl.engine.decoder import DecoderRunner, decoder_view
 from asyncrl.engine.sampling import processed_logprobs, request_uniform, sample_tokens
 from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
 
@@ -93,7 +93,7 @@ class NativeEngine:
             raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        config = model.config
+        config = decoder_view(model).config
         model_max = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
         self.max_seq_len = int(max_seq_len or model_max)
         if self.max_seq_len > model_max:
@@ -107,7 +107,7 @@ class NativeEngine:
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _model_eos_ids(model))
         self.device = torch.device(device)
         model = quantize_actor(model.to(self.device).eval(), quant_format)
-        self._model = model
+        self._model: torch.nn.Module | None = model
         self._runner: DecoderRunner | None = DecoderRunner(model, max_batch_size, self.max_seq_len)
         self._version = int(version)
         self._aqn: Any = None  # asyncrl.quant.ForwardAqn once a version asks for per-forward AQN noise
@@ -305,7 +305,7 @@ class NativeEngine:
             if weights is not None and self._model is not None:
                 apply_weights(self._model, weights[1], self.quant_format, weights[0])
                 self._version = weights[0]
-                self._set_forward_aqn(weights[1])
+                self._set_forward_aqn(self._model, weights[1])
             finished: list[GenResult] = []
             with self._lock:
                 aborts, self._aborts = self._aborts, set()
@@ -351,14 +351,14 @@ class NativeEngine:
             out.append(self._inbox.popleft())
         return out
 
-    def _set_forward_aqn(self, weights: Any) -> None:
+    def _set_forward_aqn(self, model: torch.nn.Module, weights: Any) -> None:
         """Per-forward AQN (``aqn_resample == "forward"`` in the publication): hooks built on first use."""
         sigma = float(getattr(weights, "aqn_sigma", 0.0) or 0.0)
         if getattr(weights, "aqn_resample", "publication") == "forward" and sigma > 0:
             if self._aqn is None:
                 from asyncrl.quant import ForwardAqn
 
-                self._aqn = ForwardAqn(self._model)
+                self._aqn = ForwardAqn(model)
             self._aqn.set_publication(weights.aqn_seed, sigma)
         elif self._aqn is not None:
             self._aqn.set_publication(None, 0.0)

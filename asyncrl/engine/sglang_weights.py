@@ -90,11 +90,9 @@ def prepare_update(weights: Any) -> TensorUpdate | Path | BroadcastWeights:
         if bad or not weights:
             raise ValueError(f"a state dict update needs str -> tensor entries; bad entries: {bad[:5]}")
         return TensorUpdate([(k, _detached(v)) for k, v in weights.items()])
-    try:
-        from asyncrl.quant import PublishedWeights
-    except ImportError:  # pragma: no cover - asyncrl.quant is part of the package
-        PublishedWeights = ()  # type: ignore[assignment]
-    if PublishedWeights and isinstance(weights, PublishedWeights):
+    from asyncrl.quant import PublishedWeights
+
+    if isinstance(weights, PublishedWeights):
         if weights.fmt not in FULL_PRECISION_PUBLICATIONS:
             raise ValueError(
                 f"SGLang takes full-precision updates; got a {weights.fmt!r} publication. Publish in 'fp32' or "
@@ -181,6 +179,7 @@ class WeightBroadcaster:
         import torch
         from torch.distributed.distributed_c10d import (
             Backend,
+            GroupName,
             PrefixStore,
             _new_process_group_helper,
             _world,
@@ -205,7 +204,7 @@ class WeightBroadcaster:
             [],
             Backend(backend),
             store,
-            group_name=group_name,
+            group_name=GroupName(group_name),
             backend_options=None,
             timeout=timeout,
         )

@@ -37,7 +37,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ from asyncrl.learner.fsdp import DistInfo, barrier, full_state_dict
 from asyncrl.learner.step import TrainState
 from asyncrl.rundir.checkpoints import verify_manifest, write_manifest
 from asyncrl.rundir.files import ChecksumError, DiskFullError, raise_if_disk_full
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = [
     "save_checkpoint",
@@ -252,6 +255,15 @@ def state_dict_sha256(model: torch.nn.Module, info: DistInfo) -> str:
 # ---------------------------------------------------------------------------- export
 
 
+def _hf_config(model: torch.nn.Module) -> PretrainedConfig:
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(f"{type(model).__name__} has no Hugging Face config; export_hf exports transformers models")
+    return config
+
+
 def _hf_class_name(model: torch.nn.Module) -> str:
     from torch.distributed.fsdp import FSDPModule
     from transformers import PreTrainedModel
@@ -292,7 +304,7 @@ def export_hf(
     if info.is_main:
         if state_dict_transform is not None:
             sd = state_dict_transform(sd)
-        config = copy.deepcopy(hf.config)
+        config = copy.deepcopy(_hf_config(hf))
         config.architectures = [_hf_class_name(hf)]
         config.dtype = torch.float32
         if getattr(config, "tie_word_embeddings", False):

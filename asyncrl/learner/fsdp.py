@@ -148,10 +148,9 @@ def shard_model(
         raise ValueError("no process group: call init_distributed() before shard_model()")
     model.to(device=info.device, dtype=torch.float32)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kwargs = dict(mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -207,4 +206,10 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Collective: every rank must call it. Used for weight publication and export.
     """
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts)
+    out: dict[str, torch.Tensor] = {}
+    for name, value in get_model_state_dict(model, options=opts).items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"state dict entry {name!r} is a {type(value).__name__}, not a tensor; weight "
+                             "publication and export take models whose state is tensors only (no extra state)")
+        out[name] = value
+    return out

@@ -169,11 +169,13 @@ def _response_head(head: torch.nn.Linear, **kw) -> Iterator[None]:
         logp, ent = _head_stats(hidden, head.weight, head.bias, **kw)
         return torch.stack([logp, ent], dim=-1)
 
-    head.forward = forward  # instance attribute: shadows the class forward, FSDP hooks untouched
+    # An instance attribute (what `head.forward = forward` stores, said without assigning to a method):
+    # it shadows the class forward and leaves FSDP's hooks untouched.
+    vars(head)["forward"] = forward
     try:
         yield
     finally:
-        del head.forward
+        del vars(head)["forward"]
 
 
 def token_logprobs(

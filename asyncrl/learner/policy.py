@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -96,9 +97,16 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     if missing:
         names = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ValueError(f"learner.lora.target_modules {missing} match no module; this model's linear layers: {names}")
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),
+    # PEFT annotates lora_alpha as int but only computes lora_alpha / r, so a fractional alpha is valid.
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),  # type: ignore[arg-type]
                         lora_dropout=spec.dropout, bias="none", task_type="CAUSAL_LM")  # fmt: skip
     return get_peft_model(model, config)
+
+
+class _PeftWrapper(Protocol):
+    """What asyncrl uses of a PEFT ``PeftModel`` (recognised by ``is_lora`` without importing peft)."""
+
+    def get_base_model(self) -> torch.nn.Module: ...
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -107,7 +115,7 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model under a PEFT wrapper (the model itself otherwise)."""
-    return model.get_base_model() if is_lora(model) else model
+    return cast(_PeftWrapper, model).get_base_model() if is_lora(model) else model
 
 
 def checkpoint_decoder_layers(model: torch.nn.Module) -> int:

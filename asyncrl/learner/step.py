@@ -41,7 +41,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,14 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     version: int = 0
+
+
+class _LossContext(TypedDict):
+    """The keyword arguments of one micro-batch shared by ``loss_denominators`` and the loss."""
+
+    versions: torch.Tensor
+    learner_version: int
+    ref_logp: torch.Tensor | None
 
 
 def _autocast(cfg: StepConfig, device: torch.device) -> contextlib.AbstractContextManager:
@@ -187,7 +195,7 @@ def _run_minibatch(
     """
     model, k = state.model, state.version
     want_entropy = cfg.log_entropy or objective.entropy_coef > 0
-    common = [dict(versions=m.versions, learner_version=k, ref_logp=r) for m, r in zip(micros, ref, strict=True)]
+    common = [_LossContext(versions=m.versions, learner_version=k, ref_logp=r) for m, r in zip(micros, ref, strict=True)]
     # Global denominators of this optimiser-step minibatch: micro-batches, skipped rows, then ranks.
     # A reused prox is not known yet: only its finiteness matters here, and a non-finite one
     # sends the minibatch back to the separate prox pass (the caller), so 0 stands in for it.

@@ -36,7 +36,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
             if v.size:
                 vmin, vmax = min(vmin, int(v.min())), max(vmax, int(v.max()))
     staleness: collections.Counter = collections.Counter()
-    consumed, missing, steps = 0, 0, []
+    consumed, missing = 0, 0
+    steps: list[int] = []
     consumed_at: dict[str, int] = {}
     problems: list[str] = []
     for rec in scan.records:

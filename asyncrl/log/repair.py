@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from asyncrl.log.framing import Corruption, read_header, scan_segment
-from asyncrl.log.trajectory import SEGMENT_RE, segment_paths
+from asyncrl.log.trajectory import segment_number, segment_paths
 
 
 @dataclasses.dataclass
@@ -63,5 +63,5 @@ def repair_log(log_dir: str | Path) -> list[SegmentRepair]:
         os.replace(tmp, path)
         check = scan_segment(path.read_bytes(), str(path))
         assert not check[3] and len(check[1]) == len(records), "repair must keep exactly the intact records"
-        out.append(SegmentRepair(path, int(SEGMENT_RE.match(path.name).group(1)), removed, damage, backup))
+        out.append(SegmentRepair(path, segment_number(path), removed, damage, backup))
     return out

@@ -52,6 +52,14 @@ FSYNC_POLICIES = ("always", "every_n", "rotation", "never")
 SEGMENT_RE = re.compile(r"^traj-(\d{6})\.log$")
 
 
+def segment_number(path: Path) -> int:
+    """The index ``n`` of a ``traj-nnnnnn.log`` segment file."""
+    m = SEGMENT_RE.match(path.name)
+    if m is None:
+        raise ValueError(f"{path} is not a trajectory log segment: its name must be traj-NNNNNN.log")
+    return int(m.group(1))
+
+
 def segment_paths(log_dir: str | Path) -> list[Path]:
     d = Path(log_dir)
     if not d.is_dir():
@@ -139,7 +147,7 @@ class TrajectoryLogWriter:
                 f.truncate(end)
                 f.flush()
                 os.fsync(f.fileno())
-        self.segment_index = int(SEGMENT_RE.match(path.name).group(1))
+        self.segment_index = segment_number(path)
         self.path = path
         self._f = open(path, "ab")  # noqa: SIM115
         self._size = end
@@ -232,7 +240,9 @@ def read_log(path: str | Path) -> LogScan:
     paths = segment_paths(p) if p.is_dir() else [p]
     if not paths:
         raise ValueError(f"no trajectory log at {path}: expected a run folder, a log folder or a traj-*.log file")
-    headers, records, corruptions = [], [], []
+    headers: list[LogHeader] = []
+    records: list[Any] = []
+    corruptions: list[Corruption] = []
     for seg in paths:
         header, recs, _, found = scan_segment(seg.read_bytes(), str(seg))
         headers.append(header)
@@ -249,7 +259,7 @@ def truncate_log(log_dir: str | Path, segment: int, offset: int) -> int:
     """
     dropped = 0
     for p in segment_paths(log_dir):
-        index = int(SEGMENT_RE.match(p.name).group(1))
+        index = segment_number(p)
         if index > segment:
             dropped += p.stat().st_size
             p.unlink()

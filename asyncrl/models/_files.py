@@ -31,7 +31,7 @@ def is_complete(folder: Path, required: Sequence[str] = HF_REQUIRED_FILES) -> bo
 
 
 def ensure_folder(
-    folder: Path, build: Callable[[Path], None], required: Sequence[str] = HF_REQUIRED_FILES
+    folder: Path, build: Callable[[Path], object], required: Sequence[str] = HF_REQUIRED_FILES
 ) -> Path:
     """Return ``folder``, first running ``build(tmp)`` and renaming ``tmp`` into place if it is missing.
 

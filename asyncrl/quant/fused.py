@@ -24,12 +24,16 @@ dissolves the groups (members fall back to their own, now separate, buffers); ca
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from .int8 import int_mm, quantize_act_int8
 from .linear import Int8Linear
+
+if TYPE_CHECKING:  # linear.py imports this module at run time
+    from .linear import Int8Linear
 
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -45,7 +49,8 @@ class SiblingGroup:
         self.members = list(members)
         self.codes = torch.cat([m.qweight for m in members]).contiguous()
         self.scales = torch.cat([m.weight_scale for m in members]).contiguous()
-        self.bias = torch.cat([m.bias for m in members]).contiguous() if has_bias[0] else None
+        biases = [m.bias for m in members if m.bias is not None]
+        self.bias = torch.cat(biases).contiguous() if has_bias[0] else None
         self.bounds: list[tuple[int, int]] = []
         start = 0
         for m in members:
@@ -63,11 +68,11 @@ class SiblingGroup:
     def is_intact(self) -> bool:
         """True while every member's buffers are still views of the fused storage."""
         for m, (a, _) in zip(self.members, self.bounds, strict=True):
-            if m._buffers["qweight"].data_ptr() != self.codes[a].data_ptr():
+            if m.qweight.data_ptr() != self.codes[a].data_ptr():
                 return False
-            if m._buffers["weight_scale"].data_ptr() != self.scales[a:].data_ptr():
+            if m.weight_scale.data_ptr() != self.scales[a:].data_ptr():
                 return False
-            if self.bias is not None and m._buffers["bias"].data_ptr() != self.bias[a:].data_ptr():
+            if self.bias is not None and (m.bias is None or m.bias.data_ptr() != self.bias[a:].data_ptr()):
                 return False
         return True
 
@@ -76,7 +81,7 @@ class SiblingGroup:
             m._group = None
         self._x, self._kept = None, {}
 
-    def __call__(self, member: nn.Module, x2: Tensor, x: Tensor) -> Tensor:
+    def __call__(self, member: Int8Linear, x2: Tensor, x: Tensor) -> Tensor:
         """x2: [M, K] fp32 view of x -> member's output [M, N_member] fp32."""
         idx = self.members.index(member)
         if self._x is x and idx in self._kept:
@@ -107,8 +112,8 @@ def fuse_int8_siblings(model: nn.Module) -> int:
     n = 0
     for parent in model.modules():
         for names in SIBLINGS:
-            mods = [getattr(parent, name, None) for name in names]
-            if not all(type(m) is Int8Linear for m in mods):
+            mods = [m for name in names if type(m := getattr(parent, name, None)) is Int8Linear]
+            if len(mods) != len(names):
                 continue
             if len({m.in_features for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
                 continue

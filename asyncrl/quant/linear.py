@@ -50,6 +50,8 @@ class QuantLinear(nn.Module):
     """Base class. Buffers: the format's weight tensors (+ `bias` if the source had one)."""
 
     fmt: str = ""
+    # Buffers registered in __init__ (declared for the type checker; nn.Module stores them).
+    bias: Tensor | None
 
     def __init__(
         self, in_features: int, out_features: int, tensors: Mapping[str, Tensor], bias: Tensor | None
@@ -92,6 +94,7 @@ class QuantLinear(nn.Module):
 
 class Bf16Linear(QuantLinear):
     fmt = "bf16"
+    weight: Tensor
 
     def _compute(self, x2: Tensor) -> Tensor:
         y = F.linear(x2.to(torch.bfloat16), self.weight).float()
@@ -103,6 +106,9 @@ class Int8Linear(QuantLinear):
 
     fmt = "int8"
     _group: FusedGroup | None = None
+
+    qweight: Tensor
+    weight_scale: Tensor
 
     def refresh(self) -> None:
         if self._group is not None and not self._group.is_intact():
@@ -132,6 +138,9 @@ class Fp8Linear(QuantLinear):
     """E4M3 weights; per-token E4M3 activations unless `act_quant=False`."""
 
     fmt = "fp8"
+    qweight: Tensor
+    weight_scale: Tensor
+    _w_codes: Tensor
 
     def __init__(
         self,
@@ -157,6 +166,8 @@ class Fp8Linear(QuantLinear):
 
 class DecodedLinear(QuantLinear):
     """Weight-only formats: decode once per load, fp32 GEMM per forward."""
+
+    _w_decoded: Tensor
 
     def refresh(self) -> None:
         w = dequantize_weight(self.weight_tensors(), self.fmt, self.in_features)

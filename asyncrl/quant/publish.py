@@ -353,7 +353,7 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
 
 def _aliased_names(state: Mapping[str, Tensor]) -> dict[str, list[str]]:
     """Names sharing storage with another name (tied weights) -> the other names."""
-    by_ptr: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    by_ptr: dict[tuple[int, int | torch.SymInt, tuple[int, ...]], list[str]] = {}
     for name, t in state.items():
         by_ptr.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(
             name

@@ -42,7 +42,7 @@ def _plan(names: Sequence[str], sites: Sequence[str]) -> list[tuple[str, list[st
     if unknown or len(set(sites)) != len(sites):
         raise QuantError(f"UAQ sites must be distinct entries of {sorted(UAQ_SITES)}, got {tuple(sites)}")
     present = set(names)
-    plan = []
+    plan: list[tuple[str, list[str]]] = []
     for site in sites:
         norm, linears = UAQ_SITES[site]
         pattern = re.compile(rf"^(.*\.)?{norm}\.weight$")
@@ -77,23 +77,35 @@ def _check_dtype(name: str, t: Tensor, s: float) -> None:
 def _apply(obj: M, s: float, sites: Sequence[str], *, fold: bool) -> M:
     _check_s(s)
     if isinstance(obj, nn.Module):
-        params = dict(obj.named_parameters(remove_duplicate=False))
-        plan = _plan(list(params), sites)
-        for gain, ws in plan:
-            for n in (gain, *ws):
-                _check_dtype(n, params[n], s)
-        with torch.no_grad():
-            for gain, ws in plan:
-                if fold:
-                    params[gain].mul_(s)
-                    for w in ws:
-                        params[w].div_(s)
-                else:
-                    params[gain].div_(s)
-                    for w in ws:
-                        params[w].mul_(s)
+        _apply_to_model(obj, s, sites, fold=fold)
         return obj
-    out = dict(obj)
+    return _apply_to_state_dict(obj, s, sites, fold=fold)
+
+
+def _apply_to_model(model: nn.Module, s: float, sites: Sequence[str], *, fold: bool) -> None:
+    """In place on the model's parameters."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    plan = _plan(list(params), sites)
+    for gain, ws in plan:
+        for n in (gain, *ws):
+            _check_dtype(n, params[n], s)
+    with torch.no_grad():
+        for gain, ws in plan:
+            if fold:
+                params[gain].mul_(s)
+                for w in ws:
+                    params[w].div_(s)
+            else:
+                params[gain].div_(s)
+                for w in ws:
+                    params[w].mul_(s)
+
+
+def _apply_to_state_dict(
+    state: Mapping[str, Tensor], s: float, sites: Sequence[str], *, fold: bool
+) -> dict[str, Tensor]:
+    """A new dict; ``state`` is left as is."""
+    out = dict(state)
     plan = _plan(list(out), sites)
     for gain, ws in plan:
         for n in (gain, *ws):
@@ -102,7 +114,7 @@ def _apply(obj: M, s: float, sites: Sequence[str], *, fold: bool) -> M:
         out[gain] = out[gain].detach() * s if fold else out[gain].detach() / s
         for w in ws:
             out[w] = out[w].detach() / s if fold else out[w].detach() * s
-    return out  # type: ignore[return-value]
+    return out
 
 
 def fold_uaq(model_or_state_dict: M, s: float = 1.5, sites: Sequence[str] = ("attn_qkv",)) -> M:

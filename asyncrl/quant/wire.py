@@ -63,7 +63,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def raw_bytes(t: Tensor) -> memoryview:
     """Zero-copy little-endian bytes of a contiguous CPU tensor."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 DIGEST_ALGO = "xxh3_128"
@@ -130,19 +130,20 @@ def tensor_from_bytes(name: str, data: Any, dtype: torch.dtype, shape: tuple[int
     numel = 1
     for s in shape:
         numel *= s
+    buf: bytearray | memoryview
     if copy:
         buf = bytearray(data)
-        nbytes = len(buf)
+        nbytes, readonly = len(buf), False
     else:
-        buf = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
-        nbytes = buf.nbytes
+        view = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
+        buf, nbytes, readonly = view, view.nbytes, view.readonly
     if nbytes != numel * itemsize:
         raise ManifestMismatchError(
             f"{nbytes} bytes cannot hold shape {shape} of {dtype}", tensor_name=name
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    if copy or not buf.readonly:
+    if not readonly:
         u8 = torch.frombuffer(buf, dtype=torch.uint8)
     else:
         with warnings.catch_warnings():  # torch warns that it cannot make the tensor read-only

@@ -20,11 +20,12 @@ class DiskFullError(OSError):
     """No space left on the device while writing ``path``."""
 
     def __init__(self, path: str | Path) -> None:
-        super().__init__(errno.ENOSPC, f"disk full at {path}; free space (or move the run folder) and resume")
+        self.message = f"disk full at {path}; free space (or move the run folder) and resume"
+        super().__init__(errno.ENOSPC, self.message)
         self.path = str(path)
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.message
 
 
 class ChecksumError(ValueError):

@@ -151,8 +151,8 @@ def _last_number(response: str) -> str | None:
         if len(set(values)) > 1:
             return None
     else:
-        values = {as_number(n) for n in numbers}
-        if len(values) > 1:
+        distinct = {as_number(n) for n in numbers}
+        if len(distinct) > 1:
             return None
     return numbers[-1].replace(",", "") if "/" not in numbers[-1] else numbers[-1]
 

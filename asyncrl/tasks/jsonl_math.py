@@ -62,8 +62,8 @@ def load_jsonl_problems(path: str | os.PathLike[str], *, what: str = "path", pro
                     records.append(_parse_record(_json_line(line, f"{resolved}:{lineno}", fix),
                                                  f"{resolved}:{lineno}", fix, keys))
         except UnicodeDecodeError as e:
-            line = _count_lines(resolved, e.start)
-            raise ValueError(f"jsonl_math: {resolved}:{line} is not UTF-8 text ({e.reason}); save the file as "
+            bad_line = _count_lines(resolved, e.start)
+            raise ValueError(f"jsonl_math: {resolved}:{bad_line} is not UTF-8 text ({e.reason}); save the file as "
                              f"UTF-8; {fix}") from e
         except OSError as e:
             raise ValueError(f"jsonl_math: cannot read {resolved} ({e}); {fix}") from e

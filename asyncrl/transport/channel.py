@@ -53,6 +53,12 @@ class Envelope:
     peer: bytes | None = None
     payload: memoryview | bytes | None = None
 
+    def sender(self) -> bytes:
+        """``peer`` of an envelope received on a ROUTER socket (which always sets it)."""
+        if self.peer is None:
+            raise ValueError("this envelope has no sender identity: only a ROUTER channel's recv() sets peer")
+        return self.peer
+
 
 @dataclasses.dataclass
 class ChannelStats:

@@ -130,9 +130,10 @@ class WeightServer:
                 continue
             if not isinstance(env.msg, WeightFetch):
                 self._router.stats.reject("unexpected", f"{type(env.msg).__name__} on the weight socket")
-                self._send_quiet(Error(code="unexpected", message="this socket only answers WeightFetch"), env.peer)
+                self._send_quiet(Error(code="unexpected", message="this socket only answers WeightFetch"),
+                                 env.sender())
                 continue
-            self._serve(env.peer, env.msg.version, env.msg.fmt)
+            self._serve(env.sender(), env.msg.version, env.msg.fmt)
 
     def _serve(self, peer: bytes, version: int, fmt: str) -> None:
         with self._lock:
