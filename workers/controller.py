@@ -147,18 +147,19 @@ def main(argv: list[str] | None = None) -> int:
                     env = ctl.recv(0.0)
                     if env is None:
                         break
-                    if outbox.muted(env.peer):  # dropped for not reading its replies: ignored, counted
+                    peer = env.sender()
+                    if outbox.muted(peer):  # dropped for not reading its replies: ignored, counted
                         core.counters["control/muted_peer_message"] += 1
                         continue
                     if (isinstance(env.msg, P.Hello) and env.msg.role == "client"
                             and env.msg.capabilities.get("request") == SETUP_REQUEST):
                         # `asyncrl learner`: where the run folder and the model are (before it loads anything)
                         legacy = {} if P.speaks_typed_control(env.msg.protocol_version) else setup.to_legacy()
-                        replies.append((env.peer, P.Welcome(protocol_version=P.PROTOCOL_VERSION,
+                        replies.append((peer, P.Welcome(protocol_version=P.PROTOCOL_VERSION,
                                                             server_id="controller", run=setup, config=legacy)))
                         continue
                     if isinstance(env.msg, P.VersionUpdate):
-                        if env.peer == core.learner_peer:  # the learner's weight-server counters, for the run files
+                        if peer == core.learner_peer:  # the learner's weight-server counters, for the run files
                             weights_counters.update({k: v for k, v in env.msg.metrics.items()
                                                      if k.startswith("transport/weights")})
                         now = time.monotonic()
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         samples_at_last, t_last = core.samples_logged, now
                         m["time/wall_s"] = now - t0
                         writer.log(env.msg.version, m)
-                    replies += core.handle(env.peer, env.msg)
+                    replies += core.handle(peer, env.msg)
             if time.monotonic() - last_poll > TIMERS_EVERY_S:
                 replies += core.poll()
                 last_poll = time.monotonic()

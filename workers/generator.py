@@ -143,6 +143,10 @@ class GeneratorWorker:
     def _weights(self) -> WeightClient:
         return _built(self.weights, "weight client")
 
+    @property
+    def _push(self) -> ZmqChannel:
+        return _built(self.push, "sample channel")
+
     # ------------------------------------------------------------------------------ handshake
     def _wire_format(self) -> str:
         """The published format to fetch: a native actor fetches its own; SGLang fetches fp32/bf16."""
@@ -314,7 +318,7 @@ class GeneratorWorker:
                 self._leave(reason=f"fatal: {self.fatal!r}"[:200])
                 return
             if now - last_hb >= self.heartbeat_s:
-                self._send_ctl(self._heartbeat(self.engine.version, self._stats()))
+                self._send_ctl(self._heartbeat(self._engine.version, self._stats()))
                 last_hb = now
             if self._maybe_update_weights():
                 next_request = 0.0  # new weights: ask for the work they unlock now, not after a back-off
@@ -382,7 +386,7 @@ class GeneratorWorker:
                 quant_format=self.fmt, timings=res.timings,
             )
             try:
-                self.push.send(msg, timeout_s=SAMPLE_SEND_TIMEOUT_S)
+                self._push.send(msg, timeout_s=SAMPLE_SEND_TIMEOUT_S)
             except ChannelTimeout:
                 log.error("controller stopped taking samples; keeping %s for the next try", res.sample_id)
                 self.results.put(res)

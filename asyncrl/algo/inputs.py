@@ -51,6 +51,17 @@ class Prepared:
     staleness: torch.Tensor | None
     """learner_version - versions, int64 [B, T] (None without versions)."""
 
+    def behaviour_mu(self) -> torch.Tensor:
+        """``mu`` for an objective that corrects with the behaviour policy (ValueError without one)."""
+        return _behaviour_mu(self.mu)
+
+
+def _behaviour_mu(mu: torch.Tensor | None) -> torch.Tensor:
+    if mu is None:
+        raise ValueError("this objective needs the behaviour log-probs (behav_logp); pass them, or use "
+                         "algo.objective=ppo (the behaviour policy as the old policy)")
+    return mu
+
 
 def check_shapes(name_to_tensor: dict[str, torch.Tensor | None], shape: torch.Size) -> None:
     for name, t in name_to_tensor.items():
@@ -178,13 +189,13 @@ def prepare(
         elif cfg.objective == "tbpo":
             keep = clean  # w_mode=clamp truncates w in the objective and drops nothing (§6.7 revision)
             if cfg.tbpo_w_mode == "drop":
-                keep = clean & tbpo_keep(mu, clean, cfg.tbpo_w_low, cfg.tbpo_w_high).unsqueeze(-1)
+                keep = clean & tbpo_keep(_behaviour_mu(mu), clean, cfg.tbpo_w_low, cfg.tbpo_w_high).unsqueeze(-1)
         else:
             keep = clean
             if cfg.objective == "decoupled":
-                keep = keep & behav_cap_keep(mu, clean, cfg.behav_cap)
+                keep = keep & behav_cap_keep(_behaviour_mu(mu), clean, cfg.behav_cap)
             if cfg.rs_modes:
-                keep = keep & rejection_keep(mu, clean, cfg.rs_modes, cfg.rs_thresholds)
+                keep = keep & rejection_keep(_behaviour_mu(mu), clean, cfg.rs_modes, cfg.rs_thresholds)
         den = clean if cfg.rejection_denominator == "pre_mask" else keep
 
     return Prepared(

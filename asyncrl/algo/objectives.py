@@ -47,8 +47,9 @@ def token_objective(
     adv = prep.adv
     log_lo = math.log1p(-cfg.clip_low)
     log_hi: float | torch.Tensor = math.log1p(cfg.clip_high)
-    omega = None
-    mu = prep.mu
+    omega: torch.Tensor | None = None
+    if cfg.objective in ("decoupled", "tis", "acr"):
+        mu = prep.behaviour_mu()
     if cfg.objective == "decoupled":
         omega = torch.where(prep.clean, guarded_exp(mu), 0)  # r, untruncated (§6.2)
     elif cfg.objective == "tis":
@@ -61,16 +62,16 @@ def token_objective(
     lam = torch.where(num, lam, 0)
 
     with torch.no_grad():
-        if cfg.objective == "decoupled":
+        if cfg.objective == "decoupled" and omega is not None:
             b.frac("decoupled/masked_frac", ~prep.keep, prep.clean)
             b.mean("decoupled/behav_imp_weight_mean", omega, prep.keep)
             b.maximum("decoupled/behav_imp_weight_max", omega, prep.keep)
             b.mean("decoupled/behav_approx_kl", mu, prep.keep)
         if cfg.objective == "acr":
-            hi = torch.exp(log_hi.to(torch.float64))
+            hi = torch.exp(torch.as_tensor(log_hi).to(torch.float64))
             b.mean("acr/hi_mean", hi, num)
             b.frac("acr/clipfrac_hi", sur.clip_hi, num)
-            b.frac("acr/empty_band_frac", log_hi < log_lo, num)
+            b.frac("acr/empty_band_frac", torch.as_tensor(log_hi) < log_lo, num)
             # DEPARTURE (naming detail): restricted to A > 0 so it compares with acr/clipfrac_hi.
             b.frac("acr/tis_would_clip_frac", (adv > 0) & (delta.detach() > math.log1p(cfg.clip_high)), num)
         if cfg.rs_modes:
@@ -100,7 +101,7 @@ def sequence_objective(
         sur = clipped_surrogate(
             log_s, adv, math.log1p(-cfg.clip_low), math.log1p(cfg.clip_high), None, max_log=GSPO_LOG_RATIO_MAX
         )
-        omega = is_weights(prep.mu, prep.clean, cfg.is_cap, cfg.is_level)
+        omega = is_weights(prep.behaviour_mu(), prep.clean, cfg.is_cap, cfg.is_level)
         lam = torch.where(num, sur.loss * omega, 0)
         with torch.no_grad():
             b.mean("gspo/rho_mean", guarded_exp(dbar, GSPO_LOG_RATIO_MAX), used)
@@ -108,7 +109,7 @@ def sequence_objective(
                 _rs_stats(b, prep)
     else:  # tbpo
         sur = tbpo_surrogate(log_s, adv, cfg.tbpo_eps_pos_high, cfg.tbpo_eps_neg_low, cfg.tbpo_eps_neg_high)
-        mbar = seq_mean(prep.mu, prep.clean)
+        mbar = seq_mean(prep.behaviour_mu(), prep.clean)
         w = guarded_exp(mbar)  # geometric-mean mismatch weight, detached
         if cfg.tbpo_w_mode == "clamp":  # §6.7 revision: truncate w, keep the response
             w_used = w.clamp(cfg.tbpo_w_low, cfg.tbpo_w_high)

@@ -369,5 +369,5 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def to_dict(cfg: object) -> dict:
+def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)

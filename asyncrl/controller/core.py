@@ -293,7 +293,10 @@ class ControllerCore:
             self.counters["samples/nonfinite_behav_logp"] += 1  # -inf is kept: the learner masks it (§2.5)
         status = self.buffer.classify(msg.sample_id, msg.worker_id)
         if status is ResultStatus.ACCEPTED:
-            group_id, meta, admit_version = self.buffer.admission_of(msg.sample_id)
+            admission = self.buffer.admission_of(msg.sample_id)
+            if admission is None:  # classify() accepted it, so its group is live: a bug, not bad input
+                raise RuntimeError(f"accepted sample {msg.sample_id} has no live group")
+            group_id, meta, admit_version = admission
             bad = check_sample(msg, meta=meta, admit_version=admit_version,
                                served_version=self.version.version, vocab_size=self.vocab_size,
                                max_new_tokens=self.cfg.rollout.max_new_tokens)
@@ -335,13 +338,13 @@ class ControllerCore:
             # The learner resumed from a checkpoint taken while this batch was on its way to it
             # (stopped between receiving and training): serve the same batch again; it is logged once.
             try:
-                batch = self.assembler.retained_batch(step)
+                retained = self.assembler.retained_batch(step)
             except ValueError as e:
                 self.pending_batch = None
                 return [(self.learner_peer, P.Error(code="wrong_step", message=str(e)))]
             self.pending_batch = None
             self.counters["batches/resent"] += 1
-            return [(self.learner_peer, self._train_batch(batch))]
+            return [(self.learner_peer, self._train_batch(retained))]
         if step > next_step:
             self.pending_batch = None
             return [(self.learner_peer, P.Error(code="wrong_step", message=(

@@ -29,7 +29,7 @@ def quantize_actor(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if fmt != "fp32":
         model = quantize_model(model, fmt)
-    model._asyncrl_hf_shapes = shapes
+    vars(model)["_asyncrl_hf_shapes"] = shapes  # a plain attribute (nn.Module.__setattr__ types it as a tensor)
     return model
 
 

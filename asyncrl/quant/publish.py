@@ -238,14 +238,14 @@ def publish(
         raise QuantError(f"aqn_resample={aqn_resample!r}: choose one of {', '.join(AQN_RESAMPLE)}")
     if aqn_sigma != 0.0 and aqn_seed is None:
         raise QuantError("aqn_sigma > 0 needs aqn_seed (record it with the version to reproduce)")
-    if aqn_sigma != 0.0 and aqn_resample == "forward":
+    if aqn_sigma != 0.0 and aqn_seed is not None and aqn_resample == "forward":  # seed: checked above
         if uaq_sites:
             raise QuantError("aqn_resample='forward' does not scale sigma for UAQ-folded gains; "
                              "use aqn_resample='publication' with UAQ")
         if not (math.isfinite(aqn_sigma) and aqn_sigma > 0):
             raise QuantError(f"AQN sigma must be finite and >= 0, got {aqn_sigma}")
         record = aqn_mod.AqnRecord(seed=int(aqn_seed), sigma=float(aqn_sigma), sites=tuple(aqn_sites))
-    elif aqn_sigma != 0.0:
+    elif aqn_sigma != 0.0 and aqn_seed is not None:
         tensors_in, record = aqn_mod.add_aqn_noise(
             tensors_in, sigma=aqn_sigma, seed=aqn_seed, sites=aqn_sites, uaq_s=uaq_s, uaq_sites=uaq_sites
         )

@@ -13,14 +13,15 @@ from asyncrl.quant.publish import PublishedWeights
 from protocols import WeightAnnounce
 
 
-def to_wire(published: PublishedWeights) -> tuple[WeightAnnounce, list[memoryview]]:
+def to_wire(published: PublishedWeights) -> tuple[WeightAnnounce, list[memoryview | bytes | bytearray]]:
     announce = WeightAnnounce(
         version=published.version, fmt=published.fmt, manifest=list(published.manifest), checksum=published.checksum,
         total_bytes=published.total_bytes(),
         aqn_seed=-1 if published.aqn_seed is None else int(published.aqn_seed), aqn_sigma=published.aqn_sigma,
         aqn_resample=published.aqn_resample,
     )
-    return announce, [r.data for r in published.to_raw()]
+    frames: list[memoryview | bytes | bytearray] = [r.data for r in published.to_raw()]
+    return announce, frames
 
 
 def from_wire(announce: WeightAnnounce, buffers: list, *, copy: bool = False) -> PublishedWeights:
