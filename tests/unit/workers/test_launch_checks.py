@@ -15,7 +15,7 @@ from workers.launcher import Launcher, resolve_paths, run_train
 
 
 @pytest.mark.parametrize("override,message", [
-    ("learner.micro_batch_size=0", "learner.micro_batch_size=0 must be >= 1"),
+    ("learner.micro_batch_size=0", "learner.micro_batch_size=0 must be an int >= 1"),
     ("log.rotate_mb=0", "log.rotate_mb=0 must be >= 1"),
 ])
 def test_settings_that_would_crash_a_child_are_refused_by_validate(override, message):
