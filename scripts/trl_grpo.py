@@ -74,7 +74,7 @@ def main(spec_path: str) -> int:
     args = GRPOConfig(
         output_dir=str(Path(spec["out_dir"]).parent / "trl-output"), use_cpu=True, bf16=bool(spec["bf16"]), fp16=False,
         gradient_checkpointing=bool(spec["gradient_checkpointing"]),
-        seed=int(spec["seed"]), learning_rate=float(spec["lr"]), grad_clip=float(spec["grad_clip"]),
+        seed=int(spec["seed"]), learning_rate=float(spec["lr"]), max_grad_norm=float(spec["grad_clip"]),
         weight_decay=float(spec["weight_decay"]), per_device_train_batch_size=mbs,
         gradient_accumulation_steps=batch // mbs, num_generations=G, max_completion_length=int(spec["max_new_tokens"]),
         temperature=float(spec["temperature"]), top_p=1.0, top_k=0, num_iterations=1, beta=0.0,

@@ -41,7 +41,11 @@ def run_smoke(procs, tmp_path, rows: str) -> dict:
         for key in ("ci95_before", "ci95_after"):
             lo, hi = row[key]
             assert 0.0 <= lo <= hi <= 1.0
-        assert row["learner_peak_rss_gb"] > 0.05 and row["job_peak_rss_gb"] >= row["learner_peak_rss_gb"]
+        assert row["learner_peak_rss_gb"] > 0.05 and row["job_peak_rss_gb"] > 0.05
+        if row["name"] != "trl-grpo":
+            # several processes (controller, worker, learner) summed: above the learner alone. TRL's job is
+            # its one process, whose RSS sampled every 0.5 s can miss the exact high-water mark (VmHWM)
+            assert row["job_peak_rss_gb"] >= row["learner_peak_rss_gb"]
         assert row["seconds_per_step"] > 0  # one step: its own wall time from the start of training
     assert all(os.path.isfile(p) for p in data["plots"])
     return data
