@@ -430,9 +430,8 @@ class ControllerCore:
         out["controller/samples_logged"] = float(self.samples_logged)
         out["controller/cursor"] = float(self.cursor)
         out["throughput/tokens_per_s"] = self.workers.tokens_per_s()
-        syncs = sum(w.weight_syncs for w in self.workers.values())
-        if syncs > 0:  # per version and worker: fetch + unpack + hand-over, as the workers measure it
-            out["workers/weight_sync_s"] = sum(w.weight_sync_s for w in self.workers.values()) / syncs
+        if (sync_s := self.workers.weight_sync_s()) is not None:
+            out["workers/weight_sync_s"] = sync_s
         return out
 
     # ----------------------------------------------------------------------------- checkpoint

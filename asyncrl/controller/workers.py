@@ -42,3 +42,9 @@ class WorkerRegistry(dict[str, WorkerInfo]):
     def tokens_per_s(self) -> float:
         """The fleet's generation throughput, as the workers last reported it."""
         return float(sum(w.tokens_per_s for w in self.values()))
+
+    def weight_sync_s(self) -> float | None:
+        """Seconds per version and worker spent taking new weights (fetch + unpack + hand-over, as the
+        workers measure it); None before any worker reported a sync."""
+        syncs = sum(w.weight_syncs for w in self.values())
+        return sum(w.weight_sync_s for w in self.values()) / syncs if syncs > 0 else None
