@@ -15,3 +15,13 @@ AQN_RESAMPLE: tuple[str, ...] = ("publication", "forward")
 """When AQN noise is drawn: once per published version, or at every rollout forward (QeRL)."""
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 """``stop`` (a stop token was sampled), ``length`` (max_new_tokens reached), ``abort`` (cancelled)."""
+
+
+def require_choice(name: str, value: object, options: tuple[str, ...], error: type[Exception] = ValueError) -> None:
+    """Refuse ``value`` unless it is one of ``options``, naming the setting and every valid value.
+
+    The one wording of that refusal (``name=value is not valid; choose one of: a, b``) for the run
+    schema, the algorithm configs, the engines, the quantisers and the tasks.
+    """
+    if value not in options:
+        raise error(f"{name}={value!r} is not valid; choose one of: {', '.join(options)}")

@@ -22,6 +22,7 @@ import torch
 from asyncrl.algo.config import ADVANTAGES
 from asyncrl.algo.numerics import ADV_EPS
 from asyncrl.algo.stats import MetricDict, Stat, StatsBuilder
+from protocols.values import require_choice
 
 __all__ = [
     "ADVANTAGES",
@@ -61,8 +62,7 @@ def group_advantages(
     grpo: (R_i - mean) / (std_unbiased + eps); drgrpo: R_i - mean; rloo: R_i - mean of the
     other members = G/(G-1) (R_i - mean). Zero-variance group: 0 exactly; singleton group: 0.
     """
-    if estimator not in ADVANTAGES:
-        raise ValueError(f"estimator={estimator!r} is not valid; choose one of: {', '.join(ADVANTAGES)}")
+    require_choice("estimator", estimator, ADVANTAGES)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [N] (one scalar per response), got shape {tuple(rewards.shape)}")
     if not bool(torch.isfinite(rewards).all()):
@@ -141,10 +141,7 @@ def apply_truncation_policy(
     keep: nothing changes; mask: truncated responses get keep=False (zero their loss mask);
     overlong_shaping: the §3.3 penalty is added to every reward (all kept).
     """
-    if policy not in TRUNCATION_POLICIES:
-        raise ValueError(
-            f"truncated_policy={policy!r} is not valid; choose one of: {', '.join(TRUNCATION_POLICIES)}"
-        )
+    require_choice("truncated_policy", policy, TRUNCATION_POLICIES)
     keep = torch.ones_like(truncated, dtype=torch.bool)
     if policy == "mask":
         return rewards, ~truncated.bool()

@@ -19,6 +19,7 @@ import torch
 
 from asyncrl.algo.config import AGGREGATIONS
 from asyncrl.algo.numerics import seq_any
+from protocols.values import require_choice
 
 __all__ = ["Denominators", "count_denominators", "aggregate", "resolve_denominators"]
 
@@ -77,8 +78,7 @@ def aggregate(
     token-mean: sum / num_tokens; seq-mean-token-mean: sum_i (sum_t / max(1, L_i)) / num_seqs;
     seq-mean-token-sum: sum / num_seqs. A zero denominator gives 0 (there is nothing to average).
     """
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"agg={agg!r} is not valid; choose one of: {', '.join(AGGREGATIONS)}")
+    require_choice("agg", agg, AGGREGATIONS)
     den = resolve_denominators(den_mask.bool(), num_tokens, num_seqs)
     if agg == "token-mean":
         return token_values.sum() / max(den.num_tokens, 1.0)

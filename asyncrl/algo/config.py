@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from typing import Any
+from protocols.values import require_choice
 
 __all__ = [
     "ADVANTAGES",
@@ -169,17 +170,13 @@ class ObjectiveConfig:
     """A non-finite current log-prob (a learner bug) flags ``actor/skip_step``."""
 
     def __post_init__(self) -> None:
-        def choice(name: str, value: str, valid: tuple[str, ...]) -> None:
-            if value not in valid:
-                raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
-
-        choice("objective", self.objective, OBJECTIVES)
-        choice("is_level", self.is_level, LEVELS)
+        require_choice("objective", self.objective, OBJECTIVES)
+        require_choice("is_level", self.is_level, LEVELS)
         if self.agg is not None:
-            choice("agg", self.agg, AGGREGATIONS)
-        choice("rejection_denominator", self.rejection_denominator, REJECTION_DENOMINATORS)
-        choice("stale_level", self.stale_level, LEVELS)
-        choice("tbpo_w_mode", self.tbpo_w_mode, TBPO_W_MODES)
+            require_choice("agg", self.agg, AGGREGATIONS)
+        require_choice("rejection_denominator", self.rejection_denominator, REJECTION_DENOMINATORS)
+        require_choice("stale_level", self.stale_level, LEVELS)
+        require_choice("tbpo_w_mode", self.tbpo_w_mode, TBPO_W_MODES)
         for name in ("eps_low", "eps_high", "tbpo_eps_pos_high", "tbpo_eps_neg_low", "tbpo_eps_neg_high",
                      "tbpo_w_low", "tbpo_w_high", "kl_coef", "entropy_coef"):
             v = getattr(self, name)
@@ -241,7 +238,7 @@ class ObjectiveConfig:
                 "threshold per mask, e.g. rs_modes=[seq_mean_k1] rs_thresholds=['0.999_1.001']"
             )
         for mode, thr in zip(modes, thresholds, strict=True):
-            choice("rs_modes entry", mode, RS_MODES)
+            require_choice("rs_modes entry", mode, RS_MODES)
             parse_rs_threshold(mode, thr)
         if modes and self.objective in ("ppo", "tbpo"):
             raise ValueError(
@@ -289,8 +286,7 @@ class AlgoConfig(ObjectiveConfig):
 
     def __post_init__(self) -> None:
         ObjectiveConfig.__post_init__(self)
-        if self.advantage not in ADVANTAGES:
-            raise ValueError(f"advantage={self.advantage!r} is not valid; choose one of: {', '.join(ADVANTAGES)}")
+        require_choice("advantage", self.advantage, ADVANTAGES)
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
             raise ValueError(f"group_size={self.group_size!r}: GRPO needs groups of >= 2 responses")
         if not isinstance(self.dynamic_sampling, bool):

@@ -22,7 +22,7 @@ from asyncrl.learner.options import LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
 from asyncrl.tasks.answers import ANSWER_FORMATS
 from asyncrl.tasks.registry import TASKS
-from protocols.values import AQN_RESAMPLE
+from protocols.values import AQN_RESAMPLE, require_choice
 from protocols.values import FORMATS as QUANT_FORMATS
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -282,23 +282,18 @@ def sglang_wire_format(serving: str) -> str:
     return "fp32" if serving == "fp32" else "bf16"
 
 
-def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(options)}")
-
-
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Cross-field checks; raises ``ValueError`` naming the key and the fix. Touches no heavy module."""
     # cfg.algo (asyncrl.algo.AlgoConfig) validated itself when it was built; the checks here span sections.
-    _choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
-    _choice("quant.aqn_resample", cfg.quant.aqn_resample, AQN_RESAMPLE)
+    require_choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
+    require_choice("quant.aqn_resample", cfg.quant.aqn_resample, AQN_RESAMPLE)
     for fmt in cfg.quant.extra_formats:
-        _choice("quant.extra_formats[]", fmt, QUANT_FORMATS)
-    _choice("task.name", cfg.task.name, tuple(TASKS))
-    _choice("learner.lr_schedule", cfg.learner.lr_schedule, LR_SCHEDULES)
-    _choice("log.fsync", cfg.log.fsync, FSYNC_POLICIES)
-    _choice("task.too_long", cfg.task.too_long, TOO_LONG)
-    _choice("model.name", cfg.model.name, MODEL_NAMES)
+        require_choice("quant.extra_formats[]", fmt, QUANT_FORMATS)
+    require_choice("task.name", cfg.task.name, tuple(TASKS))
+    require_choice("learner.lr_schedule", cfg.learner.lr_schedule, LR_SCHEDULES)
+    require_choice("log.fsync", cfg.log.fsync, FSYNC_POLICIES)
+    require_choice("task.too_long", cfg.task.too_long, TOO_LONG)
+    require_choice("model.name", cfg.model.name, MODEL_NAMES)
     checks = [
         (cfg.rollout.eta >= 0, f"rollout.eta={cfg.rollout.eta} must be >= 0 (0 = synchronous training)"),
         (cfg.rollout.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
@@ -329,17 +324,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
-    _choice("task.prompt_format", cfg.task.prompt_format, PROMPT_FORMATS)
+    require_choice("task.prompt_format", cfg.task.prompt_format, PROMPT_FORMATS)
     if cfg.task.answer_format:
-        _choice("task.answer_format", cfg.task.answer_format, ANSWER_FORMATS)
+        require_choice("task.answer_format", cfg.task.answer_format, ANSWER_FORMATS)
     if cfg.task.rg_config is not None and not isinstance(cfg.task.rg_config, dict):
         raise ValueError(f"task.rg_config={cfg.task.rg_config!r} must be a mapping, e.g. task.rg_config={{min_terms:2}}")
     if cfg.task.rg_config and cfg.task.name != "reasoning_gym":
         raise ValueError(f"task.rg_config is for task.name=reasoning_gym (this run uses {cfg.task.name}); drop it")
-    _choice("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    require_choice("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
     check_device("rollout.device", cfg.rollout.device)
-    _choice("learner.device", cfg.learner.device, DEVICES)
-    _choice("sglang.device", cfg.sglang.device, DEVICES)
+    require_choice("learner.device", cfg.learner.device, DEVICES)
+    require_choice("sglang.device", cfg.sglang.device, DEVICES)
     if cfg.rollout.engine == "sglang" and cfg.quant.fmt not in SGLANG_SERVING:
         raise ValueError(f"rollout.engine=sglang serves {', '.join(SGLANG_SERVING)} (fp8: GPU only), not "
                          f"quant.fmt={cfg.quant.fmt}; set quant.fmt=fp32, or keep native workers for "

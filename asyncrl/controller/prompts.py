@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from protocols.values import require_choice
 
 PROMPT_FORMATS = ("auto", "chat", "raw")
 
@@ -29,8 +30,7 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def resolve_prompt_format(requested: str, tokenizer: Any) -> str:
     """``chat`` or ``raw`` for ``requested`` (``auto``/``chat``/``raw``) and this tokenizer."""
-    if requested not in PROMPT_FORMATS:
-        raise ValueError(f"task.prompt_format={requested!r} is not valid; choose one of {', '.join(PROMPT_FORMATS)}")
+    require_choice("task.prompt_format", requested, PROMPT_FORMATS)
     if requested == "auto":
         return "chat" if has_chat_template(tokenizer) else "raw"
     if requested == "chat" and not has_chat_template(tokenizer):

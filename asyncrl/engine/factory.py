@@ -21,6 +21,7 @@ from typing import Any, TypedDict
 
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV
+from protocols.values import require_choice
 
 ENGINES = ("native", "sglang")
 SGLANG_SERVING = ("fp32", "bf16", "fp8")
@@ -56,8 +57,7 @@ class EngineSpec:
     """Where a started SGLang server writes its log (default: the temp folder)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ENGINES:
-            raise ValueError(f"engine={self.kind!r} is not known; choose one of {', '.join(ENGINES)}")
+        require_choice("engine", self.kind, ENGINES)
         if self.kind == "sglang" and self.quant_format not in SGLANG_SERVING:
             raise ValueError(
                 f"an SGLang worker serves {', '.join(SGLANG_SERVING)} (fp8 on GPUs only), not quant.fmt="

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from protocols import TensorSpec
-from protocols.values import AQN_RESAMPLE
+from protocols.values import AQN_RESAMPLE, require_choice
 
 from . import aqn as aqn_mod
 from .errors import (
@@ -234,8 +234,7 @@ def publish(
         raise QuantError(f"version must be an integer >= 0, got {version!r}")
     tensors_in = dict(state_dict)
     record = None
-    if aqn_resample not in AQN_RESAMPLE:
-        raise QuantError(f"aqn_resample={aqn_resample!r}: choose one of {', '.join(AQN_RESAMPLE)}")
+    require_choice("aqn_resample", aqn_resample, AQN_RESAMPLE, QuantError)
     if aqn_sigma != 0.0 and aqn_seed is None:
         raise QuantError("aqn_sigma > 0 needs aqn_seed (record it with the version to reproduce)")
     if aqn_sigma != 0.0 and aqn_seed is not None and aqn_resample == "forward":  # seed: checked above

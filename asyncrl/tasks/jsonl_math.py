@@ -32,6 +32,7 @@ from typing import Any
 from asyncrl.tasks.answers import STRICT_FORMATS, strict_score
 from asyncrl.tasks.base import EpochStreamMixin, Problem, check_reward, problem_id
 from asyncrl.tasks.math_verifier import Isolation, MathVerifyGrader
+from protocols.values import require_choice
 
 
 def _fix(what: str, prompt_key: str, answer_key: str) -> str:
@@ -169,8 +170,7 @@ class JsonlMathTask(EpochStreamMixin):
     ) -> None:
         if "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template must contain '{{prompt}}', got {prompt_template!r}")
-        if answer_format not in JSONL_ANSWER_FORMATS:
-            raise ValueError(f"jsonl_math: answer_format={answer_format!r}; choose one of {', '.join(JSONL_ANSWER_FORMATS)}")
+        require_choice("answer_format", answer_format, JSONL_ANSWER_FORMATS)
         keys = {"prompt_key": prompt_key, "answer_key": answer_key}
         records = load_jsonl_problems(path, what="path", **keys)
         if eval_path is not None:

@@ -200,7 +200,7 @@ def test_aqn_resampled_at_every_forward_trains_end_to_end(tmp_path, procs):
 def test_bad_configuration_fails_before_any_process_starts(tmp_path):
     cases = {
         "quant.aqn=true quant.aqn_resample=forward quant.uaq=true": "quant.aqn_resample=publication",
-        "algo.tbpo_w_mode=cut": "choose one of clamp, drop",
+        "algo.tbpo_w_mode=cut": "choose one of: clamp, drop",
         "algo.objective=foo": "choose one of",
         "rollout.eta=-1": "rollout.eta=-1 must be >= 0",
         f"task.name=jsonl_math task.path={tmp_path}/missing.jsonl": "missing.jsonl",

@@ -105,7 +105,7 @@ def test_publication_in_forward_mode_keeps_the_gains_clean_and_records_the_mode(
     with pytest.raises(QuantError, match="aqn_resample='publication' with UAQ"):
         publish(sd, "fp32", version=1, aqn_sigma=SIGMA, aqn_seed=SEED, aqn_resample="forward",
                 uaq_s=1.5, uaq_sites=("attn_qkv",))
-    with pytest.raises(QuantError, match="choose one of publication, forward"):
+    with pytest.raises(QuantError, match="choose one of: publication, forward"):
         publish(sd, "fp32", version=1, aqn_resample="token")
 
 

@@ -18,7 +18,7 @@ def test_each_engine_fetches_the_format_it_can_load():
 
 
 def test_unknown_engine_or_unservable_format_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match="choose one of native, sglang"):
+    with pytest.raises(ValueError, match="choose one of: native, sglang"):
         EngineSpec(kind="vllm")
     with pytest.raises(ValueError, match="quant.fmt=fp32"):
         EngineSpec(kind="sglang", quant_format="int8")

@@ -66,7 +66,7 @@ def test_jsonl_task_with_a_strict_format_refuses_the_hacks(tmp_path):
     assert task.score(p, f"{p.prompt[8:-1]} = {p.answer}") == 1.0
     assert task.score(p, f"9 - 1 = {p.answer}") == 0.0  # inconsistent chain
     assert task.score(p, f"{int(p.answer) - 1} or {p.answer}") == 0.0
-    with pytest.raises(ValueError, match="answer_format='plain'; choose one of math_verify, tag"):
+    with pytest.raises(ValueError, match="answer_format='plain' is not valid; choose one of: math_verify, tag"):
         JsonlMathTask(path=str(path), eval_size=2, answer_format="plain")
 
 
