@@ -19,10 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncrl.algo.config import ADVANTAGES
+from asyncrl.algo.config import ADVANTAGES, require_choice
 from asyncrl.algo.numerics import ADV_EPS
 from asyncrl.algo.stats import MetricDict, Stat, StatsBuilder
-from protocols.values import require_choice
 
 __all__ = [
     "ADVANTAGES",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from typing import Any
-from protocols.values import require_choice
 
 __all__ = [
     "ADVANTAGES",
@@ -32,7 +31,18 @@ __all__ = [
     "SEQUENCE_OBJECTIVES",
     "TBPO_W_MODES",
     "parse_rs_threshold",
+    "require_choice",
 ]
+
+def require_choice(name: str, value: object, options: tuple[str, ...]) -> None:
+    """Refuse ``value`` unless it is one of ``options``, in the wording of ``protocols.values.require_choice``.
+
+    Its twin for this leaf package: importing ``protocols`` would load msgspec, which asyncrl.algo must not
+    (tests/unit/algo/test_algo_imports.py).
+    """
+    if value not in options:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(options)}")
+
 
 OBJECTIVES = ("ppo", "decoupled", "tis", "acr", "tbpo", "gspo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")

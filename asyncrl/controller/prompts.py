@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
 from protocols.values import require_choice
 
 PROMPT_FORMATS = ("auto", "chat", "raw")
