@@ -155,12 +155,13 @@ def _stats_of(metrics: Any) -> dict[str, Stat]:
     return dict(stats)
 
 
-def _step_metrics(parts: list[dict[str, Stat]], n_minibatches_run: int, info: DistInfo) -> dict[str, float]:
+def _step_metrics(parts: list[dict[str, Stat]], n_loss_minibatches: int, info: DistInfo) -> dict[str, float]:
     """Merge the objective's stats of every micro-batch of the step, then over ranks.
 
     Means, fractions, maxima and counts then cover the whole step. Loss terms (``sum`` stats
     named ``*loss``) add up over a minibatch's micro-batches and ranks; over minibatches they
-    are averaged instead (the mean minibatch loss).
+    are averaged instead (the mean minibatch loss over the ``n_loss_minibatches`` minibatches
+    that had a loss token, those of only zero-advantage rows included with their exact 0).
     """
     local = merge_metrics(parts).stats
     if info.world_size > 1:
@@ -171,8 +172,8 @@ def _step_metrics(parts: list[dict[str, Stat]], n_minibatches_run: int, info: Di
         merged = local
     out = dict(MetricDict(merged))
     for name, stat in merged.items():
-        if stat.op == "sum" and name.endswith("loss") and name in out and n_minibatches_run > 0:
-            out[name] = stat.a / n_minibatches_run
+        if stat.op == "sum" and name.endswith("loss") and name in out and n_loss_minibatches > 0:
+            out[name] = stat.a / n_loss_minibatches
     return out
 
 
@@ -338,7 +339,11 @@ def train_step(
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
         state.scheduler.step()
     state.version = k + 1
-    out = _step_metrics(parts, ran, info)
+    out = _step_metrics(parts, ran + skipped_zero, info)
+    if skipped_zero and not ran:
+        # Every response of the step had zero advantage: its loss is exactly 0 (plan.py's
+        # invariant), so the loss curve has a point at every step, as without the skip.
+        out.update({"actor/loss": 0.0, "actor/pg_loss": 0.0})
     out.update(
         {
             "learner/version": float(state.version),

@@ -108,6 +108,19 @@ def test_a_minibatch_of_only_zero_advantages_makes_no_update(tiny, dist_info):
     assert m["learner/skipped_zero_adv_minibatches"] == 1 and m["learner/updates"] == 0
     assert all(torch.equal(before[k], v) for k, v in _weights(state.model).items())
     assert state.version == 1
+    assert m["actor/pg_loss"] == 0.0 and m["actor/loss"] == 0.0  # the loss curve has a point at every step
+
+
+def test_a_zero_advantage_minibatch_counts_with_loss_zero_in_the_mean_minibatch_loss(tiny, dist_info):
+    batch = _with_zero_groups(tiny.batch(4, seed=3), [2, 3])  # minibatch 1 (rows 2, 3) is all zero
+    base = tiny.model(seed=1)
+    out = {}
+    for skip in (True, False):
+        state = _state(copy.deepcopy(base), dist_info)
+        cfg = StepConfig(skip_zero_advantage=skip, n_minibatches=2, micro_batch_size=8)
+        out[skip] = train_step(state, batch, tiny.objective, cfg, dist_info)
+    assert out[True]["learner/skipped_zero_adv_minibatches"] == 1
+    assert out[True]["actor/pg_loss"] == pytest.approx(out[False]["actor/pg_loss"], rel=1e-6, abs=1e-9)
 
 
 def test_zero_advantage_rows_are_trained_when_a_kl_or_entropy_term_is_on(tiny, dist_info):
