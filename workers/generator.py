@@ -22,7 +22,9 @@ the process exits with status 1, so a launcher restarts it instead of waiting on
 
 Leaving: on SIGTERM (or ``Shutdown``) the worker stops asking for work, lets in-flight samples finish
 for up to ``drain_s``, aborts the rest and hands them back in a ``Goodbye`` so the controller
-reissues them; aborted partial samples are never sent as results.
+reissues them; aborted partial samples are never sent as results. A worker stopped before its first
+weights arrive (SIGTERM, or a run that ended while it started: the controller answers its heartbeats
+with ``Shutdown``) gives up the fetch, says ``Goodbye`` and exits 0 at once.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from asyncrl.engine.factory import EngineSpec, build_engine
 from asyncrl.transport import (
     ChannelTimeout,
     WeightClient,
+    WeightFetchCancelled,
     WeightFetchError,
     ZmqChannel,
     end_context,
@@ -214,7 +217,16 @@ class GeneratorWorker:
                                                curve=self.curve, context=self.ctx)
                 self.weights = WeightClient(setup.weights_announce, setup.weights_fetch,
                                             identity=f"{self.worker_id}-w".encode(), curve=self.curve)
-                self._load_weights(-1)  # the newest the learner serves (the controller's view can lag behind it)
+                try:
+                    self._load_weights(-1, cancel=self.stop)  # the newest the learner serves (the controller's view can lag)
+                except WeightFetchCancelled:
+                    pass  # handled below, once the heartbeat helper has given the control socket back
+            if self.weights_version < 0:
+                # SIGTERM, or the run ended (the controller answers a heartbeat with Shutdown) before any
+                # weights arrived: nothing was assigned yet, so leave quietly instead of timing out.
+                log.info("worker %s: stopped before its first weights arrived; leaving", self.worker_id)
+                self._leave(reason="stopped before its first weights")
+                return 0
             log.info("worker %s ready: %s engine, %s actor, weights v%d, %d slots", self.worker_id,
                      self.engine_kind, self.fmt, self.weights_version, self.slots)
             comms = threading.Thread(target=self._comms_main, name="worker-comms", daemon=True)
@@ -252,6 +264,13 @@ class GeneratorWorker:
         def beat() -> None:
             while not done.wait(self.heartbeat_s):
                 self._send_ctl(self._heartbeat(-1, {"outstanding": 0.0, "samples": 0.0}))
+                env = self.ctl.recv(0.0)
+                while env is not None:  # nothing was asked yet: only a Shutdown (the run ended) matters
+                    if isinstance(env.msg, P.Shutdown):
+                        log.info("controller asked worker %s to stop while starting: %s", self.worker_id,
+                                 env.msg.reason)
+                        self.stop.set()
+                    env = self.ctl.recv(0.0)
 
         helper = threading.Thread(target=beat, name="worker-start-heartbeat", daemon=True)
         helper.start()
@@ -285,11 +304,12 @@ class GeneratorWorker:
             return
         self._fail(args.exc_value or args.exc_type(), f"thread {args.thread.name if args.thread else '?'}")
 
-    def _load_weights(self, version: int, timeout_s: float = FIRST_WEIGHTS_TIMEOUT_S) -> None:
+    def _load_weights(self, version: int, timeout_s: float = FIRST_WEIGHTS_TIMEOUT_S,
+                      cancel: threading.Event | None = None) -> None:
         from asyncrl.transport.publication import from_wire
 
         t0 = time.perf_counter()
-        ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt)
+        ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt, cancel=cancel)
         if ann.version <= self.weights_version:
             return
         self._engine.update_weights(ann.version, from_wire(ann, buffers))

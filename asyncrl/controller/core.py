@@ -115,6 +115,8 @@ class ControllerCore:
                 return [(peer, P.Error(code="not_registered", message="send Hello before heartbeats or goodbyes"))]
             if isinstance(msg, P.Heartbeat):
                 self._heartbeat(msg, now)
+                if self.done:  # also reaches a worker still starting, which asks for nothing yet
+                    return [(peer, P.Shutdown(reason="training finished"))]
             else:
                 self._forget(msg.peer_id, reason=f"left ({msg.reason})")
             return []

@@ -27,7 +27,13 @@ from asyncrl.transport.keys import (
     load_server_keys,
     server_curve,
 )
-from asyncrl.transport.weights import PublishedVersion, WeightClient, WeightFetchError, WeightServer
+from asyncrl.transport.weights import (
+    PublishedVersion,
+    WeightClient,
+    WeightFetchCancelled,
+    WeightFetchError,
+    WeightServer,
+)
 from asyncrl.transport.zap import auth_metrics
 
 __all__ = [
@@ -39,6 +45,7 @@ __all__ = [
     "Envelope",
     "PublishedVersion",
     "WeightClient",
+    "WeightFetchCancelled",
     "WeightFetchError",
     "WeightServer",
     "ZmqChannel",

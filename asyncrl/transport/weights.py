@@ -34,6 +34,14 @@ class WeightFetchError(RuntimeError):
     """A fetch failed: timeout, unknown version, or chunks that do not match the manifest."""
 
 
+class WeightFetchCancelled(WeightFetchError):
+    """A fetch was given up because its ``cancel`` event was set (the process is leaving)."""
+
+
+CANCEL_CHECK_S = 0.2
+"""How often a fetch with a ``cancel`` event looks at it while it waits for the server."""
+
+
 @dataclasses.dataclass
 class PublishedVersion:
     announce: WeightAnnounce
@@ -205,9 +213,15 @@ class WeightClient:
             env = self._sub.recv(0.0)
         return newest
 
-    def fetch(self, version: int = -1, timeout_s: float = 60.0, fmt: str = "") -> tuple[WeightAnnounce, list]:
-        """All tensors of ``version`` (-1: latest), checked against the manifest, in manifest order."""
+    def fetch(self, version: int = -1, timeout_s: float = 60.0, fmt: str = "",
+              cancel: threading.Event | None = None) -> tuple[WeightAnnounce, list]:
+        """All tensors of ``version`` (-1: latest), checked against the manifest, in manifest order.
+
+        ``cancel``: when it is set, the fetch stops waiting and raises ``WeightFetchCancelled`` (a reply
+        that arrives later is never read: the caller is leaving and closes the client)."""
         deadline = time.monotonic() + timeout_s
+        if cancel is not None and cancel.is_set():
+            raise WeightFetchCancelled(f"fetch of version {version} cancelled before it was sent")
         try:
             self._dealer.send(WeightFetch(version=version, fmt=fmt), timeout_s=timeout_s)
         except ChannelTimeout:
@@ -215,7 +229,13 @@ class WeightClient:
                                    f"weight server is unreachable{self._refused_hint()}") from None
 
         def next_msg(what: str):
-            env = self._dealer.recv(max(0.0, deadline - time.monotonic()))
+            while True:
+                left = max(0.0, deadline - time.monotonic())
+                env = self._dealer.recv(left if cancel is None else min(left, CANCEL_CHECK_S))
+                if env is not None or left <= CANCEL_CHECK_S or cancel is None:
+                    break
+                if cancel.is_set():
+                    raise WeightFetchCancelled(f"fetch of version {version} cancelled while waiting for {what}")
             if env is None:
                 raise WeightFetchError(f"timed out after {timeout_s}s waiting for {what} of version {version}"
                                        f"{self._refused_hint()}")

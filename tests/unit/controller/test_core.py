@@ -380,3 +380,12 @@ def test_workers_weight_sync_seconds_are_the_mean_per_version_over_workers_and_b
     core.handle(b"V", P.Heartbeat(peer_id="v", time=0.0, stats={"weight_sync_s": float("nan"), "weight_syncs": 9.0}))
     assert core.metrics()["workers/weight_sync_s"] == pytest.approx(1.0)  # a NaN from a peer changes nothing
     core.close()
+
+
+def test_once_training_is_done_a_heartbeat_is_answered_with_shutdown_so_a_starting_worker_leaves(tmp_path, model_dir):
+    core = make_core(tmp_path, model_dir)
+    register(core)
+    assert core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, version=-1)) == []  # still training: no reply
+    core.handle(b"L", P.VersionUpdate(version=1, done=True))
+    (peer, reply), = core.handle(b"W", P.Heartbeat(peer_id="w", time=1.0, version=-1))
+    assert peer == b"W" and isinstance(reply, P.Shutdown) and reply.reason == "training finished"
