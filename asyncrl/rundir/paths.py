@@ -2,23 +2,23 @@
 
 Layout of ``runs/<run_name>/`` (path: what writes it; what reads it):
 
-    .lock                                flock of the live job: launcher, controller; a second train/resume
-    config.json                          launcher, ``asyncrl controller``: resolved config; every process, log show
+    .lock                                launcher, controller: the live job's flock, its PID; the next job
+    config.json                          launcher, ``asyncrl controller``: resolved config; every role, replay
     controller.json                      controller, once it listens: its addresses; launcher, ``--announce``
-    pids.json                            launcher: PID of each child; an operator, tests
-    logs/<process>.log                   each child's stdout/stderr (launcher), SGLang servers; an operator
-    trajectories/                        controller: trajectory log (traj-NNNNNN.log); resume, log tools, replay
-    metrics.jsonl                        controller (replay: learner): one line a step; progress, plots, summary
+    pids.json                            launcher: the PID of each child it started; operators, tests
+    logs/<process>.log                   launcher: a child's stdout/stderr (also sglang-PID.log); operators
+    trajectories/                        controller: the trajectory log; resume, ``asyncrl log``, replay
+    metrics.jsonl                        controller (replay: learner): a line per step; launcher, plots
     tb/                                  the same writer: TensorBoard events; TensorBoard
-    checkpoints/                         learner and controller: everything a resume starts from
-    checkpoints/step_NNNNNNNN/           learner: DCP checkpoint of version N (``.tmp`` while saved); resume
-    checkpoints/latest                   learner: name of the newest complete step_ folder; load_checkpoint
-    checkpoints/controller-NNNNNNNN.json controller: its state at version N; resume, log repair
-    checkpoints/controller-final.json    controller, at exit: its last state; log repair
-    model/                               learner, at the end: the final policy as a HF folder; evaluation, users
+    checkpoints/                         learner, controller: what a resume starts from; resume
+    checkpoints/step_NNNNNNNN/           learner: its checkpoint of version N (``.tmp`` while saved); resume
+    checkpoints/latest                   learner: names the newest complete step_ folder; ``load_checkpoint``
+    checkpoints/controller-NNNNNNNN.json controller: its state at version N; resume, ``asyncrl log repair``
+    checkpoints/controller-final.json    controller, at exit: its last state; ``asyncrl log repair``
+    model/                               learner, at the end: the final policy, a HF folder; users, benchmarks
     learner_final.json                   learner, at the end: version, weights hash, final eval; summary
-    controller_final.json                controller, at exit: its counters; summary
-    plots/                               launcher, at the end: PNG plots of metrics.jsonl; an operator
+    controller_final.json                controller, at exit: its counters; summary, benchmarks
+    plots/                               launcher, at the end: PNG plots of metrics.jsonl; operators
     summary.json                         launcher, at the end: the run's summary; benchmarks, scripts
 
 What is inside a learner checkpoint folder is ``asyncrl.learner.checkpoint``'s (and its checksum

@@ -29,10 +29,10 @@ def every_path(run: RunDir) -> dict[str, Path]:
 
 
 def layout_entries() -> set[str]:
-    """The first column of the layout block of the module docstring."""
+    """The first column of the layout block of the module docstring (a deeper indent continues a line)."""
     doc = paths_module.__doc__ or ""
     block = doc.split("Layout of", 1)[1].split("\n\n", 2)[1]
-    return {line.split()[0] for line in block.splitlines() if line.strip()}
+    return {line.split()[0] for line in block.splitlines() if line.startswith("    ") and line[4] != " "}
 
 
 def as_layout(rel: str) -> str:
@@ -58,10 +58,11 @@ def test_the_names_on_disk_are_the_ones_runs_have_always_used(tmp_path):
     run = RunDir(tmp_path)
     rel = {n: p.relative_to(tmp_path).as_posix() for n, p in every_path(run).items()}
     assert rel == {
-        "lock": ".lock", "config": "config.json", "controller_address": "controller.json", "pids": "pids.json",
-        "logs": "logs", "log_of": "logs/worker-0.log", "trajectories": "trajectories", "metrics": "metrics.jsonl",
-        "tb": "tb", "checkpoints": "checkpoints", "learner_checkpoint": "checkpoints/step_00000012",
-        "latest": "checkpoints/latest", "controller_checkpoint": "checkpoints/controller-00000012.json",
+        "lock": ".lock", "config": "config.json", "controller_address": "controller.json",
+        "pids": "pids.json", "logs": "logs", "log_of": "logs/worker-0.log", "trajectories": "trajectories",
+        "metrics": "metrics.jsonl", "tb": "tb", "checkpoints": "checkpoints",
+        "learner_checkpoint": "checkpoints/step_00000012", "latest": "checkpoints/latest",
+        "controller_checkpoint": "checkpoints/controller-00000012.json",
         "controller_final_checkpoint": "checkpoints/controller-final.json", "model": "model",
         "learner_final": "learner_final.json", "controller_final": "controller_final.json", "plots": "plots",
         "summary": "summary.json",
@@ -115,8 +116,9 @@ def test_no_module_but_paths_py_spells_a_run_folder_name():
             rel = path.relative_to(ROOT).as_posix()
             if path == PATHS_PY:
                 continue
-            found += [f"{rel}:{line}: {v!r}" for line, v in run_folder_literals(path) if (rel, v) not in HF_MODEL_FOLDER]
-    assert not found, ("run-folder names spelled outside asyncrl/rundir/paths.py (use RunDir):\n" + "\n".join(found))
+            found += [f"{rel}:{line}: {v!r}" for line, v in run_folder_literals(path)
+                      if (rel, v) not in HF_MODEL_FOLDER]
+    assert not found, "run-folder names outside asyncrl/rundir/paths.py (use RunDir):\n" + "\n".join(found)
 
 
 def test_the_scan_finds_a_literal(tmp_path):
