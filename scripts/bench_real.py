@@ -120,7 +120,8 @@ def asyncrl_stats(run_dir: Path) -> dict:
 
     steps = sorted(benchlib.step_records(run_dir), key=lambda r: r["step"])
     times = [r["time"] for r in steps]
-    tokens = [(r.logged_at, len(r.sample.response_ids.to_numpy())) for r in read_log(RunDir(run_dir).trajectories).records
+    scan = read_log(RunDir(run_dir).trajectories)
+    tokens = [(r.logged_at, len(r.sample.response_ids.to_numpy())) for r in scan.records
               if isinstance(r, SampleRecord)]
     final = json.loads(RunDir(run_dir).learner_final.read_text())
     first = (steps[0].get("time/learner_wait_s", math.nan) + steps[0]["time/learner_train_s"]) if steps else math.nan

@@ -97,10 +97,11 @@ def run_grid(runs_dir: Path, workers: list[int], etas: list[int], steps: int, ex
     for w in workers:
         for e in etas:
             name = f"w{w}-eta{e}"
-            if RunDir(runs_dir / name).summary.exists():
+            run = RunDir(runs_dir / name)
+            if run.summary.exists():
                 out[(w, e)] = runs_dir / name
                 continue
-            if RunDir(runs_dir / name).config.exists():  # an earlier attempt that did not finish: start it over
+            if run.config.exists():  # an earlier attempt that did not finish: start it over
                 shutil.rmtree(runs_dir / name)
             overrides = [f"learner.total_steps={steps}", f"rollout.num_workers={w}", f"rollout.eta={e}",
                          "learner.eval_every=0", "learner.ckpt_every=0", *extra]

@@ -157,8 +157,9 @@ def run_learner(argv: Sequence[str]) -> int:
                           key_name=kv.get("transport.key_name", ""))
     run_dir = Path(kv.get("run_dir") or setup.run_dir)
     model_dir = Path(kv.get("model_dir") or setup.model_dir)
-    markers = (("run_dir", run_dir, RunDir(run_dir).config), ("model_dir", model_dir, model_dir / "config.json"))
-    for name, folder, marker in markers:  # the run's config; the Hugging Face model's config
+    # the run's config.json; the Hugging Face model's config.json
+    for name, folder, marker in (("run_dir", run_dir, RunDir(run_dir).config),
+                                 ("model_dir", model_dir, model_dir / "config.json")):
         if not marker.is_file():
             raise ValueError(f"{name} {folder} (from the controller) is not readable on this host "
                              f"({socket.gethostname()}); put the run folder on a filesystem shared with the "

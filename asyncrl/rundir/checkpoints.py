@@ -69,7 +69,8 @@ def learner_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := LEARNER_CHECKPOINT_RE.match(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := LEARNER_CHECKPOINT_RE.match(p.name))]
     return sorted(found, reverse=True)
 
 
