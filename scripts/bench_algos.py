@@ -49,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncrl.rundir import RunDir  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
 OBJECTIVES: dict[str, list[str]] = {
@@ -104,7 +105,7 @@ def run_curves(run_dir: Path) -> dict:
 
     recs = read_metrics(run_dir)
     steps = [r for r in recs if r.get("train/reward_mean") is not None]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads(RunDir(run_dir).summary.read_text())
     evals = [(int(r["step"]), r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None]
     if summary.get("eval_accuracy") is not None and (not evals or evals[-1][0] < len(steps)):
         evals.append((len(steps), summary["eval_accuracy"]))  # the final evaluation, after the last step

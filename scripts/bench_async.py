@@ -55,6 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncrl.rundir import RunDir  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
 # Generation-dominated sizes: longer responses from one worker whose engine holds one group at a time
@@ -78,7 +79,7 @@ class Timeline:
 
         groups: dict[str, list] = collections.defaultdict(list)
         self.batches: dict[int, tuple[float, list[str]]] = {}
-        for rec in read_log(run_dir / "trajectories").records:
+        for rec in read_log(RunDir(run_dir).trajectories).records:
             if isinstance(rec, SampleRecord):
                 groups[rec.sample.group_id].append(rec)
             elif isinstance(rec, BatchRecord):
@@ -158,7 +159,7 @@ def measure(run_dir: Path, batch_samples: int, n_workers: int) -> dict:
     per_worker = {w: merged_seconds(iv, lo, hi) for w, iv in busy.items()}
     workers = max(n_workers, len(per_worker))
     gen_busy = sum(per_worker.values()) / (workers * (hi - lo))
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads(RunDir(run_dir).summary.read_text())
     return {
         "steps_timed": n, "samples_per_s": n * batch_samples / wall, "step_s": wall / n,
         "learner_busy": mean("time/learner_busy_frac"), "gen_busy": gen_busy,

@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncrl.rundir import RunDir  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
 FMT = "int8"
@@ -194,10 +195,11 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
 
     run_dir = tmp / f"workers-{n_workers}"
     run_dir.mkdir()
+    paths = RunDir(run_dir)
     cfg = load_train_config([f"rollout.eta={args.eta}", f"rollout.num_workers={n_workers}",
                              f"rollout.max_new_tokens={args.response_tokens}", f"quant.fmt={FMT}",
                              f"runs_dir={tmp}", f"run_name={run_dir.name}"])
-    save_config(cfg, run_dir / "config.json")
+    save_config(cfg, paths.config)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", PYTHONPATH=str(benchlib.ROOT))
     log = open(run_dir / "controller.log", "wb")  # noqa: SIM115 - closed below
@@ -209,13 +211,13 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
     procs = []
     try:
         deadline = time.monotonic() + 120
-        while not (run_dir / "controller.json").exists():
+        while not paths.controller_address.exists():
             if ctrl.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"controller did not start: {(run_dir / 'controller.log').read_text()[-2000:]}")
             time.sleep(0.05)
         time.sleep(0.5)
         rss_idle = rss_bytes(ctrl.pid)
-        control = json.loads((run_dir / "controller.json").read_text())["control"]
+        control = json.loads(paths.controller_address.read_text())["control"]
         vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         procs.append(ctx.Process(target=_learner, args=(control, warmup_s + duration_s, out)))
         procs += [ctx.Process(target=_worker, args=(control, f"synth-{i}", args.response_tokens, vocab, out))
@@ -254,7 +256,7 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
     i0, i1 = (idx[0], idx[-1]) if idx else (0, 0)
     span = recs[i1]["time/wall_s"] - recs[i0]["time/wall_s"] if i1 > i0 else 0.0
     accepted = (taken[i1] - taken[i0]) / span if span > 0 else float("nan")
-    final = json.loads((run_dir / "controller_final.json").read_text())
+    final = json.loads(paths.controller_final.read_text())
     return {"workers": n_workers, "accepted_per_s": accepted, "consumed_per_s": consumed,
             "learner_steps": learner["steps"], "samples_sent": sent,
             "samples_logged": final.get("samples_logged"), "rss_idle_MB": rss_idle / 2**20,

@@ -46,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncrl.rundir import RunDir  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
 # The SmolLM2 preset (configs/experiment/smollm2_chain_sum.yaml: chat template, strict last-number grading,
@@ -119,9 +120,10 @@ def asyncrl_stats(run_dir: Path) -> dict:
 
     steps = sorted(benchlib.step_records(run_dir), key=lambda r: r["step"])
     times = [r["time"] for r in steps]
-    tokens = [(r.logged_at, len(r.sample.response_ids.to_numpy())) for r in read_log(run_dir / "trajectories").records
+    scan = read_log(RunDir(run_dir).trajectories)
+    tokens = [(r.logged_at, len(r.sample.response_ids.to_numpy())) for r in scan.records
               if isinstance(r, SampleRecord)]
-    final = json.loads((run_dir / "learner_final.json").read_text())
+    final = json.loads(RunDir(run_dir).learner_final.read_text())
     first = (steps[0].get("time/learner_wait_s", math.nan) + steps[0]["time/learner_train_s"]) if steps else math.nan
     return {"steps": len(steps), "seconds_per_step": _per_step(times, first),
             "learner_seconds_per_step": _mean([r["time/learner_train_s"] for r in steps[1:] or steps]),
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 model_dir, stats, mem = run_trl(base, budget, tmp, args.threads)
             else:
                 run_dir, mem = run_asyncrl(n, [*base, *ROWS[n]], tmp)
-                model_dir, stats = run_dir / "model", asyncrl_stats(run_dir)
+                model_dir, stats = RunDir(run_dir).model, asyncrl_stats(run_dir)
             after = evaluate(model_dir, base, tmp / f"eval-after-{n}.json", args.threads)
             curves[n] = stats.pop("curve")
             row = {"name": n, "steps": stats["steps"], "accuracy_before": before["accuracy"],

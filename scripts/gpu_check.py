@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from asyncrl.rundir import RunDir  # noqa: E402
+
 SECTIONS = ("native", "sglang", "train", "train_sglang")
 PROMPT = "Compute 17+25 and explain step by step. "
 
@@ -140,8 +142,9 @@ def run_train(name: str, overrides: list[str], runs: Path, timeout_s: float) -> 
         out["tail"] = (proc.stdout + proc.stderr)[-3000:]
         out["passed"] = False
         return out
-    summary = json.loads((runs / name / "summary.json").read_text())
-    rows = [json.loads(x) for x in (runs / name / "metrics.jsonl").read_text().splitlines()]
+    run = RunDir(runs / name)
+    summary = json.loads(run.summary.read_text())
+    rows = [json.loads(x) for x in run.metrics.read_text().splitlines()]
     steps = [r["time/learner_train_s"] for r in rows if "time/learner_train_s" in r]
     out |= {"summary": summary, "learner_train_s_median": sorted(steps)[len(steps) // 2] if steps else None}
     out["passed"] = summary["learner_steps"] >= 1

@@ -35,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from asyncrl.rundir import RunDir
 from scripts.scalesim import Params, simulate, window_rate
 
 
@@ -48,7 +49,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
     from asyncrl.metrics import read_metrics
 
     run_dir = Path(run_dir)
-    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = json.loads(RunDir(run_dir).config.read_text())
     recs = [r for r in read_metrics(run_dir) if r.get("time/learner_train_s") is not None]
     if len(recs) < 4:
         raise ValueError(f"{run_dir}: {len(recs)} learner steps in metrics.jsonl; calibrate from a run of >= 4 steps "
@@ -64,7 +65,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
     samples: dict[str, Any] = {}
     groups: dict[str, list] = collections.defaultdict(list)
     batches: dict[int, tuple[float, list[str]]] = {}
-    for rec in read_log(run_dir / "trajectories").records:
+    for rec in read_log(RunDir(run_dir).trajectories).records:
         if isinstance(rec, SampleRecord):
             samples[rec.sample.sample_id] = rec
             groups[rec.sample.group_id].append(rec)

@@ -37,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncrl.rundir import RunDir  # noqa: E402
 from scripts import benchlib  # noqa: E402
 from scripts.scalecal import calibrate, measure  # noqa: E402
 from scripts.scalesim import Params, simulate, window_rate, window_staleness  # noqa: E402
@@ -96,10 +97,11 @@ def run_grid(runs_dir: Path, workers: list[int], etas: list[int], steps: int, ex
     for w in workers:
         for e in etas:
             name = f"w{w}-eta{e}"
-            if (runs_dir / name / "summary.json").exists():
+            run = RunDir(runs_dir / name)
+            if run.summary.exists():
                 out[(w, e)] = runs_dir / name
                 continue
-            if (runs_dir / name / "config.json").exists():  # an earlier attempt that did not finish: start it over
+            if run.config.exists():  # an earlier attempt that did not finish: start it over
                 shutil.rmtree(runs_dir / name)
             overrides = [f"learner.total_steps={steps}", f"rollout.num_workers={w}", f"rollout.eta={e}",
                          "learner.eval_every=0", "learner.ckpt_every=0", *extra]

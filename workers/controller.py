@@ -25,6 +25,7 @@ from asyncrl.controller.core import ControllerCore, ModelInfo
 from asyncrl.controller.outbox import PeerOutbox
 from asyncrl.controller.recovery import resume_point
 from asyncrl.models.prepare import model_id
+from asyncrl.rundir import RunDir
 from asyncrl.rundir.files import DiskFullError, atomic_write_text
 from asyncrl.transport import (
     ChannelPoller,
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
+    paths = RunDir(run_dir)
     from asyncrl.rundir.lock import RunFolderInUse, hold_run_lock
 
     try:
@@ -113,14 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         log.info("resumed at version %d, dataset position %d", resume_version, core.cursor)
     else:  # version 0 is a checkpoint too: a run stopped before its first learner checkpoint resumes from here
         core.save(core.checkpoint_path(0))
-    atomic_write_text(run_dir / "controller.json", json.dumps({"control": advertised(ctl.address, adv),
-                                                               "samples": advertised(pull.address, adv)}))
+    atomic_write_text(paths.controller_address, json.dumps({"control": advertised(ctl.address, adv),
+                                                             "samples": advertised(pull.address, adv)}))
     log.info("controller listening on %s (samples on %s)", ctl.address, pull.address)
     from workers.roles import SETUP_REQUEST, announce, setup_reply
 
     setup = setup_reply(run_dir, model_dir, formats)
     if args.announce:
-        announce(json.loads((run_dir / "controller.json").read_text()), run_dir)
+        announce(json.loads(paths.controller_address.read_text()), run_dir)
     writer = MetricsWriter(run_dir, purge_step=resume_version + 1 if resume_state is not None else None)
     poller = ChannelPoller([ctl, pull])
     weights_counters: dict[str, float] = {}
@@ -190,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = {"max_consumed_staleness": core.max_consumed_staleness, "samples_logged": core.samples_logged,
                    **core.metrics(), **_transport_metrics(ctl, pull), **weights_counters}
         try:  # atomic: a full disk leaves the old file (or none), never an empty one
-            atomic_write_text(run_dir / "controller_final.json", json.dumps(summary, indent=2))
-            core.save(run_dir / "checkpoints" / "controller-final.json")
+            atomic_write_text(paths.controller_final, json.dumps(summary, indent=2))
+            core.save(paths.controller_final_checkpoint)
         except DiskFullError as e:
             log.error("%s", e)
             raise SystemExit(f"controller: {e}") from None

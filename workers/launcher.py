@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import TrainConfig, save_config
+from asyncrl.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_WORKER_RESTARTS = 8  # a worker that keeps crashing is a bug to see, not to hide forever
@@ -174,10 +175,11 @@ def gpu_plan(gpus: Sequence[str], cfg: TrainConfig) -> tuple[str | None, list[st
 class Launcher:
     def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int | None = None) -> None:
         self.cfg, self.run_dir, self.model_dir, self.lock_fd = cfg, run_dir.resolve(), model_dir.resolve(), lock_fd
+        self.paths = RunDir(self.run_dir)
         self.children: list[Child] = []
         self.restarts = 0
         self.env = child_env()
-        (run_dir / "logs").mkdir(exist_ok=True)
+        self.paths.logs.mkdir(exist_ok=True)
 
     def spawn(self, name: str, args: list[str], cuda_devices: str | None = None, *,
               lock_fd: int | None = None) -> Child:
@@ -187,19 +189,19 @@ class Launcher:
             from asyncrl.rundir.lock import INHERITED_ENV
 
             env, fds = {**env, INHERITED_ENV: str(lock_fd)}, (lock_fd,)
-        child = Child(name, args, self.run_dir / "logs" / f"{name}.log", env, pass_fds=fds)
+        child = Child(name, args, self.paths.log_of(name), env, pass_fds=fds)
         self.children.append(child)
         # Operators (and tests) can see exactly which processes this run started.
-        (self.run_dir / "pids.json").write_text(json.dumps({c.name: c.proc.pid for c in self.children}))
+        self.paths.pids.write_text(json.dumps({c.name: c.proc.pid for c in self.children}))
         return child
 
     def start(self) -> None:
         fmts = ",".join(publish_formats(self.cfg))
         common = ["--run-dir", str(self.run_dir), "--model-dir", str(self.model_dir), "--publish-formats", fmts]
-        (self.run_dir / "controller.json").unlink(missing_ok=True)  # a resumed run must not read the old address
+        self.paths.controller_address.unlink(missing_ok=True)  # a resumed run must not read the old address
         self.controller = self.spawn("controller", [sys.executable, "-m", "workers.controller", *common],
                                      lock_fd=self.lock_fd)
-        addr_file = self.run_dir / "controller.json"
+        addr_file = self.paths.controller_address
         deadline = time.monotonic() + CONTROLLER_START_TIMEOUT_S
         while not addr_file.exists():
             if self.controller.proc.poll() is not None or time.monotonic() > deadline:
@@ -220,7 +222,7 @@ class Launcher:
         cfg = self.cfg
         keys = [f"transport.keys_dir={cfg.transport.keys_dir}"] if cfg.transport.keys_dir else []
         engine = [f"engine={cfg.rollout.engine}", f"device={cfg.rollout.device}",
-                  f"log_dir={self.run_dir / 'logs'}"]
+                  f"log_dir={self.paths.logs}"]
         if cfg.rollout.engine == "sglang":
             s = cfg.sglang
             engine += [f"quant.fmt={cfg.quant.fmt}", f"sglang.device={s.device}",
@@ -306,7 +308,7 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int) -> in
         offset = 0
         reported: set = set()
         while True:
-            records, offset = tail_metrics(run_dir / "metrics.jsonl", offset)
+            records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
             for r in records:
                 progress.update(int(r["step"]), r)
             if interrupted["flag"]:
@@ -338,7 +340,7 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int) -> in
                         print(f"restarted {w.name} (restart {launcher.restarts} of {MAX_WORKER_RESTARTS}; "
                               f"add more with: asyncrl worker controller={launcher.address})")
             time.sleep(SUPERVISE_POLL_S)
-        records, offset = tail_metrics(run_dir / "metrics.jsonl", offset)
+        records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
         for r in records:
             progress.update(int(r["step"]), r)
     finally:
@@ -364,8 +366,8 @@ def _alive(c: Child) -> bool:
 
 
 def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
-    learner = json.loads((run_dir / "learner_final.json").read_text())
-    controller = json.loads((run_dir / "controller_final.json").read_text())
+    learner = json.loads(RunDir(run_dir).learner_final.read_text())
+    controller = json.loads(RunDir(run_dir).controller_final.read_text())
     return {
         "final_train_reward": _last_reward(run_dir),
         "eval_accuracy": learner.get("eval/accuracy"),
@@ -393,6 +395,7 @@ def run_replay(overrides: Sequence[str]) -> int:
     if not runs:
         raise ValueError("replay needs run=runs/<name> (a run folder with a trajectory log)")
     src = Path(runs[0]).resolve()
+    src_log = RunDir(src).trajectories
     base = read_run_config(src)
     rest = [o for o in overrides if not o.startswith("run=")]
     if not any(o.startswith("run_name=") for o in rest):
@@ -402,18 +405,18 @@ def run_replay(overrides: Sequence[str]) -> int:
     cfg.resume = ""
     cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
     model_dir = prepare_model(cfg, log=print)
-    for note in check_replayable(src / "trajectories", model_id=model_id(cfg, model_dir), salvage=cfg.log.salvage):
+    for note in check_replayable(src_log, model_id=model_id(cfg, model_dir), salvage=cfg.log.salvage):
         print(f"asyncrl replay: {note}")
     run_dir = new_run_dir(cfg)
-    save_config(cfg, run_dir / "config.json")
-    print(f"asyncrl replay: {src}/trajectories -> {run_dir}")
+    save_config(cfg, RunDir(run_dir).config)
+    print(f"asyncrl replay: {src_log} -> {run_dir}")
     launcher = Launcher(cfg, run_dir, model_dir)
     t0 = time.monotonic()
     try:
         learner = launcher.spawn("learner", [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={cfg.learner.world_size}", str(ROOT / "workers" / "learner.py"),
-            "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--replay-log", str(src / "trajectories")])
+            "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--replay-log", str(src_log)])
         rc = learner.proc.wait()
     except KeyboardInterrupt:
         launcher.stop()
@@ -426,8 +429,8 @@ def run_replay(overrides: Sequence[str]) -> int:
         return rc
     from asyncrl.log.inspect import summarize
 
-    learner_final = json.loads((run_dir / "learner_final.json").read_text())
-    log_summary = summarize(src / "trajectories")
+    learner_final = json.loads(RunDir(run_dir).learner_final.read_text())
+    log_summary = summarize(src_log)
     staleness = [int(k) for k in log_summary["staleness_histogram"]]
     summary = {
         "final_train_reward": _last_reward(run_dir), "eval_accuracy": learner_final.get("eval/accuracy"),

@@ -52,6 +52,7 @@ from asyncrl.learner.policy import (
     reference_policy,
 )
 from asyncrl.models.prepare import model_id
+from asyncrl.rundir import RunDir
 from asyncrl.transport import (
     ChannelTimeout,
     WeightServer,
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                                             total_steps=max(L.total_steps, L.warmup_steps + 1),
                                             min_lr_ratio=L.min_lr_ratio))
     state = TrainState(model, opt, sched, version=0)
-    ckpt_root = run_dir / "checkpoints"
+    ckpt_root = RunDir(run_dir).checkpoints
     if cfg.resume:  # the same verified checkpoint the controller chose (damaged ones are skipped, said why)
         from asyncrl.rundir.checkpoints import choose_resume_point
 
@@ -433,7 +434,7 @@ def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluato
 
         def unfold(d):
             return unfold_uaq(d, cfg.quant.uaq_scale, tuple(cfg.quant.uaq_sites))
-    export_hf(model, model_dir, run_dir / "model", info, state_dict_transform=unfold, lora=lora)
+    export_hf(model, model_dir, RunDir(run_dir).model, info, state_dict_transform=unfold, lora=lora)
     sd = policy_state_dict(model, lora)
     if info.is_main:
         if unfold is not None:
@@ -441,7 +442,7 @@ def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluato
         final = evaluator.evaluate(sd, state.version + 1, {n: b for n, b in base_model(model).named_buffers()})
         final["learner/wall_s"] = time.perf_counter() - t_run
         sha = sha256_of_state_dict(sd)
-        (run_dir / "learner_final.json").write_text(json.dumps(
+        RunDir(run_dir).learner_final.write_text(json.dumps(
             {"version": state.version, "state_dict_sha256": sha, **final}, indent=2))
         source.report(state.version, final, done=True)
 

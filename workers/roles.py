@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import TrainConfig, load_train_config, save_config
+from asyncrl.rundir import RunDir
 from protocols import RunSetup
 
 SETUP_REQUEST = "run_setup"  # Hello(role="client", capabilities={"request": SETUP_REQUEST})
@@ -62,7 +63,7 @@ def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[Tr
     print(f"asyncrl {command}: prompts in {check_prompts(cfg, model_dir)} format")
     check_prompt_lengths(cfg, model_dir, log=lambda m: print(f"asyncrl {command}: {m}"))
     run_dir = run_dir or new_run_dir(cfg)
-    save_config(cfg, run_dir / "config.json")
+    save_config(cfg, RunDir(run_dir).config)
     return cfg, run_dir, model_dir
 
 
@@ -156,8 +157,10 @@ def run_learner(argv: Sequence[str]) -> int:
                           key_name=kv.get("transport.key_name", ""))
     run_dir = Path(kv.get("run_dir") or setup.run_dir)
     model_dir = Path(kv.get("model_dir") or setup.model_dir)
-    for name, folder, marker in (("run_dir", run_dir, "config.json"), ("model_dir", model_dir, "config.json")):
-        if not (folder / marker).is_file():
+    # the run's config.json; the Hugging Face model's config.json
+    for name, folder, marker in (("run_dir", run_dir, RunDir(run_dir).config),
+                                 ("model_dir", model_dir, model_dir / "config.json")):
+        if not marker.is_file():
             raise ValueError(f"{name} {folder} (from the controller) is not readable on this host "
                              f"({socket.gethostname()}); put the run folder on a filesystem shared with the "
                              f"controller, or pass {name}=DIR")

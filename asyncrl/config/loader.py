@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.schema import TrainConfig, to_dict, validate
+from asyncrl.rundir import RunDir
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 GROUPS = ("model", "task", "algo", "quant", "rollout", "learner")
@@ -215,7 +216,7 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
 
 
 def read_run_config(run_dir: str | Path) -> TrainConfig:
-    path = Path(run_dir) / "config.json"
+    path = RunDir(Path(run_dir)).config
     if not path.is_file():
         raise ValueError(f"{run_dir} is not an asyncrl run folder (no config.json); pass runs/<name>")
     return config_from_dict(json.loads(path.read_text()))

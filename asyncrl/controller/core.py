@@ -35,6 +35,7 @@ from asyncrl.controller.validation import check_sample
 from asyncrl.controller.workers import WorkerRegistry
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.log.replay import train_sample
+from asyncrl.rundir import RunDir
 from asyncrl.rundir.files import read_checksummed_json, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
@@ -87,7 +88,7 @@ class ControllerCore:
         self.counters: Counter = Counter()
         self.max_consumed_staleness = 0
         self.samples_logged = 0
-        self.log = TrajectoryLogWriter(self.run_dir / "trajectories", config=dataclasses.asdict(cfg),
+        self.log = TrajectoryLogWriter(RunDir(self.run_dir).trajectories, config=dataclasses.asdict(cfg),
                                        run_name=cfg.run_name, model=model.model_id,
                                        fsync=cfg.log.fsync, fsync_every=cfg.log.fsync_every,
                                        rotate_bytes=cfg.log.rotate_mb * 2**20, salvage=cfg.log.salvage)
@@ -412,7 +413,7 @@ class ControllerCore:
         return out + self._try_batch()
 
     def checkpoint_path(self, version: int) -> Path:
-        return self.run_dir / "checkpoints" / f"controller-{version:08d}.json"
+        return RunDir(self.run_dir).controller_checkpoint(version)
 
     # --------------------------------------------------------------------------------- timers
     def poll(self) -> list[tuple[bytes, Any]]:

@@ -14,24 +14,27 @@ from typing import Any
 
 from asyncrl.controller.core import _jsonable, read_state
 from asyncrl.log import segment_paths, truncate_log
+from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import choose_resume_point
 from asyncrl.rundir.files import ChecksumError, write_checksummed_json
+from asyncrl.rundir.paths import CONTROLLER_STATES_GLOB
 
 log = logging.getLogger("asyncrl.controller")
 
 
 def resume_point(run_dir: Path) -> tuple[dict[str, Any] | None, int]:
     """(controller state, version) to resume ``run_dir`` from, with the log cut back to that state."""
-    point = choose_resume_point(run_dir / "checkpoints")
+    paths = RunDir(run_dir)
+    point = choose_resume_point(paths.checkpoints)
     for note in point.notes:
         log.warning("resume: %s", note)
     if point.controller_state is None:
-        if any(segment_paths(run_dir / "trajectories")):
+        if any(segment_paths(paths.trajectories)):
             raise ValueError(f"resume: {run_dir} has a trajectory log but no usable controller state to cut it back "
                              "to; it cannot be resumed without logging work twice. Start a new run folder")
         return None, 0
     state = read_state(point.controller_state)
-    dropped = truncate_log(run_dir / "trajectories", *state["log_position"])
+    dropped = truncate_log(paths.trajectories, *state["log_position"])
     log.info("resume: version %d; trajectory log cut back to its checkpoint (%d bytes of redone work dropped)",
              point.version, dropped)
     return state, point.version
@@ -41,7 +44,7 @@ def move_log_positions(ckpt_root: Path, repairs) -> list[str]:
     """Rewrite every controller state whose log position lies in a repaired segment (``repair_log`` result)."""
     by_index = {r.index: r for r in repairs}
     out = []
-    for path in sorted(ckpt_root.glob("controller-*.json")):
+    for path in sorted(ckpt_root.glob(CONTROLLER_STATES_GLOB)):
         try:
             state = read_state(path)
         except (ChecksumError, ValueError) as e:
@@ -60,8 +63,8 @@ def repair_main(path: str) -> int:
     from asyncrl.log import LogFormatError
     from asyncrl.log.repair import repair_log
 
-    p = Path(path)
-    log_dir = p / "trajectories" if (p / "trajectories").is_dir() else p
+    p = RunDir(Path(path))
+    log_dir = p.trajectories if p.trajectories.is_dir() else p.root
     try:
         repairs = repair_log(log_dir)
     except (LogFormatError, OSError) as e:
@@ -74,7 +77,7 @@ def repair_main(path: str) -> int:
         for c in r.damage:
             print(f"removed: {c}")
         print(f"rewrote {r.path} ({sum(e - s for s, e in r.removed)} bytes removed; the original is kept as {r.backup})")
-    if (p / "checkpoints").is_dir():
-        for line in move_log_positions(p / "checkpoints", repairs):
+    if p.checkpoints.is_dir():
+        for line in move_log_positions(p.checkpoints, repairs):
             print(line)
     return 0

@@ -1,6 +1,7 @@
 """Learner checkpoints (torch.distributed.checkpoint), Hugging Face export and the weights hash.
 
-Owns the on-disk layout of a learner checkpoint and of an exported model:
+Owns the on-disk layout of a learner checkpoint and of an exported model (the names of the checkpoint
+folders and of ``latest`` come from ``asyncrl.rundir.paths``):
 
     <root>/
       latest                     text: name of the newest complete checkpoint ("step_00000012")
@@ -49,6 +50,7 @@ from asyncrl.learner.fsdp import DistInfo, barrier, full_state_dict
 from asyncrl.learner.step import TrainState
 from asyncrl.rundir.checkpoints import verify_manifest, write_manifest
 from asyncrl.rundir.files import ChecksumError, DiskFullError, raise_if_disk_full
+from asyncrl.rundir.paths import LATEST, LEARNER_CHECKPOINT_RE, learner_checkpoint_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -81,10 +83,6 @@ TOKENIZER_FILES = (
 """Files copied from ``tokenizer_dir`` into an export when present."""
 
 
-def _step_name(version: int) -> str:
-    return f"step_{version:08d}"
-
-
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".part")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
@@ -112,7 +110,7 @@ def save_checkpoint(
         except TypeError as err:
             raise ValueError(f"extra checkpoint state must be JSON-serialisable: {err}") from err
     root = Path(root)
-    final = root / _step_name(state.version)
+    final = root / learner_checkpoint_name(state.version)
     tmp = root / (final.name + ".tmp")
     if info.is_main:
         if tmp.exists():
@@ -159,11 +157,11 @@ def _save_into(tmp: Path, final: Path, root: Path, state: TrainState, info: Dist
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        latest_tmp = root / "latest.part"
+        latest_tmp = root / (LATEST + ".part")
         latest_tmp.write_text(final.name)
-        latest_tmp.replace(root / "latest")
+        latest_tmp.replace(root / LATEST)
         if keep_last is not None:
-            done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+            done = sorted(p for p in root.iterdir() if p.is_dir() and LEARNER_CHECKPOINT_RE.match(p.name))
             for old in done[:-keep_last]:
                 shutil.rmtree(old)
 
@@ -184,7 +182,7 @@ def _drop_frozen(model: torch.nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root`` (by the ``latest`` file), or None."""
     root = Path(root)
-    marker = root / "latest"
+    marker = root / LATEST
     if not marker.exists():
         return None
     path = root / marker.read_text().strip()

@@ -17,6 +17,7 @@ from typing import Any
 from asyncrl.log.framing import LogFormatError
 from asyncrl.log.records import BatchRecord, SampleRecord
 from asyncrl.log.trajectory import read_log
+from asyncrl.rundir import RunDir
 
 
 def run_tokenizer(run: Path, tokenizer_dir: str | None) -> Any:
@@ -89,7 +90,7 @@ def show_main(run: str, *, last: int | None = None, step: int | None = None, tok
     if not chosen:
         print("no samples logged yet")
         return 0
-    tok = run_tokenizer(path if (path / "config.json").is_file() else path.parent, tokenizer)
+    tok = run_tokenizer(path if RunDir(path).config.is_file() else path.parent, tokenizer)
     print(format_samples(chosen, lambda ids: tok.decode(ids)))
     for c in scan.corruptions:
         print(f"CORRUPT    {c} (records before it are intact and were read)")

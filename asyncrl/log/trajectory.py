@@ -27,6 +27,7 @@ from typing import Any
 
 from asyncrl.log.framing import Corruption, LogFormatError, encode_record, header_bytes, scan_segment
 from asyncrl.log.records import SCHEMA_VERSION, LogHeader
+from asyncrl.rundir import RunDir
 from asyncrl.rundir.files import raise_if_disk_full
 
 
@@ -235,8 +236,8 @@ def read_log(path: str | Path) -> LogScan:
     before *or* after them is lost. ``LogScan.interior`` lists the damage that is not a torn tail.
     """
     p = Path(path)
-    if p.is_dir() and (p / "trajectories").is_dir():
-        p = p / "trajectories"
+    if p.is_dir() and RunDir(p).trajectories.is_dir():
+        p = RunDir(p).trajectories
     paths = segment_paths(p) if p.is_dir() else [p]
     if not paths:
         raise ValueError(f"no trajectory log at {path}: expected a run folder, a log folder or a traj-*.log file")

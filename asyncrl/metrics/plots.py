@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.metrics.writer import read_metrics
+from asyncrl.rundir import RunDir
 
-PLOTS_DIR = "plots"
 SMOOTH_WINDOW = 10
 SMOOTHED = "~smoothed:"
 """Prefix of a derived line: the trailing moving average of the metric after it."""
@@ -246,7 +246,7 @@ def make_plots(run_dir: str | Path, records: Sequence[dict[str, Any]] | None = N
                 panels.append((panel, drawn))
         if not panels:
             continue
-        out_dir = run_dir / PLOTS_DIR
+        out_dir = RunDir(run_dir).plots
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / spec.filename
         _draw(spec, panels, path)

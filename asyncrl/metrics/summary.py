@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SUMMARY_FILE = "summary.json"
+from asyncrl.rundir import RunDir
 
 REQUIRED_KEYS = (
     "final_train_reward",
@@ -77,7 +77,7 @@ def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
     validate_summary(summary)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / SUMMARY_FILE
+    path = RunDir(run_dir).summary
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True, allow_nan=False) + "\n")
     os.replace(tmp, path)

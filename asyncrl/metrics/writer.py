@@ -33,15 +33,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from asyncrl.rundir import RunDir
+
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-TB_DIR = "tb"
 RESERVED_KEYS = ("step", "time")
 
 
 def metrics_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / METRICS_FILE
+    return RunDir(Path(run_dir)).metrics
 
 
 def _scalar(key: str, value: Any) -> float | int:
@@ -231,7 +231,7 @@ class MetricsWriter:
         self._lock = threading.Lock()
         self._tb = None
         if tensorboard:
-            self._tb = _open_tb(self.run_dir / TB_DIR, purge_step=purge_step, flush_secs=tb_flush_secs)
+            self._tb = _open_tb(RunDir(self.run_dir).tb, purge_step=purge_step, flush_secs=tb_flush_secs)
 
     def log(self, step: int, metrics: Mapping[str, Any], *, wall_time: float | None = None) -> None:
         """Appends one record. ``metrics``: name -> scalar; ``wall_time`` defaults to ``time.time()``."""

@@ -14,19 +14,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 from pathlib import Path
 
 from asyncrl.rundir.files import ChecksumError, read_checksummed_json, sha256_file, write_checksummed_json
+from asyncrl.rundir.paths import LEARNER_CHECKPOINT_RE, controller_checkpoint_name
 
 log = logging.getLogger("asyncrl.checkpoints")
 
 MANIFEST = "checksums.json"
-STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
 def controller_state_path(ckpt_root: str | Path, version: int) -> Path:
-    return Path(ckpt_root) / f"controller-{version:08d}.json"
+    return Path(ckpt_root) / controller_checkpoint_name(version)
 
 
 def write_manifest(ckpt_dir: str | Path) -> None:
@@ -70,7 +69,8 @@ def learner_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := LEARNER_CHECKPOINT_RE.match(p.name))]
     return sorted(found, reverse=True)
 
 

@@ -13,7 +13,8 @@ import fcntl
 import os
 from pathlib import Path
 
-LOCK_NAME = ".lock"
+from asyncrl.rundir.paths import RunDir
+
 INHERITED_ENV = "ASYNCRL_RUN_LOCK_FD"
 
 
@@ -23,7 +24,7 @@ class RunFolderInUse(ValueError):
 
 def acquire_run_lock(run_dir: str | Path) -> int:
     """Hold ``run_dir``'s lock; returns the descriptor (keep it open). ``RunFolderInUse`` names the holder."""
-    path = Path(run_dir) / LOCK_NAME
+    path = RunDir(Path(run_dir)).lock
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -43,7 +44,7 @@ def hold_run_lock(run_dir: str | Path) -> int:
     if inherited.isdigit():
         fd = int(inherited)
         try:
-            if os.fstat(fd).st_ino == os.stat(Path(run_dir) / LOCK_NAME).st_ino:
+            if os.fstat(fd).st_ino == os.stat(RunDir(Path(run_dir)).lock).st_ino:
                 return fd
         except OSError:
             pass

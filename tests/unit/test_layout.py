@@ -173,6 +173,7 @@ def test_no_file_exceeds_the_hard_line_limit(path):
     ("asyncrl.controller", ("torch", "zmq", "numpy")),
     ("asyncrl.rundir.checkpoints", ("torch", "zmq", "numpy")),
     ("asyncrl.rundir.lock", ("torch", "zmq", "numpy")),
+    ("asyncrl.rundir.paths", ("torch", "zmq", "numpy", "msgspec")),
 ])
 def test_cheap_modules_import_without_heavy_dependencies(module, forbidden):
     code = f"import sys, {module}; bad = [m for m in {forbidden!r} if m in sys.modules]; assert not bad, bad"
