@@ -263,6 +263,7 @@ class ZmqChannel:
         # Small messages are cheaper copied; large payloads (weights) go zero-copy.
         copy = sum(len(f) for f in frames) < ZERO_COPY_BYTES
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        refreshed = False
         while True:
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
@@ -276,6 +277,15 @@ class ZmqChannel:
                 raise
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
+                if not refreshed:
+                    # A non-blocking send does not always read the socket's pending commands (libzmq
+                    # throttles that), among them the credit a reading peer's I/O thread returned:
+                    # the pipe can look full when it is not. A zero-timeout poll reads them; then
+                    # one more try, so timeout_s=0 means "if it fits now", not "if the last credit
+                    # happened to be seen".
+                    refreshed = True
+                    self._sock.poll(0, zmq.POLLOUT)
+                    continue
                 raise ChannelTimeout(
                     f"{self.name}: send did not complete within {timeout_s}s (receiver stalled at the HWM)"
                 )
