@@ -77,7 +77,7 @@ def check_finite_amax(w: Tensor, amax: Tensor, name: str | None) -> None:
     """`amax` is a max of |w| over rows or blocks (NaN and inf propagate through it): if any entry is
     not finite, raise the error `check_matrix` raises for `w`. One pass over the reduction instead of
     one over the weight."""
-    if not bool(torch.isfinite(amax).all()):
+    if not all_finite(amax):  # one aminmax reduction, no bool per element
         _raise_non_finite(w, name)
 
 
