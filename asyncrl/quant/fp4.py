@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .e2m1 import E2M1_VALUES, Scratch, decode_pairs, e2m1_encode, encode_packed
-from .fp8 import E4M3_MAX, FP8_DTYPE
+from .fp8 import E4M3_MAX, FP8_DTYPE, e4m3_to_fp32
 from .int8 import check_finite_amax, check_matrix
 
 __all__ = ["E2M1_VALUES", "e2m1_encode"]  # re-exported: the codes are part of this module's rule
@@ -117,8 +117,8 @@ def quantize_nvfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tenso
     gs = amax.amax() / NVFP4_GLOBAL_DIV
     gs = torch.where(gs == 0, torch.ones_like(gs), gs)
     sb = (amax / E2M1_MAX / gs).clamp_(max=E4M3_MAX).to(FP8_DTYPE)
-    s_eff = sb.float() * gs
-    denom = torch.where(s_eff == 0, torch.full_like(s_eff, math.inf), s_eff)
+    s_eff = e4m3_to_fp32(sb).mul_(gs)
+    denom = s_eff.masked_fill_(s_eff == 0, math.inf)
     return _encode_blocks(blocks, denom), sb, gs.reshape(())
 
 
@@ -159,7 +159,7 @@ def _decode_blocks(packed: Tensor, scale: Tensor, block: int, k: int, out: Tenso
 def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, k: int, *,
                      out: Tensor | None = None) -> Tensor:
     """-> [N, k] fp32 (padding columns dropped; written into `out` when given)."""
-    s_eff = block_scale.float() * global_scale.float()
+    s_eff = e4m3_to_fp32(block_scale).mul_(global_scale.float())
     return _decode_blocks(packed, s_eff, NVFP4_BLOCK, k, out)
 
 

@@ -67,7 +67,9 @@ def all_finite(t: Tensor) -> bool:
     anything (`isfinite(t).all()` writes a bool per element and is tens of times slower on CPU)."""
     if t.numel() == 0:
         return True
-    if t.dtype not in _AMINMAX_DTYPES:  # float8 codes and scales (small): no aminmax kernel
+    if t.dtype == torch.float8_e4m3fn:  # codes and block scales: read the bytes (no aminmax kernel)
+        return int(t.detach().reshape(-1).view(torch.uint8).bitwise_and(0x7F).amax()) != 0x7F
+    if t.dtype not in _AMINMAX_DTYPES:
         return bool(torch.isfinite(t.detach().float()).all())
     lo, hi = torch.aminmax(t.detach())
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
@@ -111,7 +113,7 @@ def quantize_int8_rows(x: Tensor, *, name: str | None = None) -> tuple[Tensor, T
     return codes, scale
 
 
-CHUNK_ELEMENTS = 1 << 18  # 1 MiB of fp32 (measured: ~25% faster than 2**16, fewer Python round trips)
+CHUNK_ELEMENTS = 1 << 18  # 1 MiB of fp32 (measured on the 22M model: faster than 2**16, fewer Python round trips)
 
 
 def row_chunks(x: Tensor, elements: int = CHUNK_ELEMENTS):
