@@ -74,6 +74,9 @@ def _weights():
         yield w.half()
         yield w.bfloat16()
         yield w.t().contiguous().t()  # non-contiguous
+        spike = w.clone()
+        spike.view(-1)[0] = 1e7  # every other NVFP4 block scale flushes to 0: codes are signed zeros
+        yield spike
     # exact E2M1 ties after scaling: an MXFP4 block with amax 4 has scale 2**0, so w / scale = w
     tie_row = torch.tensor([*TIES, *(-t for t in TIES), 4.0, -0.0] * 2)
     yield tie_row[None, :].repeat(3, 1)
@@ -94,6 +97,15 @@ def test_fp4_quantisers_and_decoders_return_the_3847746_bytes(w):
     out = torch.full((w.shape[0], k), float("nan"))
     assert fp4.dequantize_mxfp4(*got, k, out=out) is out
     assert _same(out, L.dequantize_mxfp4(*ref, k).contiguous())
+
+
+def test_a_spike_flushes_the_other_nvfp4_blocks_to_signed_zero_codes():
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
+    w[0, 0] = 1e7
+    packed, sb, _ = fp4.quantize_nvfp4(w)
+    assert (sb.view(torch.uint8)[1:] == 0).all()  # flushed scales
+    codes = fp4.unpack_fp4(packed)[1:]
+    assert torch.equal(codes, torch.signbit(w[1:]).to(torch.uint8) << 3)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
