@@ -1,6 +1,6 @@
 """E2M1 (fp4) codes at memory speed: encoding by a table over the fp32 bit pattern, packing by integer
 views, decoding by a byte -> value-pair table. The rounding rule itself is fp4.py's (module docstring
-there); this module only computes it faster, bit for bit (tests/unit/quant/test_fast_paths.py checks
+there); this module only computes it faster, bit for bit (tests/unit/quant/test_e2m1_tables.py checks
 every function here against the comparison rule and against the 3847746 implementation).
 
 Why a table. Counting the boundaries |v| exceeds costs ~20 elementwise passes per element (seven
@@ -16,10 +16,10 @@ Those four boundaries have a clear top mantissa bit (bit 22) and the three whose
 
 moves exactly the interval starts with bit 22 clear (the tie-down boundaries, and non-boundary grid
 points, whose neighbour interval has the same code) into the interval below, and the code is
-``CODE_TABLE[index]``: five integer passes and one ``index_select`` (a vectorised gather) per element,
+``CODE_TABLE[index]``: six integer passes and one ``index_select`` (a vectorised gather) per element,
 with the sign in the index. The table is built from the comparison rule on one value strictly inside
-each interval, so it is that rule by construction; zero (+0 and -0, the only values whose index lands
-on an interval below their own) is set explicitly. Saturation (|v| > 6, inf) is in the table too.
+each interval, so it is that rule by construction; +0 and -0, the only patterns with index 0 and 1024
+(below every interval), are set explicitly. Saturation (|v| > 6, inf) is in the table too.
 
 Packing: codes of elements 2j and 2j+1 are the low and high byte of one little-endian int16 x, so the
 packed byte ``c0 | c1 << 4`` is ``(x >> 4) | (x & 15)`` (c0 < 16), an exact value in 0..255.
