@@ -71,8 +71,8 @@ def quantize_weight(w: Tensor, fmt: str, *, name: str | None = None) -> dict[str
         return {"weight": w.detach().to(torch.bfloat16).contiguous()}
     w = w.detach()
     if fmt in ("int8", "int8_wo"):
-        if fmt == "int8":
-            int8.check_matrix(w, name, max_k=int8.INT8_MAX_K)
+        if fmt == "int8":  # the K limit only; finiteness is read off the row amax in quantize_int8_rows
+            int8.check_matrix(w, name, max_k=int8.INT8_MAX_K, finite=False)
         codes, scale = int8.quantize_int8_rows(w, name=name)
         return {"qweight": codes, "weight_scale": scale}
     if fmt == "fp8":
@@ -86,20 +86,24 @@ def quantize_weight(w: Tensor, fmt: str, *, name: str | None = None) -> dict[str
     return {"qweight": packed, "weight_scale": sc}
 
 
-def dequantize_weight(tensors: Mapping[str, Tensor], fmt: str, in_features: int) -> Tensor:
-    """Inverse of `quantize_weight`: {suffix: tensor} -> [N, in_features] fp32."""
+def dequantize_weight(tensors: Mapping[str, Tensor], fmt: str, in_features: int, *,
+                      out: Tensor | None = None) -> Tensor:
+    """Inverse of `quantize_weight`: {suffix: tensor} -> [N, in_features] fp32, written into `out`
+    (a contiguous [N, in_features] fp32 tensor) when given: the fp4 formats decode straight into it."""
     check_format(fmt)
-    if fmt in ("fp32", "bf16"):
-        return tensors["weight"].float()
-    if fmt in ("int8", "int8_wo"):
-        return int8.dequantize_int8(tensors["qweight"], tensors["weight_scale"])
-    if fmt == "fp8":
-        return fp8.dequantize_fp8(tensors["qweight"], tensors["weight_scale"])
     if fmt == "nvfp4":
         return fp4.dequantize_nvfp4(
-            tensors["qweight"], tensors["weight_scale"], tensors["weight_global_scale"], in_features
+            tensors["qweight"], tensors["weight_scale"], tensors["weight_global_scale"], in_features, out=out
         )
-    return fp4.dequantize_mxfp4(tensors["qweight"], tensors["weight_scale"], in_features)
+    if fmt == "mxfp4":
+        return fp4.dequantize_mxfp4(tensors["qweight"], tensors["weight_scale"], in_features, out=out)
+    if fmt in ("fp32", "bf16"):
+        w = tensors["weight"].float()
+    elif fmt in ("int8", "int8_wo"):
+        w = int8.dequantize_int8(tensors["qweight"], tensors["weight_scale"])
+    else:
+        w = fp8.dequantize_fp8(tensors["qweight"], tensors["weight_scale"])
+    return w if out is None else out.copy_(w)
 
 
 def code_elements(codes: Tensor, fmt: str, in_features: int) -> Tensor:

@@ -29,20 +29,25 @@ MXFP4 (B = 32), OCP MX v1.0 (floor exponent, saturate):
     code    = e2m1_rne(w / 2**E_j)       (exact division by a power of two)
     dequant = e2m1(code) * 2**E_j
 
+Speed: the rules are computed a chunk of rows at a time by e2m1.py (a code table over the fp32 bit
+pattern, packing through int16 views, decoding through a byte -> value-pair table), bit for bit the
+comparison rule; the block amax is an integer max over the fp32 patterns with the sign bit cleared.
+
 Must never: round with anything but the rules above (publication and direct quantisation share
 these functions, which is what makes a published copy bit-identical to a locally quantised one).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .fp8 import E4M3_MAX, FP8_DTYPE
-from .int8 import check_finite_amax, check_matrix, row_chunks
+from .e2m1 import E2M1_VALUES, Scratch, decode_pairs, e2m1_encode, encode_packed
+from .fp8 import E4M3_MAX, FP8_DTYPE, e4m3_to_fp32
+from .int8 import check_finite_amax, check_matrix
+
+__all__ = ["E2M1_VALUES", "e2m1_encode"]  # re-exported: the codes are part of this module's rule
 
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
@@ -50,34 +55,13 @@ MXFP4_BLOCK = 32
 NVFP4_GLOBAL_DIV = E2M1_MAX * E4M3_MAX  # 2688.0
 E8M0_DTYPE = torch.float8_e8m0fnu
 E8M0_NAN = 255
-
-_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Decision boundaries between neighbouring magnitudes: index i -> i+1 when |v| > b_i. Midpoints whose
-# tie goes up (to an even index) are replaced by the fp32 number just below, turning ">=" into ">".
-_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
-_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
-_BOUNDARIES = torch.where(_TIE_UP, torch.nextafter(_MIDPOINTS, torch.zeros(7)), _MIDPOINTS)
-_BOUNDARY_VALUES = tuple(float(b) for b in _BOUNDARIES)  # exact: fp32 values are exact Python floats
-E2M1_VALUES = torch.tensor(_MAGNITUDES + tuple(-m for m in _MAGNITUDES), dtype=torch.float32)
-
-
-def e2m1_encode(v: Tensor) -> Tensor:
-    """v: fp32 (already divided by its scale) -> uint8 codes 0..15, same shape. NaN is not allowed
-    (the callers validate weights first)."""
-    # The magnitude index is the number of boundaries |v| exceeds: exactly what
-    # torch.bucketize(|v|, _BOUNDARIES, right=False) returns, at a few ns per element instead of
-    # ~100 (seven vectorised compares into one reused bool buffer, accumulated in uint8).
-    a = v.abs()
-    mag = torch.gt(a, _BOUNDARY_VALUES[0]).to(torch.uint8)
-    above = torch.empty_like(a, dtype=torch.bool)
-    for b in _BOUNDARY_VALUES[1:]:
-        mag.add_(torch.gt(a, b, out=above))
-    return mag.bitwise_or_(torch.signbit(v).to(torch.uint8).bitwise_left_shift_(3))
+_ABS_BITS = 0x7FFFFFFF  # an fp32 pattern without its sign bit
 
 
 def e2m1_decode(codes: Tensor) -> Tensor:
     """codes: uint8 0..15 -> fp32 values."""
-    return E2M1_VALUES.to(codes.device)[codes.long()]
+    idx = codes.reshape(-1).to(torch.int32)
+    return torch.index_select(E2M1_VALUES.to(codes.device), 0, idx).view(codes.shape)
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
@@ -92,12 +76,33 @@ def unpack_fp4(packed: Tensor) -> Tensor:
 
 
 def _pad_blocks(w: Tensor, block: int) -> Tensor:
-    """[N, K] fp32 -> [N, Kp/block, block], zero-padded on the right (the padding rule)."""
+    """[N, K] fp32 -> [N, Kp/block, block] contiguous, zero-padded on the right (the padding rule)."""
     n, k = w.shape
     kp = -(-k // block) * block
     if kp != k:
         w = F.pad(w, (0, kp - k))
-    return w.reshape(n, kp // block, block)
+    return w.contiguous().view(n, kp // block, block)
+
+
+def _scratch(blocks: Tensor) -> Scratch:
+    return Scratch(blocks.shape[1] * blocks.shape[2], blocks.device)
+
+
+def _block_amax(blocks: Tensor) -> Tensor:
+    """max |w| per block ([N, nb, B] fp32 -> [N, nb] fp32), exact. For non-negative fp32 values the
+    integer order of the bit patterns is the numeric order, so the max of the patterns with the sign
+    bit cleared is the pattern of the max |w| (+0 for an all-zero block, never -0); a NaN pattern is
+    larger than inf's and stays a NaN, so `check_finite_amax` still sees it. An integer max over
+    16-element blocks is ~4x faster than `aminmax(dim=2)` of the floats."""
+    n, nb, block = blocks.shape
+    bits = blocks.view(torch.int32)
+    out = torch.empty((n, nb), dtype=torch.int32, device=blocks.device)
+    buf = _scratch(blocks)
+    for r0 in range(0, n, buf.rows):
+        r1 = min(n, r0 + buf.rows)
+        a = torch.bitwise_and(bits[r0:r1], _ABS_BITS, out=buf.i32[: (r1 - r0) * nb * block].view(-1, nb, block))
+        torch.amax(a, dim=2, out=out[r0:r1])
+    return out.view(torch.float32)
 
 
 def quantize_nvfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -105,35 +110,64 @@ def quantize_nvfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tenso
     global scale [] fp32); Kp = ceil(K/16)*16. Rule in the module docstring."""
     check_matrix(w, name, finite=False)
     blocks = _pad_blocks(w.float(), NVFP4_BLOCK)
-    lo, hi = torch.aminmax(blocks, dim=2)  # max |w| per block, without an |w| temporary
-    amax = torch.maximum(lo.neg_(), hi).abs_()  # [N, nb]; abs_: max(+0, -0) may be -0
+    amax = _block_amax(blocks)  # [N, nb]
     check_finite_amax(w, amax, name)
     gs = amax.amax() / NVFP4_GLOBAL_DIV
     gs = torch.where(gs == 0, torch.ones_like(gs), gs)
-    sb = (amax / E2M1_MAX / gs).clamp_(max=E4M3_MAX).to(FP8_DTYPE)
-    s_eff = sb.float() * gs
-    denom = torch.where(s_eff == 0, torch.full_like(s_eff, math.inf), s_eff)
-    return _encode_blocks(blocks, denom), sb, gs.reshape(())
+    sb = torch.div(amax, E2M1_MAX).div_(gs).clamp_(max=E4M3_MAX).to(FP8_DTYPE)
+    s_eff = e4m3_to_fp32(sb).mul_(gs)
+    return _encode_blocks(blocks, _zero_to_inf(s_eff)), sb, gs.reshape(())
+
+
+def _zero_to_inf(s: Tensor) -> Tensor:
+    """In place: +0 -> +inf in a tensor of fp32 values >= +0 (a flushed block divides by inf, so its
+    codes are signed zeros). On the bit patterns: p == 0 exactly when (p - 1) >> 31 is all ones, and
+    then or-ing in inf's exponent makes +inf; four integer passes instead of a bool mask, which torch
+    does not vectorise (3x the cost)."""
+    bits = s.view(torch.int32)
+    bits.bitwise_or_(torch.sub(bits, 1).bitwise_right_shift_(31).bitwise_and_(0x7F800000))
+    return s
 
 
 def _encode_blocks(blocks: Tensor, denom: Tensor) -> Tensor:
     """Packed codes of e2m1_rne(blocks / denom) ([N, nb, B] / [N, nb] -> [N, nb*B/2] uint8), a chunk of
-    rows at a time through one scratch buffer (int8.row_chunks: no full-size temporaries)."""
+    rows at a time through reused scratch buffers (e2m1.encode_packed: no full-size temporaries)."""
     n, nb, block = blocks.shape
     packed = torch.empty((n, nb * block // 2), dtype=torch.uint8, device=blocks.device)
-    flat = blocks.reshape(n, nb * block)
-    for r0, r1, buf in row_chunks(flat):
-        q = torch.div(blocks[r0:r1], denom[r0:r1, :, None], out=buf.view(r1 - r0, nb, block))
-        packed[r0:r1] = pack_fp4(e2m1_encode(q).reshape(r1 - r0, -1))
+    buf = _scratch(blocks)
+    for r0 in range(0, n, buf.rows):
+        r1 = min(n, r0 + buf.rows)
+        q = buf.f32[: (r1 - r0) * nb * block].view(r1 - r0, nb, block)
+        torch.div(blocks[r0:r1], denom[r0:r1, :, None], out=q)
+        encode_packed(q.view(r1 - r0, -1), packed[r0:r1], buf)
     return packed
 
 
-def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, k: int) -> Tensor:
-    """-> [N, k] fp32 (padding columns dropped)."""
-    n, nb = block_scale.shape
-    vals = e2m1_decode(unpack_fp4(packed)).reshape(n, nb, NVFP4_BLOCK)
-    s_eff = block_scale.float() * global_scale.float()
-    return (vals * s_eff[:, :, None]).reshape(n, -1)[:, :k]
+def _decode_blocks(packed: Tensor, scale: Tensor, block: int, k: int, out: Tensor | None) -> Tensor:
+    """fp32(e2m1(code) * scale of its block) -> [N, k] (into `out` when given: a contiguous [N, k]
+    fp32 tensor), a chunk of rows at a time (e2m1.decode_pairs: one table look-up per byte)."""
+    n, nb = scale.shape
+    kp = nb * block
+    packed = packed.contiguous()
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.float32, device=packed.device)
+    assert out.shape == (n, k) and out.dtype == torch.float32 and out.is_contiguous(), "bad decode target"
+    buf = Scratch(kp, packed.device)
+    for r0 in range(0, n, buf.rows):
+        r1 = min(n, r0 + buf.rows)
+        vals = decode_pairs(packed[r0:r1], buf).view(r1 - r0, nb, block)
+        if k == kp:
+            torch.mul(vals, scale[r0:r1, :, None], out=out[r0:r1].view(r1 - r0, nb, block))
+        else:
+            out[r0:r1] = vals.mul_(scale[r0:r1, :, None]).view(r1 - r0, kp)[:, :k]
+    return out
+
+
+def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, k: int, *,
+                     out: Tensor | None = None) -> Tensor:
+    """-> [N, k] fp32 (padding columns dropped; written into `out` when given)."""
+    s_eff = e4m3_to_fp32(block_scale).mul_(global_scale.float())
+    return _decode_blocks(packed, s_eff, NVFP4_BLOCK, k, out)
 
 
 def _e8m0_to_fp32(biased: Tensor) -> Tensor:
@@ -148,8 +182,7 @@ def quantize_mxfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tenso
     Kp = ceil(K/32)*32. Rule in the module docstring."""
     check_matrix(w, name, finite=False)
     blocks = _pad_blocks(w.float(), MXFP4_BLOCK)
-    lo, hi = torch.aminmax(blocks, dim=2)
-    amax = torch.maximum(lo.neg_(), hi).abs_()  # abs_: an all-zero row or block has amax +0, never -0
+    amax = _block_amax(blocks)  # +0 for an all-zero block
     check_finite_amax(w, amax, name)
     _, e = torch.frexp(amax)  # amax = m * 2**e, m in [0.5, 1): floor(log2(amax)) = e - 1
     exp = torch.where(amax > 0, e - 1 - 2, torch.full_like(e, -127)).clamp_(-127, 127)
@@ -158,9 +191,6 @@ def quantize_mxfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tenso
     return _encode_blocks(blocks, scale), biased.view(E8M0_DTYPE)
 
 
-def dequantize_mxfp4(packed: Tensor, scale: Tensor, k: int) -> Tensor:
-    """packed [N, Kp/2] uint8, scale [N, Kp/32] float8_e8m0fnu -> [N, k] fp32."""
-    n, nb = scale.shape
-    vals = e2m1_decode(unpack_fp4(packed)).reshape(n, nb, MXFP4_BLOCK)
-    s = _e8m0_to_fp32(scale.view(torch.uint8))
-    return (vals * s[:, :, None]).reshape(n, -1)[:, :k]
+def dequantize_mxfp4(packed: Tensor, scale: Tensor, k: int, *, out: Tensor | None = None) -> Tensor:
+    """packed [N, Kp/2] uint8, scale [N, Kp/32] float8_e8m0fnu -> [N, k] fp32 (into `out` if given)."""
+    return _decode_blocks(packed, _e8m0_to_fp32(scale.view(torch.uint8)), MXFP4_BLOCK, k, out)

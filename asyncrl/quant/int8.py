@@ -67,7 +67,9 @@ def all_finite(t: Tensor) -> bool:
     anything (`isfinite(t).all()` writes a bool per element and is tens of times slower on CPU)."""
     if t.numel() == 0:
         return True
-    if t.dtype not in _AMINMAX_DTYPES:  # float8 codes and scales (small): no aminmax kernel
+    if t.dtype == torch.float8_e4m3fn:  # codes and block scales: read the bytes (no aminmax kernel)
+        return int(t.detach().reshape(-1).view(torch.uint8).bitwise_and(0x7F).amax()) != 0x7F
+    if t.dtype not in _AMINMAX_DTYPES:
         return bool(torch.isfinite(t.detach().float()).all())
     lo, hi = torch.aminmax(t.detach())
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
@@ -77,7 +79,7 @@ def check_finite_amax(w: Tensor, amax: Tensor, name: str | None) -> None:
     """`amax` is a max of |w| over rows or blocks (NaN and inf propagate through it): if any entry is
     not finite, raise the error `check_matrix` raises for `w`. One pass over the reduction instead of
     one over the weight."""
-    if not bool(torch.isfinite(amax).all()):
+    if not all_finite(amax):  # one aminmax reduction, no bool per element
         _raise_non_finite(w, name)
 
 
@@ -111,7 +113,7 @@ def quantize_int8_rows(x: Tensor, *, name: str | None = None) -> tuple[Tensor, T
     return codes, scale
 
 
-CHUNK_ELEMENTS = 1 << 16  # 256 KiB of fp32: temporaries stay in cache and in reused heap memory
+CHUNK_ELEMENTS = 1 << 18  # 1 MiB of fp32 (measured on the 22M model: faster than 2**16, fewer Python round trips)
 
 
 def row_chunks(x: Tensor, elements: int = CHUNK_ELEMENTS):

@@ -170,7 +170,14 @@ class DecodedLinear(QuantLinear):
     _w_decoded: Tensor
 
     def refresh(self) -> None:
-        w = dequantize_weight(self.weight_tensors(), self.fmt, self.in_features)
+        # Decode into the existing cache when it fits (a new version of the same model): no fresh
+        # 4*N*K bytes to fault in per load, and references to the cache stay valid, as they do for
+        # the persistent buffers `load_published` copies into.
+        old = self._buffers.get("_w_decoded")
+        codes = self.weight_tensors()["qweight"]
+        fits = (old is not None and old.shape == (self.out_features, self.in_features)
+                and old.dtype == torch.float32 and old.device == codes.device and old.is_contiguous())
+        w = dequantize_weight(self.weight_tensors(), self.fmt, self.in_features, out=old if fits else None)
         self.register_buffer("_w_decoded", w.contiguous(), persistent=False)
 
     def _compute(self, x2: Tensor) -> Tensor:

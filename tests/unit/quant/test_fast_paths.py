@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from asyncrl.quant import ChecksumMismatchError, load_published, publish, quantize_model
-from asyncrl.quant.fp4 import _BOUNDARIES, e2m1_encode
+from asyncrl.quant.e2m1 import BOUNDARIES as _BOUNDARIES
+from asyncrl.quant.fp4 import e2m1_encode
 from asyncrl.quant.int8 import all_finite
 from asyncrl.quant.wire import checksum_of, digest, digest_matches, header_dict, raw_bytes
 from asyncrl.transport.publication import from_wire, to_wire
