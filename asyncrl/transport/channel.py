@@ -30,7 +30,17 @@ import zmq
 
 from asyncrl.transport.keys import CurveConfig, is_loopback
 from asyncrl.transport.zap import auth_counter_metrics, secure_socket, shutdown_security
-from protocols import Error, Message, ProtocolError, decode_frames, encode, encode_frames
+from protocols import (
+    Error,
+    Message,
+    ProtocolError,
+    WeightChunk,
+    decode_frames,
+    decode_single,
+    decoder_for,
+    encode,
+    encode_frames,
+)
 
 DEFAULT_HWM = 1000
 ZERO_COPY_BYTES = 64 * 1024
@@ -45,9 +55,11 @@ class ChannelClosed(RuntimeError):
     """The channel was used after ``close()``."""
 
 
-@dataclasses.dataclass(slots=True)
-class Envelope:
-    """One received message. ``peer`` is the sender identity on ROUTER sockets, else None."""
+class Envelope(msgspec.Struct):
+    """One received message. ``peer`` is the sender identity on ROUTER sockets, else None.
+
+    A msgspec Struct rather than a dataclass: built once per received message, and its C constructor
+    costs half a slots dataclass's (0.1 vs 0.2 µs; keywords made the dataclass 0.5 µs). Never sent."""
 
     msg: Any
     peer: bytes | None = None
@@ -168,6 +180,8 @@ class ZmqChannel:
     ) -> None:
         self.kind = kind
         self.accept = accept
+        self._router = kind == zmq.ROUTER
+        self._decoder = decoder_for(accept)  # looked up once: the receive hot path calls it directly
         self.name = name or zmq.Socket.__name__
         self.stats = ChannelStats()
         self.reply_errors = reply_errors and kind == zmq.ROUTER
@@ -237,9 +251,26 @@ class ZmqChannel:
         payload: bytes | memoryview | None = None,
         timeout_s: float | None = 10.0,
     ) -> None:
-        """Send one message (to peer ``to`` on ROUTER). Raises ``ChannelTimeout`` past ``timeout_s``."""
+        """Send one message (to peer ``to`` on ROUTER). Raises ``ChannelTimeout`` past ``timeout_s``.
+
+        The hot path (samples, control messages on a socket without peer identities) encodes and hands
+        the one frame to zmq directly: no frame list, no size sum, no deadline unless the high-water
+        mark is hit. Everything else (ROUTER, a ``WeightChunk`` and its payload) goes through
+        ``encode_frames``, which checks the payload against the header."""
+        if payload is None and not self._router and not isinstance(msg, WeightChunk):
+            if self._closed:
+                raise ChannelClosed(f"channel {self.name} is closed")
+            data = encode(msg)
+            try:
+                self._sock.send(data, _NOBLOCK, copy=len(data) < ZERO_COPY_BYTES)
+                self.stats.sent += 1
+                return
+            except zmq.Again:
+                pass
+            self._send_slow((data,), timeout_s)
+            return
         frames = encode_frames(msg, payload)
-        if self.kind == zmq.ROUTER:
+        if self._router:
             if to is None:
                 raise ValueError("a ROUTER channel needs the peer identity: send(msg, to=peer)")
             frames = [to, *frames]
@@ -248,7 +279,7 @@ class ZmqChannel:
     def send_frames(self, frames: Sequence[Any], *, timeout_s: float | None = 10.0) -> None:
         if self._closed:
             raise ChannelClosed(f"channel {self.name} is closed")
-        if len(frames) == 1:  # the hot path (samples, control): one small frame, copied, no bookkeeping
+        if len(frames) == 1:  # one small frame, copied, no bookkeeping
             frame = frames[0]
             try:
                 self._sock.send(frame, _NOBLOCK, copy=len(frame) < ZERO_COPY_BYTES)
@@ -283,13 +314,19 @@ class ZmqChannel:
             self._sock.poll(wait_ms, zmq.POLLOUT)
 
     def recv(self, timeout_s: float) -> Envelope | None:
-        """Next valid message, or None after ``timeout_s``. Bad frames are counted and skipped."""
+        """Next valid message, or None after ``timeout_s``. Bad frames are counted and skipped.
+
+        The hot path is a single-frame message on a socket without peer identities: zmq's ``more`` flag
+        is read from the received frame (no ``RCVMORE`` round trip, which costs as much as the receive),
+        and the frame is decoded in place by the accepted type's decoder (no copy into a bytes object;
+        the decoded message copies out what it keeps). Multipart messages, and every message of a
+        ROUTER socket (its first frame is the peer identity), take ``_parse`` and ``decode_frames``."""
         if self._closed:
             raise ChannelClosed(f"channel {self.name} is closed")
         deadline = None
         while True:
             try:  # fast path: a message is already queued, no poll needed
-                frames = self._recv_frames()
+                frame = self._sock.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 if deadline is None:
                     deadline = time.monotonic() + max(0.0, timeout_s)
@@ -297,7 +334,14 @@ class ZmqChannel:
                 if not self._poller.poll(remaining_ms):
                     return None
                 continue
-            env = self._parse(frames)
+            if frame.more or self._router:
+                env = self._parse(self._rest_of(frame))
+            else:
+                try:
+                    env = Envelope(decode_single(frame, self._decoder))
+                except ProtocolError as e:
+                    self.stats.reject(e.reason, str(e))
+                    env = None
             if env is not None:
                 self.stats.received += 1
                 return env
@@ -306,22 +350,21 @@ class ZmqChannel:
             if time.monotonic() >= deadline:
                 return None
 
-    def _recv_frames(self) -> list:
-        """Every frame of the next message (raises ``zmq.Again`` if none is queued). Small messages are
-        copied out of one zmq frame whose ``more`` flag is read in place (no ``RCVMORE`` round trip,
-        which costs as much as the receive itself); payloads of a zero-copy channel stay zmq buffers."""
-        if self._zero_copy_recv:
-            return [f.buffer for f in self._sock.recv_multipart(_NOBLOCK, copy=False)]
-        frame = self._sock.recv(_NOBLOCK, copy=False)
-        frames = [frame.bytes]
-        while frame.more:  # the rest of a multipart message is already here (zmq delivers it atomically)
+    def _rest_of(self, frame: zmq.Frame) -> list:
+        """Every frame of the message whose first frame is ``frame`` (zmq delivers a multipart message
+        atomically: the rest is already here). Small frames are copied out; the frames of a zero-copy
+        channel (weights) stay zmq buffers."""
+        frames = [frame]
+        while frame.more:
             frame = self._sock.recv(0, copy=False)
-            frames.append(frame.bytes)
-        return frames
+            frames.append(frame)
+        if self._zero_copy_recv:
+            return [f.buffer for f in frames]
+        return [f.bytes for f in frames]
 
     def _parse(self, frames: list) -> Envelope | None:
         peer = None
-        if self.kind == zmq.ROUTER:
+        if self._router:
             peer, frames = bytes(frames[0]), frames[1:]
         try:
             msg, payload = decode_frames(frames, self.accept)
@@ -330,7 +373,7 @@ class ZmqChannel:
             if self.reply_errors and peer is not None:
                 self._reply_error(peer, e)
             return None
-        return Envelope(msg=msg, peer=peer, payload=payload)
+        return Envelope(msg, peer, payload)
 
     def _reply_error(self, peer: bytes, err: ProtocolError) -> None:
         try:
