@@ -14,6 +14,7 @@ from protocols.codec import (
     decoder_for,
     encode,
     encode_frames,
+    encode_into,
     parse_version,
     speaks_typed_control,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "decoder_for",
     "encode",
     "encode_frames",
+    "encode_into",
     "parse_version",
     "speaks_typed_control",
     "TYPED_CONTROL_MINOR",

@@ -59,6 +59,8 @@ _DECODERS: dict[int, msgspec.msgpack.Decoder] = {id(Message): decoder_for(Messag
 encode: Callable[[msgspec.Struct], bytes] = _ENCODER.encode
 """``encode(msg) -> bytes``: the cached encoder's bound method itself, not a function around it (one
 Python call less per message on the send hot path)."""
+encode_into: Callable[[msgspec.Struct, bytearray], None] = _ENCODER.encode_into
+"""``encode_into(msg, buf)``: encode into a reused bytearray, resized to the message (same bytes as ``encode``)."""
 
 
 def decode(buf: bytes | memoryview, typ: Any = Message) -> Any:
@@ -93,8 +95,8 @@ def protocol_error(e: BaseException) -> ProtocolError:
 
 def decode_single(buf: Any, dec: msgspec.msgpack.Decoder) -> Any:
     """``decode_frames([buf])[0]`` with the decoder of the accepted type already in hand (``decoder_for``):
-    the receive hot path, one Python call around msgspec. ``buf`` may be any buffer (a zmq frame: decoded
-    in place, no copy; the message keeps no reference to it, as every bytes/str field is copied out).
+    the receive hot path, one Python call around msgspec. ``buf`` may be any buffer; the message keeps
+    no reference to it (every bytes/str field is copied out).
     Raises only ``ProtocolError``, like ``decode_frames`` (a ``WeightChunk`` needs its payload frame)."""
     try:
         msg = dec.decode(buf)
