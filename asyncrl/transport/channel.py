@@ -214,6 +214,7 @@ class ZmqChannel:
         # pyzmq's Socket.send is a Python wrapper (DRAFT routing_id/group arguments, which asyncrl never
         # uses) around the Cython send; the hot path calls the Cython send itself, one Python frame less.
         self._send_copy = zmq.backend.Socket.send.__get__(self._sock)
+        self._recv_frame = self._sock.recv
         self.address = ""
         self._closed = False
         # Large payloads (weights) are received without a copy; small messages are faster copied.
@@ -340,7 +341,7 @@ class ZmqChannel:
         deadline = None
         while True:
             try:  # fast path: a message is already queued, no poll needed
-                frame = self._sock.recv(_NOBLOCK, copy=False)
+                frame = self._recv_frame(_NOBLOCK, False)  # copy=False: a zmq.Frame, with its ``more`` flag
             except zmq.Again:
                 if deadline is None:
                     deadline = time.monotonic() + max(0.0, timeout_s)
