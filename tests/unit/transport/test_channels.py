@@ -89,6 +89,29 @@ def test_typed_channel_rejects_other_messages_and_multipart_frames_then_keeps_se
         assert pull.recv(5.0).msg == _sample(2)
 
 
+def test_messages_through_the_reused_encode_buffer_arrive_intact_whatever_their_size_and_the_hwm():
+    # One PUSH encodes every message into the same buffer: small and large ones alternate, and a high-water
+    # mark of 1 with a slow reader makes sends wait (the retry path must send its own copy of the bytes).
+    import threading
+
+    sizes = [3, 70_000, 5, 300_000, 1, 9, 200_000, 2] * 4
+    got: list = []
+    with ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0", hwm=1, accept=P.FinishedSample) as pull, \
+            ZmqChannel.connect(zmq.PUSH, pull.address, hwm=1) as push:
+        def read() -> None:
+            while len(got) < len(sizes) and (env := pull.recv(30.0)) is not None:
+                got.append(env.msg)
+                time.sleep(0.002)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        for n in sizes:
+            push.send(_sample(n), timeout_s=30.0)
+        reader.join(60.0)
+        assert got == [_sample(n) for n in sizes]
+        assert pull.stats.rejected_total == 0
+
+
 def test_closed_channel_refuses_use():
     ch = ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0")
     ch.close()
