@@ -1,7 +1,8 @@
 """Hostile clients of a running controller (real processes, real sockets), for tests/integration.
 
-Run as ``python tests/integration/hostile_peer.py ROLE CONTROL_ADDRESS``; each prints "ready" once
-its attack is under way and keeps attacking until SIGTERM:
+Run as ``python tests/integration/hostile_peer.py ROLE CONTROL_ADDRESS`` (or ``@RUN_DIR/controller.json``: wait
+for the run's controller to write its addresses, so an attacker can start with the run); each prints "ready"
+once its attack is under way and keeps attacking until SIGTERM:
   flood    sends 300k work requests as fast as the socket takes them and never reads a reply
   hang     registers as a worker, takes assignments, heartbeats every second, never returns a sample
   poison   registers as a worker and returns every assigned sample with out-of-vocabulary token ids
@@ -45,6 +46,14 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: STOP.update(flag=True))
     role, address = sys.argv[1], sys.argv[2]
+    if address.startswith("@"):  # the controller's address file, once it exists
+        import json
+
+        while not os.path.exists(address[1:]):
+            if STOP["flag"]:
+                return 0
+            time.sleep(0.05)
+        address = json.loads(open(address[1:]).read())["control"]
     if role == "flood":
         ch = ZmqChannel.connect(zmq.DEALER, address, identity=b"flood", hwm=100_000)
         print("ready", flush=True)
