@@ -4,25 +4,30 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 
 from asyncrl.transport import generate_keys
-from tests.integration.test_train_e2e import _wait_for_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
+STEPS = 40
 
 
 def test_authorised_workers_train_while_unknown_and_plain_clients_are_refused_and_counted(tmp_path, procs):
     keys, stranger = tmp_path / "keys", tmp_path / "stranger"
     generate_keys(keys, names=("server", "client"))
     generate_keys(stranger, names=("server", "client"))  # a key pair the job never allow-listed
+    # Enough steps that both intruders, started as soon as the controller listens (before the learner's
+    # first step), are refused while the run goes on, on a machine that trains 5 steps a second too.
     proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=curve",
-                        "learner.total_steps=8", "learner.ckpt_every=0", "learner.eval_every=0",
+                        f"learner.total_steps={STEPS}", "learner.ckpt_every=0", "learner.eval_every=0",
                         "rollout.groups_per_step=4", f"transport.keys_dir={keys}",
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_dir = tmp_path / "curve"
-    _wait_for_step(run_dir, 1, proc)
+    while not (run_dir / "controller.json").exists():
+        assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
+        time.sleep(0.1)
     address = json.loads((run_dir / "controller.json").read_text())["control"]
     # The stranger holds the real server public key (it is public) but its own client key pair.
     (stranger / "server.key").write_bytes((keys / "server.key").read_bytes())
@@ -39,4 +44,4 @@ def test_authorised_workers_train_while_unknown_and_plain_clients_are_refused_an
     joined = (run_dir / "logs" / "controller.log").read_text()
     assert "worker-0 joined" in joined and "plain joined" not in joined and "unknown joined" not in joined
     assert all(p.poll() is None or p.returncode != 0 for p in intruders)  # none got a Welcome
-    assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == 8
+    assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == STEPS
