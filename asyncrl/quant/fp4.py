@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .e2m1 import E2M1_VALUES, Scratch, decode_pairs, e2m1_encode, encode_packed
+from .e2m1 import E2M1_VALUES, Scratch, decode_pairs, e2m1_encode, encode_packed, pack_codes
 from .fp8 import E4M3_MAX, FP8_DTYPE, e4m3_to_fp32
 from .int8 import check_finite_amax, check_matrix
 
@@ -65,9 +65,14 @@ def e2m1_decode(codes: Tensor) -> Tensor:
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
-    """codes [..., K] uint8 (0..15, K even) -> [..., K/2] uint8, element 2j in the low nibble."""
+    """codes [..., K] uint8 (0..15, K even) -> [..., K/2] uint8, element 2j in the low nibble
+    (e2m1.pack_codes, the packing the quantisers use, on a contiguous copy)."""
     assert codes.shape[-1] % 2 == 0, "fp4 packing needs an even number of codes"
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    out = torch.empty((*codes.shape[:-1], codes.shape[-1] // 2), dtype=torch.uint8, device=codes.device)
+    c = codes.to(torch.uint8).contiguous()
+    if c.storage_offset() % 2:  # pack_codes reads byte pairs as int16: they must start 2-byte aligned
+        c = c.clone()
+    return pack_codes(c, out)
 
 
 def unpack_fp4(packed: Tensor) -> Tensor:
