@@ -5,8 +5,8 @@ Every row trains the same model on the same reasoning-gym task, chat-templated p
 the same wall-clock budget on this machine, and is scored before and after by the same greedy
 evaluation (``scripts/eval_greedy.py``) on the same fixed held-out problems:
 
-  asyncrl-lora   int8 workers (weight-only, ``--quant``), eta=2, ACR, LoRA adapters (``learner.lora.*``)
-  asyncrl-full   int8 workers (weight-only), eta=2, ACR, full fine-tuning
+  asyncrl-lora   int8 W8A8 workers (``--quant``), eta=2, ACR, LoRA adapters (``learner.lora.*``)
+  asyncrl-full   int8 W8A8 workers, eta=2, ACR, full fine-tuning
   trl-grpo       TRL's GRPOTrainer (full fine-tuning, one process: generate then train), in its own
                  venv ``.cache/trl-venv`` (``make trl-venv``; never a dependency of asyncrl), with the
                  asyncrl run's sizes: group size, prompts per step, max new tokens, temperature, lr,
@@ -49,23 +49,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from asyncrl.rundir import RunDir  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
-# The SmolLM2 preset (configs/experiment/smollm2_chain_sum.yaml: chat template, strict last-number grading,
-# SmolLM2's sizes for this machine), widened from two terms to two or three single-digit terms: the
-# two-term space has only 200 questions, too few for 200 held-out problems apart from training. Base
-# greedy accuracy: two terms 0.44, three terms 0.08 (48-64 problems each; docs/benchmarks.md).
-PRESET = ["+experiment=smollm2_chain_sum", "task.rg_config={min_terms:2,max_terms:3,min_digits:1,max_digits:1}",
-          "task.size=400"]
+# The task (--preset). signed_sums (configs/experiment/smollm2_signed_sums.yaml, the default): two
+# signed single-digit terms, base greedy accuracy 0.17 on the 200 held-out problems, 721 questions, so
+# training and held-out problems come from one space without overlapping, and no constant answer
+# scores over 6%. letter_counting: base 0.30, but 75% of its answers are "1" (a policy that learns to
+# say "1" gains 40 points; the rows report majority_answer_share beside accuracy). chain_sum: the
+# chain_sum preset widened to two or three unsigned terms because the two-term space has only 200
+# questions; its held-out set is then mostly three-term problems (base 0.08) while training repeats
+# the two-term ones (base 0.44), which is why its first recorded run (docs/benchmarks.md §8) moved the
+# sampled reward, not held-out accuracy.
+PRESETS = {
+    "chain_sum": ["+experiment=smollm2_chain_sum", "task.rg_config={min_terms:2,max_terms:3,min_digits:1,max_digits:1}",
+                  "task.size=400"],
+    "letter_counting": ["+experiment=smollm2_letter_counting"],
+    "signed_sums": ["+experiment=smollm2_signed_sums"],
+}
 # --quick: a smoke check of every row in under ten minutes on this machine, so half the prompts per step
 # and half the answer length of the full run (its first step alone, generation included, is the budget)
 QUICK = ["rollout.groups_per_step=2", "rollout.max_new_tokens=32"]
 SMOKE = ["model=tiny", "task=addition"]  # --smoke: every code path in a minute or two; figures meaningless
-# int8 workers, weight-only (int8_wo: int8 codes + per-channel scales, decoded once per version): the W8A8
-# path (quant=int8) runs torch._int_mm, which on this CPU is 9-28x slower than an fp32 GEMM once a
-# forward has 32 or more rows (prefill, batched decode); docs/benchmarks.md §7. --quant selects another.
+# int8 W8A8 workers (torch._int_mm): on a CPU with AVX-512 VNNI 1.4-1.9x the fp32 engine on SmolLM2
+# (docs/benchmarks.md, bench_engine); on one without, _int_mm is 9-28x slower than an fp32 GEMM once a
+# forward has 32 rows, and --quant int8_wo (int8 codes decoded to fp32 once per version) is the choice.
 COMMON = ["rollout.eta=2", "algo=acr", "learner.eval_every=0", "learner.ckpt_every=0",
           "learner.total_steps=100000", "learner.lr_schedule=constant"]
 ROWS: dict[str, list[str] | None] = {
-    "asyncrl-lora": ["learner.lora.rank=16", "learner.lora.alpha=32", "learner.lr=1e-4"],
+    "asyncrl-lora": ["learner.lora.rank=16", "learner.lora.alpha=32", "learner.lr=2e-4"],
     "asyncrl-full": [],
     "trl-grpo": None,  # the peer: sizes from asyncrl-full's resolved configuration
 }
@@ -242,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=None,
                    help="training seconds per row (default 1800, quick 60, smoke 1e-6: one step)")
     p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 200, quick 32, smoke 8)")
+    p.add_argument("--preset", default="signed_sums", choices=sorted(PRESETS), help="the task (default %(default)s)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma list of %(default)s")
-    p.add_argument("--quant", default="int8_wo", help="the asyncrl workers' format (default %(default)s; "
+    p.add_argument("--quant", default="int8", help="the asyncrl workers' format (default %(default)s; "
                    "int8 = W8A8 with torch._int_mm)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for the asyncrl rows "
                    "(and the sizes TRL copies)")
@@ -263,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown row(s) {bad}; choose from {list(ROWS)}")
     from asyncrl.config import load_train_config
 
-    base = [*(SMOKE if args.smoke else PRESET), *(QUICK if args.quick and not args.smoke else []),
+    base = [*(SMOKE if args.smoke else PRESETS[args.preset]), *(QUICK if args.quick and not args.smoke else []),
             f"quant.fmt={args.quant}", *COMMON, f"task.eval_size={n_eval}",
             f"learner.time_budget_s={budget:.6f}", *args.set]
     for n in names:
@@ -295,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                    "mean_score_before": before["mean_score"], "mean_score_after": after["mean_score"],
                    "n_eval": after["n"], "task": after["task"], "learner_peak_rss_gb": mem["learner"] / 2**30,
                    "job_peak_rss_gb": mem["job"] / 2**30, **stats, "row_wall_s": time.monotonic() - t0,
+                   "majority_answer_share": after.get("majority_answer_share"),
+                   "answers_top_before": before.get("answers_top"), "answers_top_after": after.get("answers_top"),
                    "examples_after": after["examples"]}
             rows.append(row)
             print(f"  {n}: {row['steps']} steps, {row['seconds_per_step']:.1f} s/step, accuracy "
@@ -314,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     n_held = rows[0]["n_eval"] if rows else n_eval
     benchlib.print_table(f"{title}; greedy accuracy on {n_held} held-out problems (Wilson 95% CI)", rows,
                          ["name", "steps", "accuracy_before", "accuracy_after", "delta", "significant",
+                          "majority_answer_share",
                           "seconds_per_step", "learner_seconds_per_step", "worker_tokens_per_s",
                           "learner_peak_rss_gb", "job_peak_rss_gb"])
     for r in rows:

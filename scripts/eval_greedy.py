@@ -8,6 +8,8 @@ So every row of ``scripts/bench_real.py`` is scored by the same code on the same
 
 Reported: ``accuracy`` (the share of problems whose score is 1: fully correct), ``mean_score`` (the
 mean of the task's scores, which may give partial credit; the learner's ``eval/accuracy``), ``n``,
+``majority_answer_share`` (what answering the most common reference answer to every problem would
+score), ``answers_top`` (the five answers the model gives most, as the task extracts them),
 ``ci95`` (Wilson score interval of ``accuracy``), and the first responses for a look at what the model
 writes. One process, ``--threads`` torch threads; nothing is trained or written except ``--json``.
 
@@ -23,6 +25,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +75,17 @@ def evaluate(model_dir: str | Path, overrides: list[str], *, threads: int = 1, m
     correct = sum(1 for s in scores if s >= 1.0)
     n = len(scores)
     tokens = sum(len(by_id[f"eval/{i}"].response_ids) for i in range(n))
+    extract = getattr(scorer.task, "extract", None)
+    given = Counter(str(extract(t)) if extract else t.strip()[:40] for t in texts)
+    reference = Counter(p.answer for p in problems)
     return {"model": str(model_dir), "task": scorer.task.name, "n": n, "correct": correct,
             "accuracy": correct / n if n else math.nan, "ci95": list(wilson(correct, n)),
             "mean_score": float(np.mean(scores)) if n else math.nan,
             "mean_response_tokens": tokens / n if n else math.nan, "seconds": seconds,
+            # a policy that gives one answer to everything scores the share of its answer: read
+            # accuracy against the best constant answer's score
+            "majority_answer_share": reference.most_common(1)[0][1] / n if n else math.nan,
+            "answers_top": given.most_common(5),
             "examples": [{"prompt": p.prompt, "answer": p.answer, "response": t, "score": s}
                          for p, t, s in list(zip(problems, texts, scores, strict=True))[:examples]]}
 

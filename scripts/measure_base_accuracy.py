@@ -28,6 +28,19 @@ CANDIDATES: dict[str, tuple[str, dict, int]] = {
     "leg_counting_small": ("leg_counting", {"min_animals": 1, "max_animals": 2, "min_instances": 1,
                                             "max_instances": 4}, 2000),
     "gsm_symbolic": ("gsm_symbolic", {}, 2000),
+    "chain_sum_signed_2x1": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                           "allow_negation": True}, 400),
+    "chain_sum_3x1": ("chain_sum", {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}, 2000),
+    "basic_arithmetic_add_2x2": ("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
+                                                      "operators": ["+"], "allow_parentheses": False,
+                                                      "allow_negation": False}, 2000),
+    "leg_counting_1x5": ("leg_counting", {"min_animals": 1, "max_animals": 1, "min_instances": 1,
+                                          "max_instances": 5}, 50),
+    "leg_counting_2x3": ("leg_counting", {"min_animals": 1, "max_animals": 2, "min_instances": 1,
+                                          "max_instances": 3}, 2000),
+    "letter_counting_1_3": ("letter_counting", {"min_words": 1, "max_words": 3}, 2000),
+    "letter_counting_2_4": ("letter_counting", {"min_words": 2, "max_words": 4}, 2000),
+    "letter_counting_3_5": ("letter_counting", {"min_words": 3, "max_words": 5}, 2000),
 }
 
 

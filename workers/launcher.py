@@ -1,6 +1,7 @@
 """Local launcher: ``asyncrl train [key=value ...]`` starts and supervises one training job.
 
-Starts, in order: the controller, the learner (torchrun, ``learner.world_size`` ranks) and
+Starts, in order: the controller, the learner (``learner.world_size`` ranks under torchrun; one rank
+alone at world size 1) and
 ``rollout.num_workers`` generation workers, each a child process tracked by PID. Follows
 ``metrics.jsonl`` for the live progress line; when the learner finishes, stops the workers, waits for
 the controller, draws the plots and writes ``summary.json``. Ctrl-C (or SIGTERM) stops every child by
@@ -47,6 +48,16 @@ KILL_WAIT_S = 10.0
 """After SIGKILL, how long to wait for the kernel to reap the child."""
 CONTROLLER_EXIT_TIMEOUT_S = 60.0
 """After the learner finished, how long the controller may take to write its final files and exit."""
+
+
+def learner_command(world_size: int, args: list[str]) -> list[str]:
+    """The learner's command line: its ranks under a torchrun agent, or at world size 1 the one rank
+    itself (a one-rank group on an in-process store, ``init_distributed``), which saves the agent's
+    process and its copy of torch (about 0.2 GB) beside a small run."""
+    script = [str(ROOT / "workers" / "learner.py"), *args]
+    if world_size == 1:
+        return [sys.executable, "-u", *script]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", *script]
 
 
 class Child:
@@ -147,13 +158,32 @@ def publish_formats(cfg: TrainConfig) -> list[str]:
 
 
 def visible_gpus() -> list[str]:
-    """The GPU ids this launcher may hand out (honours an inherited ``CUDA_VISIBLE_DEVICES``)."""
+    """The GPU ids this launcher may hand out (honours an inherited ``CUDA_VISIBLE_DEVICES``).
+
+    Counted by the driver's NVML library, not by torch: the launcher supervises the run for its whole
+    length and never loads torch (about 0.2 GB resident), nor creates a CUDA context. No NVML (no
+    NVIDIA driver): no GPUs."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d.strip() for d in env.split(",") if d.strip()]
-    import torch
+    return [str(i) for i in range(nvml_device_count())]
 
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+def nvml_device_count() -> int:
+    """GPUs the NVIDIA driver sees (``nvmlDeviceGetCount``); 0 without the driver's NVML library."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_uint(0)
+    if nvml.nvmlInit_v2() != 0:
+        return 0
+    try:
+        return int(count.value) if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else 0
+    finally:
+        nvml.nvmlShutdown()
 
 
 def gpu_plan(gpus: Sequence[str], cfg: TrainConfig) -> tuple[str | None, list[str | None]]:
@@ -211,9 +241,8 @@ class Launcher:
         self.address = json.loads(addr_file.read_text())["control"]
         W = self.cfg.learner.world_size
         learner_gpus, self.worker_gpus = gpu_plan(visible_gpus(), self.cfg)
-        self.learner = self.spawn("learner", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                              f"--nproc_per_node={W}", str(ROOT / "workers" / "learner.py"),
-                                              "--controller", self.address, *common], cuda_devices=learner_gpus)
+        self.learner = self.spawn("learner", learner_command(W, ["--controller", self.address, *common]),
+                                  cuda_devices=learner_gpus)
         self.workers = [self.spawn(f"worker-{i}", self.worker_args(f"worker-{i}"), cuda_devices=self.worker_gpus[i])
                         for i in range(self.cfg.rollout.num_workers)]
 
@@ -413,10 +442,8 @@ def run_replay(overrides: Sequence[str]) -> int:
     launcher = Launcher(cfg, run_dir, model_dir)
     t0 = time.monotonic()
     try:
-        learner = launcher.spawn("learner", [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={cfg.learner.world_size}", str(ROOT / "workers" / "learner.py"),
-            "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--replay-log", str(src_log)])
+        learner = launcher.spawn("learner", learner_command(cfg.learner.world_size, [
+            "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--replay-log", str(src_log)]))
         rc = learner.proc.wait()
     except KeyboardInterrupt:
         launcher.stop()

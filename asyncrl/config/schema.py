@@ -83,6 +83,11 @@ class TaskConfig:
     ``task.rg_config={min_terms:2,max_terms:2,max_digits:2}`` or ``+task.rg_config.max_digits=2``."""
     size: int = 10_000
     """reasoning_gym: training problems generated (the evaluation problems are drawn apart from them)."""
+    partial_credit: bool = True
+    """reasoning_gym: the package's own scores as rewards, partial credit included (``chain_sum`` and
+    ``letter_counting`` give 0.5 to an answer that merely contains the right one, so "11" earns half of
+    a "1"); false: reward 1 when the package scores the answer 1, else 0. A policy finds that hack
+    within 20 steps (docs/tasks.md); the SmolLM2 presets turn it off."""
     max_prompt_tokens: int = 0
     """Longest prompt admitted; 0: the model's context (max_position_embeddings) minus one."""
     too_long: str = "skip"
@@ -334,6 +339,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"task.rg_config={cfg.task.rg_config!r} must be a mapping, e.g. task.rg_config={{min_terms:2}}")
     if cfg.task.rg_config and cfg.task.name != "reasoning_gym":
         raise ValueError(f"task.rg_config is for task.name=reasoning_gym (this run uses {cfg.task.name}); drop it")
+    if not cfg.task.partial_credit and cfg.task.name != "reasoning_gym":
+        raise ValueError(f"task.partial_credit is for task.name=reasoning_gym (this run uses {cfg.task.name}); "
+                         "drop it (the other tasks score 0 or 1)")
     require_choice("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
     check_device("rollout.device", cfg.rollout.device)
     require_choice("learner.device", cfg.learner.device, DEVICES)

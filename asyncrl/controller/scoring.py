@@ -34,7 +34,8 @@ def task_kwargs(cfg) -> dict[str, Any]:
                 "prompt_key": t.prompt_key, "answer_key": t.answer_key,
                 "answer_format": t.answer_format or "math_verify"}
     return {"dataset": t.dataset, "seed": t.seed, "eval_size": t.eval_size, "size": t.size,
-            "config": dict(t.rg_config or {}), "answer_format": t.answer_format or "tag"}
+            "config": dict(t.rg_config or {}), "answer_format": t.answer_format or "tag",
+            "partial_credit": t.partial_credit}
 
 
 class GroupScorer:

@@ -5,7 +5,8 @@ Owns: building a training and an evaluation dataset of one reasoning-gym generat
 dataset's ``score_answer``.
 
 Must never: import ``reasoning_gym`` at module import (it takes about a second and is optional:
-``pip install reasoning-gym==0.1.25``), or rescale or replace the package's rewards.
+``pip install reasoning-gym==0.1.25``), or rescale the package's rewards or grade by another rule (the
+one change allowed is ``partial_credit=False``, below: the package's own verdict, made binary).
 
 Invariants:
 - reasoning-gym generates item ``i`` of a dataset with ``random.Random(seed + i)``. Training uses
@@ -20,7 +21,9 @@ Invariants:
   line (an inconsistent equation chain or several different numbers there: none); ``"plain"`` feeds
   the question unchanged and takes the first line. No answer scores like an empty answer. Rewards are
   the package's own, in ``[0, 1]`` (``gsm_symbolic`` gives 0.01 to a numeric but wrong answer,
-  ``chain_sum`` partial credit to a superstring).
+  ``chain_sum`` and ``letter_counting`` 0.5 to a superstring), or with ``partial_credit=False`` the
+  package's verdict made binary: 1 when it scores the answer 1, else 0 (a superstring is a reward hack:
+  a policy that answers "11" to every letter count earns half of every "1").
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class ReasoningGymTask(EpochStreamMixin):
         eval_size: number of evaluation items.
         eval_seed: generator seed of the evaluation set (default ``seed + size``).
         config: the generator's own settings (for example ``{"min_terms": 2, "max_terms": 3}``).
-        answer_format: ``"tag"`` or ``"plain"`` (module docstring).
+        answer_format: ``"tag"``, ``"boxed"``, ``"last_number"`` or ``"plain"`` (module docstring).
+        partial_credit: the package's partial scores as rewards; False: 1 only for a full score, else 0.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class ReasoningGymTask(EpochStreamMixin):
         eval_seed: int | None = None,
         config: dict[str, Any] | None = None,
         answer_format: AnswerFormat = "tag",
+        partial_credit: bool = True,
     ) -> None:
         rg = _import_reasoning_gym()
         from reasoning_gym.factory import DATASETS
@@ -92,6 +97,7 @@ class ReasoningGymTask(EpochStreamMixin):
         self.name = f"reasoning_gym/{dataset}"
         self.seed = seed
         self.answer_format = answer_format
+        self.partial_credit = bool(partial_credit)
         self.eval_seed = seed + size if eval_seed is None else eval_seed
         try:
             train = rg.create_dataset(dataset, seed=seed, size=size, **settings)
@@ -147,4 +153,5 @@ class ReasoningGymTask(EpochStreamMixin):
         reward = dataset.score_answer(
             answer=self.extract(response), entry=self._entry(problem.split, problem.item)
         )
-        return check_reward(reward, f"reasoning-gym {self.dataset}.score_answer")
+        reward = check_reward(reward, f"reasoning-gym {self.dataset}.score_answer")
+        return reward if self.partial_credit else float(reward >= 1.0)

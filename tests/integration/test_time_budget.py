@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
@@ -21,6 +24,22 @@ def test_a_spent_time_budget_ends_the_run_with_checkpoint_export_and_final_eval(
                         "learner.total_steps=50", "learner.time_budget_s=0.000001", "learner.eval_every=0",
                         "rollout.groups_per_step=2", "rollout.num_workers=1",
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pids_file, launched = tmp_path / "budget" / "pids.json", {}
+    deadline = time.monotonic() + 600
+    while "learner" not in launched and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:
+            launched = json.loads(pids_file.read_text())
+        except (OSError, ValueError):  # not written yet, or being written
+            pass
+    assert "learner" in launched, "the launcher never started a learner"
+    # The supervisor of a run never loads torch (the checks that need it run in a child that ends),
+    # and at world size 1 the learner is the one rank itself, with no torchrun agent above it.
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert "libtorch" not in maps, "the asyncrl train process loaded torch"
+    learner = psutil.Process(launched["learner"])
+    assert "torch.distributed.run" not in learner.cmdline()
+    assert Path(learner.cmdline()[2]).name == "learner.py"
     out, _ = proc.communicate(timeout=800)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]

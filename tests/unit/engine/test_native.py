@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -207,6 +209,23 @@ def test_from_pretrained_loads_an_hf_folder(tiny_dir):
     engine = NativeEngine.from_pretrained(tiny_dir, max_batch_size=2)
     (res,) = engine.generate([GenRequest("a", ids("1+1="), params(3))])
     assert len(res.response_ids) == 3 and engine.capabilities()["engine"] == "native"
+    engine.close()
+
+
+def test_from_pretrained_lets_go_of_the_weights_file_and_keeps_tied_weights_tied(tiny_dir, tmp_path):
+    """The loaded file's mapping is released (its pages, read by quantization, would stay resident)."""
+    import gc
+    import shutil
+
+    folder = shutil.copytree(tiny_dir, tmp_path / "model")
+    engine = NativeEngine.from_pretrained(folder, quant_format="int8", max_batch_size=2)
+    gc.collect()
+    assert str(folder) not in Path("/proc/self/maps").read_text()
+    model = engine._model
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    (res,) = engine.generate([GenRequest("a", ids("1+1="), params(3))])
+    assert len(res.response_ids) == 3
     engine.close()
 
 

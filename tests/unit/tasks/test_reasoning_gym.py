@@ -66,3 +66,27 @@ def test_unknown_dataset_and_bad_config_raise_value_error():
         ReasoningGymTask(dataset="chain_sum", config={"bogus": 1})
     with pytest.raises(ValueError, match="not inside config"):
         ReasoningGymTask(dataset="chain_sum", config={"seed": 1})
+
+
+def test_without_partial_credit_a_superstring_of_the_answer_scores_zero():
+    """letter_counting gives 0.5 to "11" when the count is 1: the hack a LoRA run found in 20 steps."""
+    kw = {"dataset": "letter_counting", "seed": 0, "size": 50, "eval_size": 20, "answer_format": "last_number",
+          "config": {"min_words": 1, "max_words": 3}}
+    lenient, strict = ReasoningGymTask(**kw), ReasoningGymTask(**kw, partial_credit=False)
+    problem = next(p for p in lenient.eval_set() if len(p.answer) == 1 and p.answer != "1")
+    hack = f"The letter appears 1{problem.answer} times."
+    assert lenient.score(problem, hack) == 0.5
+    assert strict.score(problem, hack) == 0.0
+    right = f"The letter appears {problem.answer} times."
+    assert lenient.score(problem, right) == strict.score(problem, right) == 1.0
+
+
+def test_partial_credit_is_a_setting_of_the_reasoning_gym_task_only():
+    from asyncrl.config import load_train_config
+
+    cfg = load_train_config(["task=chain_sum", "task.partial_credit=false"])
+    from asyncrl.controller.scoring import task_kwargs
+
+    assert task_kwargs(cfg)["partial_credit"] is False
+    with pytest.raises(ValueError, match="task.partial_credit is for task.name=reasoning_gym"):
+        load_train_config(["task.partial_credit=false"])
