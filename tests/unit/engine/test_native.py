@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import copy
-
-import numpy as np
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
