@@ -41,12 +41,12 @@ test-sglang: $(STAMP) $(SGLANG_VENV)/.installed
 
 # TRL's GRPOTrainer, the peer row of scripts/bench_real.py, in its own venv (never a dependency of asyncrl):
 # trl pinned, torch held to the same CPU wheel by constraints.txt, plus what asyncrl's task scorers need
-# (the TRL runner imports asyncrl.tasks from the repository). About 1.5 GB, built once.
+# (the TRL runner imports asyncrl.tasks from the repository, which needs msgspec). About 1.5 GB, built once.
 TRL_VENV := .cache/trl-venv
-$(TRL_VENV)/.installed: constraints.txt
+$(TRL_VENV)/.installed: constraints.txt Makefile
 	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0 trl==1.16.0 \
-		reasoning-gym==0.1.25 math-verify==0.9.0
+		reasoning-gym==0.1.25 math-verify==0.9.0 msgspec==0.23.0
 	touch $@
 
 trl-venv: $(TRL_VENV)/.installed

@@ -313,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['accuracy_before']:.3f} -> {row['accuracy_after']:.3f}, learner peak "
                   f"{row['learner_peak_rss_gb']:.2f} GB, job peak {row['job_peak_rss_gb']:.2f} GB "
                   f"({row['row_wall_s']:.0f} s)", flush=True)
+            # every finished row is on disk at once: a later row's failure (an hour on) loses nothing
+            benchlib.write_json(args.json, "bench_real", {"rows": rows}, args, rows=rows, complete=False,
+                                budget_s=budget, eval_size=n_eval, overrides=base,
+                                row_overrides={n: ROWS[n] for n in names}, examples_before=before["examples"],
+                                curves=curves, total_s=time.monotonic() - t_start)
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -332,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"  {r['name']}: CI before {[round(x, 3) for x in r['ci95_before']]}, "
               f"after {[round(x, 3) for x in r['ci95_after']]}")
-    benchlib.write_json(args.json, "bench_real", {"rows": rows}, args, rows=rows, budget_s=budget,
+    benchlib.write_json(args.json, "bench_real", {"rows": rows}, args, rows=rows, complete=True, budget_s=budget,
                         eval_size=n_eval, overrides=base, row_overrides={n: ROWS[n] for n in names},
                         examples_before=before["examples"], curves=curves, plots=[plot],
                         total_s=time.monotonic() - t_start)

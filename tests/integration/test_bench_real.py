@@ -31,7 +31,7 @@ def run_smoke(procs, tmp_path, rows: str) -> dict:
     assert rc == 0, log.read_text()[-4000:]
     data = json.loads(out.read_text())
     assert [r["name"] for r in data["rows"]] == rows.split(",")
-    assert data["tables"]["rows"] == data["rows"] and data["smoke"] is True
+    assert data["tables"]["rows"] == data["rows"] and data["smoke"] is True and data["complete"] is True
     for row in data["rows"]:
         for key in REQUIRED:
             assert key in row, (row["name"], key)
