@@ -492,11 +492,6 @@ A fatal error in any thread hands the worker's samples back and exits with statu
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(message)s")
-    from asyncrl.learner.memory import bound_malloc_retention
-
-    # Before the engine exists: the fp32 weights freed by quantization and by each version's swap go
-    # back to the kernel instead of staying in glibc's heap (asyncrl/learner/memory.py).
-    bound_malloc_retention()
     keys_dir = getattr(args, "transport_keys_dir", "")
     curve = load_client_keys(keys_dir, getattr(args, "transport_key_name", "")) if keys_dir else None
     sglang = {k: getattr(args, f"sglang_{k}") for k in SGLANG_KEYS if hasattr(args, f"sglang_{k}")}

@@ -42,7 +42,7 @@ def run_smoke(procs, tmp_path, rows: str) -> dict:
             lo, hi = row[key]
             assert 0.0 <= lo <= hi <= 1.0
         assert 0.0 < row["majority_answer_share"] <= 1.0  # the best constant answer's score, beside accuracy
-        assert sum(n for _, n in row["answers_top_after"]) <= data["eval_size"]
+        assert sum(n for _, n in row["answers_top_after"]) <= row["n_eval"]
         assert row["learner_peak_rss_gb"] > 0.05 and row["job_peak_rss_gb"] > 0.05
         if row["name"] != "trl-grpo":
             # several processes (controller, worker, learner) summed: above the learner alone. TRL's job is
