@@ -52,8 +52,9 @@ from scripts import benchlib  # noqa: E402
 # The task (--preset). signed_sums (configs/experiment/smollm2_signed_sums.yaml, the default): two
 # signed single-digit terms, base greedy accuracy 0.17 on the 200 held-out problems, 721 questions, so
 # training and held-out problems come from one space without overlapping, and no constant answer
-# scores over 6%. letter_counting: base 0.30, but 75% of its answers are "1" (a policy that learns to
-# say "1" gains 40 points; the rows report majority_answer_share beside accuracy). chain_sum: the
+# scores over 9% of the held-out problems. letter_counting: base 0.30, but 75% of its answers are
+# "1" (a policy that learns to say "1" gains 40 points; the rows report majority_answer_share
+# beside accuracy). chain_sum: the
 # chain_sum preset widened to two or three unsigned terms because the two-term space has only 200
 # questions; its held-out set is then mostly three-term problems (base 0.08) while training repeats
 # the two-term ones (base 0.44), which is why its first recorded run (docs/benchmarks.md §8) moved the
