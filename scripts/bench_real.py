@@ -283,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="bench_real-"))
     tmp.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
+    before: dict = {}
+
+    def record(**extra) -> None:
+        benchlib.write_json(args.json, "bench_real", {"rows": rows}, args, rows=rows, budget_s=budget,
+                            eval_size=n_eval, overrides=base, row_overrides={n: ROWS[n] for n in names},
+                            examples_before=before.get("examples"), curves=curves,
+                            total_s=time.monotonic() - t_start, **extra)
+
     try:
         from asyncrl.models.prepare import prepare_model
 
@@ -315,10 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['learner_peak_rss_gb']:.2f} GB, job peak {row['job_peak_rss_gb']:.2f} GB "
                   f"({row['row_wall_s']:.0f} s)", flush=True)
             # every finished row is on disk at once: a later row's failure (an hour on) loses nothing
-            benchlib.write_json(args.json, "bench_real", {"rows": rows}, args, rows=rows, complete=False,
-                                budget_s=budget, eval_size=n_eval, overrides=base,
-                                row_overrides={n: ROWS[n] for n in names}, examples_before=before["examples"],
-                                curves=curves, total_s=time.monotonic() - t_start)
+            record(complete=False)
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -338,10 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"  {r['name']}: CI before {[round(x, 3) for x in r['ci95_before']]}, "
               f"after {[round(x, 3) for x in r['ci95_after']]}")
-    benchlib.write_json(args.json, "bench_real", {"rows": rows}, args, rows=rows, complete=True, budget_s=budget,
-                        eval_size=n_eval, overrides=base, row_overrides={n: ROWS[n] for n in names},
-                        examples_before=before["examples"], curves=curves, plots=[plot],
-                        total_s=time.monotonic() - t_start)
+    record(complete=True, plots=[plot])
     return 0
 
 
