@@ -152,7 +152,7 @@ def _rate(tokens: list[tuple[float, int]], times: list[float]) -> float:
 def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) -> tuple[Path, dict, dict]:
     """TRL's GRPOTrainer (``scripts/trl_grpo.py`` in the TRL venv) on the sizes of ``cfg_overrides``."""
     from asyncrl.config import load_train_config
-    from asyncrl.controller.prompts import PromptEncoder
+    from asyncrl.controller.prompts import PromptEncoder, load_tokenizer
     from asyncrl.controller.scoring import task_kwargs
     from asyncrl.models.prepare import prepare_model
     from asyncrl.tasks import make_task
@@ -160,9 +160,8 @@ def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) 
     python = ensure_trl_venv()
     cfg = load_train_config(cfg_overrides)
     model_dir = prepare_model(cfg, log=lambda _m: None)
-    from transformers import AutoTokenizer
 
-    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(model_dir)), cfg.task.prompt_format,
+    encoder = PromptEncoder(load_tokenizer(model_dir), cfg.task.prompt_format,
                             cfg.task.system_prompt)
     task = make_task(cfg.task.name, **task_kwargs(cfg))
     a, r, L = cfg.algo, cfg.rollout, cfg.learner

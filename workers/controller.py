@@ -54,13 +54,13 @@ BURST = 256
 
 
 def model_info(cfg, model_dir: Path) -> ModelInfo:
-    """What joining workers learn about the model: its complete config, EOS ids, id and folder."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    eos = config.eos_token_id
+    """What joining workers learn about the model: its ``config.json`` as saved (a native worker
+    builds it with ``AutoConfig.for_model``, which fills transformers' defaults), EOS ids, id and
+    folder. Read as JSON: transformers' config classes would load torch into the controller."""
+    text = (Path(model_dir) / "config.json").read_text()
+    eos = json.loads(text).get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    return ModelInfo(config_json=config.to_json_string(use_diff=False), eos_token_ids=tuple(int(t) for t in eos_ids),
+    return ModelInfo(config_json=text, eos_token_ids=tuple(int(t) for t in eos_ids),
                      model_id=model_id(cfg, model_dir), model_dir=str(Path(model_dir).resolve()))
 
 
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--publish-formats", default="")
     ap.add_argument("--announce", action="store_true", help="print the addresses and the other roles' commands")
+    ap.add_argument("--tokenizer-class", default="", help="the model folder's tokenizer class as AutoTokenizer "
+                    "picks it (``asyncrl controller`` and ``asyncrl train`` pass it): loaded by name, without torch")
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         resume_state, resume_version = resume_point(run_dir) if cfg.resume else (None, 0)
     except ValueError as e:  # a log it cannot cut back, corrupt log/state: one line that says what to do
         raise SystemExit(f"controller: {e}") from None
-    core = ControllerCore(cfg, run_dir=run_dir, scorer=build_scorer(cfg, model_dir),
+    core = ControllerCore(cfg, run_dir=run_dir, scorer=build_scorer(cfg, model_dir, tokenizer_class=args.tokenizer_class),
                           model=model_info(cfg, model_dir), samples_address=advertised(pull.address, adv),
                           publish_formats=formats)
     if resume_state is not None:

@@ -203,8 +203,10 @@ def gpu_plan(gpus: Sequence[str], cfg: TrainConfig) -> tuple[str | None, list[st
 
 
 class Launcher:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int | None = None,
+                 tokenizer_class: str = "") -> None:
         self.cfg, self.run_dir, self.model_dir, self.lock_fd = cfg, run_dir.resolve(), model_dir.resolve(), lock_fd
+        self.tokenizer_class = tokenizer_class  # the controller loads it without torch (workers/roles.py)
         self.paths = RunDir(self.run_dir)
         self.children: list[Child] = []
         self.restarts = 0
@@ -229,8 +231,8 @@ class Launcher:
         fmts = ",".join(publish_formats(self.cfg))
         common = ["--run-dir", str(self.run_dir), "--model-dir", str(self.model_dir), "--publish-formats", fmts]
         self.paths.controller_address.unlink(missing_ok=True)  # a resumed run must not read the old address
-        self.controller = self.spawn("controller", [sys.executable, "-m", "workers.controller", *common],
-                                     lock_fd=self.lock_fd)
+        self.controller = self.spawn("controller", [sys.executable, "-m", "workers.controller", *common,
+                                                    "--tokenizer-class", self.tokenizer_class], lock_fd=self.lock_fd)
         addr_file = self.paths.controller_address
         deadline = time.monotonic() + CONTROLLER_START_TIMEOUT_S
         while not addr_file.exists():
@@ -308,19 +310,19 @@ def run_train(overrides: Sequence[str]) -> int:
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
     held = [acquire_run_lock(Path(resume[0]).resolve())] if resume else []  # a second resume is refused here
     try:
-        cfg, run_dir, model_dir = prepare_run(overrides)  # the same preparation as `asyncrl controller`
+        cfg, run_dir, model_dir, tokenizer_class = prepare_run(overrides)  # as `asyncrl controller` does
         if not held:
             held.append(acquire_run_lock(run_dir))
-        return _train(cfg, run_dir, model_dir, held[0])
+        return _train(cfg, run_dir, model_dir, held[0], tokenizer_class)
     finally:
         for fd in held:
             os.close(fd)
 
 
-def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int) -> int:
+def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, tokenizer_class: str = "") -> int:
     from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
 
-    launcher = Launcher(cfg, run_dir, model_dir, lock_fd=lock_fd)
+    launcher = Launcher(cfg, run_dir, model_dir, lock_fd=lock_fd, tokenizer_class=tokenizer_class)
     print(f"asyncrl train: run folder {run_dir}")
     interrupted = {"flag": False}
 

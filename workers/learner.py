@@ -303,10 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     torch.manual_seed(L.seed)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.controller.prompts import load_tokenizer
 
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id or 0
+    pad_id = load_tokenizer(model_dir).pad_token_id or 0
     if cfg.quant.uaq:  # §8: fold once on the fp32 master weights, before optimiser states exist
         from asyncrl.quant import fold_uaq
 

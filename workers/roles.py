@@ -26,6 +26,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from asyncrl.config import TrainConfig, load_train_config, save_config
 from asyncrl.rundir import RunDir
@@ -34,7 +35,16 @@ from protocols import RunSetup
 SETUP_REQUEST = "run_setup"  # Hello(role="client", capabilities={"request": SETUP_REQUEST})
 
 
-def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[TrainConfig, Path, Path]:
+class PreparedRun(NamedTuple):
+    cfg: TrainConfig
+    run_dir: Path
+    model_dir: Path
+    tokenizer_class: str
+    """``AutoTokenizer``'s class for the model folder, which the controller loads without torch
+    (``asyncrl.controller.prompts.load_tokenizer``); "" when only ``AutoTokenizer`` can."""
+
+
+def prepare_run(overrides: Sequence[str], *, command: str = "train") -> PreparedRun:
     """Config (new, or a resumed run's own with ``resume=RUN``), checks, model folder, run folder."""
     from asyncrl.config.schema import config_warnings
     from workers.launcher import check_transport, new_run_dir, resolve_paths
@@ -57,13 +67,13 @@ def prepare_run(overrides: Sequence[str], *, command: str = "train") -> tuple[Tr
     for warning in config_warnings(cfg):
         print(f"asyncrl {command}: warning: {warning}")
     check_transport(cfg)
-    model_dir = preflight(cfg, command)
+    model_dir, tokenizer_class = preflight(cfg, command)
     run_dir = run_dir or new_run_dir(cfg)
     save_config(cfg, RunDir(run_dir).config)
-    return cfg, run_dir, model_dir
+    return PreparedRun(cfg, run_dir, model_dir, tokenizer_class)
 
 
-def _preflight_checks(cfg: TrainConfig, command: str) -> Path:
+def _preflight_checks(cfg: TrainConfig, command: str) -> tuple[Path, str]:
     from asyncrl.models.prepare import check_prompt_lengths, check_prompts, check_task, prepare_model
 
     def say(m: str) -> None:
@@ -71,17 +81,18 @@ def _preflight_checks(cfg: TrainConfig, command: str) -> Path:
 
     check_task(cfg, log=say)
     model_dir = prepare_model(cfg, log=lambda m: print(m, flush=True))
-    say(f"prompts in {check_prompts(cfg, model_dir)} format")
+    prompt_format, tokenizer_class = check_prompts(cfg, model_dir)
+    say(f"prompts in {prompt_format} format")
     check_prompt_lengths(cfg, model_dir, log=say)
-    return model_dir
+    return model_dir, tokenizer_class
 
 
-def preflight(cfg: TrainConfig, command: str) -> Path:
+def preflight(cfg: TrainConfig, command: str) -> tuple[Path, str]:
     """The checks that need the task, the model folder and its tokenizer (building the folder if it is
     missing), in a child process that ends with them: torch and transformers never load into the
     command's own process, which for ``asyncrl train`` then supervises the run for hours (about 0.4 GB
     less resident beside the run). The child's ``ValueError`` (a bad dataset, a prompt too long, ...)
-    is raised here as is."""
+    is raised here as is. Returns the model folder and its tokenizer class (``PreparedRun``)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -94,10 +105,11 @@ def run_controller(overrides: Sequence[str]) -> int:
     from workers.controller import main as controller_main
     from workers.launcher import publish_formats
 
-    cfg, run_dir, model_dir = prepare_run(overrides, command="controller")
+    cfg, run_dir, model_dir, tokenizer_class = prepare_run(overrides, command="controller")
     print(f"asyncrl controller: run folder {run_dir}", flush=True)
     return controller_main(["--run-dir", str(run_dir), "--model-dir", str(model_dir),
-                            "--publish-formats", ",".join(publish_formats(cfg)), "--announce"])
+                            "--publish-formats", ",".join(publish_formats(cfg)), "--announce",
+                            "--tokenizer-class", tokenizer_class])
 
 
 def setup_reply(run_dir: Path, model_dir: Path, formats: Sequence[str]) -> RunSetup:

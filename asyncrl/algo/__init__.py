@@ -8,13 +8,15 @@ Tensors in, ``(loss, metrics)`` out. Entry points:
 * ``loss_denominators`` (global denominators for micro-batch / rank splits);
 * ``mismatch_metrics`` (the §7 prox-vs-behaviour block, once per step);
 * ``group_advantages``, ``token_advantages``, ``overlong_penalty``, ``apply_truncation_policy``,
-  ``is_informative_group``, ``filter_groups`` (§2.7, §3);
+  ``is_informative_group``, ``filter_groups`` (§2.7, §3); ``outcome_advantages`` (the same group
+  estimators on plain floats, without torch: the controller's);
 * ``MetricDict`` / ``merge_metrics`` (metrics that reduce correctly across calls).
 
 Never: imports torch.distributed, zmq, msgspec, the transport or any other asyncrl sub-package,
 does I/O, or reads global configuration. It is a leaf of the dependency graph.
 Importing the package is cheap (no torch): ``asyncrl.algo.config`` is imported at once (the run
-schema in ``asyncrl.config`` nests its ``AlgoConfig``); the tensor modules load on first use of a name.
+schema in ``asyncrl.config`` nests its ``AlgoConfig``); the tensor modules load on first use of a name
+(``outcome`` needs only numpy).
 Invariants: fp32 log-space arithmetic, clamped exponentials, where-masking before arithmetic,
 finite losses; departures from the spec are marked DEPARTURE in the code and listed in
 docs/algorithms.md.
@@ -40,7 +42,6 @@ if TYPE_CHECKING:
         apply_truncation_policy,
         filter_groups,
         group_advantages,
-        is_informative_group,
         overlong_penalty,
         token_advantages,
     )
@@ -48,11 +49,13 @@ if TYPE_CHECKING:
     from asyncrl.algo.correction import is_weights, rejection_keep
     from asyncrl.algo.diagnostics import mismatch_metrics, response_stats
     from asyncrl.algo.loss import loss_denominators, policy_loss
+    from asyncrl.algo.outcome import GroupCounts, is_informative_group, outcome_advantages
     from asyncrl.algo.stats import MetricDict, Stat, merge_metrics
 
 _LAZY = {
-    "advantages": ("apply_truncation_policy", "filter_groups", "group_advantages", "is_informative_group",
-                   "overlong_penalty", "token_advantages"),
+    "advantages": ("apply_truncation_policy", "filter_groups", "group_advantages", "overlong_penalty",
+                   "token_advantages"),
+    "outcome": ("GroupCounts", "is_informative_group", "outcome_advantages"),
     "aggregation": ("Denominators", "aggregate"),
     "correction": ("is_weights", "rejection_keep"),
     "diagnostics": ("mismatch_metrics", "response_stats"),
@@ -80,6 +83,7 @@ __all__ = [
     "TBPO_W_MODES",
     "AlgoConfig",
     "Denominators",
+    "GroupCounts",
     "MetricDict",
     "ObjectiveConfig",
     "Stat",
@@ -92,6 +96,7 @@ __all__ = [
     "loss_denominators",
     "merge_metrics",
     "mismatch_metrics",
+    "outcome_advantages",
     "overlong_penalty",
     "policy_loss",
     "rejection_keep",

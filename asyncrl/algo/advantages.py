@@ -1,8 +1,9 @@
 """Advantages and sample selection (docs/algorithms.md §2.7, §3.1-§3.3).
 
-Owns the group estimators (GRPO with unbiased std and epsilon 1e-6, Dr. GRPO without std,
-RLOO), the singleton and zero-variance rules, DAPO overlong shaping, the truncation policy, and
-the DAPO dynamic-sampling filter as a pure predicate.
+Owns the tensor interface of the group estimators (their arithmetic, without torch, is
+``asyncrl.algo.outcome``: GRPO with unbiased std and epsilon 1e-6, Dr. GRPO without std, RLOO,
+the singleton and zero-variance rules), DAPO overlong shaping, the truncation policy, and the
+vectorised DAPO dynamic-sampling filter.
 
 Never: sees log-probs or versions; decides *when* a group is complete (the controller releases a
 group only when all its members have finished).
@@ -15,13 +16,13 @@ deliberately not copied); rewards must be finite (a NaN reward is a verifier bug
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
 from asyncrl.algo.config import ADVANTAGES, require_choice
 from asyncrl.algo.numerics import ADV_EPS
-from asyncrl.algo.stats import MetricDict, Stat, StatsBuilder
+from asyncrl.algo.outcome import is_informative_group, outcome_advantages
+from asyncrl.algo.stats import MetricDict, Stat
 
 __all__ = [
     "ADVANTAGES",
@@ -55,44 +56,20 @@ def group_advantages(
     estimator: str = "grpo",
     eps: float = ADV_EPS,
 ) -> tuple[torch.Tensor, MetricDict]:
-    """Outcome advantages A_i of complete groups (§3.1). rewards: [N]; group_ids: [N] any ints
-    (None = one group). Returns (A [N] in the rewards' float dtype, metrics).
-
-    grpo: (R_i - mean) / (std_unbiased + eps); drgrpo: R_i - mean; rloo: R_i - mean of the
-    other members = G/(G-1) (R_i - mean). Zero-variance group: 0 exactly; singleton group: 0.
+    """Outcome advantages A_i of complete groups (§3.1) for tensors: ``outcome_advantages`` (the
+    torch-free function the controller uses). rewards: [N]; group_ids: [N] any ints (None = one
+    group). Returns (A [N] in the rewards' float dtype and device, metrics).
     """
     require_choice("estimator", estimator, ADVANTAGES)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [N] (one scalar per response), got shape {tuple(rewards.shape)}")
-    if not bool(torch.isfinite(rewards).all()):
-        raise ValueError(
-            "rewards contain NaN/inf: fix the verifier or drop the group before computing advantages"
-        )
-    r = rewards.detach().to(torch.float64)
-    n = r.shape[0]
-    inv, k = _groups(n, group_ids, r.device)
-    size = torch.zeros(k, dtype=torch.float64, device=r.device).index_add_(0, inv, torch.ones_like(r))
-    mean = torch.zeros(k, dtype=torch.float64, device=r.device).index_add_(0, inv, r) / size.clamp(min=1)
-    dev = r - mean[inv]
-    sq = torch.zeros(k, dtype=torch.float64, device=r.device).index_add_(0, inv, dev * dev)
-    std = torch.sqrt(sq / (size - 1).clamp(min=1))
-    rmax = torch.full((k,), -math.inf, dtype=torch.float64, device=r.device).scatter_reduce(0, inv, r, "amax")
-    rmin = torch.full((k,), math.inf, dtype=torch.float64, device=r.device).scatter_reduce(0, inv, r, "amin")
-    singleton = size < 2
-    zero_var = ~singleton & (rmax == rmin)
-    if estimator == "grpo":
-        adv = dev / (std[inv] + eps)
-    elif estimator == "drgrpo":
-        adv = dev
-    else:
-        adv = dev * (size / (size - 1).clamp(min=1))[inv]
-    adv = torch.where((singleton | zero_var)[inv], 0.0, adv)
+    ids = None if group_ids is None else group_ids.detach().cpu().numpy()
+    adv, c = outcome_advantages(rewards.detach().to("cpu", torch.float64).numpy(), ids, estimator=estimator, eps=eps)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    b = StatsBuilder()
-    b.total("adv/singleton_groups", singleton.sum())
-    b.total("adv/groups", torch.tensor(float(k), device=r.device))
-    b.frac("adv/zero_std_group_frac", zero_var, ~singleton)
-    return adv.to(out_dtype), b.build()
+    metrics = MetricDict({"adv/singleton_groups": Stat("sum", float(c.singleton)),
+                          "adv/groups": Stat("sum", float(c.groups)),
+                          "adv/zero_std_group_frac": Stat("mean", float(c.zero_var), float(c.multi))})
+    return torch.from_numpy(adv).to(device=rewards.device, dtype=out_dtype), metrics
 
 
 def token_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -148,13 +125,6 @@ def apply_truncation_policy(
         pen = overlong_penalty(lengths, max_len=max_len, cache_len=cache_len, penalty_factor=penalty_factor)
         return rewards + pen.to(rewards.dtype), keep
     return rewards, keep
-
-
-def is_informative_group(values: Sequence[float] | torch.Tensor) -> bool:
-    """DAPO dynamic-sampling predicate (§3.2): keep a group unless its filter metric (default
-    accuracy) is identical for every member (all-correct or all-wrong carry no gradient)."""
-    vals = [float(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
-    return len(vals) > 0 and any(v != vals[0] for v in vals)
 
 
 def filter_groups(

@@ -47,7 +47,9 @@ def require_choice(name: str, value: object, options: tuple[str, ...]) -> None:
 OBJECTIVES = ("ppo", "decoupled", "tis", "acr", "tbpo", "gspo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
-"""Group advantage estimators (``asyncrl.algo.advantages.group_advantages``, §3.1)."""
+"""Group advantage estimators (``asyncrl.algo.outcome.outcome_advantages``, §3.1)."""
+ADV_EPS = 1e-6
+"""epsilon_A of the GRPO advantage (verl)."""
 LEVELS = ("token", "sequence")
 """Where a weight or a filter acts (``is_level``, ``stale_level``): per token or per whole response."""
 REJECTION_DENOMINATORS = ("pre_mask", "post_mask")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.algo.config import ADV_EPS
+
 __all__ = [
     "LOG_RATIO_BOUND",
     "GSPO_LOG_RATIO_MAX",
@@ -29,8 +31,6 @@ LOG_RATIO_BOUND = 20.0
 """Every log-ratio is clamped to [-20, 20] before ``exp`` (verl ``SAFETY_BOUND``)."""
 GSPO_LOG_RATIO_MAX = 10.0
 """The GSPO sequence log-ratio is additionally clamped at +10 (verl ``compute_policy_loss_gspo``)."""
-ADV_EPS = 1e-6
-"""epsilon_A of the GRPO advantage (verl)."""
 
 
 def clamp_log(x: torch.Tensor, hi: float = LOG_RATIO_BOUND) -> torch.Tensor:

@@ -3,8 +3,11 @@
 Owns: ``task.prompt_format`` (``chat``: the tokenizer's own chat template with the generation prompt,
 ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``, with an optional system
 message; ``raw``: the prompt text tokenized as is; ``auto``: chat when the tokenizer has a template),
-and the stop tokens of a model folder (its tokenizer's EOS, ``config.json`` and
-``generation_config.json``, so ``<|im_end|>`` ends a chat answer).
+the stop tokens of a model folder (its tokenizer's EOS, ``config.json`` and
+``generation_config.json``, so ``<|im_end|>`` ends a chat answer), and loading a folder's tokenizer
+(``load_tokenizer``), also without torch once ``AutoTokenizer``'s choice of class is known:
+``AutoTokenizer`` imports torch through transformers' config classes, about 0.25 GB of resident
+memory in the controller, which has no other use for it.
 Never: decides what a prompt says (tasks do) or tokenizes anywhere but in the controller: the ids
 made here travel to the workers, into the trajectory log and, through replay, back to the learner,
 so a run is replayed with exactly the ids it trained on.
@@ -23,6 +26,29 @@ from typing import Any
 from protocols.values import require_choice
 
 PROMPT_FORMATS = ("auto", "chat", "raw")
+
+
+def load_tokenizer(folder: str | Path, class_name: str = "") -> Any:
+    """The tokenizer of the HF folder ``folder``. Without ``class_name``: ``AutoTokenizer``'s choice.
+    With ``class_name`` (``tokenizer_class_name`` of that choice, taken where torch is loaded anyway:
+    the preflight child), that class of transformers is imported by name and torch is not."""
+    import transformers
+
+    if not class_name:
+        return transformers.AutoTokenizer.from_pretrained(str(folder))
+    cls = getattr(transformers, class_name, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise ValueError(f"transformers {transformers.__version__} has no tokenizer class {class_name!r} for "
+                         f"{folder}; run the controller without --tokenizer-class (AutoTokenizer decides)")
+    return cls.from_pretrained(str(folder))
+
+
+def tokenizer_class_name(tokenizer: Any) -> str:
+    """What ``load_tokenizer(folder, class_name=...)`` needs to load ``tokenizer`` (an
+    ``AutoTokenizer`` result) again without torch; "" for a class outside transformers (a
+    folder's own tokenizer code), which only ``AutoTokenizer`` can load."""
+    cls = type(tokenizer)
+    return cls.__name__ if cls.__module__.startswith("transformers.") else ""
 
 
 def has_chat_template(tokenizer: Any) -> bool:

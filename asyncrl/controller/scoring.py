@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from asyncrl.algo import group_advantages
-from asyncrl.controller.prompts import PromptEncoder, stop_token_ids
+from asyncrl.algo import outcome_advantages
+from asyncrl.controller.prompts import PromptEncoder, load_tokenizer, stop_token_ids
 from asyncrl.tasks import Problem, Task, make_task
 
 
@@ -99,15 +98,14 @@ class GroupScorer:
     def score_group(self, meta: dict[str, Any], samples: Sequence[Any]) -> tuple[list[float], list[float]]:
         """Rewards and advantages of one complete group of ``FinishedSample``s."""
         rewards = self.rewards(meta, [s.response_ids.to_numpy().tolist() for s in samples])
-        adv, _ = group_advantages(torch.tensor(rewards, dtype=torch.float32), estimator=self.estimator)
-        return rewards, adv.tolist()
+        adv, _ = outcome_advantages(rewards, estimator=self.estimator)
+        return rewards, adv.astype(np.float32).tolist()  # the float32 values the learner trains on
 
 
-def build_scorer(cfg, model_dir: str | Path) -> GroupScorer:
-    from transformers import AutoTokenizer
-
+def build_scorer(cfg, model_dir: str | Path, *, tokenizer_class: str = "") -> GroupScorer:
+    """``tokenizer_class``: see ``load_tokenizer`` (given, the scorer loads no torch)."""
     task = make_task(cfg.task.name, **task_kwargs(cfg))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir, tokenizer_class)
     return GroupScorer(task, tokenizer, estimator=cfg.algo.advantage, max_new_tokens=cfg.rollout.max_new_tokens,
                        prompt_format=cfg.task.prompt_format, system_prompt=cfg.task.system_prompt,
                        stop_ids=stop_token_ids(model_dir, tokenizer),

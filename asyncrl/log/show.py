@@ -22,10 +22,10 @@ from asyncrl.rundir import RunDir
 
 def run_tokenizer(run: Path, tokenizer_dir: str | None) -> Any:
     """The tokenizer of ``--tokenizer DIR``, else of the model folder the run's ``config.json`` names."""
-    from transformers import AutoTokenizer
+    from asyncrl.controller.prompts import load_tokenizer
 
     if tokenizer_dir:
-        return AutoTokenizer.from_pretrained(tokenizer_dir)
+        return load_tokenizer(tokenizer_dir)
     from asyncrl.config.loader import read_run_config
     from asyncrl.models.prepare import model_folder
 
@@ -33,7 +33,7 @@ def run_tokenizer(run: Path, tokenizer_dir: str | None) -> Any:
     if not (folder / "tokenizer_config.json").is_file():
         raise ValueError(f"the run's model folder {folder} is not here (run from the folder the run was started "
                          "in, or pass --tokenizer DIR)")
-    return AutoTokenizer.from_pretrained(str(folder))
+    return load_tokenizer(folder)
 
 
 def select(records: list[Any], *, last: int | None, step: int | None) -> list[tuple[SampleRecord, int | None]]:

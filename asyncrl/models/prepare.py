@@ -94,15 +94,16 @@ def model_folder(cfg) -> Path:
     return cache / f"{base.name}-warm-{cfg.task.name}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
 
 
-def check_prompts(cfg, model_dir: Path) -> str:
-    """The resolved prompt format (``chat``/``raw``) of this run; ``ValueError`` (naming the fix) when the
-    model's tokenizer cannot give it, before any process starts."""
-    from transformers import AutoTokenizer
+def check_prompts(cfg, model_dir: Path) -> tuple[str, str]:
+    """The resolved prompt format (``chat``/``raw``) of this run and ``AutoTokenizer``'s tokenizer class
+    for the folder (``asyncrl.controller.prompts.tokenizer_class_name``: the controller loads it without
+    torch); ``ValueError`` (naming the fix) when the model's tokenizer cannot give the format, before any
+    process starts."""
+    from asyncrl.controller.prompts import PromptEncoder, load_tokenizer, tokenizer_class_name
 
-    from asyncrl.controller.prompts import PromptEncoder
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return PromptEncoder(tokenizer, cfg.task.prompt_format, cfg.task.system_prompt).format
+    tokenizer = load_tokenizer(model_dir)
+    fmt = PromptEncoder(tokenizer, cfg.task.prompt_format, cfg.task.system_prompt).format
+    return fmt, tokenizer_class_name(tokenizer)
 
 
 def prepare_model(cfg, log: Callable[[str], None] = print) -> Path:

@@ -1,6 +1,7 @@
 """``learner.time_budget_s`` ends a real run early, and the run ends as a finished one (marker ``slow``).
 
-A budget of one microsecond is spent by the time the learner asks for its second batch (the clock
+It also checks, on that real run, that the launcher and the controller never load torch and that
+the learner at world size 1 runs without a torchrun agent. A budget of one microsecond is spent by the time the learner asks for its second batch (the clock
 starts at the first request, and a training step takes far longer), so the run trains exactly one
 step whatever the machine's speed; it must still write its final checkpoint, the exported model,
 the final evaluation and the summary, like a run that reached ``learner.total_steps``.
@@ -40,6 +41,19 @@ def test_a_spent_time_budget_ends_the_run_with_checkpoint_export_and_final_eval(
     learner = psutil.Process(launched["learner"])
     assert "torch.distributed.run" not in learner.cmdline()
     assert Path(learner.cmdline()[2]).name == "learner.py"
+    # Nor does the controller: it tokenizes, scores and computes advantages without torch
+    # (``load_tokenizer``, ``asyncrl.algo.outcome``); watched until it exits.
+    controller_maps = Path(f"/proc/{launched['controller']}/maps")
+    seen_maps = False
+    while proc.poll() is None and time.monotonic() < deadline + 300:
+        try:
+            text = controller_maps.read_text()
+        except OSError:  # the controller has exited
+            break
+        seen_maps = True
+        assert "libtorch" not in text, "the controller process loaded torch"
+        time.sleep(0.5)
+    assert seen_maps
     out, _ = proc.communicate(timeout=800)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]

@@ -96,3 +96,50 @@ def test_controller_sends_the_encoded_prompt_and_the_stop_tokens(tmp_path, tiny_
     assert a.prompt_ids.to_numpy().tolist() == scorer.encoder.encode(problem.prompt)
     assert a.params.stop_token_ids == [2]
     core.close()
+
+
+
+PROBE = """
+import json, sys
+from asyncrl.controller.prompts import PromptEncoder, load_tokenizer
+out = {}
+for folder, name in zip(sys.argv[1::2], sys.argv[2::2]):
+    tok = load_tokenizer(folder, name)
+    enc = PromptEncoder(tok, "auto")
+    out[folder] = {"class": type(tok).__name__, "format": enc.format, "ids": enc.encode("What is -7 - 9?"),
+                   "raw": PromptEncoder(tok, "raw").encode("-7 - 9 = -16"), "special": sorted(tok.all_special_ids),
+                   "pad": tok.pad_token_id, "eos": tok.eos_token_id, "decode": tok.decode(enc.encode("12 + 3"))}
+out["torch"] = "torch" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def test_the_controllers_tokenizer_is_autotokenizers_without_torch(tiny_dir, smol_tokenizer, tmp_path):
+    """Loaded by the class name ``AutoTokenizer`` chose (what the preflight hands the controller),
+    the tokenizer has the same class, ids, chat template output and special tokens, for the tiny
+    model and SmolLM2, and torch is never imported."""
+    import subprocess
+    import sys
+
+    from asyncrl.controller.prompts import load_tokenizer, tokenizer_class_name
+
+    smol_dir = tmp_path / "smol"
+    smol_tokenizer.save_pretrained(smol_dir)
+    folders = [str(tiny_dir), str(smol_dir)]
+    auto = {f: load_tokenizer(f) for f in folders}  # no class name: AutoTokenizer
+    names = [tokenizer_class_name(auto[f]) for f in folders]
+    assert all(names)
+    args = [x for pair in zip(folders, names, strict=True) for x in pair]
+    res = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, check=True)
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got.pop("torch") is False
+    for folder in folders:
+        tok = auto[folder]
+        enc = PromptEncoder(tok, "auto")
+        assert got[folder] == {"class": type(tok).__name__, "format": enc.format, "ids": enc.encode("What is -7 - 9?"),
+                               "raw": PromptEncoder(tok, "raw").encode("-7 - 9 = -16"),
+                               "special": sorted(tok.all_special_ids), "pad": tok.pad_token_id,
+                               "eos": tok.eos_token_id, "decode": tok.decode(enc.encode("12 + 3"))}
+    assert got[str(smol_dir)]["format"] == "chat" and got[str(tiny_dir)]["format"] == "raw"
+    with pytest.raises(ValueError, match="without --tokenizer-class"):
+        load_tokenizer(tiny_dir, "NoSuchTokenizer")
