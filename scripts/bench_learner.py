@@ -23,7 +23,12 @@ Rows:
 Every other row bounds glibc's retention as the learner process does (``bound_malloc_retention``
 at process start).
 
-Run: ``python scripts/bench_learner.py [--quick] [--model smollm2|tiny|PATH] [--json PATH]``.
+``--vary``: every step after the first trains a batch of other prompt and response lengths, as a
+rollout stream does, and ``rss_growth_gb`` reports how far the process's resident memory rose from
+the first step's end to the last's (measured 2026-12-02: bf16 autocast grows with every new shape,
+fp32 does not; docs/benchmarks.md §8).
+
+Run: ``python scripts/bench_learner.py [--quick] [--vary] [--model smollm2|tiny|PATH] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -107,23 +112,37 @@ def child(spec: dict) -> dict:
     opt = build_optimizer(model, lr=1e-6)
     state = TrainState(model, opt, build_scheduler(opt, LRSchedule()))
     batch = synthetic_batch(vocab, spec["samples"], spec["prompt_len"], spec["new_tokens"])
+    tokens = batch.num_tokens  # the first (full-length) batch's
     budget = spec["token_budget"] if row["budget"] is None else row["budget"]
     cfg = StepConfig(micro_batch_size=row["micro"], max_tokens_per_micro_batch=budget, reuse_prox=row["reuse"],
                      autocast=row["autocast"])
-    times, cpu, prox = [], [], []
-    for _ in range(spec["steps"]):
+    times, cpu, prox, rss_after, per_1k, cpu_per_1k = [], [], [], [], [], []
+    for i in range(spec["steps"]):
+        if spec.get("vary") and i:  # a rollout stream's batches: other prompt and response lengths each step
+            batch = synthetic_batch(vocab, spec["samples"], spec["prompt_len"] + i % 7,
+                                    max(1, spec["new_tokens"] - (i * 13) % 45), seed=i)
         t0, c0 = time.perf_counter(), time.process_time()
         m = train_step(state, batch, ObjectiveConfig(objective="acr"), cfg, info)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         prox.append(m["learner/prox_seconds"])
-    tokens = batch.num_tokens
+        rss_after.append(_rss_now_gb())
+        per_1k.append(times[-1] / batch.num_tokens * 1000)
+        cpu_per_1k.append(cpu[-1] / batch.num_tokens * 1000)
     return {"row": spec["row"], "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "step_s": min(times), "s_per_1k_tokens": min(times) / tokens * 1000, "prox_s": min(prox),
-            "cpu_s_per_1k_tokens": min(cpu) / tokens * 1000,
+            "step_s": min(times), "s_per_1k_tokens": min(per_1k), "prox_s": min(prox),
+            "cpu_s_per_1k_tokens": min(cpu_per_1k),
             "trained_tokens": tokens, "sequences": batch.batch_size, "seq_len": batch.seq_len,
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "steps": len(times), "entropy": m.get("actor/entropy", float("nan"))}
+            "steps": len(times), "entropy": m.get("actor/entropy", float("nan")),
+            "rss_after_step_gb": rss_after, "rss_growth_gb": rss_after[-1] - rss_after[0]}
+
+
+def _rss_now_gb() -> float:
+    """This process's resident memory now (``VmRSS``), GB."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb / 2**20
 
 
 def main() -> int:
@@ -136,6 +155,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--token-budget", type=int, default=2048, help="max padded tokens per micro-batch")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    ap.add_argument("--vary", action="store_true", help="each step after the first gets other prompt and response "
+                    "lengths (as a rollout stream's batches do); rss_growth_gb then shows memory that grows with "
+                    "new shapes (the timed figure stays the fastest step)")
     ap.add_argument("--child", default="", help=argparse_hidden())
     args = ap.parse_args()
     if args.child:
@@ -150,7 +172,7 @@ def main() -> int:
             raise SystemExit(f"unknown row {name!r}; choose from {', '.join(ROWS)}")
         spec = {"row": name, "folder": folder, "samples": args.samples, "prompt_len": args.prompt_len,
                 "new_tokens": args.new_tokens, "steps": args.steps, "threads": args.threads,
-                "token_budget": args.token_budget}
+                "token_budget": args.token_budget, "vary": args.vary}
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
         res = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
                              capture_output=True, text=True, env=env)
@@ -167,11 +189,11 @@ def main() -> int:
         r["cpu_ratio"] = r["cpu_s_per_1k_tokens"] / base["cpu_s_per_1k_tokens"]
     print_table(f"learner steps, {args.model}, {args.samples} x ({args.prompt_len} + {args.new_tokens}) tokens, "
                 f"{args.threads} thread(s)", rows,
-                ["row", "peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "cpu_s_per_1k_tokens",
-                 "cpu_ratio", "prox_s", "trainable_params"])
+                ["row", "peak_rss_gb", "rss_ratio", "rss_growth_gb", "s_per_1k_tokens", "time_ratio",
+                 "cpu_s_per_1k_tokens", "cpu_ratio", "prox_s", "trainable_params"])
     write_json(args.json, "bench_learner", {"rows": rows}, args, model=args.model, samples=args.samples,
                prompt_len=args.prompt_len, new_tokens=args.new_tokens, threads=args.threads,
-               token_budget=args.token_budget)
+               token_budget=args.token_budget, vary=args.vary)
     return 0
 
 

@@ -126,3 +126,26 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
                       "prox_s", "trainable_params", "trained_tokens"], text=("row",))
     assert rows[3]["trainable_params"] < rows[1]["trainable_params"]  # LoRA trains adapters only
     assert rows[4]["trainable_params"] == rows[3]["trainable_params"]  # the same LoRA, default malloc
+
+
+def test_bench_learner_vary_reports_memory_after_every_step(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "bench_learner", "--model", "tiny", "--samples", "8", "--new-tokens", "8",
+                     "--steps", "3", "--vary", "--rows", "full,full-bf16", timeout_s=600)
+    rows = data["tables"]["rows"]
+    assert [r["row"] for r in rows] == ["full", "full-bf16"] and data["vary"] is True
+    for r in rows:
+        assert len(r["rss_after_step_gb"]) == 3 and all(v > 0 for v in r["rss_after_step_gb"])
+        assert r["rss_growth_gb"] == pytest.approx(r["rss_after_step_gb"][-1] - r["rss_after_step_gb"][0])
+
+
+@pytest.mark.timeout(900)
+def test_memory_timeline_names_every_process_of_a_real_run(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "memory_timeline", "--quick", "--interval", "0.1", "--window", "5",
+                     timeout_s=600)
+    peaks = data["role_peaks"]
+    assert {"launcher", "controller", "learner", "worker-0"} <= set(peaks)
+    assert all(p["gb"] > 0 and p["t_s"] >= 0 for p in peaks.values())
+    assert data["job_peak_gb"] >= max(p["gb"] for p in peaks.values())
+    rows = data["tables"]["rows"]
+    assert rows and any("learner_max_gb" in r for r in rows)
+    assert all(r.get("learner_min_gb", 0) <= r.get("learner_max_gb", 0) for r in rows)

@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Where a run's memory goes over time: every process of one ``asyncrl train``, sampled side by side.
+
+Runs ``asyncrl train runs_dir=TMP run_name=timeline OVERRIDES...`` and samples the resident memory
+(RSS) of every process of its tree every ``--interval`` seconds. Processes are named by the run
+folder's ``pids.json`` (controller, learner, worker-N; the launcher is ``launcher``, anything else
+``other``). Prints, per role, its peak and when it happened, and per ``--window`` seconds each
+role's lowest and highest RSS (a floor that rises is memory the process keeps; a peak that rises
+with it is a step that needs more each time); and the whole job's peak (the sum at one sample).
+
+Run: ``python scripts/memory_timeline.py [--quick] [--interval S] [--window S] [--json PATH] -- OVERRIDES...``
+e.g. ``-- +experiment=smollm2_signed_sums quant.fmt=int8 learner.time_budget_s=600 learner.total_steps=100000``.
+``--quick``: the tiny model, 3 steps (a smoke check of the script).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts import benchlib  # noqa: E402
+
+
+def sample_tree(root_pid: int, names: dict[int, str]) -> dict[str, int]:
+    """RSS bytes by role name of every live process under ``root_pid`` (itself included)."""
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    out: dict[str, int] = defaultdict(int)
+    for p in procs:
+        try:
+            out[names.get(p.pid, "launcher" if p.pid == root_pid else "other")] += p.memory_info().rss
+        except psutil.Error:
+            continue
+    return dict(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = benchlib.parser("memory_timeline", __doc__.split("\n")[0])
+    p.add_argument("--interval", type=float, default=0.2, help="seconds between samples (default %(default)s)")
+    p.add_argument("--window", type=float, default=30.0, help="seconds per row of the timeline (default %(default)s)")
+    p.add_argument("overrides", nargs="*", help="asyncrl train overrides (after --)")
+    args = p.parse_args(argv)
+    overrides = ["model=tiny", "learner.total_steps=3", *args.overrides] if args.quick else args.overrides
+    if args.quick and args.json == p.get_default("json"):  # never over a full run's record
+        args.json = args.json.replace(".json", ".quick.json")
+    runs = Path(tempfile.mkdtemp(prefix="memory_timeline-"))
+    cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs}", "run_name=timeline", *overrides]
+    pids_file = runs / "timeline" / "pids.json"
+    samples: list[tuple[float, dict[str, int]]] = []
+    with open(runs / "train.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=benchlib.ROOT, env=benchlib.train_env(), stdout=log, stderr=subprocess.STDOUT)
+        t0, names = time.monotonic(), {}
+        try:
+            while proc.poll() is None:
+                if pids_file.is_file():
+                    try:
+                        names = {pid: name for name, pid in json.loads(pids_file.read_text()).items()}
+                    except ValueError:  # being rewritten
+                        pass
+                samples.append((time.monotonic() - t0, sample_tree(proc.pid, names)))
+                time.sleep(args.interval)
+        except BaseException:
+            benchlib._stop(proc)
+            raise
+    if proc.returncode != 0:
+        raise SystemExit(f"asyncrl train failed (rc {proc.returncode}); log: {runs / 'train.log'}")
+    gb = 2**30
+    roles = sorted({r for _, s in samples for r in s})
+    peaks = {r: max(((t, s[r]) for t, s in samples if r in s), key=lambda x: x[1]) for r in roles}
+    t_job, job = max(((t, sum(s.values())) for t, s in samples), key=lambda x: x[1])
+    windows: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for t, s in samples:
+        for r, v in s.items():
+            windows[int(t // args.window)][r].append(v)
+    rows = [{"t_s": w * args.window, **{f"{r}_min_gb": min(v) / gb for r, v in by.items()},
+             **{f"{r}_max_gb": max(v) / gb for r, v in by.items()}} for w, by in sorted(windows.items())]
+    print(f"job peak {job / gb:.2f} GB at {t_job:.0f} s; per role: "
+          + ", ".join(f"{r} {v / gb:.2f} GB at {t:.0f} s" for r, (t, v) in peaks.items()), flush=True)
+    main_roles = [r for r in ("learner", "worker-0", "controller", "launcher") if r in roles]
+    benchlib.print_table(f"RSS GB per {args.window:.0f} s window (min / max)", rows,
+                         ["t_s", *[f"{r}_{m}_gb" for r in main_roles for m in ("min", "max")]])
+    benchlib.write_json(args.json, "memory_timeline", {"rows": rows}, args, overrides=overrides,
+                        job_peak_gb=job / gb, job_peak_t_s=t_job,
+                        role_peaks={r: {"gb": v / gb, "t_s": t} for r, (t, v) in peaks.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
