@@ -24,9 +24,9 @@ docs/algorithms.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from asyncrl._lazy import lazy_exports
 from asyncrl.algo.config import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -62,17 +62,7 @@ _LAZY = {
     "loss": ("loss_denominators", "policy_loss"),
     "stats": ("MetricDict", "Stat", "merge_metrics"),
 }
-_HOME = {name: module for module, names in _LAZY.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    """The tensor API, imported (with torch) on first use."""
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncrl.algo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"asyncrl.algo.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)  # the torch side, imported on first use
 
 
 __all__ = [

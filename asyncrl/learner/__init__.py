@@ -9,9 +9,9 @@ name loads (with torch) on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from asyncrl._lazy import lazy_exports
 from asyncrl.learner.options import LRSchedule, StepConfig
 
 if TYPE_CHECKING:
@@ -45,17 +45,7 @@ _LAZY = {
     "schedule": ("build_optimizer", "build_scheduler", "lr_multiplier"),
     "step": ("TrainState", "train_step"),
 }
-_HOME = {name: module for module, names in _LAZY.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    """The torch side of the package, imported on first use."""
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncrl.learner' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"asyncrl.learner.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)  # the torch side, imported on first use
 
 
 __all__ = [

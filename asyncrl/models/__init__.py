@@ -9,28 +9,20 @@ process that only reads a folder's files (the controller: ``asyncrl.models.prepa
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from asyncrl._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from asyncrl.models._files import default_models_dir
     from asyncrl.models.smollm2 import convert_smollm2, ensure_smollm2, smollm2_gguf_path
     from asyncrl.models.tiny import build_tiny_model, build_tiny_tokenizer, ensure_tiny_model, make_tiny_model
 
-_HOME = {
-    "default_models_dir": "_files",
-    "convert_smollm2": "smollm2", "ensure_smollm2": "smollm2", "smollm2_gguf_path": "smollm2",
-    "build_tiny_model": "tiny", "build_tiny_tokenizer": "tiny", "ensure_tiny_model": "tiny", "make_tiny_model": "tiny",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncrl.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"asyncrl.models.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, {
+    "_files": ("default_models_dir",),
+    "smollm2": ("convert_smollm2", "ensure_smollm2", "smollm2_gguf_path"),
+    "tiny": ("build_tiny_model", "build_tiny_tokenizer", "ensure_tiny_model", "make_tiny_model"),
+})
 
 
 __all__ = [

@@ -76,17 +76,23 @@ def test_no_argv_parsing_in_the_library(path):
         f"{path} parses the command line ({bad or 'sys.argv'}); argv belongs in workers/ (e.g. workers/cli.py)")
 
 
+LEAF_MAY_IMPORT = {"asyncrl._lazy"}  # the lazy-export helper: standard library only, imports nothing of asyncrl
+
+
 @pytest.mark.parametrize("leaf", ["algo", "quant"])
 def test_math_packages_are_leaves(leaf):
+    assert {_top(m) for m in imported_modules(ROOT / "asyncrl" / "_lazy.py")} <= set(sys.stdlib_module_names) | {
+        "__future__"}
     for path in python_files(f"asyncrl/{leaf}"):
         others = {m for m in imported_modules(path)
-                  if m.startswith("asyncrl.") and not m.startswith(f"asyncrl.{leaf}")}
+                  if m.startswith("asyncrl.") and not m.startswith(f"asyncrl.{leaf}") and m not in LEAF_MAY_IMPORT}
         assert not others, f"{path} imports {others}; asyncrl/{leaf} is a leaf package"
 
 
 # The controller's systems logic (admission, group accounting, batch assembly) runs without torch,
 # numpy or sockets: each of these modules imports the standard library and the others of this list only.
-# The rule is per module, not per package: the rest of asyncrl/controller (scoring, core) needs torch.
+# The rule is per module, not per package: the rest of asyncrl/controller (scoring, core) needs numpy,
+# the tokenizer and the tasks (but not torch: tests/unit/controller/test_no_torch.py).
 STDLIB_ONLY = ("asyncrl/controller/__init__.py", "asyncrl/controller/versions.py", "asyncrl/controller/gate.py",
                "asyncrl/controller/buffer.py", "asyncrl/controller/assembler.py", "asyncrl/controller/workers.py")
 
