@@ -86,6 +86,7 @@ HF_MODEL_FOLDER = {  # "config.json" of a Hugging Face model folder, not of the 
     ("asyncrl/controller/prompts.py", "config.json"),
     ("asyncrl/controller/scoring.py", "config.json"),
     ("workers/roles.py", "config.json"),  # `asyncrl learner` checks the model folder is readable
+    ("workers/controller.py", "config.json"),  # the model's config, sent to joining workers (model_info)
 }
 
 
