@@ -103,25 +103,8 @@ def evaluate(model_dir: Path, overrides: list[str], out: Path, threads: int) -> 
 def run_asyncrl(name: str, overrides: list[str], tmp: Path) -> tuple[Path, dict]:
     """One ``asyncrl train`` run, its process tree's memory sampled; returns the run folder and memory."""
     cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={tmp}", f"run_name={name}", *overrides]
-    mem = run_measured(cmd, tmp / f"{name}.log", learner_label, f"asyncrl train ({name})", benchlib.train_env())
+    mem = benchlib.run_measured(cmd, tmp / f"{name}.log", learner_label, f"asyncrl train ({name})", benchlib.train_env())
     return tmp / name, {"learner": mem.peak_by_label.get("learner", 0), "job": mem.peak_total_bytes}
-
-
-def run_measured(cmd: list[str], log_path: Path, label, what: str, env: dict) -> benchlib.TreeMemory:
-    """Run ``cmd`` to its end with its output in ``log_path`` and its process tree's memory sampled
-    (``label`` names the processes to track apart); a failure raises with the log's last lines."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=benchlib.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            with benchlib.TreeMemory(proc.pid, label) as mem:
-                rc = proc.wait()
-        except BaseException:
-            benchlib._stop(proc)
-            raise
-    if rc != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"{what} failed (exit {rc}); log {log_path}:\n{tail}")
-    return mem
 
 
 def asyncrl_stats(run_dir: Path) -> dict:
@@ -179,7 +162,7 @@ def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) 
     spec_path = tmp / "trl-spec.json"
     spec_path.write_text(json.dumps(spec))
     env = benchlib.train_env() | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    mem = run_measured([str(python), str(benchlib.ROOT / "scripts" / "trl_grpo.py"), str(spec_path)],
+    mem = benchlib.run_measured([str(python), str(benchlib.ROOT / "scripts" / "trl_grpo.py"), str(spec_path)],
                        tmp / "trl-grpo.log", lambda c: "trl" if "trl_grpo.py" in c else None, "TRL GRPO", env)
     recs = [json.loads(x) for x in Path(spec["metrics"]).read_text().splitlines() if x.strip()]
     steps = [x for x in recs if "step" in x]

@@ -17,6 +17,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,25 @@ def step_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ resident memory of a process tree
+def run_measured(cmd: list[str], log_path: Path, label, what: str, env: dict, *, interval_s: float = 0.5,
+                 timeline: bool = False) -> TreeMemory:
+    """Run ``cmd`` to its end (in the repository root) with its output in ``log_path`` and its process
+    tree's memory sampled (``TreeMemory``: ``label`` names the processes to track apart); a failure
+    raises with the log's last lines."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            with TreeMemory(proc.pid, label, interval_s, timeline=timeline) as mem:
+                rc = proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"{what} failed (exit {rc}); log {log_path}:\n{tail}")
+    return mem
+
+
 def _hwm_bytes(pid: int) -> int:
     """Peak resident set size (``VmHWM``) of ``pid`` so far, in bytes; 0 when it is gone."""
     try:
@@ -230,15 +250,19 @@ class TreeMemory:
     ``peak_total_bytes``: the largest sum of RSS over the tree at one sample (the whole job's peak, to
     within one interval). ``peak_by_label``: per label, the largest kernel-recorded peak (``VmHWM``, exact
     up to the last sample before the process exited) of any process that ``label(cmdline)`` names; a
-    process whose label is None counts only in the total.
+    process whose label is None counts only in the total. With ``timeline=True``, ``timeline`` holds every
+    sample: (seconds since the first, RSS bytes summed per label, unlabelled processes under "other").
     """
 
-    def __init__(self, root_pid: int, label=lambda cmdline: None, interval_s: float = 0.5) -> None:
+    def __init__(self, root_pid: int, label=lambda cmdline: None, interval_s: float = 0.5,
+                 timeline: bool = False) -> None:
         import threading
 
         self.root_pid, self.label, self.interval_s = root_pid, label, interval_s
         self.peak_total_bytes = 0
         self.peak_by_label: dict[str, int] = {}
+        self.timeline: list[tuple[float, dict[str, int]]] | None = [] if timeline else None
+        self._t0 = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tree-memory", daemon=True)
 
@@ -259,15 +283,20 @@ class TreeMemory:
         except psutil.Error:
             return
         total = 0
+        by_label: dict[str, int] = {}
         for p in procs:
             try:
-                total += p.memory_info().rss
+                rss = p.memory_info().rss
                 name = self.label(" ".join(p.cmdline()))
             except psutil.Error:
                 continue
+            total += rss
+            by_label[name or "other"] = by_label.get(name or "other", 0) + rss
             if name is not None:
                 self.peak_by_label[name] = max(self.peak_by_label.get(name, 0), _hwm_bytes(p.pid))
         self.peak_total_bytes = max(self.peak_total_bytes, total)
+        if self.timeline is not None:
+            self.timeline.append((time.monotonic() - self._t0, by_label))
 
     def _run(self) -> None:
         while not self._stop.is_set():

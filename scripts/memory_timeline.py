@@ -2,9 +2,9 @@
 """Where a run's memory goes over time: every process of one ``asyncrl train``, sampled side by side.
 
 Runs ``asyncrl train runs_dir=TMP run_name=timeline OVERRIDES...`` and samples the resident memory
-(RSS) of every process of its tree every ``--interval`` seconds. Processes are named by the run
-folder's ``pids.json`` (controller, learner, worker-N; the launcher is ``launcher``, anything else
-``other``). Prints, per role, its peak and when it happened, and per ``--window`` seconds each
+(RSS) of every process of its tree every ``--interval`` seconds (``benchlib.TreeMemory``). Processes
+are named by their command line (launcher, controller, learner, worker-N; anything else, such as the
+short-lived preflight child, ``other``). Prints, per role, its peak and when it happened, and per ``--window`` seconds each
 role's lowest and highest RSS (a floor that rises is memory the process keeps; a peak that rises
 with it is a step that needs more each time); and the whole job's peak (the sum at one sample).
 
@@ -15,11 +15,8 @@ e.g. ``-- +experiment=smollm2_signed_sums quant.fmt=int8 learner.time_budget_s=6
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -28,22 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts import benchlib  # noqa: E402
 
 
-def sample_tree(root_pid: int, names: dict[int, str]) -> dict[str, int]:
-    """RSS bytes by role name of every live process under ``root_pid`` (itself included)."""
-    import psutil
-
-    try:
-        root = psutil.Process(root_pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return {}
-    out: dict[str, int] = defaultdict(int)
-    for p in procs:
-        try:
-            out[names.get(p.pid, "launcher" if p.pid == root_pid else "other")] += p.memory_info().rss
-        except psutil.Error:
-            continue
-    return dict(out)
+def role_of(cmdline: str) -> str | None:
+    """The run's role a process plays, from its command line (``workers/launcher.py`` starts them)."""
+    if "workers.controller" in cmdline:
+        return "controller"
+    if "workers/learner.py" in cmdline and "torch.distributed.run" not in cmdline:
+        return "learner"
+    if "workers.generator" in cmdline:
+        ids = [w.split("=", 1)[1] for w in cmdline.split() if w.startswith("worker_id=")]
+        return ids[0] if ids else "worker"
+    if " asyncrl train " in f" {cmdline} ":
+        return "launcher"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,25 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json = args.json.replace(".json", ".quick.json")
     runs = Path(tempfile.mkdtemp(prefix="memory_timeline-"))
     cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs}", "run_name=timeline", *overrides]
-    pids_file = runs / "timeline" / "pids.json"
-    samples: list[tuple[float, dict[str, int]]] = []
-    with open(runs / "train.log", "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=benchlib.ROOT, env=benchlib.train_env(), stdout=log, stderr=subprocess.STDOUT)
-        t0, names = time.monotonic(), {}
-        try:
-            while proc.poll() is None:
-                if pids_file.is_file():
-                    try:
-                        names = {pid: name for name, pid in json.loads(pids_file.read_text()).items()}
-                    except ValueError:  # being rewritten
-                        pass
-                samples.append((time.monotonic() - t0, sample_tree(proc.pid, names)))
-                time.sleep(args.interval)
-        except BaseException:
-            benchlib._stop(proc)
-            raise
-    if proc.returncode != 0:
-        raise SystemExit(f"asyncrl train failed (rc {proc.returncode}); log: {runs / 'train.log'}")
+    mem = benchlib.run_measured(cmd, runs / "train.log", role_of, "asyncrl train", benchlib.train_env(),
+                                interval_s=args.interval, timeline=True)
+    samples = mem.timeline or []
     gb = 2**30
     roles = sorted({r for _, s in samples for r in s})
     peaks = {r: max(((t, s[r]) for t, s in samples if r in s), key=lambda x: x[1]) for r in roles}
