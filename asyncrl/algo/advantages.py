@@ -19,8 +19,7 @@ import math
 
 import torch
 
-from asyncrl.algo.config import ADVANTAGES, require_choice
-from asyncrl.algo.numerics import ADV_EPS
+from asyncrl.algo.config import ADV_EPS, ADVANTAGES, require_choice
 from asyncrl.algo.outcome import is_informative_group, outcome_advantages
 from asyncrl.algo.stats import MetricDict, Stat
 
