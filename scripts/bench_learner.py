@@ -16,12 +16,15 @@ Rows:
                   activation checkpointing, micro-batches of <= --token-budget padded tokens,
                   proximal log-probs reused from the first forward
   full-bf16       the same under bf16 autocast (fp32 master weights)
+  full-bf16-uncapped  ``full-bf16`` with oneDNN's and ideep's per-shape caches at their default 1024
+                  entries: its RSS minus ``full-bf16``'s is what those caches keep (with ``--vary``)
   lora            LoRA r=16 (alpha 32) on every projection, same knobs as ``full``
+  lora-bf16       ``lora`` under bf16 autocast, as ``+experiment=smollm2_signed_sums`` runs it
   lora-glibc-default  ``lora`` with glibc's default malloc settings: freed activations stay in
                   its heap (asyncrl/learner/memory.py); its RSS minus ``lora``'s is that retention
 
-Every other row bounds glibc's retention as the learner process does (``bound_malloc_retention``
-at process start).
+Every other row bounds glibc's retention and the kernel caches as the learner process does
+(``bound_malloc_retention`` and ``bound_kernel_caches`` at process start).
 
 ``--vary``: every step after the first trains a batch of other prompt and response lengths, as a
 rollout stream does, and ``rss_growth_gb`` reports how far the process's resident memory rose from
@@ -48,7 +51,10 @@ ROWS = {
     "fsdp-ws1-mb64": dict(fsdp=True, micro=64, budget=0, ac=False, reuse=False, autocast="", lora=0),
     "full": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=0),
     "full-bf16": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="bf16", lora=0),
+    "full-bf16-uncapped": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="bf16", lora=0,
+                               uncapped_kernel_caches=True),
     "lora": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=16),
+    "lora-bf16": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="bf16", lora=16),
     "lora-glibc-default": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=16,
                                unbounded_malloc=True),
 }
@@ -90,12 +96,17 @@ def child(spec: dict) -> dict:
         shard_model,
         train_step,
     )
-    from asyncrl.learner.memory import bound_malloc_retention
+    from asyncrl.learner.memory import KERNEL_CACHE_VARS, bound_kernel_caches, bound_malloc_retention
     from asyncrl.learner.policy import LoraSpec, prepare_policy
 
     row = ROWS[spec["row"]]
     if not row.get("unbounded_malloc"):
         bound_malloc_retention()
+    if row.get("uncapped_kernel_caches"):
+        for var in KERNEL_CACHE_VARS:
+            os.environ.pop(var, None)
+    else:
+        bound_kernel_caches()
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
     info = init_distributed()

@@ -48,6 +48,7 @@ import zmq
 import protocols as P
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.factory import EngineSpec, build_engine
+from asyncrl.learner.memory import bound_kernel_caches, malloc_trim
 from asyncrl.transport import (
     ChannelTimeout,
     WeightClient,
@@ -309,6 +310,10 @@ class GeneratorWorker:
         from asyncrl.transport.publication import from_wire
 
         t0 = time.perf_counter()
+        # The previous version's frames (and, at the first fetch, the fp32 skeleton the engine was quantized
+        # from) are free by now but mostly stay in glibc's heap: give them back before the next arrives
+        # (SmolLM2-135M int8: 0.15 GB after the build, 0.2 GB after each swap).
+        malloc_trim()
         ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt, cancel=cancel)
         if ann.version <= self.weights_version:
             return
@@ -491,6 +496,7 @@ A fatal error in any thread hands the worker's samples back and exits with statu
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    bound_kernel_caches()  # before the engine's first oneDNN matmul (asyncrl/learner/memory.py)
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(message)s")
     keys_dir = getattr(args, "transport_keys_dir", "")
     curve = load_client_keys(keys_dir, getattr(args, "transport_key_name", "")) if keys_dir else None

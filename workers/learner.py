@@ -41,7 +41,7 @@ from asyncrl.learner import (
     train_step,
 )
 from asyncrl.learner.fsdp import broadcast_batch, close_distributed
-from asyncrl.learner.memory import bound_malloc_retention
+from asyncrl.learner.memory import bound_kernel_caches, bound_malloc_retention
 from asyncrl.learner.policy import (
     LoraSpec,
     base_model,
@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before any tensor exists: freed activations go back to the kernel instead of staying in
     # glibc's heap (asyncrl/learner/memory.py; most of the LoRA learner's peak RSS otherwise).
     bounded = bound_malloc_retention()
+    caches = bound_kernel_caches()  # before the first bf16 matmul: one cache entry per batch shape otherwise
     info = init_distributed({"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}.get(cfg.learner.device), timeout_s=COLLECTIVE_TIMEOUT_S)
     L = cfg.learner
     threads = L.num_threads or default_num_threads(cfg.rollout.num_workers, info.world_size)
@@ -318,11 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     model = prepare_policy(model, info, lora=lora, activation_checkpointing=L.activation_checkpointing)
     ref_model = reference_policy(model, initial, info) if cfg.algo.kl_coef > 0 else None
     del initial
-    log.info("learner: %d threads, %s, %s, world size %d%s%s", threads,
+    log.info("learner: %d threads, %s, %s, world size %d%s%s, oneDNN/ideep caches %s", threads,
              f"LoRA r={lora.rank}" if lora else "full fine-tuning",
              "activation checkpointing" if L.activation_checkpointing else "no activation checkpointing",
              info.world_size, ", KL reference" if ref_model is not None else "",
-             "" if bounded else ", malloc retention unbounded (not glibc)")
+             "" if bounded else ", malloc retention unbounded (not glibc)",
+             "/".join(caches.values()))
     opt = build_optimizer(model, lr=L.lr, weight_decay=L.weight_decay)
     sched = build_scheduler(opt, LRSchedule(kind=L.lr_schedule, warmup_steps=L.warmup_steps,
                                             total_steps=max(L.total_steps, L.warmup_steps + 1),

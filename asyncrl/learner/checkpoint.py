@@ -297,7 +297,7 @@ def export_hf(
     from asyncrl.learner.policy import base_model, policy_state_dict
 
     out = Path(out_dir)
-    sd = policy_state_dict(model, lora)
+    sd = dict(policy_state_dict(model, lora))  # mutable below (transform, tied lm_head); LoRA: merged here
     hf = base_model(model)
     if info.is_main:
         if state_dict_transform is not None:

@@ -9,7 +9,8 @@ Owns how a loaded Hugging Face causal LM becomes the module ``train_step`` train
   3. World size 1: no wrapper (plain parameters, no FSDP hooks or DTensors). World size > 1:
      FSDP2 (``fsdp.shard_model``).
 And ``policy_state_dict``: the full state dict in the base model's own names with every LoRA
-adapter merged into its base weight (what is published, evaluated, hashed and exported).
+adapter merged into its base weight (what is published, evaluated, hashed and exported), merged
+one weight at a time as it is read.
 
 Never does: load files, build optimisers, or train.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -47,6 +49,7 @@ __all__ = [
     "is_lora",
     "policy_state_dict",
     "merge_lora_state_dict",
+    "MergedLoraState",
 ]
 
 _PEFT_PREFIX = "base_model.model."
@@ -168,28 +171,58 @@ def reference_policy(policy: torch.nn.Module, initial: torch.nn.Module | None, i
     return shard_model(ref, info) if info.world_size > 1 else ref
 
 
-def merge_lora_state_dict(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """A PEFT state dict (``base_model.model.*``, ``*.base_layer.*``, ``*.lora_A/B.default.*``) ->
-    the base model's names with W + scaling * (B @ A) for every adapted weight (new tensors)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, t in sd.items():
-        if ".lora_A." in key or ".lora_B." in key or ".lora_embedding_" in key:
-            continue
-        name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
-        if ".base_layer." in name:
-            module = name.split(".base_layer.")[0]
-            name = name.replace(".base_layer.", ".")
-            a_key = f"{_PEFT_PREFIX}{module}.lora_A.default.weight"
-            if name.endswith(".weight") and a_key in sd:
-                b = sd[f"{_PEFT_PREFIX}{module}.lora_B.default.weight"]
-                t = t.detach() + (b.detach().float() @ sd[a_key].detach().float()).to(t.dtype) * scaling
-        out[name] = t.detach()
-    return out
+class MergedLoraState(Mapping[str, torch.Tensor]):
+    """A PEFT state dict (``base_model.model.*``, ``*.base_layer.*``, ``*.lora_A/B.default.*``) read in
+    the base model's names, each adapted weight being W + scaling * (B @ A), computed when it is read
+    (a new tensor each time; the PEFT tensors are never modified). Publication reads and quantizes one
+    weight at a time, so no merged copy of every projection exists at once (SmolLM2-135M: 0.48 GB);
+    ``dict(...)`` of it is the merged state dict."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor], scaling: float) -> None:
+        self._sd, self._scaling = sd, float(scaling)
+        # base name -> (PEFT key, lora_A key or None); an unadapted weight is one view, the same at every
+        # read, so tied weights stay recognisably tied (publication publishes them once).
+        self._keys: dict[str, tuple[str, str | None]] = {}
+        self._plain: dict[str, torch.Tensor] = {}
+        for key in sd:
+            if ".lora_A." in key or ".lora_B." in key or ".lora_embedding_" in key:
+                continue
+            name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+            a_key = None
+            if ".base_layer." in name:
+                module = name.split(".base_layer.")[0]
+                name = name.replace(".base_layer.", ".")
+                candidate = f"{_PEFT_PREFIX}{module}.lora_A.default.weight"
+                a_key = candidate if name.endswith(".weight") and candidate in sd else None
+            self._keys[name] = (key, a_key)
+            if a_key is None:
+                self._plain[name] = sd[key].detach()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        key, a_key = self._keys[name]
+        if a_key is None:
+            return self._plain[name]
+        t = self._sd[key].detach()
+        b = self._sd[a_key.replace(".lora_A.", ".lora_B.")].detach()
+        return t + (b.float() @ self._sd[a_key].detach().float()).to(t.dtype) * self._scaling
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
-def policy_state_dict(model: torch.nn.Module, lora: LoraSpec | None = None) -> dict[str, torch.Tensor]:
+def merge_lora_state_dict(sd: Mapping[str, torch.Tensor], scaling: float) -> MergedLoraState:
+    """``sd`` (a PEFT state dict) in the base model's names with every adapter merged, read lazily
+    (``MergedLoraState``)."""
+    return MergedLoraState(sd, scaling)
+
+
+def policy_state_dict(model: torch.nn.Module, lora: LoraSpec | None = None) -> Mapping[str, torch.Tensor]:
     """The policy's full weights in the base model's names, adapters merged (rank 0; other ranks
-    get an empty dict at world size > 1). Collective when the model is sharded."""
+    get an empty dict at world size > 1). Collective when the model is sharded. A LoRA policy's is a
+    ``MergedLoraState`` (merged when read); ``dict(...)`` it where a mutable dict is needed."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):

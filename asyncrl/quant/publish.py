@@ -30,6 +30,7 @@ anything, or let `load_published` change the model unless every check has passed
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -232,7 +233,7 @@ def publish(
     check_format(fmt)
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise QuantError(f"version must be an integer >= 0, got {version!r}")
-    tensors_in = dict(state_dict)
+    tensors_in = state_dict  # read name by name: a lazy mapping (merged LoRA weights) yields one tensor at a time
     record = None
     require_choice("aqn_resample", aqn_resample, AQN_RESAMPLE, QuantError)
     if aqn_sigma != 0.0 and aqn_seed is None:
@@ -251,15 +252,18 @@ def publish(
     out: dict[str, Tensor] = {}
     entries: list[TensorSpec] = []
     roles = weight_suffixes(fmt)
-    seen: set[tuple] = set()
+    # A tied weight (the same memory as an earlier name) is published once. The earlier tensor is held
+    # weakly: a freed one (a lazily merged weight, already quantized) cannot alias one built later at its address.
+    seen: dict[tuple, weakref.ref] = {}
     for name in sorted(tensors_in):
         t = tensors_in[name]
         if not isinstance(t, Tensor):
             raise QuantError(f"state dict values must be tensors, got {type(t).__name__}", tensor_name=name)
         key = _alias_key(t)
-        if key in seen:  # a tied weight (same memory as an earlier name): published once
+        earlier = seen.get(key)
+        if earlier is not None and earlier() is not None:
             continue
-        seen.add(key)
+        seen[key] = weakref.ref(t)
         if is_target_weight(name, keep_full_precision):
             prefix = name[: -len("weight")]
             for suffix, q in quantize_weight(t, fmt, name=name).items():

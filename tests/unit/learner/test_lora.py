@@ -71,6 +71,30 @@ def test_merged_published_weights_give_the_adapter_models_logits(tiny, dist_info
                               base_before["model.layers.0.self_attn.q_proj.base_layer.weight"])  # fmt: skip
 
 
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4", "fp32"])
+def test_publishing_the_lazily_merged_weights_equals_publishing_them_merged_at_once(tiny, dist_info, fmt):
+    # The learner publishes the MergedLoraState as it is (each merged weight built, quantized and freed in
+    # turn): the publication must be the one of the fully merged dict, tied weights included once, and a
+    # merged weight built at the address of a freed one is not taken for a tied copy of it.
+    from asyncrl.quant import publish
+
+    state = _lora_state(tiny, dist_info, tie=True)
+    _train(state, tiny, dist_info, steps=1)
+    lazy = policy_state_dict(state.model, SPEC)
+    assert not isinstance(lazy, dict)
+    tied = lazy["lm_head.weight"]
+    assert tied is lazy["lm_head.weight"]  # an unadapted weight: one view, the same at every read
+    assert tied.data_ptr() == lazy["model.embed_tokens.weight"].data_ptr()
+    eager = dict(lazy)
+    a, b = publish(lazy, fmt, version=3), publish(eager, fmt, version=3)
+    assert a.checksum == b.checksum
+    assert [e.name for e in a.manifest] == [e.name for e in b.manifest]
+    names = {e.name for e in a.manifest}
+    assert len(names & {"lm_head.weight", "model.embed_tokens.weight"}) == 1, names  # tied: published once
+    for name, t in b.tensors.items():
+        assert torch.equal(a.tensors[name], t), name
+
+
 def test_lora_kl_reference_is_the_base_without_adapters(tiny, dist_info):
     objective = ObjectiveConfig(objective="acr", kl_coef=0.1)
     state = _lora_state(tiny, dist_info)
