@@ -308,10 +308,16 @@ def export_hf(
         if getattr(config, "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)  # tied to the embedding; transformers re-ties on load
         out.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            k: (v.detach().to(torch.float32) if v.is_floating_point() else v.detach()).contiguous().clone()
-            for k, v in sd.items()
-        }
+        # No copy of what is already a contiguous fp32 tensor of its own (every parameter at world size 1, a
+        # merged LoRA weight): a second full copy was the learner's peak at the end of a LoRA run.
+        tensors: dict[str, torch.Tensor] = {}
+        owners: set[int] = set()
+        for k, v in sd.items():
+            t = (v.detach().to(torch.float32) if v.is_floating_point() else v.detach()).contiguous()
+            if t.untyped_storage().data_ptr() in owners or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # safetensors writes no shared or partial storage
+            owners.add(t.untyped_storage().data_ptr())
+            tensors[k] = t
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(out))
         if tokenizer_dir is not None:

@@ -250,6 +250,7 @@ def publish(
             tensors_in, sigma=aqn_sigma, seed=aqn_seed, sites=aqn_sites, uaq_s=uaq_s, uaq_sites=uaq_sites
         )
     out: dict[str, Tensor] = {}
+    blocks = _Blocks()
     entries: list[TensorSpec] = []
     roles = weight_suffixes(fmt)
     # A tied weight (the same memory as an earlier name) is published once. The earlier tensor is held
@@ -269,14 +270,14 @@ def publish(
             for suffix, q in quantize_weight(t, fmt, name=name).items():
                 qname = prefix + suffix
                 logical = tuple(t.shape) if roles[suffix] in (ROLE_CODES, ROLE_WEIGHT) else None
-                out[qname] = _snapshot(q, t)
+                out[qname] = blocks.snapshot(q, t)
                 entries.append(manifest_entry(qname, out[qname], fmt, roles[suffix], logical))
         else:
             if t.is_floating_point() and not all_finite(t):
                 raise NonFiniteWeightError(
                     "non-finite value(s); fix the learner update before publishing", tensor_name=name
                 )
-            out[name] = _snapshot(t, t)
+            out[name] = blocks.snapshot(t, t)
             entries.append(manifest_entry(name, out[name], fmt, ROLE_FULL))
     entries.sort(key=lambda e: e.name)
     seed = None if record is None else record.seed
@@ -295,12 +296,35 @@ def _alias_key(t: Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def _snapshot(t: Tensor, source: Tensor) -> Tensor:
-    """A contiguous CPU tensor that shares no memory with the learner's `source`."""
-    t = t.detach().to("cpu").contiguous()
-    if t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
-        t = t.clone()
-    return t
+class _Blocks:
+    """Where one publication's tensors live: the small ones packed into a few 64 MiB blocks (above
+    glibc's largest mmap threshold, so each block is its own mapping, given back whole when the last
+    tensor viewing it is dropped), the large ones in their own tensors. Published one by one, a
+    SmolLM2-135M int8 publication is ~270 tensors under 1 MiB: they stayed in glibc's heap, and with
+    a publication every step between the step's own allocations the heap kept growing (measured:
+    +0.21 GB over 8 LoRA steps)."""
+
+    BLOCK = 64 << 20
+    SMALL = 4 << 20
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._block: Tensor | None = None
+        self._used = 0
+
+    def snapshot(self, t: Tensor, source: Tensor) -> Tensor:
+        """A contiguous CPU copy of ``t`` (or ``t`` itself when it is already one that shares no memory
+        with the learner's ``source``), in a block when it is small."""
+        t = t.detach().to("cpu").contiguous()
+        n = t.numel() * t.element_size()
+        if n == 0 or n > self.SMALL:
+            return t.clone() if t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else t
+        if self._block is None or self._used + n > self.BLOCK:
+            self._block, self._used = torch.empty(self.BLOCK, dtype=torch.uint8), 0
+        view = self._block[self._used:self._used + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        self._used += -(-n // self.ALIGN) * self.ALIGN
+        return view
 
 
 def load_published(model: nn.Module, published: PublishedWeights) -> None:

@@ -71,6 +71,27 @@ def test_publication_holds_contiguous_cpu_copies_and_a_deterministic_checksum(ti
     assert a.total_bytes() == sum(t.numel() * t.element_size() for t in a.tensors.values())
 
 
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4", "fp32"])
+def test_small_published_tensors_share_a_few_blocks_and_hold_exactly_their_values(tiny_model, fmt):
+    # The small tensors of a publication live in 64 MiB blocks (each its own mapping, not glibc's heap):
+    # every tensor is still its own contiguous, correctly typed view with the values published one by one.
+    from asyncrl.quant.publish import _Blocks
+
+    sd = tiny_model.state_dict()
+    pub = publish(sd, fmt, version=1)
+    storages = {t.untyped_storage().data_ptr() for t in pub.tensors.values()}
+    assert len(pub.tensors) > 20 and len(storages) <= 2
+    assert all(t.untyped_storage().nbytes() == _Blocks.BLOCK for t in pub.tensors.values())
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in pub.tensors.values())
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # no overlap
+    assert all(t.data_ptr() % _Blocks.ALIGN == 0 for t in pub.tensors.values())
+    pub.verify()  # every digest still matches its tensor's bytes
+    blocks = _Blocks()
+    for name, t in pub.tensors.items():
+        src = t.clone()
+        assert torch.equal(blocks.snapshot(src, src), t), name
+
+
 def test_publish_does_not_modify_the_learner_state(tiny_model):
     sd = tiny_model.state_dict()
     before = {k: v.clone() for k, v in sd.items()}
