@@ -21,9 +21,9 @@ bf16 matmuls go through: oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPA
 row count almost every time, every shape builds about a dozen primitives in each cache, and the two
 together kept ~7.5 MB per new shape: measured on this project's CPU (torch 2.13), SmolLM2-sized bf16
 linears (forward and backward) over 180 random row counts grew a process from 0.28 to 1.18 GB, and
-capped at 64 entries each it stayed at 0.34 GB at the same speed. In a 10-minute bf16 learner run
-this is the 0.55 GB the learner's floor rose (docs/benchmarks.md §8). The caches read the variables
-at their first use, so the call must come before the first bf16 (oneDNN) operation.
+capped at 64 entries each it stayed at 0.34 GB at the same speed. With 128 entries a 30-minute
+full fine-tuning run's learner peaked at 3.66 GB instead of 3.95 (docs/benchmarks.md §8). The caches
+read the variables at their first use, so the call must come before the first bf16 (oneDNN) operation.
 
 Never does: change any value computed (the allocator only decides where bytes live), allocate,
 or act outside glibc (elsewhere it reports False and does nothing).
