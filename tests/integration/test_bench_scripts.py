@@ -121,11 +121,16 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
     data = run_bench(procs, tmp_path, "bench_learner", "--quick", "--model", "tiny", "--samples", "8",
                      "--new-tokens", "8", timeout_s=600)
     rows = data["tables"]["rows"]
-    assert [r["row"] for r in rows] == ["fsdp-ws1-mb64", "full", "full-bf16", "lora", "lora-glibc-default"]
+    names = [r["row"] for r in rows]
+    assert names == ["fsdp-ws1-mb64", "full", "full-bf16", "full-bf16-uncapped", "lora", "lora-bf16",
+                     "lora-glibc-default"]
     check_rows(rows, ["peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "cpu_s_per_1k_tokens", "cpu_ratio",
                       "prox_s", "trainable_params", "trained_tokens"], text=("row",))
-    assert rows[3]["trainable_params"] < rows[1]["trainable_params"]  # LoRA trains adapters only
-    assert rows[4]["trainable_params"] == rows[3]["trainable_params"]  # the same LoRA, default malloc
+    by = dict(zip(names, rows, strict=True))
+    assert by["lora"]["trainable_params"] < by["full"]["trainable_params"]  # LoRA trains adapters only
+    # the same LoRA under bf16 and with default malloc; the same full model with default kernel caches
+    assert by["lora-bf16"]["trainable_params"] == by["lora-glibc-default"]["trainable_params"] == by["lora"]["trainable_params"]
+    assert by["full-bf16-uncapped"]["trainable_params"] == by["full"]["trainable_params"]
 
 
 def test_bench_learner_vary_reports_memory_after_every_step(procs, tmp_path):
