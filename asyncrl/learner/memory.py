@@ -1,6 +1,8 @@
-"""How much freed memory the learner process keeps: glibc malloc's retention, bounded.
+"""How much memory a torch process keeps that it no longer uses: glibc malloc's retention and
+libtorch's per-shape kernel caches, bounded (the learner calls both at start, the generation
+worker the second and ``malloc_trim``).
 
-Owns one process-wide allocator setting. On Linux/glibc, torch's CPU tensors come from
+Owns two process-wide settings. On Linux/glibc, torch's CPU tensors come from
 ``malloc``. glibc serves a request of at least the *mmap threshold* with its own ``mmap`` (given
 back to the kernel by ``free``) and smaller ones from its heap, whose freed chunks it keeps for
 reuse. The threshold is dynamic: each time a mmapped chunk is freed the threshold rises to that
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 __all__ = ["DEFAULT_KERNEL_CACHE_CAPACITY", "DEFAULT_MMAP_THRESHOLD", "KERNEL_CACHE_VARS", "bound_kernel_caches",
@@ -88,8 +91,6 @@ def bound_kernel_caches(capacity: int = DEFAULT_KERNEL_CACHE_CAPACITY) -> dict[s
     """Cap oneDNN's and ideep's per-shape caches at ``capacity`` entries (``KERNEL_CACHE_VARS``) unless
     the environment already sets them; returns the values in force. Must run before the process's
     first oneDNN operation (they are read once); child processes inherit the setting."""
-    import os
-
     if capacity < 1:
         raise ValueError(f"kernel cache capacity must be >= 1, got {capacity}")
     for var in KERNEL_CACHE_VARS:

@@ -48,7 +48,6 @@ __all__ = [
     "base_model",
     "is_lora",
     "policy_state_dict",
-    "merge_lora_state_dict",
     "MergedLoraState",
 ]
 
@@ -180,43 +179,35 @@ class MergedLoraState(Mapping[str, torch.Tensor]):
 
     def __init__(self, sd: Mapping[str, torch.Tensor], scaling: float) -> None:
         self._sd, self._scaling = sd, float(scaling)
-        # base name -> (PEFT key, lora_A key or None); an unadapted weight is one view, the same at every
-        # read, so tied weights stay recognisably tied (publication publishes them once).
-        self._keys: dict[str, tuple[str, str | None]] = {}
+        # base name -> (PEFT key of W, of A, of B) for an adapted weight; an unadapted one is a single view,
+        # the same at every read, so tied weights stay recognisably tied (publication publishes them once).
+        self._adapted: dict[str, tuple[str, str, str]] = {}
         self._plain: dict[str, torch.Tensor] = {}
+        self._names: list[str] = []  # the PEFT state dict's order
         for key in sd:
             if ".lora_A." in key or ".lora_B." in key or ".lora_embedding_" in key:
                 continue
             name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
-            a_key = None
-            if ".base_layer." in name:
-                module = name.split(".base_layer.")[0]
-                name = name.replace(".base_layer.", ".")
-                candidate = f"{_PEFT_PREFIX}{module}.lora_A.default.weight"
-                a_key = candidate if name.endswith(".weight") and candidate in sd else None
-            self._keys[name] = (key, a_key)
-            if a_key is None:
+            module, wrapped, _ = name.partition(".base_layer.")
+            name = name.replace(".base_layer.", ".")
+            self._names.append(name)
+            a_key = f"{_PEFT_PREFIX}{module}.lora_A.default.weight"
+            if wrapped and name.endswith(".weight") and a_key in sd:
+                self._adapted[name] = (key, a_key, a_key.replace(".lora_A.", ".lora_B."))
+            else:
                 self._plain[name] = sd[key].detach()
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        key, a_key = self._keys[name]
-        if a_key is None:
+        if name in self._plain:
             return self._plain[name]
-        t = self._sd[key].detach()
-        b = self._sd[a_key.replace(".lora_A.", ".lora_B.")].detach()
-        return t + (b.float() @ self._sd[a_key].detach().float()).to(t.dtype) * self._scaling
+        w, a, b = (self._sd[k].detach() for k in self._adapted[name])
+        return w + (b.float() @ a.float()).to(w.dtype) * self._scaling
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._keys)
-
-
-def merge_lora_state_dict(sd: Mapping[str, torch.Tensor], scaling: float) -> MergedLoraState:
-    """``sd`` (a PEFT state dict) in the base model's names with every adapter merged, read lazily
-    (``MergedLoraState``)."""
-    return MergedLoraState(sd, scaling)
+        return len(self._names)
 
 
 def policy_state_dict(model: torch.nn.Module, lora: LoraSpec | None = None) -> Mapping[str, torch.Tensor]:
@@ -232,7 +223,7 @@ def policy_state_dict(model: torch.nn.Module, lora: LoraSpec | None = None) -> M
     if is_lora(model):
         if lora is None:
             raise ValueError("a LoRA policy's weights need its LoraSpec (the scaling) to be merged")
-        sd = merge_lora_state_dict(sd, lora.scaling) if sd else sd
+        sd = MergedLoraState(sd, lora.scaling) if sd else sd
     return sd
 
 

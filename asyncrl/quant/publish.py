@@ -315,9 +315,10 @@ class _Blocks:
     def snapshot(self, t: Tensor, source: Tensor) -> Tensor:
         """A contiguous CPU copy of ``t`` (or ``t`` itself when it is already one that shares no memory
         with the learner's ``source``), in a block when it is small."""
-        t = t.detach().to("cpu").contiguous()
+        t = t.detach().to("cpu")
         n = t.numel() * t.element_size()
         if n == 0 or n > self.SMALL:
+            t = t.contiguous()
             return t.clone() if t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else t
         if self._block is None or self._used + n > self.BLOCK:
             self._block, self._used = torch.empty(self.BLOCK, dtype=torch.uint8), 0
