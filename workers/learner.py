@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,7 +109,7 @@ class Publisher:
         self.cfg, self.formats, self.server = cfg, formats, server
         self.prev: dict[str, PublishedWeights] = {}
 
-    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         from asyncrl.quant import aqn_sigma, code_change_frac, publication_seed, publish
 
         q = self.cfg.quant
@@ -146,7 +147,7 @@ class Evaluator:
         self.scorer = build_scorer(cfg, model_dir)
         self.model_dir = model_dir
 
-    def evaluate(self, state_dict: dict[str, torch.Tensor], version: int,
+    def evaluate(self, state_dict: Mapping[str, torch.Tensor], version: int,
                  buffers: dict[str, torch.Tensor]) -> dict[str, float]:
         """``buffers``: the policy's non-parameter tensors (rotary tables), by the base model's names."""
         from transformers import AutoConfig, AutoModelForCausalLM

@@ -216,6 +216,7 @@ def policy_state_dict(model: torch.nn.Module, lora: LoraSpec | None = None) -> M
     ``MergedLoraState`` (merged when read); ``dict(...)`` it where a mutable dict is needed."""
     from torch.distributed.fsdp import FSDPModule
 
+    sd: Mapping[str, torch.Tensor]
     if isinstance(model, FSDPModule):
         sd = full_state_dict(model)
     else:
