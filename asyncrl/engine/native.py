@@ -381,6 +381,8 @@ class NativeEngine:
     def _forward_and_sample(self, admitted: list[_Seq], finished: list[GenResult]) -> None:
         assert self._runner is not None
         aqn = self._aqn if self._aqn is not None and self._aqn.sigma > 0 else None
+        self._runner.cache.need_len = max((len(s.req.prompt_ids) + s.limit for s in (*self._active, *admitted)),
+                                         default=0)
         parts = []
         if self._active:
             tokens = [s.response[-1] for s in self._active]
