@@ -73,7 +73,7 @@ class WeightServer:
         """``curve``: server keys (``load_server_keys``) or None for plain sockets. Requests are tiny
         ``WeightFetch`` messages: ``max_message_bytes`` > 0 disconnects a peer that sends more (uncounted).
 
-        ``keep_versions``: how many versions of each format stay fetchable. One is enough for workers, which ask for the
+        ``keep_versions``: how many versions stay fetchable. One is enough for workers, which ask for the
         newest (version -1); a fetch under way when a newer version replaces its own still completes (it
         holds the buffers). Each kept version costs its published bytes in this process (an int8
         SmolLM2-135M publication: 0.2 GB)."""
@@ -125,13 +125,8 @@ class WeightServer:
                 raise ValueError(f"version {announce.version} ({announce.fmt}) is not newer than the latest "
                                  "published one")
             self._versions.setdefault(announce.version, {})[announce.fmt] = entry
-            # keep the newest ``keep_versions`` of each format: an int8 worker can still fetch version k
-            # while k+1 exists only in the primary format, its other formats still being quantized
-            having = [v for v, formats in self._versions.items() if announce.fmt in formats]
-            for old in having[:-self.keep_versions]:
-                del self._versions[old][announce.fmt]
-                if not self._versions[old]:
-                    del self._versions[old]
+            while len(self._versions) > self.keep_versions:
+                self._versions.popitem(last=False)
             self._pending_announce.append(announce)
 
     def _run(self) -> None:
