@@ -425,8 +425,8 @@ class GeneratorWorker:
         ann = self._weights.poll_announce(0.0, fmt=self.wire_fmt)
         if ann is None or ann.version <= self.weights_version:
             return False
-        try:  # the newest served: a version published since this announcement replaces the announced one
-            self._load_weights(-1, timeout_s=WEIGHTS_TIMEOUT_S)
+        try:
+            self._load_weights(ann.version, timeout_s=WEIGHTS_TIMEOUT_S)
         except (WeightFetchError, ValueError) as e:  # QuantError is a ValueError: keep the old version
             log.error("could not load weights v%d, keeping v%d: %s", ann.version, self._engine.version, e)
             return False

@@ -65,18 +65,13 @@ class WeightServer:
         announce_address: str = "tcp://127.0.0.1:0",
         fetch_address: str = "tcp://127.0.0.1:0",
         *,
-        keep_versions: int = 1,
+        keep_versions: int = 2,
         send_timeout_s: float = 30.0,
         curve: CurveConfig | None = None,
         max_message_bytes: int = -1,
     ) -> None:
         """``curve``: server keys (``load_server_keys``) or None for plain sockets. Requests are tiny
-        ``WeightFetch`` messages: ``max_message_bytes`` > 0 disconnects a peer that sends more (uncounted).
-
-        ``keep_versions``: how many versions stay fetchable. One is enough for workers, which ask for the
-        newest (version -1); a fetch under way when a newer version replaces its own still completes (it
-        holds the buffers). Each kept version costs its published bytes in this process (an int8
-        SmolLM2-135M publication: 0.2 GB)."""
+        ``WeightFetch`` messages: ``max_message_bytes`` > 0 disconnects a peer that sends more (uncounted)."""
         self._pub = ZmqChannel.bind(zmq.PUB, announce_address, name="weights-pub", curve=curve)
         try:
             self._router = ZmqChannel.bind(zmq.ROUTER, fetch_address, name="weights-router", reply_errors=True,
@@ -150,9 +145,8 @@ class WeightServer:
 
     def _serve(self, peer: bytes, version: int, fmt: str) -> None:
         with self._lock:
-            if version < 0:  # the newest version published in this format (a newer one may lack it yet)
-                version = next((v for v in reversed(self._versions) if not fmt or fmt in self._versions[v]),
-                               version)
+            if version < 0 and self._versions:
+                version = next(reversed(self._versions))
             formats = self._versions.get(version, {})
             entry = formats.get(fmt) if fmt else next(iter(formats.values()), None)
             known = {v: list(f) for v, f in self._versions.items()}
