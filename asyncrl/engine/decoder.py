@@ -56,9 +56,9 @@ def check_supported(config) -> None:
 class SlotKVCache:
     """K/V buffers per layer, ``k[l], v[l]: [cap_rows, n_kv_heads, cap_len, head_dim]``, grown by doubling.
 
-    ``need_len`` (set by the engine before each forward: the longest prompt + response limit among the live
-    rows) caps the doubling of ``cap_len``, so a batch of 60-token prompts with 64 new tokens holds 124
-    positions per row, not 240 (SmolLM2-135M, 32 rows, fp32: 0.18 GB instead of 0.35). 0: no cap."""
+    ``need_len`` (``max_len`` until the engine sets it when it admits rows: the longest prompt + response
+    limit among the live rows) caps the doubling of ``cap_len``, so a batch of 60-token prompts with 64 new
+    tokens holds 124 positions per row, not 240 (SmolLM2-135M, 32 rows, fp32: 0.18 GB instead of 0.35)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_rows: int, max_len: int) -> None:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
@@ -67,7 +67,7 @@ class SlotKVCache:
         self.v: list[torch.Tensor] = []
         self.cap_rows = 0
         self.cap_len = 0
-        self.need_len = 0
+        self.need_len = max_len
 
     @torch.inference_mode()
     def reserve(self, rows: int, length: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -80,8 +80,7 @@ class SlotKVCache:
         if rows <= self.cap_rows and length <= self.cap_len:
             return
         new_rows = min(self.max_rows, max(rows, 2 * self.cap_rows, 1))
-        grown = 2 * self.cap_len if self.need_len <= 0 else min(2 * self.cap_len, self.need_len)
-        new_len = min(self.max_len, max(length, grown, 16))
+        new_len = min(self.max_len, max(length, min(2 * self.cap_len, self.need_len), 16))
         shape = (new_rows, self.n_kv_heads, new_len, self.head_dim)
         for bufs in (self.k, self.v):
             for layer in range(self.n_layers):

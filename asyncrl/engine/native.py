@@ -381,8 +381,6 @@ class NativeEngine:
     def _forward_and_sample(self, admitted: list[_Seq], finished: list[GenResult]) -> None:
         assert self._runner is not None
         aqn = self._aqn if self._aqn is not None and self._aqn.sigma > 0 else None
-        self._runner.cache.need_len = max((len(s.req.prompt_ids) + s.limit for s in (*self._active, *admitted)),
-                                         default=0)
         parts = []
         if self._active:
             tokens = [s.response[-1] for s in self._active]
@@ -396,6 +394,8 @@ class NativeEngine:
                 s.t_admit = now
             row0 = len(self._active)
             self._active.extend(admitted)
+            # only admission raises what a row can reach (the cache never shrinks, so a row leaving changes nothing)
+            self._runner.cache.need_len = max(len(s.req.prompt_ids) + s.limit for s in self._active)
             if aqn is not None:
                 aqn.set_rows([(s.req.sample_id, 0) for s in admitted])
             parts.append(self._runner.prefill(row0, [s.req.prompt_ids for s in admitted], len(self._active)))
