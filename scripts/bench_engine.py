@@ -2,12 +2,25 @@
 
 For each format the model is quantized once (asyncrl.quant.quantize_model) and warmed up. Beside the
 native engine, the same model runs Hugging Face ``generate`` (``--hf``, default on): fp32 as loaded,
-and int8 as PyTorch's dynamic int8 quantization of every Linear (``torch.ao.quantization
-.quantize_dynamic``, int8 weights and per-batch int8 activations: the "same precision" a user would
-otherwise reach for on CPU), both with the KV cache, sampling, and exactly --new-tokens tokens.
+and int8 as PyTorch's dynamic int8 quantization (``torch.ao.quantization.quantize_dynamic``, int8
+weights and per-batch int8 activations, fbgemm: what a user would otherwise reach for on CPU) of the
+layers the native int8 engine quantizes, the attention and MLP projections (``lm_head`` stays fp32 on
+both sides; before 2026-12-03 the comparator quantized ``lm_head`` too), both with the KV cache and
+sampling.
 
-For each batch size B, every path generates B samples of exactly --new-tokens tokens (no stop
-tokens) from short prompts, once per round, the order of the paths shuffled every round
+Two workloads (``--workloads``, default both):
+
+* ``fixed``: for each batch size B, every path generates B samples of exactly --new-tokens tokens
+  (no stop tokens) from short prompts: the same GEMMs on both sides, continuous batching has nothing
+  to win.
+* ``rollout``: what a rollout worker does: 4 x B requests of math questions in the model's prompt
+  format (chat template when the tokenizer has one), sampled until a stop token (the model folder's
+  EOS ids, ``<|im_end|>`` for SmolLM2-Instruct) or --new-tokens. The native engine keeps B slots busy
+  (continuous batching: a finished row's slot takes the next request); HF ``generate`` runs the
+  requests B at a time, each call lasting until its longest row ends. Counted: response tokens up to
+  and including the stop token (what training receives), per second.
+
+Each path runs once per round, the order of the paths shuffled every round
 (scripts/benchlib.py ``interleaved``, --rounds, at least 5 unless --rounds says fewer). Reported:
 generated tokens/s (prefill included), the median over rounds, and ratios taken per round (so a
 burst of load elsewhere moves both sides of a ratio): each format vs native fp32, and native vs HF
@@ -23,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from collections import deque
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,6 +53,11 @@ from scripts.benchlib import (  # noqa: E402
 
 HF_FORMATS = ("fp32", "int8")
 PROMPTS = ("What is 12+30? ", "Compute 7*8 and explain. ", "The sum of 101 and 99 is ", "Q: 5-9=? A: ")
+ROLLOUT_QUESTIONS = ("What is 17 - 25?", "Compute 6 * 7 - 9.", "What is the sum of 48 and 75?",
+                     "Is 91 a prime number? Explain briefly.", "What is 3 + 4 * 5?", "Compute -8 - 13.",
+                     "What is half of 126?", "Add 19, 23 and 8.")
+ROLLOUT_REQUESTS_PER_SLOT = 4
+WORKLOADS = ("fixed", "rollout")
 
 
 def load_model(spec: str):
@@ -62,6 +81,71 @@ def run_batch(engine, tok, batch: int, new_tokens: int, tag: str) -> tuple[int, 
     return sum(len(r.response_ids) for r in results), dt
 
 
+class RolloutPrompts:
+    """The rollout workload's requests: questions in the model's own prompt format, its stop tokens."""
+
+    def __init__(self, tok, folder: str) -> None:
+        from asyncrl.controller.prompts import PromptEncoder, stop_token_ids
+
+        enc = PromptEncoder(tok, "auto")
+        self.format = enc.format
+        self.ids = [enc.encode(q) for q in ROLLOUT_QUESTIONS]
+        self.stops = tuple(stop_token_ids(folder, tok))
+        if not self.stops:
+            raise SystemExit(f"{folder}: no EOS id in its tokenizer, config.json or generation_config.json; the "
+                             "rollout workload needs a stop token (use --workloads fixed)")
+
+    def prompt(self, i: int) -> list[int]:
+        return self.ids[i % len(self.ids)]
+
+
+def useful_tokens(row: list[int], stops: tuple[int, ...]) -> int:
+    """Response tokens up to and including the first stop token (all of them when none is sampled)."""
+    for i, t in enumerate(row):
+        if t in stops:
+            return i + 1
+    return len(row)
+
+
+def run_rollout_native(engine, rp: RolloutPrompts, batch: int, new_tokens: int, tag: str) -> tuple[int, float]:
+    from asyncrl.engine import GenRequest, SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=rp.stops, seed=0)
+    n = ROLLOUT_REQUESTS_PER_SLOT * batch
+    pending = deque(GenRequest(f"{tag}-{i}", rp.prompt(i), params) for i in range(n))
+    live = total = 0
+    t0 = time.perf_counter()
+    while pending or live:  # at most `batch` requests in the engine: B slots, refilled as rows finish
+        while pending and live < batch:
+            engine.submit([pending.popleft()])
+            live += 1
+        for r in engine.step():
+            total += len(r.response_ids)
+            live -= 1
+    return total, time.perf_counter() - t0
+
+
+def run_rollout_hf(model, tok, rp: RolloutPrompts, batch: int, new_tokens: int, seed: int) -> tuple[int, float]:
+    """The same requests through ``generate``, ``batch`` at a time, left-padded, stopping at the stop tokens."""
+    import torch
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else rp.stops[0]
+    n = ROLLOUT_REQUESTS_PER_SLOT * batch
+    torch.manual_seed(seed)
+    total, t0 = 0, time.perf_counter()
+    for lo in range(0, n, batch):
+        prompts = [rp.prompt(i) for i in range(lo, min(n, lo + batch))]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                                 top_k=0, max_new_tokens=new_tokens, eos_token_id=list(rp.stops),
+                                 pad_token_id=pad, use_cache=True)
+        total += sum(useful_tokens(row, rp.stops) for row in out[:, width:].tolist())
+    return total, time.perf_counter() - t0
+
+
 def hf_model(model, fmt: str):
     """The Hugging Face model a user would run at ``fmt``: fp32 as is, int8 by dynamic quantization."""
     import torch
@@ -72,7 +156,12 @@ def hf_model(model, fmt: str):
     if fmt == "int8":
         from torch.ao.quantization import quantize_dynamic
 
-        return quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
+        from asyncrl.quant.model import DEFAULT_KEEP_FULL_PRECISION, is_target_linear
+
+        # the layers the native int8 engine quantizes (attention and MLP projections; lm_head stays fp32)
+        names = {n for n, mod in m.named_modules()
+                 if isinstance(mod, torch.nn.Linear) and is_target_linear(n, DEFAULT_KEEP_FULL_PRECISION)}
+        return quantize_dynamic(m, names, dtype=torch.qint8)
     raise ValueError(f"no Hugging Face comparator for {fmt!r}; choose from {HF_FORMATS}")
 
 
@@ -104,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help=argparse_suppress())
     p.add_argument("--hf", default="fp32,int8", help="HF generate comparators, comma list of fp32,int8 "
                                                       "('' for none; default: %(default)s)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help="comma list of fixed (exactly N tokens per sample) and rollout (4 x batch requests until "
+                        "a stop token, continuous batching vs batches of generate); default: %(default)s")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
@@ -132,47 +224,72 @@ def main(argv: list[str] | None = None) -> int:
     hf = {f: hf_model(model, f) for f in hf_formats}
     for m in hf.values():
         run_hf(m, tok, 2, 4, 0)
+    workloads = [w for w in args.workloads.split(",") if w]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        raise SystemExit(f"--workloads: unknown {bad}; choose from {WORKLOADS}")
+    rp = RolloutPrompts(tok, folder) if "rollout" in workloads else None
     rows, ratios, per_round = [], {}, {}
-    for batch in batches:
-        paths = {}
-        for fmt, engine in engines.items():
-            paths[fmt] = (lambda e=engine, f=fmt, b=batch: _rate(*run_batch(e, tok, b, new_tokens, f"{f}-{b}")))
-        for f, m in hf.items():
-            paths[f"hf-{f}"] = (lambda m=m, b=batch: _rate(*run_hf(m, tok, b, new_tokens, b)))
-        res = interleaved(paths, rounds, warmup=0, seed=batch)
-        per_round[str(batch)] = res
-        v = res["values"]
-        load = load_stats(res["load"])
-        for name in paths:
-            st = ratio_stats(v[name], v["fp32"])
-            row = {"path": name if name.startswith("hf-") else f"native-{name}", "batch": batch,
-                   "tok_per_s": statistics.median(v[name]), "vs_native_fp32": st["ratio_median"],
-                   "vs_min": st["ratio_min"], "vs_max": st["ratio_max"], "spread": st["spread"],
-                   "load_avg": load["load_median"]}
-            rows.append(row)
-        for f in hf:
-            if f in engines:
-                st = ratio_stats(v[f], v[f"hf-{f}"])
-                ratios[f"batch {batch}: native {f} / HF generate {f}"] = st
-                print_ratio(f"batch {batch}: native {f} / HF generate {f}", st, load)
-        for f in engines:
-            if f != "fp32":
-                st = ratio_stats(v[f], v["fp32"])
-                ratios[f"batch {batch}: native {f} / native fp32"] = st
-                print_ratio(f"batch {batch}: native {f} / native fp32", st, load)
+    for workload in workloads:
+        for batch in batches:
+            paths = {}
+            for fmt, engine in engines.items():
+                if workload == "fixed":
+                    paths[fmt] = (lambda e=engine, f=fmt, b=batch: run_batch(e, tok, b, new_tokens, f"{f}-{b}"))
+                else:
+                    paths[fmt] = (lambda e=engine, f=fmt, b=batch: run_rollout_native(e, rp, b, new_tokens, f"r-{f}-{b}"))
+            for f, m in hf.items():
+                if workload == "fixed":
+                    paths[f"hf-{f}"] = (lambda m=m, b=batch: run_hf(m, tok, b, new_tokens, b))
+                else:
+                    paths[f"hf-{f}"] = (lambda m=m, b=batch: run_rollout_hf(m, tok, rp, b, new_tokens, b))
+            counts: dict[str, list[int]] = {name: [] for name in paths}
+            paths = {name: (lambda fn=fn, c=counts[name]: _rate(*_counted(c, fn()))) for name, fn in paths.items()}
+            res = interleaved(paths, rounds, warmup=0, seed=batch)
+            label = f"{workload} batch {batch}" if workload != "fixed" else f"batch {batch}"
+            per_round[label] = res
+            v = res["values"]
+            load = load_stats(res["load"])
+            for name in paths:
+                st = ratio_stats(v[name], v["fp32"])
+                row = {"workload": workload, "path": name if name.startswith("hf-") else f"native-{name}",
+                       "batch": batch, "tok_per_s": statistics.median(v[name]), "vs_native_fp32": st["ratio_median"],
+                       "vs_min": st["ratio_min"], "vs_max": st["ratio_max"], "spread": st["spread"],
+                       "load_avg": load["load_median"],
+                       "tokens_per_request": statistics.median(counts[name]) / (
+                           batch * (ROLLOUT_REQUESTS_PER_SLOT if workload == "rollout" else 1))}
+                rows.append(row)
+            for f in hf:
+                if f in engines:
+                    st = ratio_stats(v[f], v[f"hf-{f}"])
+                    ratios[f"{label}: native {f} / HF generate {f}"] = st
+                    print_ratio(f"{label}: native {f} / HF generate {f}", st, load)
+            for f in engines:
+                if f != "fp32":
+                    st = ratio_stats(v[f], v["fp32"])
+                    ratios[f"{label}: native {f} / native fp32"] = st
+                    print_ratio(f"{label}: native {f} / native fp32", st, load)
     for engine in engines.values():
         engine.close()
     title = (f"generated tokens/s, model={args.model}, {new_tokens} new tokens/sample, median of {rounds} "
              f"interleaved rounds, threads={args.threads}, {args.device}")
-    print_table(title, rows, ["path", "batch", "tok_per_s", "vs_native_fp32", "vs_min", "vs_max", "spread",
+    print_table(title, rows, ["workload", "path", "batch", "tok_per_s", "tokens_per_request", "vs_native_fp32", "vs_min", "vs_max", "spread",
                               "load_avg"])
     write_json(args.json, "bench_engine", {"throughput": rows}, args, model=folder, new_tokens=new_tokens,
-               threads=args.threads, rounds=rounds, device=args.device, ratios=ratios, per_round=per_round)
+               threads=args.threads, rounds=rounds, device=args.device, ratios=ratios, per_round=per_round,
+               workloads=workloads, rollout_prompt_format=rp.format if rp else None,
+               rollout_requests_per_slot=ROLLOUT_REQUESTS_PER_SLOT)
     return 0
 
 
 def _rate(n: int, dt: float) -> float:
     return n / dt
+
+
+def _counted(into: list[int], result: tuple[int, float]) -> tuple[int, float]:
+    """Record a run's token count (tokens per request is a column) and pass the result on."""
+    into.append(result[0])
+    return result
 
 
 def argparse_suppress() -> str:
