@@ -109,8 +109,11 @@ def sample_tokens(
         target = (u * cdf[:, -1]).unsqueeze(-1)
         idx = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=V - 1)
         # Rounding can put the target at (or past) the total mass; fall back to the last token with mass.
-        last_live = torch.where(lp > float("-inf"), torch.arange(V, device=device), -1).amax(dim=-1)
+        # Rare, so the [B, V] search for that token is made only when a row needs it.
         dead = lp.gather(1, idx[:, None]).squeeze(-1) == float("-inf")
-        tokens[s] = torch.where(dead, last_live, idx)
+        if bool(dead.any()):
+            last_live = torch.where(lp > float("-inf"), torch.arange(V, device=device), -1).amax(dim=-1)
+            idx = torch.where(dead, last_live, idx)
+        tokens[s] = idx
     behav = logp.gather(1, tokens[:, None]).squeeze(-1)
     return tokens, behav
