@@ -59,9 +59,12 @@ def weight_suffixes(fmt: str) -> dict[str, str]:
     return dict(_SUFFIX_ROLES[check_format(fmt)])
 
 
-def quantize_weight(w: Tensor, fmt: str, *, name: str | None = None) -> dict[str, Tensor]:
+def quantize_weight(w: Tensor, fmt: str, *, name: str | None = None,
+                    alloc: int8.Alloc | None = None) -> dict[str, Tensor]:
     """Quantise one linear weight. w: [N, K] float. Returns {suffix: tensor} as in the module
-    docstring (contiguous, on w's device). Raises QuantError naming `name` on bad input."""
+    docstring (contiguous, on w's device). Raises QuantError naming `name` on bad input.
+    ``alloc(shape, dtype)`` makes the codes tensor of the int8 and fp4 formats (default
+    ``torch.empty`` on w's device): publication writes them straight into its send buffers."""
     check_format(fmt)
     if fmt == "fp32":
         int8.check_matrix(w, name)
@@ -73,16 +76,16 @@ def quantize_weight(w: Tensor, fmt: str, *, name: str | None = None) -> dict[str
     if fmt in ("int8", "int8_wo"):
         if fmt == "int8":  # the K limit only; finiteness is read off the row amax in quantize_int8_rows
             int8.check_matrix(w, name, max_k=int8.INT8_MAX_K, finite=False)
-        codes, scale = int8.quantize_int8_rows(w, name=name)
+        codes, scale = int8.quantize_int8_rows(w, name=name, alloc=alloc)
         return {"qweight": codes, "weight_scale": scale}
     if fmt == "fp8":
         codes, scale = fp8.quantize_fp8_rows(w, name=name)
         return {"qweight": codes, "weight_scale": scale}
     if fmt == "nvfp4":
-        packed, sb, gs = fp4.quantize_nvfp4(w, name=name)
+        packed, sb, gs = fp4.quantize_nvfp4(w, name=name, alloc=alloc)
         return {"qweight": packed, "weight_scale": sb, "weight_global_scale": gs}
     assert fmt == "mxfp4"
-    packed, sc = fp4.quantize_mxfp4(w, name=name)
+    packed, sc = fp4.quantize_mxfp4(w, name=name, alloc=alloc)
     return {"qweight": packed, "weight_scale": sc}
 
 

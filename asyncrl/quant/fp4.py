@@ -45,7 +45,7 @@ from torch import Tensor
 
 from .e2m1 import E2M1_VALUES, Scratch, decode_pairs, e2m1_encode, encode_packed, pack_codes
 from .fp8 import E4M3_MAX, FP8_DTYPE, e4m3_to_fp32
-from .int8 import check_finite_amax, check_matrix
+from .int8 import Alloc, check_finite_amax, check_matrix, empty_on
 
 __all__ = ["E2M1_VALUES", "e2m1_encode"]  # re-exported: the codes are part of this module's rule
 
@@ -110,9 +110,11 @@ def _block_amax(blocks: Tensor) -> Tensor:
     return out.view(torch.float32)
 
 
-def quantize_nvfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_nvfp4(w: Tensor, *, name: str | None = None,
+                   alloc: Alloc | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """w: [N, K] float -> (packed [N, Kp/2] uint8, block scales [N, Kp/16] float8_e4m3fn,
-    global scale [] fp32); Kp = ceil(K/16)*16. Rule in the module docstring."""
+    global scale [] fp32); Kp = ceil(K/16)*16. Rule in the module docstring. ``alloc`` makes the
+    packed codes tensor (as for `quantize_int8_rows`)."""
     check_matrix(w, name, finite=False)
     blocks = _pad_blocks(w.float(), NVFP4_BLOCK)
     amax = _block_amax(blocks)  # [N, nb]
@@ -121,7 +123,7 @@ def quantize_nvfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tenso
     gs = torch.where(gs == 0, torch.ones_like(gs), gs)
     sb = torch.div(amax, E2M1_MAX).div_(gs).clamp_(max=E4M3_MAX).to(FP8_DTYPE)
     s_eff = e4m3_to_fp32(sb).mul_(gs)
-    return _encode_blocks(blocks, _zero_to_inf(s_eff)), sb, gs.reshape(())
+    return _encode_blocks(blocks, _zero_to_inf(s_eff), alloc), sb, gs.reshape(())
 
 
 def _zero_to_inf(s: Tensor) -> Tensor:
@@ -134,11 +136,11 @@ def _zero_to_inf(s: Tensor) -> Tensor:
     return s
 
 
-def _encode_blocks(blocks: Tensor, denom: Tensor) -> Tensor:
+def _encode_blocks(blocks: Tensor, denom: Tensor, alloc: Alloc | None = None) -> Tensor:
     """Packed codes of e2m1_rne(blocks / denom) ([N, nb, B] / [N, nb] -> [N, nb*B/2] uint8), a chunk of
     rows at a time through reused scratch buffers (e2m1.encode_packed: no full-size temporaries)."""
     n, nb, block = blocks.shape
-    packed = torch.empty((n, nb * block // 2), dtype=torch.uint8, device=blocks.device)
+    packed = (alloc or empty_on(blocks.device))((n, nb * block // 2), torch.uint8)
     buf = _scratch(blocks)
     for r0 in range(0, n, buf.rows):
         r1 = min(n, r0 + buf.rows)
@@ -182,9 +184,9 @@ def _e8m0_to_fp32(biased: Tensor) -> Tensor:
     return bits.view(torch.float32)
 
 
-def quantize_mxfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tensor]:
+def quantize_mxfp4(w: Tensor, *, name: str | None = None, alloc: Alloc | None = None) -> tuple[Tensor, Tensor]:
     """w: [N, K] float -> (packed [N, Kp/2] uint8, scales [N, Kp/32] float8_e8m0fnu);
-    Kp = ceil(K/32)*32. Rule in the module docstring."""
+    Kp = ceil(K/32)*32. Rule in the module docstring. ``alloc``: as for `quantize_nvfp4`."""
     check_matrix(w, name, finite=False)
     blocks = _pad_blocks(w.float(), MXFP4_BLOCK)
     amax = _block_amax(blocks)  # +0 for an all-zero block
@@ -193,7 +195,7 @@ def quantize_mxfp4(w: Tensor, *, name: str | None = None) -> tuple[Tensor, Tenso
     exp = torch.where(amax > 0, e - 1 - 2, torch.full_like(e, -127)).clamp_(-127, 127)
     biased = (exp + 127).to(torch.uint8)
     scale = _e8m0_to_fp32(biased)
-    return _encode_blocks(blocks, scale), biased.view(E8M0_DTYPE)
+    return _encode_blocks(blocks, scale, alloc), biased.view(E8M0_DTYPE)
 
 
 def dequantize_mxfp4(packed: Tensor, scale: Tensor, k: int, *, out: Tensor | None = None) -> Tensor:

@@ -25,6 +25,7 @@ touch modules and state dicts (see `linear.py`, `publish.py`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -34,6 +35,13 @@ from .errors import BlockShapeError, NonFiniteWeightError
 INT8_QMAX = 127
 INT8_MAX_K = (2**31 - 1) // (INT8_QMAX * INT8_QMAX)  # 133143: largest K with exact int32 sums
 MIN_SCALE = 2.0**-126  # smallest normal fp32: floor of every row scale
+
+Alloc = Callable[[tuple[int, ...], torch.dtype], Tensor]
+"""Makes an output tensor: (shape, dtype) -> a contiguous tensor on the input's device."""
+
+
+def empty_on(device: torch.device) -> Alloc:
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
 
 
 def check_matrix(w: Tensor, name: str | None, *, max_k: int | None = None, finite: bool = True) -> None:
@@ -91,11 +99,14 @@ def _raise_non_finite(w: Tensor, name: str | None) -> None:
     )
 
 
-def quantize_int8_rows(x: Tensor, *, name: str | None = None) -> tuple[Tensor, Tensor]:
+def quantize_int8_rows(x: Tensor, *, name: str | None = None,
+                       alloc: Alloc | None = None) -> tuple[Tensor, Tensor]:
     """Row-wise symmetric int8 quantisation (the module docstring gives the exact rule).
 
     x: [R, K] float (any float dtype; converted to fp32 first, exactly for fp16/bf16)
-    returns codes [R, K] int8, scale [R] float32
+    returns codes [R, K] int8, scale [R] float32. ``alloc(shape, dtype)`` makes the codes tensor
+    (contiguous, on x's device; default ``torch.empty``): publication passes its buffers, so the
+    codes are written once, where they are sent from.
     """
     check_matrix(x, name, max_k=None, finite=False)
     xf = x.float()
@@ -106,7 +117,7 @@ def quantize_int8_rows(x: Tensor, *, name: str | None = None) -> tuple[Tensor, T
     scale = (amax / INT8_QMAX).clamp_(min=MIN_SCALE)
     # |x| <= amax and scale >= fp32(amax / 127) make |x / scale| <= 127 * (1 + 2**-24), which rounds
     # to at most 127: the clamp to [-127, 127] of the rule never changes a code, so it is not a pass.
-    codes = torch.empty(xf.shape, dtype=torch.int8, device=xf.device)
+    codes = (alloc or empty_on(xf.device))(tuple(xf.shape), torch.int8)
     for r0, r1, buf in row_chunks(xf):
         torch.div(xf[r0:r1], scale[r0:r1, None], out=buf).round_()
         codes[r0:r1].copy_(buf)  # exact: the values are already integers in [-127, 127]

@@ -29,7 +29,9 @@ anything, or let `load_published` change the model unless every check has passed
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -267,7 +269,8 @@ def publish(
         seen[key] = weakref.ref(t)
         if is_target_weight(name, keep_full_precision):
             prefix = name[: -len("weight")]
-            for suffix, q in quantize_weight(t, fmt, name=name).items():
+            alloc = blocks.empty if t.device.type == "cpu" else None  # codes written where they are sent from
+            for suffix, q in quantize_weight(t, fmt, name=name, alloc=alloc).items():
                 qname = prefix + suffix
                 logical = tuple(t.shape) if roles[suffix] in (ROLE_CODES, ROLE_WEIGHT) else None
                 out[qname] = blocks.snapshot(q, t)
@@ -297,12 +300,18 @@ def _alias_key(t: Tensor) -> tuple:
 
 
 class _Blocks:
-    """Where one publication's tensors live: the small ones packed into a few 64 MiB blocks (above
-    glibc's largest mmap threshold, so each block is its own mapping, given back whole when the last
-    tensor viewing it is dropped), the large ones in their own tensors. Published one by one, a
-    SmolLM2-135M int8 publication is ~270 tensors under 1 MiB: they stayed in glibc's heap, and with
-    a publication every step between the step's own allocations the heap kept growing (measured:
-    +0.21 GB over 8 LoRA steps)."""
+    """Where one publication's tensors live: the small ones packed into a few 64 MiB blocks, the
+    large ones in buffers of their own, every one an anonymous mapping of its own (given back whole
+    when the last tensor viewing it is dropped) that asks for transparent huge pages.
+
+    Why blocks: published one by one, a SmolLM2-135M int8 publication is ~270 tensors under 1 MiB:
+    they stayed in glibc's heap, and with a publication every step between the step's own
+    allocations the heap kept growing (measured: +0.21 GB over 8 LoRA steps). Why huge pages: a
+    publication is written into fresh memory every version (its buffers are sent zero-copy and must
+    not change), and touching fresh 4 KiB pages one by one is a fault each; with 2 MiB pages
+    (``MADV_HUGEPAGE``, honoured where the kernel's THP mode is ``madvise`` or ``always``) an int8
+    publication of the 22M Qwen2 took 0.80x the time in the learner's malloc settings (2026-12-03,
+    docs/benchmarks.md, weight sync). Where mmap or madvise is missing, plain ``torch.empty``."""
 
     BLOCK = 64 << 20
     SMALL = 4 << 20
@@ -311,19 +320,54 @@ class _Blocks:
     def __init__(self) -> None:
         self._block: Tensor | None = None
         self._used = 0
+        self._made: set[int] = set()  # data pointers of the tensors `empty` handed out
+
+    @staticmethod
+    def _buffer(nbytes: int) -> Tensor:
+        """``nbytes`` of fresh uint8 CPU memory in a mapping of its own, with huge pages asked for."""
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        if advice is None or not flags:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        mapping = mmap.mmap(-1, nbytes, flags=flags)
+        with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages
+            mapping.madvise(advice)
+        return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An uninitialised contiguous CPU tensor, in a block when it is small; ``snapshot`` of it
+        is itself (a quantiser writes its codes here once instead of into a tensor copied later)."""
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if n == 0:
+            return torch.empty(shape, dtype=dtype)
+        view = (self._buffer(n) if n > self.SMALL else self._take(n)).view(dtype).view(shape)
+        self._made.add(view.data_ptr())
+        return view
 
     def snapshot(self, t: Tensor, source: Tensor) -> Tensor:
-        """A contiguous CPU copy of ``t`` (or ``t`` itself when it is already one that shares no memory
-        with the learner's ``source``), in a block when it is small."""
+        """A contiguous CPU copy of ``t`` (or ``t`` itself when it came from ``empty``, or when it is a
+        large contiguous CPU tensor that shares no memory with the learner's ``source``)."""
         t = t.detach().to("cpu")
         n = t.numel() * t.element_size()
-        if n == 0 or n > self.SMALL:
+        if n == 0:
+            return t.contiguous()
+        if t.is_contiguous() and t.data_ptr() in self._made:
+            return t
+        if n > self.SMALL:
             t = t.contiguous()
-            return t.clone() if t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else t
-        if self._block is None or self._used + n > self.BLOCK:
-            self._block, self._used = torch.empty(self.BLOCK, dtype=torch.uint8), 0
-        view = self._block[self._used:self._used + n].view(t.dtype).view(t.shape)
+            if t.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():
+                return t
+            view = self._buffer(n)
+        else:
+            view = self._take(n)
+        view = view.view(t.dtype).view(t.shape)
         view.copy_(t)
+        return view
+
+    def _take(self, n: int) -> Tensor:
+        if self._block is None or self._used + n > self.BLOCK:
+            self._block, self._used = self._buffer(self.BLOCK), 0
+        view = self._block[self._used:self._used + n]
         self._used += -(-n // self.ALIGN) * self.ALIGN
         return view
 

@@ -92,6 +92,38 @@ def test_small_published_tensors_share_a_few_blocks_and_hold_exactly_their_value
         assert torch.equal(blocks.snapshot(src, src), t), name
 
 
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4", "mxfp4"])
+def test_codes_written_into_the_publication_buffers_equal_the_one_shot_quantiser(fmt):
+    # publish passes its buffers to the quantiser (`alloc`): the codes are written once, where they are
+    # sent from, small ones in a block and large ones (> _Blocks.SMALL) in a mapping of their own
+    from asyncrl.quant import quantize_weight
+    from asyncrl.quant.publish import _Blocks
+
+    g = torch.Generator().manual_seed(3)
+    sd = {"model.layers.0.mlp.down_proj.weight": torch.randn(96, 80, generator=g),
+          "model.layers.0.mlp.up_proj.weight": torch.randn(2304, 2048, generator=g),  # int8 codes 4.5 MiB
+          "model.embed_tokens.weight": torch.randn(1200, 1024, generator=g)}  # fp32, 4.7 MiB: copied
+    pub = publish(sd, fmt, version=2)
+    for name, w in sd.items():
+        if "embed" in name:
+            out = pub.tensors[name]
+            assert torch.equal(out, w) and out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+            continue
+        prefix = name[: -len("weight")]
+        for suffix, ref in quantize_weight(w, fmt).items():
+            got = pub.tensors[prefix + suffix]
+            assert got.dtype == ref.dtype and got.is_contiguous(), (name, suffix)
+            assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), (name, suffix)
+    big = pub.tensors["model.layers.0.mlp.up_proj.qweight"]
+    small = pub.tensors["model.layers.0.mlp.down_proj.qweight"]
+    assert small.untyped_storage().nbytes() == _Blocks.BLOCK
+    big_bytes = big.numel() * big.element_size()  # int8: 4.5 MiB; fp4's packed codes: 2.25 MiB
+    assert big.untyped_storage().nbytes() == (big_bytes if big_bytes > _Blocks.SMALL else _Blocks.BLOCK)
+    pub.verify()
+    sd["model.embed_tokens.weight"].add_(1.0)  # the learner moves on: the publication does not
+    pub.verify()
+
+
 def test_publish_does_not_modify_the_learner_state(tiny_model):
     sd = tiny_model.state_dict()
     before = {k: v.clone() for k, v in sd.items()}
