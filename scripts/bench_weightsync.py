@@ -225,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from asyncrl.learner import close_distributed
+    from asyncrl.learner.memory import bound_malloc_retention
     from asyncrl.quant import FORMATS as ALL
 
     torch.set_num_threads(1)
+    bound_malloc_retention()  # the learner process's allocator settings (workers/learner.py), where publish runs
     formats = [f for f in args.formats.split(",") if f]
     bad = [f for f in formats if f not in ALL]
     if bad:
