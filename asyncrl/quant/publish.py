@@ -310,8 +310,8 @@ class _Blocks:
     publication is written into fresh memory every version (its buffers are sent zero-copy and must
     not change), and touching fresh 4 KiB pages one by one is a fault each; with 2 MiB pages
     (``MADV_HUGEPAGE``, honoured where the kernel's THP mode is ``madvise`` or ``always``) an int8
-    publication of the 22M Qwen2 took 0.80x the time in the learner's malloc settings (2026-12-03,
-    docs/benchmarks.md, weight sync). Where mmap or madvise is missing, plain ``torch.empty``."""
+    publication took 0.60x the time (22M Qwen2) and 0.54x (SmolLM2-135M) in the learner's malloc
+    settings (2026-12-03, docs/benchmarks.md, weight sync). Where mmap or madvise is missing, plain ``torch.empty``."""
 
     BLOCK = 64 << 20
     SMALL = 4 << 20
@@ -320,7 +320,9 @@ class _Blocks:
     def __init__(self) -> None:
         self._block: Tensor | None = None
         self._used = 0
-        self._made: set[int] = set()  # data pointers of the tensors `empty` handed out
+        # data pointers of the tensors `empty` handed out; publish keeps every one of them in its
+        # output until it returns, so no other tensor can take one of these addresses meanwhile
+        self._made: set[int] = set()
 
     @staticmethod
     def _buffer(nbytes: int) -> Tensor:
