@@ -146,6 +146,25 @@ def run_rollout_hf(model, tok, rp: RolloutPrompts, batch: int, new_tokens: int, 
     return total, time.perf_counter() - t0
 
 
+def runners(workload: str, tok, rp: RolloutPrompts | None, new_tokens: int):
+    """(native(engine, batch, tag), hf(model, batch)) -> (tokens, seconds), for one workload."""
+    if workload == "fixed":
+        def native(e, b, tag):
+            return run_batch(e, tok, b, new_tokens, tag)
+
+        def hf(m, b):
+            return run_hf(m, tok, b, new_tokens, b)
+    else:
+        assert rp is not None
+
+        def native(e, b, tag):
+            return run_rollout_native(e, rp, b, new_tokens, f"r-{tag}")
+
+        def hf(m, b):
+            return run_rollout_hf(m, tok, rp, b, new_tokens, b)
+    return native, hf
+
+
 def hf_model(model, fmt: str):
     """The Hugging Face model a user would run at ``fmt``: fp32 as is, int8 by dynamic quantization."""
     import torch
@@ -232,17 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, ratios, per_round = [], {}, {}
     for workload in workloads:
         for batch in batches:
-            paths = {}
-            for fmt, engine in engines.items():
-                if workload == "fixed":
-                    paths[fmt] = (lambda e=engine, f=fmt, b=batch: run_batch(e, tok, b, new_tokens, f"{f}-{b}"))
-                else:
-                    paths[fmt] = (lambda e=engine, f=fmt, b=batch: run_rollout_native(e, rp, b, new_tokens, f"r-{f}-{b}"))
-            for f, m in hf.items():
-                if workload == "fixed":
-                    paths[f"hf-{f}"] = (lambda m=m, b=batch: run_hf(m, tok, b, new_tokens, b))
-                else:
-                    paths[f"hf-{f}"] = (lambda m=m, b=batch: run_rollout_hf(m, tok, rp, b, new_tokens, b))
+            native, hf_run = runners(workload, tok, rp, new_tokens)
+            paths = {fmt: (lambda e=engine, f=fmt, b=batch, run=native: run(e, b, f"{f}-{b}"))
+                     for fmt, engine in engines.items()}
+            paths |= {f"hf-{f}": (lambda m=m, b=batch, run=hf_run: run(m, b)) for f, m in hf.items()}
             counts: dict[str, list[int]] = {name: [] for name in paths}
             paths = {name: (lambda fn=fn, c=counts[name]: _rate(*_counted(c, fn()))) for name, fn in paths.items()}
             res = interleaved(paths, rounds, warmup=0, seed=batch)

@@ -339,7 +339,7 @@ class _Blocks:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """An uninitialised contiguous CPU tensor, in a block when it is small; ``snapshot`` of it
         is itself (a quantiser writes its codes here once instead of into a tensor copied later)."""
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         if n == 0:
             return torch.empty(shape, dtype=dtype)
         view = (self._buffer(n) if n > self.SMALL else self._take(n)).view(dtype).view(shape)
