@@ -34,13 +34,15 @@ generation, collection into a batch) from the same timestamps (see ``Timeline.sy
 comes to the ideal pipelined step. On a shared machine T moves by tens of percent between runs,
 which moves ``speedup`` with it; ``efficiency`` is the steadier figure.
 
-``--regime rollout`` makes generation dominate (longer responses, one worker holding one group at a
-time; ``G_over_T`` and
-``rollout_bound`` = G >= 2T say whether it did) and, by default, runs the sweep for fp32 and int8
-workers: ``vs_first_fmt`` is the end-to-end samples/s of each format over the first one at the
-same eta.
+``--regime rollout`` tries to make generation dominate on the tiny model (longer responses, one worker
+holding one group at a time); ``--regime smollm2`` runs the real model, SmolLM2-135M-Instruct on its
+preset (``+experiment=smollm2_signed_sums``: chat prompts, up to 64 new tokens, bf16 learner, one
+worker), where a 135M-parameter decode is most of a step. ``G_over_T`` and ``rollout_bound`` = G >= 2T
+say whether a run was rollout-bound. Both regimes run the sweep for fp32 and int8 workers by
+default: ``vs_first_fmt`` is the end-to-end samples/s of each format over the first one at the same
+eta (QuRL's claim is end-to-end rollout speed).
 
-Run: ``python scripts/bench_async.py [--quick|--smoke] [--regime learner|rollout] [--quant-formats
+Run: ``python scripts/bench_async.py [--quick|--smoke] [--regime learner|rollout|smollm2] [--quant-formats
 fp32,int8] [--etas 0,1,2,4] [--steps N]
 [--heartbeat-s 1.0,0.05] [--set key=value ...] [--json PATH]``.
 """
@@ -62,6 +64,7 @@ from scripts import benchlib  # noqa: E402
 # (worker_slots = the default group size), so a step's groups are generated one after another while the
 # learner's step stays as it is. (A smoke run with only longer responses stayed learner-bound: G/T 0.4.)
 ROLLOUT_REGIME = ("rollout.max_new_tokens=96", "rollout.worker_slots=8")
+REGIMES = {"learner": (), "rollout": ROLLOUT_REGIME, "smollm2": ("+experiment=smollm2_signed_sums", *ROLLOUT_REGIME)}
 
 
 class Timeline:
@@ -182,14 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--etas", default=None, help="staleness bounds; 0 (synchronous) is the baseline "
                                                 "(default 0,1,2,4; smoke 0,1)")
     p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 120, quick 50, smoke 6)")
-    p.add_argument("--workers", type=int, default=None, help="generation workers (default 2; --regime rollout: 1)")
-    p.add_argument("--regime", choices=("learner", "rollout"), default="learner",
+    p.add_argument("--workers", type=int, default=None, help="generation workers (default 2; rollout and smollm2 regimes: 1)")
+    p.add_argument("--regime", choices=tuple(REGIMES), default="learner",
                    help="learner: the default task sizes (the learner's step dominates on this machine); rollout: "
-                        f"{' '.join(ROLLOUT_REGIME)} and one worker, so generation dominates (G >= 2T is checked "
-                        "and reported as rollout_bound)")
+                        f"{' '.join(ROLLOUT_REGIME)} and one worker; smollm2: {' '.join(REGIMES['smollm2'])} and "
+                        "one worker (G >= 2T is checked and reported as rollout_bound)")
     p.add_argument("--quant-formats", default=None,
                    help="comma list of worker formats (quant.fmt), one eta sweep each; the table adds samples/s "
-                        "vs the first format at the same eta (default: the config's; --regime rollout: fp32,int8)")
+                        "vs the first format at the same eta (default: the config's; rollout and smollm2 regimes: fp32,int8)")
     p.add_argument("--heartbeat-s", default=None,
                    help="comma list of rollout.heartbeat_s values, one eta sweep each (default 1.0,0.05; quick "
                         "and smoke 1.0). The controller learns a worker's weight version from its heartbeat, so "
@@ -198,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra asyncrl train overrides for every run (e.g. quant.fmt=nvfp4 algo=tis)")
     args = p.parse_args(argv)
     benchlib.exit_on_sigterm()
-    workers = args.workers or (1 if args.regime == "rollout" else 2)
-    regime = list(ROLLOUT_REGIME) if args.regime == "rollout" else []
-    fmts = [f for f in (args.quant_formats or ("fp32,int8" if args.regime == "rollout" else "")).split(",") if f]
+    workers = args.workers or (2 if args.regime == "learner" else 1)
+    regime = list(REGIMES[args.regime])
+    fmts = [f for f in (args.quant_formats or ("" if args.regime == "learner" else "fp32,int8")).split(",") if f]
     etas = [int(e) for e in (args.etas or ("0,1" if args.smoke else "0,1,2,4")).split(",") if e]
     steps = args.steps or (6 if args.smoke else 50 if args.quick else 120)
     hbs = [float(h) for h in (args.heartbeat_s or ("1.0" if args.smoke or args.quick else "1.0,0.05")).split(",")]
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             r["efficiency"] = max(r["G_s"], r["T_s"]) / r["step_s"]
     table = [{k: v for k, v in r.items() if k not in ("worker_busy_s", "sync_breakdown")} for r in rows]
     benchlib.print_table(
-        f"asyncrl train at eta in {etas} ({args.regime}-bound regime): {cfg.model.name} model, task "
+        f"asyncrl train at eta in {etas} (regime {args.regime}): {cfg.model.name} model, task "
         f"{cfg.task.name}, {workers} workers of format {','.join(fmts) or cfg.quant.fmt}, {cfg.algo.objective}, {steps} steps ({batch} samples/step); speedup vs eta=0 "
         f"next to the pipelining bound (G+T)/max(G,T) from the eta=0 run's stage times",
         table, ["fmt", "heartbeat_s", "eta", "samples_per_s", "vs_first_fmt", "speedup", "bound", "latency_bound",

@@ -60,6 +60,19 @@ def test_bench_async_smoke_writes_rows_per_eta_with_speedup_and_bound(procs, tmp
     check_rows(data["tables"]["sync_breakdown"], ["step_s", "learner_s", "propagate_s", "generate_s", "collect_s"])
 
 
+def test_bench_async_smollm2_regime_runs_the_real_model_per_worker_format(procs, tmp_path):
+    """The rollout-bound regime on SmolLM2-135M-Instruct: a few short steps per worker format, and the
+    columns that say whether generation dominated."""
+    data = run_bench(procs, tmp_path, "bench_async", "--smoke", "--regime", "smollm2", "--etas", "0", "--steps", "3",
+                     "--quant-formats", "fp32,int8", "--set", "task.eval_size=4", "rollout.max_new_tokens=8",
+                     timeout_s=900)
+    rows = data["tables"]["runs"]
+    assert [(r["fmt"], r["eta"]) for r in rows] == [("fp32", 0), ("int8", 0)]
+    assert "+experiment=smollm2_signed_sums" in data["overrides"] and data["workers"] == 1
+    check_rows(rows, ["samples_per_s", "vs_first_fmt", "G_over_T", "G_s", "T_s", "step_s"])
+    assert all(isinstance(r["rollout_bound"], bool) for r in rows)
+
+
 def test_bench_weightsync_smoke_writes_every_stage_per_format(procs, tmp_path):
     data = run_bench(procs, tmp_path, "bench_weightsync", "--smoke")
     rows = data["tables"]["sync"]
