@@ -324,11 +324,15 @@ def test_controller_survives_thousands_of_hostile_frames_per_socket_and_counts_e
     assert rejected_counts(final, "transport/samples/rejected") == dict(sample_rejects)
     assert rejected_counts(final, "transport/control/rejected") == dict(control_rejects)
     assert final["transport/samples/rejected"] == sum(sample_rejects.values())
-    assert final["transport/control/rejected"] == sum(control_rejects.values())  # every Error reply went out
+    # Every Error reply went out or, when the peer's pipe was full (the controller never blocks on a
+    # peer; a loaded machine can starve its I/O thread), was counted as dropped: nothing unaccounted.
+    dropped = int(final.get("transport/control/rejected/error_reply_dropped", 0))
+    assert final["transport/control/rejected"] == sum(control_rejects.values()) + dropped
     assert final["transport/samples/received"] == len(sample_valid)
     assert final["transport/control/received"] == len(control_valid) + 6
     decode_errors = [r for r in replies if isinstance(r, P.Error) and r.code in control_rejects]
-    assert len(decode_errors) == sum(predict(from_zmq_control)[0].values())  # each answered with its reason
+    expected = sum(predict(from_zmq_control)[0].values())  # each answered with its reason, or counted
+    assert len(decode_errors) <= expected <= len(decode_errors) + dropped
 
     # Valid frames that are still wrong are counted by the controller and change nothing.
     c = collections.Counter(type(m) for m in control_valid)
