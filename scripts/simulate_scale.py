@@ -12,7 +12,8 @@ CPU sharing) whose stage times come from a run folder's own metrics (``scripts/s
   ``--steps`` each; ``--reuse DIR`` reads run folders ``DIR/w{W}-eta{E}`` instead), calibrate from ONE
   cell (``--calibrate-cell W,E``) and predict every other; the table gives the error of each cell's
   samples/s and the total-variation distance between the measured and predicted staleness histograms.
-  It also repeats the exercise from every other calibration cell (median and max error per choice).
+  It also repeats the exercise from every other calibration cell (median and max error per choice), and
+  predicts each cell from the other runs pooled (leave one out: the median of each calibrated cost).
 * ``--extrapolate`` (the default when no run is given): cluster shapes (``scripts/scalecluster.py``: the
   AReaL 1.5B/7B clusters and a 7B job on 192 generation + 64 training GPUs) at eta in {0, 1, 2, 4, 8},
   their async/sync speedup next to AReaL's published one, and what limits scale: controller messages/s
@@ -118,8 +119,10 @@ def validate(runs: dict[tuple[int, int], Path], cal_cell: tuple[int, int], steps
         raise ValueError(f"--calibrate-cell {cal_cell} is not among the runs {sorted(measured)}")
     per_cal: dict[tuple[int, int], list[dict[str, Any]]] = {}
     calibrations = {}
+    params: dict[tuple[int, int], Params] = {}
     for cal, m in measured.items():
         p, history = calibrate(m)
+        params[cal] = p
         calibrations[cal] = _calibration_row(m, p, history)
         rows = []
         for (w, e), mm in sorted(measured.items()):
@@ -148,8 +151,32 @@ def validate(runs: dict[tuple[int, int], Path], cal_cell: tuple[int, int], steps
     if summary:
         benchlib.print_table("the same from every possible calibration run (errors over the other cells)", summary,
                              ["calibrated_from", "median_abs_error", "max_abs_error", "cells_within_15pct", "cells"])
+    pooled = []
+    for (w, e), mm in sorted(measured.items()):  # each cell from the median costs of all the others
+        others = [p for cell, p in params.items() if cell != (w, e)]
+        if not others:
+            continue
+        pr = predict(pool_params(others), workers=w, eta=e, steps=steps)
+        err = pr["samples_per_s"] / mm["samples_per_s"] - 1
+        pooled.append({"workers": w, "eta": e, "measured_samples_per_s": mm["samples_per_s"],
+                       "predicted_samples_per_s": pr["samples_per_s"], "error": err, "within_15pct": abs(err) <= 0.15,
+                       "staleness_tv": tv_distance(mm["staleness"], pr["staleness"])})
+    if pooled:
+        benchlib.print_table("leave one out: each cell predicted from the median calibrated costs of the other runs",
+                             pooled, ["workers", "eta", "measured_samples_per_s", "predicted_samples_per_s", "error",
+                                      "within_15pct", "staleness_tv"])
     return {"calibrated_from": list(cal_cell), "cells": main, "by_calibration_cell": summary,
-            "calibrations": {f"w{c[0]}-eta{c[1]}": v for c, v in calibrations.items()}}
+            "leave_one_out": pooled, "calibrations": {f"w{c[0]}-eta{c[1]}": v for c, v in calibrations.items()}}
+
+
+POOLED_COSTS = ("train_s", "publish_s", "other_s", "fetch_s", "step_a", "step_c", "step_d", "train_s_per_token")
+
+
+def pool_params(ps: list[Params]) -> Params:
+    """One calibration from several runs of the same job: the median of each intrinsic cost (what one
+    run's CPU speed or workload drift moves) and every run's response lengths; the rest from the first."""
+    costs = {k: statistics.median(getattr(p, k) for p in ps) for k in POOLED_COSTS}
+    return replace(ps[0], **costs, lengths=[n for p in ps for n in p.lengths])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,3 +109,15 @@ def test_calibration_recovers_intrinsic_costs_from_wall_times_inflated_by_cpu_sh
 def test_params_refuse_a_credit_window_smaller_than_a_group():
     with pytest.raises(ValueError, match="raise slots"):
         base(slots=G - 1)
+
+
+def test_pooled_calibration_takes_each_cost_as_the_median_over_runs_and_every_runs_lengths():
+    from scripts.simulate_scale import pool_params
+
+    runs = [base(train_s=t, step_a=a, lengths=n, workers=w) for t, a, n, w in
+            ((0.2, 0.01, [3], 1), (0.5, 0.03, [4, 6], 2), (0.3, 0.02, [5], 4))]  # fmt: skip
+    pooled = pool_params(runs)
+    assert (pooled.train_s, pooled.step_a, pooled.publish_s) == (0.3, 0.02, 0.05)
+    assert sorted(pooled.lengths) == [3, 4, 5, 6] and pooled.workers == 1
+    # pooling copies of one calibration changes nothing: the same prediction
+    assert rate(pool_params([runs[1]] * 3)) == pytest.approx(rate(runs[1]), rel=1e-12)
