@@ -48,6 +48,9 @@ class WorkerSetup(_Struct, tag="worker_setup"):
     model_id: str = ""
     model_dir: str = ""
     max_seq_len: int = 0
+    quantize_head: bool = False
+    """The run quantizes the output head too (``quant.lm_head``): a native worker of a quantized format
+    converts its ``lm_head`` to load what is published. Absent (False) from older controllers."""
 
     def __post_init__(self) -> None:
         _nonempty("WorkerSetup", samples_address=self.samples_address, weights_announce=self.weights_announce,

@@ -8,6 +8,9 @@ layers the native int8 engine quantizes, the attention and MLP projections (``lm
 both sides; before 2026-12-03 the comparator quantized ``lm_head`` too), both with the KV cache and
 sampling.
 
+``--head-formats`` (default int8) adds each named format once more with the output head quantized too
+(``quant.lm_head``), as path ``native-FMT+head``.
+
 Two workloads (``--workloads``, default both):
 
 * ``fixed``: for each batch size B, every path generates B samples of exactly --new-tokens tokens
@@ -206,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("bench_engine", __doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="tiny (default), smollm2, or an HF folder")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma list (default: all)")
+    p.add_argument("--head-formats", default="int8",
+                   help="quantized formats also run with the output head quantized (quant.lm_head), as path "
+                        "FMT+head; '' for none (default int8)")
     p.add_argument("--batch-sizes", default=None, help="comma list (default 1,16,64; --quick 1,16)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per sample (default 128; --quick 32)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 5)")
@@ -240,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         engines[fmt] = NativeEngine(copy.deepcopy(model), quant_format=fmt, device=args.device,
                                     max_batch_size=max(batches), num_threads=None)
         run_batch(engines[fmt], tok, 2, 4, f"warm-{fmt}")
+    for fmt in [f for f in args.head_formats.split(",") if f]:
+        if fmt == "fp32":
+            raise SystemExit("--head-formats: fp32 has no head to quantize; name quantized formats (e.g. int8)")
+        engines[f"{fmt}+head"] = NativeEngine(copy.deepcopy(model), quant_format=fmt, device=args.device,
+                                              max_batch_size=max(batches), num_threads=None, quantize_head=True)
+        run_batch(engines[f"{fmt}+head"], tok, 2, 4, f"warm-{fmt}+head")
     hf = {f: hf_model(model, f) for f in hf_formats}
     for m in hf.values():
         run_hf(m, tok, 2, 4, 0)

@@ -285,6 +285,7 @@ class GeneratorWorker:
         sg = self.sglang
         extra = [a for a in sg.get("extra_args", "").strip("[]").split(",") if a]
         return EngineSpec(kind=self.engine_kind, quant_format=self.fmt, device=self.device, slots=self.slots,
+                          quantize_head=setup.quantize_head,
                           eos_token_ids=list(setup.eos_token_ids), max_seq_len=setup.max_seq_len,
                           model_config_json=setup.model_config, model_path=sg.get("model_path") or setup.model_dir,
                           sglang_url=sg.get("url", ""), sglang_device=sg.get("device", "auto"),

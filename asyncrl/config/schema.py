@@ -102,6 +102,11 @@ class QuantConfig:
     nvfp4, mxfp4. A worker may override it (``asyncrl worker quant.fmt=...``) with a published format."""
     extra_formats: list[str] = field(default_factory=list)
     """More formats the learner publishes every version, for workers of a mixed fleet (e.g. [fp32])."""
+    lm_head: bool = False
+    """Quantize the output head (``lm_head``) too, in every published quantized format (native workers
+    convert theirs to match). Off by default: the head then stays fp32, the behaviour log-probs come from
+    full-precision logits, and only the decoder projections are quantized. On a small model the head is
+    a large part of a decode step (SmolLM2-135M, int8, batch 16: 38%; docs/benchmarks.md §4)."""
     uaq: bool = False
     """Update-aware quantization: fold scale ``uaq_scale`` into RMSNorm gains before step 0."""
     uaq_scale: float = 1.5
@@ -328,6 +333,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.rollout.assignment_timeout_s > 0, "rollout.assignment_timeout_s must be > 0"),
         (cfg.rollout.dead_after_s > cfg.rollout.heartbeat_s,
          "rollout.dead_after_s must exceed rollout.heartbeat_s"),
+        (not cfg.quant.lm_head or cfg.quant.fmt != "fp32",
+         "quant.lm_head=true quantizes the output head in the workers' format, but quant.fmt=fp32; choose a "
+         "quantized quant.fmt (e.g. quant=int8) or drop quant.lm_head"),
+        (not cfg.quant.lm_head or cfg.rollout.engine == "native",
+         "quant.lm_head=true needs the native engine (rollout.engine=native): SGLang workers serve the "
+         "full-precision head"),
     ]
     for ok, message in checks:
         if not ok:

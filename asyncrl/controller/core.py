@@ -197,7 +197,8 @@ class ControllerCore:
         return P.WorkerSetup(samples_address=self.samples_address, weights_announce=self.weights_addresses[0],
                              weights_fetch=self.weights_addresses[1], model_config=m.config_json,
                              worker_slots=r.worker_slots, heartbeat_s=r.heartbeat_s, quant_format=fmt,
-                             eos_token_ids=list(m.eos_token_ids), model_id=m.model_id, model_dir=m.model_dir)
+                             eos_token_ids=list(m.eos_token_ids), model_id=m.model_id, model_dir=m.model_dir,
+                             quantize_head=self.cfg.quant.lm_head)
 
     def _work(self, peer: bytes, msg: P.WorkRequest, now: float) -> list[tuple[bytes, Any]]:
         w = self.workers.get(msg.worker_id)

@@ -55,6 +55,9 @@ class EngineSpec:
     sglang_extra_args: list[str] = field(default_factory=list)
     log_dir: str = ""
     """Where a started SGLang server writes its log (default: the temp folder)."""
+    quantize_head: bool = False
+    """Native engine of a quantized format: the output head is quantized too (``quant.lm_head``, from the
+    controller's setup; the run publishes every quantized format so). An fp32 actor has no head to quantize."""
 
     def __post_init__(self) -> None:
         require_choice("engine", self.kind, ENGINES)
@@ -130,7 +133,8 @@ def _build_native(spec: EngineSpec) -> RolloutEngine:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return NativeEngine(model, quant_format=spec.quant_format, version=-1, device=device,
                         max_batch_size=spec.slots, max_seq_len=spec.max_seq_len or None,
-                        eos_token_ids=spec.eos_token_ids)
+                        eos_token_ids=spec.eos_token_ids,
+                        quantize_head=spec.quantize_head and spec.quant_format != "fp32")
 
 
 class _SGLangEngineArgs(TypedDict):

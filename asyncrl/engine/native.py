@@ -93,8 +93,12 @@ class NativeEngine:
         max_prefill_tokens: int = 4096,
         eos_token_ids: Sequence[int] | None = None,
         num_threads: int | None = 1,
+        quantize_head: bool = False,
     ) -> None:
         """Wrap ``model`` (fp32 HF causal LM; quantized here when ``quant_format != "fp32"``) at ``version``.
+
+        ``quantize_head``: the output head (``lm_head``) is quantized too (``quant.lm_head``; the
+        learner must publish with ``head=True``).
 
         ``num_threads``: torch intra-op threads for this process (None leaves torch's setting alone).
         ``eos_token_ids``: default stop tokens (requests with ``stop_token_ids=None``); default = model's EOS.
@@ -118,7 +122,7 @@ class NativeEngine:
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _model_eos_ids(model))
         self.device = torch.device(device)
-        model = quantize_actor(model.to(self.device).eval(), quant_format)
+        model = quantize_actor(model.to(self.device).eval(), quant_format, head=quantize_head)
         self._model: torch.nn.Module | None = model
         self._runner: DecoderRunner | None = DecoderRunner(model, max_batch_size, self.max_seq_len)
         self._version = int(version)

@@ -18,17 +18,20 @@ from typing import Any
 
 import torch
 
-from asyncrl.quant import PublishedWeights, load_published, publish, quantize_model
+from asyncrl.quant import PublishedWeights, load_published, publish, quantize_model, quantizes_head
 from protocols.values import FORMATS as QUANT_FORMATS
 
 
-def quantize_actor(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
-    """Return the actor for ``fmt``: the model itself for fp32, else ``asyncrl.quant.quantize_model``."""
+def quantize_actor(model: torch.nn.Module, fmt: str, *, head: bool = False) -> torch.nn.Module:
+    """Return the actor for ``fmt``: the model itself for fp32, else ``asyncrl.quant.quantize_model``
+    (``head``: the output head too, ``quant.lm_head``)."""
+    if head and fmt == "fp32":
+        raise ValueError("quantizing the output head needs a quantized format; set quant.fmt (e.g. int8)")
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {fmt!r}")
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if fmt != "fp32":
-        model = quantize_model(model, fmt)
+        model = quantize_model(model, fmt, head=head)
     vars(model)["_asyncrl_hf_shapes"] = shapes  # a plain attribute (nn.Module.__setattr__ types it as a tensor)
     return model
 
@@ -80,7 +83,7 @@ def apply_weights(model: torch.nn.Module, weights: Any, fmt: str, version: int) 
         if fmt == "fp32":
             load_plain_state_dict(model, weights)
             return
-        load_published(model, publish(dict(weights), fmt, version=version))
+        load_published(model, publish(dict(weights), fmt, version=version, head=quantizes_head(model)))
         return
     load_published(model, weights)
 

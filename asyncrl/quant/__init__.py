@@ -47,7 +47,7 @@ from .fp8 import dequantize_fp8, fp8_linear, quantize_fp8_rows
 from .fused import fuse_int8_siblings
 from .int8 import dequantize_int8, int8_linear, quantize_act_int8, quantize_int8_rows
 from .linear import LINEAR_CLASSES, QuantLinear
-from .model import DEFAULT_KEEP_FULL_PRECISION, TARGET_LINEARS, model_format, quantize_model
+from .model import DEFAULT_KEEP_FULL_PRECISION, TARGET_LINEARS, model_format, quantize_model, quantizes_head
 from .publish import PublishedWeights, load_published, publish
 from .uaq import UAQ_SITES, fold_uaq, unfold_uaq
 from .wire import RawTensor
@@ -102,6 +102,7 @@ __all__ = [
     "quantize_fp8_rows",
     "quantize_int8_rows",
     "quantize_model",
+    "quantizes_head",
     "quantize_mxfp4",
     "quantize_nvfp4",
     "quantize_weight",

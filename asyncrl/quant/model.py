@@ -5,11 +5,13 @@ Owns: which linears are quantised (`is_target_linear`), the `keep_full_precision
 
 Selection rule (shared with publication, which sees only state-dict names): a module is quantised
 iff it is an `nn.Linear` whose own name is one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-down_proj (the attention and MLP projections of Llama/Qwen2 blocks) and no `keep_full_precision`
-entry matches its qualified name. An entry matches when it equals a contiguous run of dotted
-components of the name: "lm_head" matches "lm_head", "down_proj" every down_proj, "layers.0" every
-module of block 0, "model.layers.0.mlp.up_proj" that one module. Embeddings, norms and `lm_head` are
-never swapped (they are not projections), so the default entries only document that.
+down_proj (the attention and MLP projections of Llama/Qwen2 blocks), or, with ``head=True``
+(``quant.lm_head``), the output head `lm_head`; and no `keep_full_precision` entry matches its
+qualified name. An entry matches when it equals a contiguous run of dotted components of the name:
+"down_proj" matches every down_proj, "layers.0" every module of block 0, "model.layers.0.mlp.up_proj"
+that one module. Embeddings and norms are never swapped (they are not linears). With tied embeddings
+a quantised head is a quantised copy of the embedding matrix; the embedding itself stays full
+precision (it is a lookup, not a matmul).
 
 Must never: quantise anything `publish` would not, or touch modules other than the swapped linears.
 Cast or move the model before converting it: `.to(dtype)` after conversion would cast float8 codes and
@@ -25,7 +27,7 @@ from torch import nn
 from .errors import QuantError
 from .formats import check_format
 from .fused import fuse_int8_siblings
-from .linear import LINEAR_CLASSES
+from .linear import LINEAR_CLASSES, QuantLinear
 
 TARGET_LINEARS: tuple[str, ...] = (
     "q_proj",
@@ -36,7 +38,8 @@ TARGET_LINEARS: tuple[str, ...] = (
     "up_proj",
     "down_proj",
 )
-DEFAULT_KEEP_FULL_PRECISION: tuple[str, ...] = ("lm_head", "embed_tokens")
+HEAD = "lm_head"
+DEFAULT_KEEP_FULL_PRECISION: tuple[str, ...] = ("embed_tokens",)
 _FORMAT_ATTR = "asyncrl_quant_format"
 
 
@@ -45,18 +48,23 @@ def name_matches(name: str, entry: str) -> bool:
     return f".{entry}." in f".{name}."
 
 
-def is_target_linear(module_name: str, keep_full_precision: Sequence[str]) -> bool:
+def is_target_linear(module_name: str, keep_full_precision: Sequence[str], *, head: bool = False) -> bool:
     """Selection rule on a module's qualified name (see the module docstring)."""
-    if module_name.rsplit(".", 1)[-1] not in TARGET_LINEARS:
+    if module_name.rsplit(".", 1)[-1] not in TARGET_LINEARS and not (head and module_name == HEAD):
         return False
     return not any(name_matches(module_name, e) for e in keep_full_precision)
 
 
-def is_target_weight(tensor_name: str, keep_full_precision: Sequence[str]) -> bool:
+def is_target_weight(tensor_name: str, keep_full_precision: Sequence[str], *, head: bool = False) -> bool:
     """Selection rule on a state-dict key (`<module>.weight`)."""
     return tensor_name.endswith(".weight") and is_target_linear(
-        tensor_name[: -len(".weight")], keep_full_precision
+        tensor_name[: -len(".weight")], keep_full_precision, head=head
     )
+
+
+def quantizes_head(model: nn.Module) -> bool:
+    """Whether `quantize_model` swapped the output head of `model` (``head=True``)."""
+    return isinstance(getattr(model, HEAD, None), QuantLinear)
 
 
 def model_format(model: nn.Module) -> str:
@@ -70,6 +78,7 @@ def quantize_model(
     *,
     keep_full_precision: Sequence[str] = DEFAULT_KEEP_FULL_PRECISION,
     fp8_activations: bool = True,
+    head: bool = False,
 ) -> nn.Module:
     """Swap the attention/MLP projections of `model` for quantised linears, in place.
 
@@ -77,7 +86,8 @@ def quantize_model(
     in bf16 (input cast to bf16, output cast back, bias added in full precision); everything else
     stays in the model's dtype. `fp8_activations` chooses W8A8 (True, default) or weight-only fp8.
     For int8 the q/k/v and gate/up siblings are fused (fused.py); after moving the model to another
-    device call `asyncrl.quant.fuse_int8_siblings(model)` again.
+    device call `asyncrl.quant.fuse_int8_siblings(model)` again. ``head=True`` also swaps `lm_head`
+    (the selection rule in the module docstring); publish with the same ``head``.
     Returns `model`. Raises QuantError for a model already converted or without any target linear.
     """
     check_format(fmt)
@@ -93,7 +103,7 @@ def quantize_model(
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear) and is_target_linear(name, keep_full_precision)
+        if isinstance(mod, nn.Linear) and is_target_linear(name, keep_full_precision, head=head)
     ]
     if not targets:
         raise QuantError(

@@ -63,7 +63,7 @@ from .formats import (
 )
 from .int8 import all_finite
 from .linear import QuantLinear
-from .model import DEFAULT_KEEP_FULL_PRECISION, is_target_weight, model_format
+from .model import DEFAULT_KEEP_FULL_PRECISION, HEAD, is_target_weight, model_format
 from .wire import (  # RawTensor is also imported from here by asyncrl.transport
     DTYPES,
     RawTensor,
@@ -221,6 +221,7 @@ def publish(
     uaq_s: float = 1.0,
     uaq_sites: Sequence[str] = (),
     aqn_resample: str = "publication",
+    head: bool = False,
 ) -> PublishedWeights:
     """Quantise-on-send: turn the learner's full-precision state dict into a publication.
 
@@ -230,6 +231,8 @@ def publish(
     sigma * uaq_s. The (seed, sigma) pair is recorded in the publication and its checksum.
     With ``aqn_resample="forward"`` the gains are published clean and (seed, sigma) tell the sampler
     to draw fresh noise at every forward (``aqn.ForwardAqn``; not combined with UAQ-folded sites).
+    ``head=True`` (``quant.lm_head``) also quantises ``lm_head.weight``, for workers converted with
+    ``quantize_model(..., head=True)``; a tied embedding is then published too, in full precision.
     Raises a QuantError naming the tensor on non-finite or unquantisable input.
     """
     check_format(fmt)
@@ -258,16 +261,23 @@ def publish(
     # A tied weight (the same memory as an earlier name) is published once. The earlier tensor is held
     # weakly: a freed one (a lazily merged weight, already quantized) cannot alias one built later at its address.
     seen: dict[tuple, weakref.ref] = {}
-    for name in sorted(tensors_in):
-        t = tensors_in[name]
+    # A quantised head is not an alias of the embedding it is tied to: both are published. A state dict
+    # without lm_head.weight (a tied model saved without the duplicate) has the embedding as its head.
+    names = sorted(tensors_in)
+    tied_head = head and HEAD_WEIGHT not in tensors_in and EMBED_WEIGHT in tensors_in
+    if tied_head:
+        names = sorted([*names, HEAD_WEIGHT])
+    for name in names:
+        t = tensors_in[EMBED_WEIGHT if tied_head and name == HEAD_WEIGHT else name]
         if not isinstance(t, Tensor):
             raise QuantError(f"state dict values must be tensors, got {type(t).__name__}", tensor_name=name)
-        key = _alias_key(t)
+        target = is_target_weight(name, keep_full_precision, head=head)
+        key = (target, *_alias_key(t))
         earlier = seen.get(key)
         if earlier is not None and earlier() is not None:
             continue
         seen[key] = weakref.ref(t)
-        if is_target_weight(name, keep_full_precision):
+        if target:
             prefix = name[: -len("weight")]
             alloc = blocks.empty if t.device.type == "cpu" else None  # codes written where they are sent from
             for suffix, q in quantize_weight(t, fmt, name=name, alloc=alloc).items():
@@ -391,7 +401,7 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
     for name in published.tensors:
         if name not in state:
             raise ManifestMismatchError(
-                "the model has no such tensor (wrong architecture?)", tensor_name=name
+                "the model has no such tensor (wrong architecture?)" + _head_hint(name), tensor_name=name
             )
     for name, dest in state.items():
         src = published.tensors.get(name)
@@ -399,7 +409,7 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
             if name in aliases and any(a in published.tensors for a in aliases[name]):
                 continue
             raise ManifestMismatchError(
-                "the model expects this tensor but it was not published", tensor_name=name
+                "the model expects this tensor but it was not published" + _head_hint(name), tensor_name=name
             )
         if src.dtype != dest.dtype or src.shape != dest.shape:
             raise ManifestMismatchError(
@@ -423,6 +433,17 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
         for mod in model.modules():
             if isinstance(mod, QuantLinear):
                 mod.refresh()
+
+
+HEAD_WEIGHT = HEAD + ".weight"
+EMBED_WEIGHT = "model.embed_tokens.weight"
+
+
+def _head_hint(name: str) -> str:
+    if not name.startswith(HEAD + "."):
+        return ""
+    return ("; the publication and the model disagree on quantising the output head: set quant.lm_head the same "
+            "for the learner and every worker")
 
 
 def _aliased_names(state: Mapping[str, Tensor]) -> dict[str, list[str]]:

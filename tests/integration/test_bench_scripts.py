@@ -118,6 +118,8 @@ def test_bench_algos_smoke_writes_summary_curves_and_plots(procs, tmp_path):
 def test_earlier_bench_scripts_write_well_formed_json(procs, tmp_path, name, args):
     data = run_bench(procs, tmp_path, name, *args)
     assert data["tables"] and all(isinstance(rows, list) and rows for rows in data["tables"].values())
+    if name == "bench_engine":  # the default --head-formats adds int8 with the output head quantized
+        assert "native-int8+head" in {r["path"] for r in data["tables"]["throughput"]}
     for rows in data["tables"].values():
         check_rows(rows, [k for k, v in rows[0].items() if isinstance(v, float)])
 

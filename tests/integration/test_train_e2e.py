@@ -197,8 +197,32 @@ def test_aqn_resampled_at_every_forward_trains_end_to_end(tmp_path, procs):
     assert all(np.isfinite(s.sample.behav_logp.to_numpy()).all() for s in noisy)
 
 
+def test_quantized_output_head_trains_end_to_end_and_publishes_the_head_in_int8(tmp_path, procs):
+    """quant.lm_head=true: the learner publishes lm_head in int8 beside the fp32 embedding, the workers
+    convert their head to load it, and the run trains."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.metrics import read_metrics
+    from asyncrl.quant import publish
+
+    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=head", "quant=int8", "quant.lm_head=true",
+                  "learner.total_steps=4", "learner.ckpt_every=0", "learner.eval_every=0", "rollout.eta=1",
+                  "rollout.groups_per_step=2", "rollout.dead_after_s=60")
+    assert res.returncode == 0, res.stdout[-4000:]
+    run_dir = tmp_path / "head"
+    sd = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32).state_dict()
+    sizes = {h: publish(sd, "int8", version=1, head=h).total_bytes() for h in (True, False)}
+    published = {r["quant/int8/published_bytes"] for r in read_metrics(run_dir) if "quant/int8/published_bytes" in r}
+    assert published == {sizes[True]} and sizes[True] != sizes[False]
+    samples, _ = _log(run_dir)
+    assert any(max(s.sample.versions.to_numpy()) >= 1 for s in samples)  # sampled from fetched versions
+    assert all(np.isfinite(s.sample.behav_logp.to_numpy()).all() for s in samples)
+
+
 def test_bad_configuration_fails_before_any_process_starts(tmp_path):
     cases = {
+        "quant=fp32 quant.lm_head=true": "quant.lm_head=true quantizes the output head",
         "quant.aqn=true quant.aqn_resample=forward quant.uaq=true": "quant.aqn_resample=publication",
         "algo.tbpo_w_mode=cut": "choose one of: clamp, drop",
         "algo.objective=foo": "choose one of",

@@ -291,3 +291,42 @@ def test_malformed_header_is_a_manifest_error():
     del header["manifest"]
     with pytest.raises(ManifestMismatchError, match="malformed publication header"):
         PublishedWeights.from_raw(header, pub.to_raw())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
+def test_a_quantized_head_is_published_beside_its_tied_embedding_and_loads_bit_identically(fmt, probe_ids):
+    from asyncrl.engine.weights import apply_weights
+    from asyncrl.quant import quantizes_head
+
+    learner = make_tiny_qwen2(seed=1, tie=True)
+    pub = publish(learner.state_dict(), fmt, version=1, head=True)
+    assert "model.embed_tokens.weight" in pub.tensors and "lm_head.weight" not in pub.tensors
+    assert pub.tensors["lm_head.qweight"].dtype == (torch.uint8 if fmt == "nvfp4" else torch.int8)
+    # the same publication from a state dict that leaves the tied duplicate out
+    sd = {k: v for k, v in learner.state_dict().items() if k != "lm_head.weight"}
+    assert publish(sd, fmt, version=1, head=True).checksum == pub.checksum
+    worker = quantize_model(make_tiny_qwen2(seed=2, tie=True), fmt, head=True)
+    assert quantizes_head(worker) and not quantizes_head(quantize_model(make_tiny_qwen2(tie=True), fmt))
+    load_published(worker, pub)
+    direct = quantize_model(copy.deepcopy(learner), fmt, head=True)
+    plain = quantize_model(copy.deepcopy(learner), fmt)
+    engine_path = quantize_model(make_tiny_qwen2(seed=3, tie=True), fmt, head=True)
+    apply_weights(engine_path, sd, fmt, version=1)  # a plain state dict, as a local update
+    with torch.no_grad():
+        got = worker(probe_ids).logits
+        assert torch.equal(got, direct(probe_ids).logits) and torch.equal(engine_path(probe_ids).logits, got)
+        assert not torch.equal(got, plain(probe_ids).logits)  # the head's rounding shows in the logits
+        assert torch.equal(worker.model.embed_tokens.weight, learner.model.embed_tokens.weight)  # lookup stays fp32
+
+
+def test_a_worker_and_a_publication_that_disagree_on_the_head_name_quant_lm_head():
+    learner = make_tiny_qwen2(seed=1, tie=True)
+    with_head = publish(learner.state_dict(), "int8", version=1, head=True)
+    without = publish(learner.state_dict(), "int8", version=1)
+    plain_worker = quantize_model(make_tiny_qwen2(seed=2, tie=True), "int8")
+    head_worker = quantize_model(make_tiny_qwen2(seed=2, tie=True), "int8", head=True)
+    for worker, pub in ((plain_worker, with_head), (head_worker, without)):
+        snapshot = copy.deepcopy(worker.state_dict())
+        with pytest.raises(ManifestMismatchError, match="quant.lm_head"):
+            load_published(worker, pub)
+        _assert_unchanged(worker, snapshot)
