@@ -209,6 +209,10 @@ def _check_values(e: TensorSpec, t: Tensor) -> None:
             raise NonFiniteWeightError("scale must be > 0", tensor_name=e.name)
 
 
+HEAD_WEIGHT = HEAD + ".weight"
+EMBED_WEIGHT = "model.embed_tokens.weight"
+
+
 def publish(
     state_dict: Mapping[str, Tensor],
     fmt: str,
@@ -258,11 +262,11 @@ def publish(
     blocks = _Blocks()
     entries: list[TensorSpec] = []
     roles = weight_suffixes(fmt)
-    # A tied weight (the same memory as an earlier name) is published once. The earlier tensor is held
-    # weakly: a freed one (a lazily merged weight, already quantized) cannot alias one built later at its address.
+    # A tied weight (the same memory as an earlier name, published the same way) is published once. The
+    # earlier tensor is held weakly: a freed one (a lazily merged weight, already quantized) cannot alias
+    # one built later at its address. A quantised head is not published the way its tied embedding is, so
+    # both go out; a state dict without lm_head.weight (the tied duplicate left out) has the embedding as head.
     seen: dict[tuple, weakref.ref] = {}
-    # A quantised head is not an alias of the embedding it is tied to: both are published. A state dict
-    # without lm_head.weight (a tied model saved without the duplicate) has the embedding as its head.
     names = sorted(tensors_in)
     tied_head = head and HEAD_WEIGHT not in tensors_in and EMBED_WEIGHT in tensors_in
     if tied_head:
@@ -433,10 +437,6 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
         for mod in model.modules():
             if isinstance(mod, QuantLinear):
                 mod.refresh()
-
-
-HEAD_WEIGHT = HEAD + ".weight"
-EMBED_WEIGHT = "model.embed_tokens.weight"
 
 
 def _head_hint(name: str) -> str:
