@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     rp = RolloutPrompts(tok, folder) if "rollout" in workloads else None
     rows, ratios, per_round = [], {}, {}
     for workload in workloads:
+        native, hf_run = runners(workload, tok, rp, new_tokens)
         for batch in batches:
-            native, hf_run = runners(workload, tok, rp, new_tokens)
             paths = {fmt: (lambda e=engine, f=fmt, b=batch, run=native: run(e, b, f"{f}-{b}"))
                      for fmt, engine in engines.items()}
             paths |= {f"hf-{f}": (lambda m=m, b=batch, run=hf_run: run(m, b)) for f, m in hf.items()}

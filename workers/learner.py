@@ -122,7 +122,7 @@ class Publisher:
         for fmt in self.formats:
             pub = publish(state_dict, fmt, version=version, aqn_sigma=sigma, aqn_seed=seed if sigma > 0 else None,
                           uaq_s=q.uaq_scale if q.uaq else 1.0, uaq_sites=tuple(q.uaq_sites) if q.uaq else (),
-                          aqn_resample=q.aqn_resample, head=q.lm_head and fmt != "fp32")
+                          aqn_resample=q.aqn_resample, head=q.lm_head)
             if fmt in self.prev:
                 metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(self.prev[fmt], pub)
             if fmt not in ("fp32", "bf16"):  # the previous codes, for code_change_frac; no full-precision copy

@@ -56,8 +56,8 @@ class EngineSpec:
     log_dir: str = ""
     """Where a started SGLang server writes its log (default: the temp folder)."""
     quantize_head: bool = False
-    """Native engine of a quantized format: the output head is quantized too (``quant.lm_head``, from the
-    controller's setup; the run publishes every quantized format so). An fp32 actor has no head to quantize."""
+    """Native engine: the output head is quantized too (``quant.lm_head``, from the controller's setup; the
+    run publishes every quantized format so). An fp32 actor converts nothing, so it ignores this."""
 
     def __post_init__(self) -> None:
         require_choice("engine", self.kind, ENGINES)
@@ -133,8 +133,7 @@ def _build_native(spec: EngineSpec) -> RolloutEngine:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return NativeEngine(model, quant_format=spec.quant_format, version=-1, device=device,
                         max_batch_size=spec.slots, max_seq_len=spec.max_seq_len or None,
-                        eos_token_ids=spec.eos_token_ids,
-                        quantize_head=spec.quantize_head and spec.quant_format != "fp32")
+                        eos_token_ids=spec.eos_token_ids, quantize_head=spec.quantize_head)
 
 
 class _SGLangEngineArgs(TypedDict):

@@ -24,9 +24,7 @@ from protocols.values import FORMATS as QUANT_FORMATS
 
 def quantize_actor(model: torch.nn.Module, fmt: str, *, head: bool = False) -> torch.nn.Module:
     """Return the actor for ``fmt``: the model itself for fp32, else ``asyncrl.quant.quantize_model``
-    (``head``: the output head too, ``quant.lm_head``)."""
-    if head and fmt == "fp32":
-        raise ValueError("quantizing the output head needs a quantized format; set quant.fmt (e.g. int8)")
+    (``head``: the output head too, ``quant.lm_head``; fp32 converts nothing)."""
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {fmt!r}")
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

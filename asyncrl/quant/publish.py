@@ -236,10 +236,12 @@ def publish(
     With ``aqn_resample="forward"`` the gains are published clean and (seed, sigma) tell the sampler
     to draw fresh noise at every forward (``aqn.ForwardAqn``; not combined with UAQ-folded sites).
     ``head=True`` (``quant.lm_head``) also quantises ``lm_head.weight``, for workers converted with
-    ``quantize_model(..., head=True)``; a tied embedding is then published too, in full precision.
+    ``quantize_model(..., head=True)``; a tied embedding is then published too, in full precision. Like
+    ``quantize_model``, fp32 converts nothing, so an fp32 publication is the same with or without it.
     Raises a QuantError naming the tensor on non-finite or unquantisable input.
     """
     check_format(fmt)
+    head = head and fmt != "fp32"
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise QuantError(f"version must be an integer >= 0, got {version!r}")
     tensors_in = state_dict  # read name by name: a lazy mapping (merged LoRA weights) yields one tensor at a time

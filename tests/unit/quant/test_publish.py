@@ -305,6 +305,9 @@ def test_a_quantized_head_is_published_beside_its_tied_embedding_and_loads_bit_i
     # the same publication from a state dict that leaves the tied duplicate out
     sd = {k: v for k, v in learner.state_dict().items() if k != "lm_head.weight"}
     assert publish(sd, fmt, version=1, head=True).checksum == pub.checksum
+    # fp32 converts nothing: the head changes neither its publication nor its actor
+    assert publish(sd, "fp32", version=1, head=True).checksum == publish(sd, "fp32", version=1).checksum
+    assert not quantizes_head(quantize_model(make_tiny_qwen2(tie=True), "fp32", head=True))
     worker = quantize_model(make_tiny_qwen2(seed=2, tie=True), fmt, head=True)
     assert quantizes_head(worker) and not quantizes_head(quantize_model(make_tiny_qwen2(tie=True), fmt))
     load_published(worker, pub)
