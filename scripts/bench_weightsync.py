@@ -7,7 +7,9 @@ One version travels the path a training run uses (workers/learner.py -> workers/
                one-rank gloo group in this process: the learner's own code path, DTensor parameters
                and all; at world size 1 the "all-gather" is a local copy, so this is a lower bound of
                the multi-rank cost);
-2. quantize -- ``asyncrl.quant.publish`` (quantize-on-send, XXH3 digest per tensor, checksum);
+2. quantize -- ``asyncrl.quant.publish`` (quantize-on-send, XXH3 digest per tensor, checksum), into
+               a `BufferPool` per format as the learner's publisher keeps (buffers of versions no
+               longer served are reused);
 3. send     -- ``WeightServer`` (this process) -> ``WeightClient.fetch`` in a child process over tcp
                loopback, timed in the child from the request to the last byte;
 4. load     -- in the child: ``asyncrl.transport.publication.from_wire`` (views of the frames) and
@@ -121,7 +123,7 @@ def memcpy_seconds(buffers: list, repeats: int) -> float:
 
 def bench_model(model_name: str, formats: list[str], repeats: int) -> tuple[list[dict], list[dict]]:
     from asyncrl.learner import full_state_dict, init_distributed, shard_model
-    from asyncrl.quant import publish
+    from asyncrl.quant import BufferPool, publish
     from asyncrl.transport import WeightServer
     from asyncrl.transport.publication import to_wire
 
@@ -140,6 +142,7 @@ def bench_model(model_name: str, formats: list[str], repeats: int) -> tuple[list
         parent.send((server.announce_address, server.fetch_address))
         if not parent.poll(600) or parent.recv() != "ready":
             raise RuntimeError("the worker child did not start")
+        pools = {f: BufferPool() for f in formats}  # one per format, as the learner's publisher keeps
         version = 0
         for rep in range(repeats + 1):  # repeat 0 warms every path up and is not reported
             order = formats[rep % len(formats):] + formats[: rep % len(formats)]
@@ -148,7 +151,7 @@ def bench_model(model_name: str, formats: list[str], repeats: int) -> tuple[list
                 t0 = time.perf_counter()
                 sd = full_state_dict(learner)
                 t1 = time.perf_counter()
-                pub = publish(sd, fmt, version=version)
+                pub = publish(sd, fmt, version=version, pool=pools[fmt])
                 t2 = time.perf_counter()
                 announce, buffers = to_wire(pub)
                 server.publish(announce, buffers)

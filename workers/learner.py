@@ -68,7 +68,7 @@ from asyncrl.transport import (
 from asyncrl.transport.publication import to_wire
 
 if TYPE_CHECKING:
-    from asyncrl.quant import PublishedWeights
+    from asyncrl.quant import BufferPool, PublishedWeights
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -106,8 +106,11 @@ class Publisher:
     """Rank 0: quantize-on-send in every published format, plus per-publication diagnostics."""
 
     def __init__(self, cfg, formats: list[str], server: WeightServer) -> None:
+        from asyncrl.quant import BufferPool
+
         self.cfg, self.formats, self.server = cfg, formats, server
         self.prev: dict[str, PublishedWeights] = {}
+        self.pools: dict[str, BufferPool] = {fmt: BufferPool() for fmt in formats}
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         from asyncrl.quant import aqn_sigma, code_change_frac, publication_seed, publish
@@ -122,7 +125,7 @@ class Publisher:
         for fmt in self.formats:
             pub = publish(state_dict, fmt, version=version, aqn_sigma=sigma, aqn_seed=seed if sigma > 0 else None,
                           uaq_s=q.uaq_scale if q.uaq else 1.0, uaq_sites=tuple(q.uaq_sites) if q.uaq else (),
-                          aqn_resample=q.aqn_resample, head=q.lm_head)
+                          aqn_resample=q.aqn_resample, head=q.lm_head, pool=self.pools[fmt])
             if fmt in self.prev:
                 metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(self.prev[fmt], pub)
             if fmt not in ("fp32", "bf16"):  # the previous codes, for code_change_frac; no full-precision copy

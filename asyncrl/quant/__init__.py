@@ -48,7 +48,7 @@ from .fused import fuse_int8_siblings
 from .int8 import dequantize_int8, int8_linear, quantize_act_int8, quantize_int8_rows
 from .linear import LINEAR_CLASSES, QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, TARGET_LINEARS, model_format, quantize_model, quantizes_head
-from .publish import PublishedWeights, load_published, publish
+from .publish import BufferPool, PublishedWeights, load_published, publish
 from .uaq import UAQ_SITES, fold_uaq, unfold_uaq
 from .wire import RawTensor
 
@@ -62,6 +62,7 @@ __all__ = [
     "UAQ_SITES",
     "AqnRecord",
     "BlockShapeError",
+    "BufferPool",
     "ChecksumMismatchError",
     "FormatMismatchError",
     "ManifestMismatchError",

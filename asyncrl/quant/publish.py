@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -226,6 +227,7 @@ def publish(
     uaq_sites: Sequence[str] = (),
     aqn_resample: str = "publication",
     head: bool = False,
+    pool: BufferPool | None = None,
 ) -> PublishedWeights:
     """Quantise-on-send: turn the learner's full-precision state dict into a publication.
 
@@ -238,6 +240,9 @@ def publish(
     ``head=True`` (``quant.lm_head``) also quantises ``lm_head.weight``, for workers converted with
     ``quantize_model(..., head=True)``; a tied embedding is then published too, in full precision. Like
     ``quantize_model``, fp32 converts nothing, so an fp32 publication is the same with or without it.
+    ``pool``: where the buffers come from (`BufferPool`; a publisher that publishes one format every
+    version keeps one, so a version reuses the memory of versions nothing views any more instead of
+    faulting in fresh pages); without one, fresh mappings. The bytes are the same either way.
     Raises a QuantError naming the tensor on non-finite or unquantisable input.
     """
     check_format(fmt)
@@ -261,7 +266,7 @@ def publish(
             tensors_in, sigma=aqn_sigma, seed=aqn_seed, sites=aqn_sites, uaq_s=uaq_s, uaq_sites=uaq_sites
         )
     out: dict[str, Tensor] = {}
-    blocks = _Blocks()
+    blocks = _Blocks(pool)
     entries: list[TensorSpec] = []
     roles = weight_suffixes(fmt)
     # A tied weight (the same memory as an earlier name, published the same way) is published once. The
@@ -303,6 +308,8 @@ def publish(
     sigma = 0.0 if record is None else record.sigma
     mode = aqn_resample if record is not None else "publication"
     checksum = checksum_of(header_dict(version, fmt, seed, sigma, entries, mode))
+    if pool is not None:
+        pool.trim(blocks.mapped)
     return PublishedWeights(
         version, fmt, out, entries, checksum, aqn_seed=seed, aqn_sigma=sigma, aqn_resample=mode
     )
@@ -333,23 +340,25 @@ class _Blocks:
     SMALL = 4 << 20
     ALIGN = 64
 
-    def __init__(self) -> None:
+    def __init__(self, pool: BufferPool | None = None) -> None:
+        self._pool = pool
         self._block: Tensor | None = None
         self._used = 0
+        self.mapped = 0
+        """Bytes of the buffers made so far (what `BufferPool.trim` keeps for the next version)."""
         # data pointers of the tensors `empty` handed out; publish keeps every one of them in its
         # output until it returns, so no other tensor can take one of these addresses meanwhile
         self._made: set[int] = set()
 
-    @staticmethod
-    def _buffer(nbytes: int) -> Tensor:
-        """``nbytes`` of fresh uint8 CPU memory in a mapping of its own, with huge pages asked for."""
-        advice = getattr(mmap, "MADV_HUGEPAGE", None)
-        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        if advice is None or not flags:
+    def _buffer(self, nbytes: int) -> Tensor:
+        """``nbytes`` of uint8 CPU memory in a mapping of its own, with huge pages asked for: from the
+        pool when it has a free one of that size, else fresh."""
+        self.mapped += nbytes
+        if self._pool is not None:
+            return self._pool.take(nbytes)
+        mapping = _new_mapping(nbytes)
+        if mapping is None:
             return torch.empty(nbytes, dtype=torch.uint8)
-        mapping = mmap.mmap(-1, nbytes, flags=flags)
-        with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages
-            mapping.madvise(advice)
         return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -388,6 +397,68 @@ class _Blocks:
         view = self._block[self._used:self._used + n]
         self._used += -(-n // self.ALIGN) * self.ALIGN
         return view
+
+
+def _new_mapping(nbytes: int) -> mmap.mmap | None:
+    """A fresh anonymous mapping of ``nbytes`` with transparent huge pages asked for; None where mmap
+    or madvise is missing."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if advice is None or not flags:
+        return None
+    mapping = mmap.mmap(-1, nbytes, flags=flags)
+    with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages
+        mapping.madvise(advice)
+    return mapping
+
+
+class BufferPool:
+    """The publication buffers of one publisher, reused from version to version.
+
+    A publication's buffers are sent zero-copy and kept while any worker may still fetch them, so
+    each version is written into memory no live publication views. Fresh memory costs a page fault
+    (and the kernel zeroing the page) per page touched, every version: in the 22M Qwen2 int8
+    publication that was most of the time spent writing the codes (docs/benchmarks.md, weight sync).
+    The pool hands out a mapping again once nothing views it any more: each buffer is handed out
+    through a `memoryview` of its mapping, and a finalizer on that view returns the mapping to the
+    free list when the last tensor, numpy array or zmq frame showing it is gone (from whichever thread
+    drops it). A buffer in use is therefore never handed out twice, and nothing is copied.
+
+    `trim(keep)` (called by `publish`) frees the free mappings beyond ``keep`` bytes, so the pool
+    holds at most about one publication's worth of memory nobody uses; a publisher of one format
+    keeps one pool (a different layout would find few mappings of its sizes)."""
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()  # between take and trim; _give_back only appends (atomic), so a
+        # finalizer that the garbage collector runs inside take or trim cannot deadlock on it
+
+    def take(self, nbytes: int) -> Tensor:
+        """A uint8 tensor of ``nbytes`` over a free mapping of exactly that size, or a fresh one."""
+        with self._lock:
+            mapping = next((m for m in list(self._free) if len(m) == nbytes), None)
+            if mapping is not None:
+                self._free.remove(mapping)
+        if mapping is None:
+            mapping = _new_mapping(nbytes)
+            if mapping is None:
+                return torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(mapping)
+        weakref.finalize(view, self._give_back, mapping)
+        return torch.frombuffer(view, dtype=torch.uint8)  # the tensor keeps the view (and the mapping) alive
+
+    def _give_back(self, mapping: mmap.mmap) -> None:
+        self._free.append(mapping)
+
+    def trim(self, keep: int) -> None:
+        """Unmap free mappings, oldest first, until at most ``keep`` bytes of them are left."""
+        with self._lock:
+            while self._free and self.free_bytes() > keep:
+                self._free.pop(0).close()
+
+    def free_bytes(self) -> int:
+        """Bytes of the mappings held for reuse (none of them viewed by anything)."""
+        return sum(len(m) for m in list(self._free))
 
 
 def load_published(model: nn.Module, published: PublishedWeights) -> None:

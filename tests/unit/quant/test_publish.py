@@ -124,6 +124,48 @@ def test_codes_written_into_the_publication_buffers_equal_the_one_shot_quantiser
     pub.verify()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp32"])
+def test_a_pool_reuses_the_buffers_of_a_publication_nothing_views_any_more(tiny_model, fmt):
+    # A publisher's BufferPool gives a version the memory of an earlier one only once no tensor,
+    # numpy array or memoryview (what a zmq frame holds while it is sent) shows it; the bytes are
+    # those of a publication without a pool.
+    import gc
+
+    from asyncrl.quant import BufferPool
+    from asyncrl.quant.wire import raw_bytes
+
+    sd = tiny_model.state_dict()
+    pool = BufferPool()
+    first = publish(sd, fmt, version=1, pool=pool)
+    first_ptrs = {t.untyped_storage().data_ptr() for t in first.tensors.values()}
+    frame = raw_bytes(next(iter(first.tensors.values())))  # a sender still holds one tensor's bytes
+    del first
+    gc.collect()
+    second = publish(sd, fmt, version=2, pool=pool)  # the block under `frame` is still in use
+    second_ptrs = {t.untyped_storage().data_ptr() for t in second.tensors.values()}
+    assert not first_ptrs & second_ptrs
+    del frame
+    gc.collect()
+    assert pool.free_bytes() > 0
+    third = publish(sd, fmt, version=3, pool=pool)  # the first version's memory, given back
+    assert {t.untyped_storage().data_ptr() for t in third.tensors.values()} <= first_ptrs
+    assert not second_ptrs & {t.untyped_storage().data_ptr() for t in third.tensors.values()}
+    fresh = publish(sd, fmt, version=3)
+    assert third.checksum == fresh.checksum
+    third.verify()
+    for name, t in fresh.tensors.items():
+        assert torch.equal(third.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    # free memory the pool keeps is bounded by one publication's buffers (trim, called by publish)
+    del second, third
+    gc.collect()
+    from asyncrl.quant.publish import _Blocks
+
+    assert pool.free_bytes() == 2 * _Blocks.BLOCK  # the tiny model's publications fit one block each
+    fourth = publish(sd, fmt, version=4, pool=pool)  # takes one, and trims the rest to one publication
+    assert pool.free_bytes() <= _Blocks.BLOCK
+    fourth.verify()
+
+
 def test_publish_does_not_modify_the_learner_state(tiny_model):
     sd = tiny_model.state_dict()
     before = {k: v.clone() for k, v in sd.items()}
