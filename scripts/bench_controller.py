@@ -137,6 +137,7 @@ def _worker(control: str, worker_id: str, response_tokens: int, vocab: int, out)
             version = ann.version
             heartbeat()
             last_hb = now
+            next_request = 0.0  # new weights open the gate: ask at once, as the real worker does
         elif now - last_hb >= heartbeat_s:
             heartbeat()
             last_hb = now

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from asyncrl.controller.core import no_work_retry_s
 from scripts import benchlib
 from scripts.scalecluster import (
     AREAL,
@@ -54,7 +55,8 @@ def simulate_shape(shape: ClusterShape, eta: int, shrink: int) -> dict[str, Any]
     small = replace(shape, gen_gpus=max(1, shape.gen_gpus // shrink), train_gpus=max(1, shape.train_gpus // shrink),
                     groups_per_step=max(1, shape.groups_per_step // shrink), egress_bw=shape.egress_bw / shrink,
                     ctl_msg_s=shape.ctl_msg_s * shrink)
-    r = simulate(cluster_params(small, eta=eta))
+    # the back-off a NoWork names is the full fleet's (the controller sizes it by the workers it has)
+    r = simulate(cluster_params(small, eta=eta, nowork_retry_s=no_work_retry_s(shape.gen_gpus)))
     w = window_rate(r.version_times, r.batch_samples)
     span = r.version_times[-1]
     hist = window_staleness(r)
@@ -91,9 +93,9 @@ def extrapolate(*, quick: bool, shrink: int) -> dict[str, Any]:
                     "shape": name, "eta": eta, "samples_per_s": got["samples_per_s"],
                     "controller_msgs_per_s": got["controller_msgs_per_s"], "controller_capacity_msgs_per_s": 1 / ctl,
                     "controller_use": got["controller_msgs_per_s"] * ctl,
-                    # the model times empty NoWork retries without charging them; a worker holding fewer free credits
-                    # than a group polls every nowork_retry_s, so this many extra messages/s is the worst case
-                    "nowork_polls_per_s_max": shape.gen_gpus / cluster_params(shape, eta=eta).nowork_retry_s,
+                    # the model times empty NoWork retries without charging them; the worst case is every worker
+                    # parked at a closed gate, each asking once per back-off (no_work_retry_s of the fleet)
+                    "nowork_polls_per_s_max": shape.gen_gpus / no_work_retry_s(shape.gen_gpus),
                     "weight_sync_GB_per_version": d["fetch_bytes"] * shape.gen_gpus / 1e9,
                     "weight_sync_GB_per_s": weight_bytes_s / 1e9, "publisher_link_GB_per_s": shape.egress_bw / 1e9,
                     "fetch_s_per_version": got["fetch_s"],

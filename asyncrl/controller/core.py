@@ -40,6 +40,20 @@ from asyncrl.rundir.files import read_checksummed_json, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
 MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
+NO_WORK_RETRY_MIN_S = 0.05
+"""The shortest NoWork back-off: what a small fleet waits before asking again."""
+NO_WORK_RETRY_MAX_S = 1.0
+"""The longest: a worker also asks at once when new weights arrive (they are what opens the gate)."""
+NO_WORK_POLLS_PER_S = 200.0
+"""The empty requests per second the whole fleet may send: the back-off grows with the number of
+workers to keep them under this, ~14% of the ~1.5k messages/s this controller handles (docs/benchmarks.md,
+controller throughput). With 192 workers polling every 50 ms they were 3.8k/s, more than all of it."""
+
+
+def no_work_retry_s(n_workers: int) -> float:
+    """The back-off a NoWork tells a worker to wait: n_workers / NO_WORK_POLLS_PER_S, within
+    [NO_WORK_RETRY_MIN_S, NO_WORK_RETRY_MAX_S]."""
+    return min(NO_WORK_RETRY_MAX_S, max(NO_WORK_RETRY_MIN_S, n_workers / NO_WORK_POLLS_PER_S))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +233,8 @@ class ControllerCore:
             for a in self.buffer.assign(msg.worker_id, worker_version=w.version, max_groups=n_groups):
                 out.append((peer, self._assignment(a)))
         if not out:
-            out.append((peer, P.NoWork(retry_after_s=0.05)))
+            out.append((peer, P.NoWork(retry_after_s=no_work_retry_s(len(self.workers)),
+                                       min_credits=self.cfg.algo.group_size)))
         return out
 
     def _next_problem(self) -> dict[str, Any]:

@@ -113,3 +113,64 @@ def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(p
         server.close()
         ctl.close()
         pull.close()
+
+
+def test_a_worker_asks_only_with_a_groups_worth_of_free_slots_and_says_when_it_never_will(procs, tmp_path):
+    """NoWork.min_credits: a worker of 6 slots holding one group of 4 has 2 free, which can never be
+    given a group; it waits for the group to finish instead of polling. Told a group needs 8, it stops
+    asking and says how to fix it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = ensure_tiny_model(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    server = WeightServer()
+    ctl = ZmqChannel.bind(zmq.ROUTER, "tcp://127.0.0.1:0", reply_errors=True)
+    pull = ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0")
+    stderr = tmp_path / "worker.err"
+    try:
+        ann, bufs = to_wire(publish(model.state_dict(), "fp32", version=0))
+        server.publish(ann, bufs)
+        setup = P.WorkerSetup(samples_address=pull.address, weights_announce=server.announce_address,
+                              weights_fetch=server.fetch_address, worker_slots=6, heartbeat_s=0.5,
+                              model_config=AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False),
+                              quant_format="fp32", eos_token_ids=[2])
+        with open(stderr, "wb") as err:
+            procs.python("-m", "workers.generator", f"controller={ctl.address}", "worker_id=w", stderr=err)
+        prompt = P.Array.from_numpy(np.array([1, 55, 47, 56, 65], np.int32))
+        params = P.SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=7)
+        requests: list[int] = []  # the credits of each WorkRequest
+        received, assigned, told_at = 0, False, None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            env = ctl.recv(0.01)
+            if env is not None and isinstance(env.msg, P.Hello):
+                ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in", latest_version=0,
+                                   setup=setup), to=env.peer)
+            elif env is not None and isinstance(env.msg, P.WorkRequest):
+                requests.append(env.msg.credits)
+                if not assigned and env.msg.credits >= GROUP:
+                    ctl.send(P.RolloutAssignment(group_id="g", sample_ids=[f"g/{i}" for i in range(GROUP)],
+                                                 prompt_ids=prompt, params=params, n_samples=GROUP), to=env.peer)
+                    assigned = True
+                elif env.msg.credits < setup.worker_slots:  # the group is out: what is free is not a group
+                    ctl.send(P.NoWork(retry_after_s=0.01, min_credits=GROUP), to=env.peer)
+                else:  # the group is back: now a group needs more slots than the worker has
+                    ctl.send(P.NoWork(retry_after_s=0.01, min_credits=8), to=env.peer)
+                    told_at = time.monotonic()
+            while pull.recv(0.0) is not None:
+                received += 1
+            if told_at is not None and time.monotonic() > told_at + 1.0:
+                break  # a second at a 10 ms back-off: ~100 requests, had the worker kept asking
+        assert received == GROUP and told_at is not None, (received, requests)
+        # all 6 slots; then the 2 left beside the group, answered NoWork(min_credits=4), and nothing more
+        # until the group was done (at a 10 ms back-off that would have been dozens); then all 6 again,
+        # answered NoWork(min_credits=8), after which the worker never asked again
+        assert requests == [6, 2, 6], requests
+        for p in procs.children:
+            p.send_signal(15)
+        assert [p.wait(timeout=60) for p in procs.children] == [0]
+        assert "will never be given work" in stderr.read_text() and "rollout.worker_slots" in stderr.read_text()
+    finally:
+        server.close()
+        ctl.close()
+        pull.close()

@@ -9,7 +9,14 @@ import pytest
 
 import protocols as P
 from asyncrl.config import load_train_config
-from asyncrl.controller.core import ControllerCore, ModelInfo, read_state
+from asyncrl.controller.core import (
+    NO_WORK_RETRY_MAX_S,
+    NO_WORK_RETRY_MIN_S,
+    ControllerCore,
+    ModelInfo,
+    no_work_retry_s,
+    read_state,
+)
 from asyncrl.controller.scoring import build_scorer
 from asyncrl.log import BatchRecord, SampleRecord, read_log, truncate_log
 from asyncrl.models import ensure_tiny_model
@@ -87,6 +94,16 @@ def test_peers_cannot_speak_for_others(tmp_path, model_dir):
     (_, r3), = core.handle(b"EVIL", P.BatchRequest(step=0))
     assert all(isinstance(r, P.Error) for r in (r1, r2, r3))
     assert "w" in core.workers and core.version.version == 0 and not core.done
+
+
+def test_no_work_names_a_groups_credits_and_backs_off_with_the_fleet(tmp_path, model_dir):
+    core = make_core(tmp_path, model_dir)
+    register(core)
+    (_, nw), = core.handle(b"W", P.WorkRequest(worker_id="w", credits=G - 1))  # less than one group
+    assert isinstance(nw, P.NoWork) and nw.min_credits == G and nw.retry_after_s == NO_WORK_RETRY_MIN_S
+    # the whole fleet's empty polls stay near 200/s: 10 workers 50 ms, 100 workers 0.5 s, capped at 1 s
+    assert [no_work_retry_s(n) for n in (1, 10, 100, 200, 10_000)] == [
+        NO_WORK_RETRY_MIN_S, 0.05, 0.5, 1.0, NO_WORK_RETRY_MAX_S]
 
 
 def test_admission_is_paced_by_the_gate_and_batches_are_logged(tmp_path, model_dir):

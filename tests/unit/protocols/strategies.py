@@ -106,7 +106,7 @@ MESSAGES = {
     P.WorkRequest: st.builds(P.WorkRequest, worker_id=ids, credits=st.integers(0, 10**6),
                              version=st.integers(-1, 10**6)),
     P.RolloutAssignment: assignments(),
-    P.NoWork: st.builds(P.NoWork, retry_after_s=st.floats(0, 10)),
+    P.NoWork: st.builds(P.NoWork, retry_after_s=st.floats(0, 10), min_credits=st.integers(0, 1024)),
     P.FinishedSample: finished_samples(),
     P.WeightAnnounce: st.builds(P.WeightAnnounce, version=st.integers(0, 10**6), fmt=st.sampled_from(["fp32", "int8"]),
                                 manifest=st.lists(tensor_specs, max_size=4), checksum=st.text(max_size=64),

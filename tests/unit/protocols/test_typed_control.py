@@ -47,7 +47,7 @@ class Hello12(msgspec.Struct, kw_only=True, omit_defaults=True, tag="hello"):
 
 
 def test_protocol_minor_is_bumped_and_typed_peers_are_told_apart():
-    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR) == (1, 3) and P.PROTOCOL_VERSION == "1.3"
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR) == (1, 4) and P.PROTOCOL_VERSION == "1.4"
     assert P.speaks_typed_control("1.3") and P.speaks_typed_control("1.9")
     assert not P.speaks_typed_control("1.2") and not P.speaks_typed_control("1.0")
     assert not P.speaks_typed_control("garbage")
