@@ -15,39 +15,22 @@ import time
 import numpy as np
 import pytest
 import torch
-import zmq
 
 import protocols as P
-from asyncrl.models import ensure_tiny_model
-from asyncrl.quant import publish
-from asyncrl.transport import WeightServer, ZmqChannel
-from asyncrl.transport.publication import to_wire
+from tests.integration.standin import worker_standin
 
 pytestmark = pytest.mark.integration
 
 GROUP, N_GROUPS, MAX_NEW = 4, 8, 48
 
 
-def _publish_all(server: WeightServer, state_dict, version: int) -> None:
-    for fmt in ("fp32", "int8"):
-        ann, bufs = to_wire(publish(state_dict, fmt, version=version))
-        server.publish(ann, bufs)
-
-
 def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(procs, tmp_path):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_dir = ensure_tiny_model(tmp_path / "tiny")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    server = WeightServer()
-    ctl = ZmqChannel.bind(zmq.ROUTER, "tcp://127.0.0.1:0", reply_errors=True)
-    pull = ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0")
-    try:
-        _publish_all(server, model.state_dict(), 0)
+    with worker_standin(tmp_path, worker_slots=16, formats=("fp32", "int8")) as stand:
+        ctl, pull, server, model = stand.ctl, stand.pull, stand.server, stand.model
+        # written out by hand as a 1.2 controller wrote it (not WorkerSetup.to_legacy: that is what is tested)
         config = {"samples_address": pull.address, "weights_announce": server.announce_address,
                   "weights_fetch": server.fetch_address, "worker_slots": "16", "heartbeat_s": "0.5",
-                  "model_config": AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False),
-                  "eos_token_ids": json.dumps([2]), "quant_format": "fp32"}
+                  "model_config": stand.setup.model_config, "eos_token_ids": json.dumps([2]), "quant_format": "fp32"}
         for wid, fmt in (("w-fp32", "fp32"), ("w-int8", "int8")):
             procs.python("-m", "workers.generator", f"controller={ctl.address}", f"quant.fmt={fmt}",
                          f"worker_id={wid}")
@@ -83,7 +66,7 @@ def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(p
                 if not published_v1:  # new weights while the other samples are still being generated
                     with torch.no_grad():
                         model.lm_head.weight.mul_(1.05)
-                    _publish_all(server, model.state_dict(), 1)
+                    stand.publish(1)
                     published_v1 = True
         assert len(got) == N_GROUPS * GROUP, f"only {len(got)} samples arrived"
         assert duplicates == 0
@@ -109,31 +92,15 @@ def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(p
                 byes.add(env.msg.peer_id)
         assert byes == {"w-fp32", "w-int8"}
         assert [p.wait(timeout=60) for p in procs.children] == [0, 0]
-    finally:
-        server.close()
-        ctl.close()
-        pull.close()
 
 
 def test_a_worker_asks_only_with_a_groups_worth_of_free_slots_and_says_when_it_never_will(procs, tmp_path):
     """NoWork.min_credits: a worker of 6 slots holding one group of 4 has 2 free, which can never be
     given a group; it waits for the group to finish instead of polling. Told a group needs 8, it stops
     asking and says how to fix it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_dir = ensure_tiny_model(tmp_path / "tiny")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    server = WeightServer()
-    ctl = ZmqChannel.bind(zmq.ROUTER, "tcp://127.0.0.1:0", reply_errors=True)
-    pull = ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0")
-    stderr = tmp_path / "worker.err"
-    try:
-        ann, bufs = to_wire(publish(model.state_dict(), "fp32", version=0))
-        server.publish(ann, bufs)
-        setup = P.WorkerSetup(samples_address=pull.address, weights_announce=server.announce_address,
-                              weights_fetch=server.fetch_address, worker_slots=6, heartbeat_s=0.5,
-                              model_config=AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False),
-                              quant_format="fp32", eos_token_ids=[2])
+    with worker_standin(tmp_path, worker_slots=6) as stand:
+        ctl, pull, setup = stand.ctl, stand.pull, stand.setup
+        stderr = tmp_path / "worker.err"
         with open(stderr, "wb") as err:
             procs.python("-m", "workers.generator", f"controller={ctl.address}", "worker_id=w", stderr=err)
         prompt = P.Array.from_numpy(np.array([1, 55, 47, 56, 65], np.int32))
@@ -144,8 +111,7 @@ def test_a_worker_asks_only_with_a_groups_worth_of_free_slots_and_says_when_it_n
         while time.monotonic() < deadline:
             env = ctl.recv(0.01)
             if env is not None and isinstance(env.msg, P.Hello):
-                ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in", latest_version=0,
-                                   setup=setup), to=env.peer)
+                stand.welcome(env)
             elif env is not None and isinstance(env.msg, P.WorkRequest):
                 requests.append(env.msg.credits)
                 if not assigned and env.msg.credits >= GROUP:
@@ -170,7 +136,3 @@ def test_a_worker_asks_only_with_a_groups_worth_of_free_slots_and_says_when_it_n
             p.send_signal(15)
         assert [p.wait(timeout=60) for p in procs.children] == [0]
         assert "will never be given work" in stderr.read_text() and "rollout.worker_slots" in stderr.read_text()
-    finally:
-        server.close()
-        ctl.close()
-        pull.close()

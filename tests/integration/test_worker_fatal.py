@@ -14,14 +14,9 @@ import time
 
 import numpy as np
 import pytest
-import torch
-import zmq
 
 import protocols as P
-from asyncrl.models import ensure_tiny_model
-from asyncrl.quant import publish
-from asyncrl.transport import WeightServer, ZmqChannel
-from asyncrl.transport.publication import to_wire
+from tests.integration.standin import worker_standin
 
 pytestmark = pytest.mark.integration
 
@@ -29,20 +24,8 @@ MAX_SEQ_LEN = 16
 
 
 def test_worker_whose_engine_refuses_an_assignment_hands_it_back_and_exits_nonzero(procs, tmp_path):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_dir = ensure_tiny_model(tmp_path / "tiny")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    server = WeightServer()
-    ctl = ZmqChannel.bind(zmq.ROUTER, "tcp://127.0.0.1:0", reply_errors=True)
-    pull = ZmqChannel.bind(zmq.PULL, "tcp://127.0.0.1:0")
-    try:
-        ann, bufs = to_wire(publish(model.state_dict(), "fp32", version=0))
-        server.publish(ann, bufs)
-        setup = P.WorkerSetup(samples_address=pull.address, weights_announce=server.announce_address,
-                              weights_fetch=server.fetch_address, worker_slots=4, heartbeat_s=0.5,
-                              model_config=AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False),
-                              eos_token_ids=[2], quant_format="fp32", max_seq_len=MAX_SEQ_LEN)
+    with worker_standin(tmp_path, worker_slots=4, max_seq_len=MAX_SEQ_LEN) as stand:
+        ctl, pull = stand.ctl, stand.pull
         worker = procs.python("-m", "asyncrl", "worker", f"controller={ctl.address}", "worker_id=w0",
                               "device=cpu", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         too_long = P.Array.from_numpy(np.full(MAX_SEQ_LEN + 4, 53, np.int32))
@@ -57,8 +40,7 @@ def test_worker_whose_engine_refuses_an_assignment_hands_it_back_and_exits_nonze
             m = env.msg
             if isinstance(m, P.Hello):
                 assert m.capabilities["engine"] == "native"
-                ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in",
-                                   latest_version=0, setup=setup), to=env.peer)
+                stand.welcome(env)
             elif isinstance(m, P.WorkRequest) and not assigned:
                 ctl.send(P.RolloutAssignment(group_id="g0", sample_ids=sample_ids, prompt_ids=too_long,
                                              params=params, n_samples=4), to=env.peer)
@@ -73,7 +55,3 @@ def test_worker_whose_engine_refuses_an_assignment_hands_it_back_and_exits_nonze
         assert goodbye.reason.startswith("fatal") and "max_seq_len" in goodbye.reason
         assert "fatal error in the comms thread" in text and "shorten the prompt or raise max_seq_len" in text
         assert pull.recv(0.0) is None  # nothing half-generated was sent as a result
-    finally:
-        server.close()
-        ctl.close()
-        pull.close()
