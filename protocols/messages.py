@@ -34,7 +34,7 @@ from protocols.values import FINISH_REASONS
 PROTOCOL_MAJOR = 1
 # 1.1: TensorSpec.digest; 1.2: WeightAnnounce.aqn_resample; 1.3: Hello.version, Welcome.setup/run,
 # VersionUpdate.checkpoint/checkpointed/done, Heartbeat.version (typed, instead of string/float dicts);
-# 1.4: NoWork.min_credits
+# 1.4: WorkerSetup.group_size
 PROTOCOL_MINOR = 4
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 TYPED_CONTROL_MINOR = 3
@@ -233,16 +233,13 @@ class RolloutAssignment(_Base, tag="rollout_assignment"):
 
 class NoWork(_Base, tag="no_work"):
     """No work can be admitted now (staleness gate closed, or fewer credits than a group); ask again
-    after ``retry_after_s``, and not with fewer than ``min_credits`` free slots (the samples of one
-    group: a smaller request is always answered NoWork; 0 from a 1.0-1.3 controller: no such bound)."""
+    after ``retry_after_s``."""
 
     retry_after_s: float = 0.05
-    min_credits: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.retry_after_s) and self.retry_after_s >= 0) or self.min_credits < 0:
-            raise ValueError(f"NoWork needs a finite retry_after_s >= 0 and min_credits >= 0, got "
-                             f"{self.retry_after_s!r}, {self.min_credits!r}")
+        if not (math.isfinite(self.retry_after_s) and self.retry_after_s >= 0):
+            raise ValueError(f"NoWork.retry_after_s must be a finite number of seconds >= 0, got {self.retry_after_s!r}")
 
 
 class FinishedSample(_Base, tag="finished_sample", gc=False):

@@ -51,6 +51,10 @@ class WorkerSetup(_Struct, tag="worker_setup"):
     quantize_head: bool = False
     """The run quantizes the output head too (``quant.lm_head``): a native worker of a quantized format
     converts its ``lm_head`` to load what is published. Absent (False) from older controllers."""
+    group_size: int = 0
+    """Samples per group (``algo.group_size``, since 1.4). Groups are assigned whole, so a worker asks for
+    work only with at least this many free slots, and one with fewer slots in all can never be given
+    any. 0 (a 1.0-1.3 controller): no such bound."""
 
     def __post_init__(self) -> None:
         _nonempty("WorkerSetup", samples_address=self.samples_address, weights_announce=self.weights_announce,
@@ -61,6 +65,8 @@ class WorkerSetup(_Struct, tag="worker_setup"):
         if not (math.isfinite(self.heartbeat_s) and self.heartbeat_s > 0):
             raise ValueError(f"WorkerSetup.heartbeat_s must be a finite number > 0, got {self.heartbeat_s}; "
                              "set rollout.heartbeat_s to a positive number of seconds")
+        if self.group_size < 0:
+            raise ValueError(f"WorkerSetup.group_size must be >= 0 (0: not said), got {self.group_size}")
         if self.max_seq_len < 0:
             raise ValueError(f"WorkerSetup.max_seq_len must be >= 0 (0: the model's limit), got {self.max_seq_len}")
         bad = [t for t in self.eos_token_ids if t < 0]

@@ -146,9 +146,9 @@ class _Worker:
         self.held: list[tuple[str, int, int]] = []  # results finished while the comms thread was fetching
 
     def try_request(self) -> None:
-        # The real worker also holds back while it has fewer free slots than NoWork.min_credits (one
-        # group). Not modelled: it never bites when the slots are a multiple of the group size (groups
-        # are assigned whole), as in the cluster shapes and the defaults (32 slots, groups of 8).
+        # The real worker also holds back while it has fewer free slots than one group
+        # (WorkerSetup.group_size). Not modelled: that never bites when the slots are a multiple of the
+        # group size (groups are assigned whole), as in the cluster shapes and the defaults (32 and 8).
         free = self.job.p.slots - self.outstanding
         if self.requesting or self.loading or free <= 0 or self.job.done:
             return

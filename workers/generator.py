@@ -200,13 +200,18 @@ class GeneratorWorker:
             raise
         try:
             setup = welcome.worker_setup()
+            self.slots = self.requested_slots or setup.worker_slots
+            if self.slots < setup.group_size:
+                raise ValueError(f"{self.slots} slots cannot hold a group of {setup.group_size} samples, so this "
+                                 f"worker would never be given work; start it with rollout.worker_slots >= "
+                                 f"{setup.group_size}")
         except ValueError as e:
             self.ctl.close()
             raise SystemExit(f"worker {self.worker_id}: {e}") from None
         self.typed = P.speaks_typed_control(welcome.protocol_version)  # False: a 1.0-1.2 controller
         self.fmt = self.requested_fmt or (setup.quant_format if self.engine_kind == "native" else "fp32")
         self.wire_fmt = self._wire_format()
-        self.slots = self.requested_slots or setup.worker_slots
+        self.min_credits = max(1, setup.group_size)  # free slots worth asking with: groups are assigned whole
         self.heartbeat_s = setup.heartbeat_s
         self.engine = self.push = self.weights = comms = None
         old_hook = threading.excepthook
@@ -334,7 +339,6 @@ class GeneratorWorker:
     def _comms_loop(self) -> None:
         draining_since: float | None = None
         next_request = 0.0
-        min_credits = 1  # free slots worth asking with (NoWork.min_credits: one group's samples)
         request_in_flight = False
         last_hb = 0.0
         while True:
@@ -356,7 +360,7 @@ class GeneratorWorker:
                     return
             elif not request_in_flight and now >= next_request:
                 free = self.slots - len(self.outstanding)
-                if free >= min_credits:
+                if free >= self.min_credits:
                     self._send_ctl(P.WorkRequest(worker_id=self.worker_id, credits=free,
                                                  version=self.weights_version))
                     request_in_flight = True
@@ -370,17 +374,11 @@ class GeneratorWorker:
             elif isinstance(msg, P.NoWork):
                 request_in_flight = False
                 next_request = time.monotonic() + msg.retry_after_s
-                if msg.min_credits > self.slots >= min_credits:
-                    log.error("worker %s has %d slots but a group needs %d: it will never be given work; start it "
-                              "with at least %d slots (rollout.worker_slots)", self.worker_id, self.slots,
-                              msg.min_credits, msg.min_credits)
-                min_credits = max(1, msg.min_credits)
             elif isinstance(msg, P.Shutdown):
                 log.info("controller asked worker %s to stop: %s", self.worker_id, msg.reason)
                 self.stop.set()
             elif isinstance(msg, P.Welcome):
                 log.info("worker %s re-registered with the controller", self.worker_id)
-                min_credits = 1  # a restarted controller may group differently: its next NoWork says
             elif isinstance(msg, P.Error):
                 request_in_flight = False
                 next_request = time.monotonic() + ERROR_BACKOFF_S

@@ -212,7 +212,7 @@ class ControllerCore:
                              weights_fetch=self.weights_addresses[1], model_config=m.config_json,
                              worker_slots=r.worker_slots, heartbeat_s=r.heartbeat_s, quant_format=fmt,
                              eos_token_ids=list(m.eos_token_ids), model_id=m.model_id, model_dir=m.model_dir,
-                             quantize_head=self.cfg.quant.lm_head)
+                             quantize_head=self.cfg.quant.lm_head, group_size=self.cfg.algo.group_size)
 
     def _work(self, peer: bytes, msg: P.WorkRequest, now: float) -> list[tuple[bytes, Any]]:
         w = self.workers.get(msg.worker_id)
@@ -233,8 +233,7 @@ class ControllerCore:
             for a in self.buffer.assign(msg.worker_id, worker_version=w.version, max_groups=n_groups):
                 out.append((peer, self._assignment(a)))
         if not out:
-            out.append((peer, P.NoWork(retry_after_s=no_work_retry_s(len(self.workers)),
-                                       min_credits=self.cfg.algo.group_size)))
+            out.append((peer, P.NoWork(retry_after_s=no_work_retry_s(len(self.workers)))))
         return out
 
     def _next_problem(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ forward, and the quantization format of the worker that made it.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import numpy as np
@@ -94,19 +95,16 @@ def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(p
         assert [p.wait(timeout=60) for p in procs.children] == [0, 0]
 
 
-def test_a_worker_asks_only_with_a_groups_worth_of_free_slots_and_says_when_it_never_will(procs, tmp_path):
-    """NoWork.min_credits: a worker of 6 slots holding one group of 4 has 2 free, which can never be
-    given a group; it waits for the group to finish instead of polling. Told a group needs 8, it stops
-    asking and says how to fix it."""
-    with worker_standin(tmp_path, worker_slots=6) as stand:
-        ctl, pull, setup = stand.ctl, stand.pull, stand.setup
-        stderr = tmp_path / "worker.err"
-        with open(stderr, "wb") as err:
-            procs.python("-m", "workers.generator", f"controller={ctl.address}", "worker_id=w", stderr=err)
+def test_a_worker_asks_only_with_a_groups_worth_of_free_slots(procs, tmp_path):
+    """WorkerSetup.group_size: a worker of 6 slots holding one group of 4 has 2 free, which can never be
+    given a group; it waits for the group to finish instead of polling with them."""
+    with worker_standin(tmp_path, worker_slots=6, group_size=GROUP) as stand:
+        ctl, pull = stand.ctl, stand.pull
+        procs.python("-m", "workers.generator", f"controller={ctl.address}", "worker_id=w")
         prompt = P.Array.from_numpy(np.array([1, 55, 47, 56, 65], np.int32))
         params = P.SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=7)
         requests: list[int] = []  # the credits of each WorkRequest
-        received, assigned, told_at = 0, False, None
+        received, assigned, back_at = 0, False, None
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             env = ctl.recv(0.01)
@@ -114,25 +112,37 @@ def test_a_worker_asks_only_with_a_groups_worth_of_free_slots_and_says_when_it_n
                 stand.welcome(env)
             elif env is not None and isinstance(env.msg, P.WorkRequest):
                 requests.append(env.msg.credits)
-                if not assigned and env.msg.credits >= GROUP:
+                if not assigned:
                     ctl.send(P.RolloutAssignment(group_id="g", sample_ids=[f"g/{i}" for i in range(GROUP)],
                                                  prompt_ids=prompt, params=params, n_samples=GROUP), to=env.peer)
                     assigned = True
-                elif env.msg.credits < setup.worker_slots:  # the group is out: what is free is not a group
-                    ctl.send(P.NoWork(retry_after_s=0.01, min_credits=GROUP), to=env.peer)
-                else:  # the group is back: now a group needs more slots than the worker has
-                    ctl.send(P.NoWork(retry_after_s=0.01, min_credits=8), to=env.peer)
-                    told_at = time.monotonic()
+                else:  # a 10 ms back-off: dozens of requests while the group is out, had it asked with 2
+                    ctl.send(P.NoWork(retry_after_s=0.01), to=env.peer)
             while pull.recv(0.0) is not None:
                 received += 1
-            if told_at is not None and time.monotonic() > told_at + 1.0:
-                break  # a second at a 10 ms back-off: ~100 requests, had the worker kept asking
-        assert received == GROUP and told_at is not None, (received, requests)
-        # all 6 slots; then the 2 left beside the group, answered NoWork(min_credits=4), and nothing more
-        # until the group was done (at a 10 ms back-off that would have been dozens); then all 6 again,
-        # answered NoWork(min_credits=8), after which the worker never asked again
-        assert requests == [6, 2, 6], requests
+                back_at = time.monotonic() if received == GROUP else back_at
+            if back_at is not None and time.monotonic() > back_at + 0.5:
+                break
+        assert received == GROUP, (received, requests)
+        # all 6 slots; nothing while the group was out; all 6 again (and again) once it was back
+        assert requests[0] == 6 and len(requests) >= 2 and set(requests) == {6}, requests
         for p in procs.children:
             p.send_signal(15)
         assert [p.wait(timeout=60) for p in procs.children] == [0]
-        assert "will never be given work" in stderr.read_text() and "rollout.worker_slots" in stderr.read_text()
+
+
+def test_a_worker_too_small_for_a_group_leaves_at_once_naming_the_fix(procs, tmp_path):
+    with worker_standin(tmp_path, worker_slots=6, group_size=8) as stand:
+        worker = procs.python("-m", "workers.generator", f"controller={stand.ctl.address}", "worker_id=w",
+                              stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while worker.poll() is None and time.monotonic() < deadline:
+            env = stand.ctl.recv(0.05)
+            if env is not None and isinstance(env.msg, P.Hello):
+                stand.welcome(env)
+            elif env is not None and isinstance(env.msg, P.WorkRequest):
+                pytest.fail("a worker that can never hold a group asked for work")
+        _, err = worker.communicate(timeout=60)
+        text = err.decode(errors="replace")
+        assert worker.returncode == 1, text[-2000:]
+        assert "cannot hold a group of 8" in text and "rollout.worker_slots >= 8" in text, text[-2000:]

@@ -91,7 +91,7 @@ worker_setups = st.builds(
     model_config=st.builds(lambda v: f'{{"vocab_size": {v}, "model_type": "llama"}}', st.integers(1, 10**6)),
     worker_slots=st.integers(1, 4096), heartbeat_s=st.floats(1e-3, 60), quant_format=st.sampled_from(["fp32", "int8"]),
     eos_token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=3), model_id=st.text(max_size=16),
-    model_dir=st.text(max_size=16), max_seq_len=st.integers(0, 2**20),
+    model_dir=st.text(max_size=16), max_seq_len=st.integers(0, 2**20), group_size=st.integers(0, 1024),
 )
 run_setups = st.builds(P.RunSetup, run_dir=ids, model_dir=ids,
                        publish_formats=st.lists(st.sampled_from(["fp32", "int8", "nvfp4"]), max_size=3))
@@ -106,7 +106,7 @@ MESSAGES = {
     P.WorkRequest: st.builds(P.WorkRequest, worker_id=ids, credits=st.integers(0, 10**6),
                              version=st.integers(-1, 10**6)),
     P.RolloutAssignment: assignments(),
-    P.NoWork: st.builds(P.NoWork, retry_after_s=st.floats(0, 10), min_credits=st.integers(0, 1024)),
+    P.NoWork: st.builds(P.NoWork, retry_after_s=st.floats(0, 10)),
     P.FinishedSample: finished_samples(),
     P.WeightAnnounce: st.builds(P.WeightAnnounce, version=st.integers(0, 10**6), fmt=st.sampled_from(["fp32", "int8"]),
                                 manifest=st.lists(tensor_specs, max_size=4), checksum=st.text(max_size=64),
