@@ -145,4 +145,4 @@ def test_a_worker_too_small_for_a_group_leaves_at_once_naming_the_fix(procs, tmp
         _, err = worker.communicate(timeout=60)
         text = err.decode(errors="replace")
         assert worker.returncode == 1, text[-2000:]
-        assert "cannot hold a group of 8" in text and "rollout.worker_slots >= 8" in text, text[-2000:]
+        assert "cannot hold a group of 8" in text and "slots=8 or more" in text, text[-2000:]
