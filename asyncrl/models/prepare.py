@@ -91,7 +91,7 @@ def model_folder(cfg) -> Path:
     base = Path(m.path) if m.path else cache / f"tiny-qwen2-char-seed{cfg.seed}"
     if m.warmstart_steps <= 0:
         return base
-    return cache / f"{base.name}-warm-{cfg.task.name}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
+    return cache / f"{base.name}-warm-{cfg.task.name}-{task_fingerprint(cfg)}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
 
 
 def check_prompts(cfg, model_dir: Path) -> tuple[str, str]:
