@@ -82,7 +82,7 @@ ASSUMPTIONS = [
     "architectures: Qwen2 1.5B/7B as in R1-Distill-Qwen (28 layers; 2 and 4 KV heads of dimension 128; public configs)",
     "GPUs: H800/H100 SXM, 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s dense BF16 (public datasheet); 70% of HBM bandwidth "
     "reached in decode, 40% MFU in training (assumed)",
-    "AReaL split: 3/4 of the GPUs generate, 1/4 train (assumed; the issue's 192 + 64 shape has the same ratio)",
+    "AReaL split: 3/4 of the GPUs generate, 1/4 train (assumed; the 192 + 64 shape has the same ratio)",
     "batch: 512 prompts x 16 responses; prompts 512 tokens; responses lognormal (median 3000 tokens, sigma 1.0, "
     "mean ~4.8k) clipped at 27648 tokens (assumed; AReaL v0.3 states a 27K limit for its coding runs; a longer "
     "mean would make the learner alone slower than AReaL's published async step at 40% MFU)",
