@@ -4,7 +4,10 @@ Owns: which metrics each plot shows, and drawing them with matplotlib's Agg canv
 pyplot global state, so it is safe in a headless launcher and in threads).
 Never: writes a plot with no data (a metric absent from the run is skipped; a plot none of whose
 metrics is present is not written), invents points (a key logged only on some steps, such as eval every
-N steps, is drawn only at the steps that have it; ``null`` values, i.e. non-finite ones, are gaps).
+N steps, is drawn only at the steps that have it; ``null`` values, i.e. non-finite ones, are gaps), or
+draws a line through steps that lack the value: two points are joined only when no step of the run lies
+between them (``gapped``), so a sparse series (a staleness bucket seen at steps 1 and 380, eval every 50
+steps) is drawn as markers or as broken segments, never as a line across steps where it was not logged.
 
 Plots (file: metrics):
 - ``reward.png``: ``train/reward_mean``, its moving average over ``SMOOTH_WINDOW`` steps and, when
@@ -14,8 +17,8 @@ Plots (file: metrics):
   it ``η=J``; both spellings are accepted), one line per J, plus ``mismatch/kl_k3`` over all tokens.
 - ``clip_fractions.png``: keys starting ``actor/clipfrac`` or ``acr/clipfrac``, ``acr/empty_band_frac``,
   ``tbpo/seq_masked_frac``.
-- ``throughput.png``: ``throughput/samples_per_s``, ``throughput/tokens_per_s`` (one panel each) and
-  ``time/learner_busy_frac``, ``time/gen_busy_frac`` (one panel). The run's closing report (``done``)
+- ``throughput.png``: ``throughput/samples_per_s``, ``throughput/tokens_per_s`` and
+  ``time/learner_busy_frac`` (one panel each). The run's closing report (``done``)
   and the step-0 evaluation report (``eval/baseline``) are not training steps and are left out here
   (the closing one's rate over export and final evaluation would be a spike at the last step).
 - ``responses.png``: ``train/response_len_mean``; ``train/zero_variance_groups`` and
@@ -109,6 +112,29 @@ def series(records: Sequence[dict[str, Any]], key: str, skip_final: bool = False
     return steps, values
 
 
+def run_steps(records: Sequence[dict[str, Any]], skip_final: bool = False) -> list[int]:
+    """The distinct steps of the run's records, ascending (the records ``series`` reads with ``skip_final``)."""
+    return sorted({r["step"] for r in records if not (skip_final and (r.get("done") or r.get("eval/baseline")))})
+
+
+def gapped(xs: Sequence[int], ys: Sequence[float], steps: Sequence[int]) -> tuple[list[float], list[float], bool]:
+    """``xs``/``ys`` with a NaN point between two consecutive points that have a step of ``steps`` between
+    them, so matplotlib breaks the line there; and whether any such gap exists (the caller then draws
+    markers, or an isolated point would be invisible). ``steps``: every step of the run, ascending."""
+    index = {s: i for i, s in enumerate(steps)}
+    out_x: list[float] = []
+    out_y: list[float] = []
+    gap = False
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        if i and (x not in index or xs[i - 1] not in index or index[x] - index[xs[i - 1]] != 1):
+            out_x.append(math.nan)
+            out_y.append(math.nan)
+            gap = True
+        out_x.append(float(x))
+        out_y.append(y)
+    return out_x, out_y, gap
+
+
 def _reward(keys: set[str]) -> list[Panel]:
     return [
         Panel(
@@ -151,11 +177,7 @@ def _throughput(keys: set[str]) -> list[Panel]:
     return [
         Panel("tokens / s", [Line("throughput/tokens_per_s", "generated tokens/s")], skip_final=True),
         Panel("samples / s", [Line("throughput/samples_per_s", "samples/s")], skip_final=True),
-        Panel(
-            "busy fraction",
-            [Line("time/learner_busy_frac", "learner busy"), Line("time/gen_busy_frac", "generation busy")],
-            ylim=(-0.02, 1.02), skip_final=True,
-        ),
+        Panel("busy fraction", [Line("time/learner_busy_frac", "learner busy")], ylim=(-0.02, 1.02), skip_final=True),
     ]
 
 
@@ -193,9 +215,19 @@ PLOTS: tuple[PlotSpec, ...] = (
 )
 
 
-def _draw(
-    spec: PlotSpec, panels: list[tuple[Panel, list[tuple[Line, list[int], list[float]]]]], path: Path
-) -> None:
+Drawn = list[tuple[Panel, list[tuple[Line, list[float], list[float]]]]]
+"""Per panel, its lines with their (steps, values); a NaN step breaks a line (``gapped``)."""
+
+
+def _draw(spec: PlotSpec, panels: Drawn, path: Path) -> None:
+    fig = figure(spec, panels)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, path)
+
+
+def figure(spec: PlotSpec, panels: Drawn) -> Any:
+    """The matplotlib ``Figure`` of one plot (Agg, no pyplot state): one axis per panel, sharing the step axis."""
     from matplotlib.figure import Figure  # lazy: matplotlib costs about a second to import
 
     fig = Figure(figsize=(8.0, 3.2 * len(panels) + 0.6), layout="constrained")
@@ -203,10 +235,10 @@ def _draw(
     for ax, (panel, drawn) in zip(axes, panels, strict=True):
         for line, xs, ys in drawn:
             style = dict(line.style)
-            if len(xs) == 1:
+            if len(xs) == 1 or any(math.isnan(x) for x in xs):  # sparse: its isolated points must show
                 style.setdefault("marker", "o")
             ax.plot(xs, ys, label=line.label, **({"linewidth": 1.4, "markersize": 3.5} | style))
-        if panel.log_if_positive and all(y > 0 for _, _, ys in drawn for y in ys):
+        if panel.log_if_positive and all(y > 0 for _, _, ys in drawn for y in ys if not math.isnan(y)):
             ax.set_yscale("log")
         if panel.ylim is not None:
             ax.set_ylim(*panel.ylim)
@@ -216,9 +248,7 @@ def _draw(
         ax.legend(loc="best" if n_points < 5000 else "upper left", fontsize="small")  # "best" is O(points)
     axes[-1].set_xlabel("learner step")
     fig.suptitle(spec.title)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    os.replace(tmp, path)
+    return fig
 
 
 def _base_key(key: str) -> str:
@@ -228,22 +258,38 @@ def _base_key(key: str) -> str:
     return key
 
 
+def plot_data(spec: PlotSpec, records: Sequence[dict[str, Any]]) -> Drawn:
+    """What ``spec`` draws from ``records``: its panels that have data, each with its lines' points."""
+    keys = {k for rec in records for k in rec}
+    panels: Drawn = []
+    for panel in spec.panels(keys):
+        steps = run_steps(records, panel.skip_final)
+        drawn: list[tuple[Line, list[float], list[float]]] = []
+        for line in panel.lines:
+            if _base_key(line.key) not in keys:
+                continue
+            xs, ys = derived_series(records, line.key, panel.skip_final)
+            if not xs:
+                continue
+            if line.key.startswith(BASELINE):  # a reference drawn across the run, not data: never broken
+                drawn.append((line, [float(x) for x in xs], ys))
+            else:
+                gx, gy, _ = gapped(xs, ys, steps)
+                drawn.append((line, gx, gy))
+        if drawn:
+            panels.append((panel, drawn))
+    return panels
+
+
 def make_plots(run_dir: str | Path, records: Sequence[dict[str, Any]] | None = None) -> list[Path]:
     """Writes the plots that have data under ``run_dir/plots/``; returns the files written, in the
     order of ``PLOTS``. ``records`` defaults to ``read_metrics(run_dir)``."""
     run_dir = Path(run_dir)
     if records is None:
         records = read_metrics(run_dir)
-    keys = {k for rec in records for k in rec}
     written: list[Path] = []
     for spec in PLOTS:
-        panels = []
-        for panel in spec.panels(keys):
-            drawn = [(line, *derived_series(records, line.key, panel.skip_final)) for line in panel.lines
-                     if _base_key(line.key) in keys]
-            drawn = [d for d in drawn if d[1]]
-            if drawn:
-                panels.append((panel, drawn))
+        panels = plot_data(spec, records)
         if not panels:
             continue
         out_dir = RunDir(run_dir).plots
