@@ -30,6 +30,8 @@ import pytest
 
 from tests.conftest import REPO_ROOT, ProcessTracker
 
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # real processes; the run shares 2 cores
+
 ROOT = Path(REPO_ROOT)
 SHORT = ["run_name=demo", "learner.total_steps=4", "learner.eval_every=4", "learner.ckpt_every=2",
          "task.eval_size=16", "rollout.groups_per_step=2"]
