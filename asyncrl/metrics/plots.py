@@ -118,9 +118,9 @@ def run_steps(records: Sequence[dict[str, Any]], skip_final: bool = False) -> li
 
 
 def gapped(xs: Sequence[int], ys: Sequence[float], steps: Sequence[int]) -> tuple[list[float], list[float], bool]:
-    """``xs``/``ys`` with a NaN point between two consecutive points that have a step of ``steps`` between
-    them, so matplotlib breaks the line there; and whether any such gap exists (the caller then draws
-    markers, or an isolated point would be invisible). ``steps``: every step of the run, ascending."""
+    """``xs``/``ys`` with a NaN point between two consecutive points that are not adjacent steps of
+    ``steps`` (every step of the run, ascending), so matplotlib breaks the line there; and whether any
+    such gap exists."""
     index = {s: i for i, s in enumerate(steps)}
     out_x: list[float] = []
     out_y: list[float] = []
@@ -133,6 +133,29 @@ def gapped(xs: Sequence[int], ys: Sequence[float], steps: Sequence[int]) -> tupl
         out_x.append(float(x))
         out_y.append(y)
     return out_x, out_y, gap
+
+
+def panel_lines(panel: Panel, records: Sequence[dict[str, Any]], keys: set[str]
+                ) -> list[tuple[Line, list[Any], list[float]]]:
+    """The lines of ``panel`` that have data, with their (steps, values) as drawn: broken at steps that
+    lack the value (``gapped``), and with markers when broken, so an isolated point shows. A baseline is a
+    reference drawn across the run, not data, and is never broken. Steps are floats (NaN at a break)."""
+    steps = run_steps(records, panel.skip_final)
+    out: list[tuple[Line, list[Any], list[float]]] = []
+    for line in panel.lines:
+        if _base_key(line.key) not in keys:
+            continue
+        xs, ys = derived_series(records, line.key, panel.skip_final)
+        if not xs:
+            continue
+        if line.key.startswith(BASELINE):
+            out.append((line, [float(x) for x in xs], ys))
+            continue
+        gx, gy, gap = gapped(xs, ys, steps)
+        if gap or len(xs) == 1:
+            line = dataclasses.replace(line, style={"marker": "o"} | line.style)
+        out.append((line, gx, gy))
+    return out
 
 
 def _reward(keys: set[str]) -> list[Panel]:
@@ -215,19 +238,9 @@ PLOTS: tuple[PlotSpec, ...] = (
 )
 
 
-Drawn = list[tuple[Panel, list[tuple[Line, list[float], list[float]]]]]
-"""Per panel, its lines with their (steps, values); a NaN step breaks a line (``gapped``)."""
-
-
-def _draw(spec: PlotSpec, panels: Drawn, path: Path) -> None:
-    fig = figure(spec, panels)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    os.replace(tmp, path)
-
-
-def figure(spec: PlotSpec, panels: Drawn) -> Any:
-    """The matplotlib ``Figure`` of one plot (Agg, no pyplot state): one axis per panel, sharing the step axis."""
+def _draw(
+    spec: PlotSpec, panels: list[tuple[Panel, list[tuple[Line, list[int], list[float]]]]], path: Path
+) -> None:
     from matplotlib.figure import Figure  # lazy: matplotlib costs about a second to import
 
     fig = Figure(figsize=(8.0, 3.2 * len(panels) + 0.6), layout="constrained")
@@ -235,7 +248,7 @@ def figure(spec: PlotSpec, panels: Drawn) -> Any:
     for ax, (panel, drawn) in zip(axes, panels, strict=True):
         for line, xs, ys in drawn:
             style = dict(line.style)
-            if len(xs) == 1 or any(math.isnan(x) for x in xs):  # sparse: its isolated points must show
+            if len(xs) == 1:
                 style.setdefault("marker", "o")
             ax.plot(xs, ys, label=line.label, **({"linewidth": 1.4, "markersize": 3.5} | style))
         if panel.log_if_positive and all(y > 0 for _, _, ys in drawn for y in ys if not math.isnan(y)):
@@ -248,7 +261,9 @@ def figure(spec: PlotSpec, panels: Drawn) -> Any:
         ax.legend(loc="best" if n_points < 5000 else "upper left", fontsize="small")  # "best" is O(points)
     axes[-1].set_xlabel("learner step")
     fig.suptitle(spec.title)
-    return fig
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, path)
 
 
 def _base_key(key: str) -> str:
@@ -258,38 +273,20 @@ def _base_key(key: str) -> str:
     return key
 
 
-def plot_data(spec: PlotSpec, records: Sequence[dict[str, Any]]) -> Drawn:
-    """What ``spec`` draws from ``records``: its panels that have data, each with its lines' points."""
-    keys = {k for rec in records for k in rec}
-    panels: Drawn = []
-    for panel in spec.panels(keys):
-        steps = run_steps(records, panel.skip_final)
-        drawn: list[tuple[Line, list[float], list[float]]] = []
-        for line in panel.lines:
-            if _base_key(line.key) not in keys:
-                continue
-            xs, ys = derived_series(records, line.key, panel.skip_final)
-            if not xs:
-                continue
-            if line.key.startswith(BASELINE):  # a reference drawn across the run, not data: never broken
-                drawn.append((line, [float(x) for x in xs], ys))
-            else:
-                gx, gy, _ = gapped(xs, ys, steps)
-                drawn.append((line, gx, gy))
-        if drawn:
-            panels.append((panel, drawn))
-    return panels
-
-
 def make_plots(run_dir: str | Path, records: Sequence[dict[str, Any]] | None = None) -> list[Path]:
     """Writes the plots that have data under ``run_dir/plots/``; returns the files written, in the
     order of ``PLOTS``. ``records`` defaults to ``read_metrics(run_dir)``."""
     run_dir = Path(run_dir)
     if records is None:
         records = read_metrics(run_dir)
+    keys = {k for rec in records for k in rec}
     written: list[Path] = []
     for spec in PLOTS:
-        panels = plot_data(spec, records)
+        panels = []
+        for panel in spec.panels(keys):
+            drawn = panel_lines(panel, records, keys)
+            if drawn:
+                panels.append((panel, drawn))
         if not panels:
             continue
         out_dir = RunDir(run_dir).plots

@@ -1,8 +1,9 @@
 """Sparse series are drawn as points or broken lines, never as a line through steps that lack them.
 
 A synthetic run of 400 steps in which staleness 1 is logged only at steps 1 and 380, staleness 2 on
-every step but a hole at 100-199, and eval every 50 steps: the drawn matplotlib lines (the real
-``Figure`` the PNG is saved from) must join only points of adjacent run steps.
+every step but a hole at 100-199, and eval every 50 steps: the lines each plot hands to matplotlib
+(``panel_lines``: steps, values and style, exactly what ``ax.plot`` receives) must join only points of
+adjacent run steps, and carry markers where they are broken; the PNGs are then written for real.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 
 import numpy as np
 
-from asyncrl.metrics.plots import PLOTS, figure, gapped, make_plots, plot_data
+from asyncrl.metrics.plots import PLOTS, gapped, make_plots, panel_lines
 
 STEPS = 400
 
@@ -50,11 +51,11 @@ def test_gapped_breaks_between_points_that_skip_a_step_of_the_run():
     assert [y for y in ys if not math.isnan(y)] == [1.0, 2.0, 3.0]
 
 
-def drawn_lines(filename: str, records: list[dict]) -> dict[str, tuple[np.ndarray, str]]:
+def drawn_lines(filename: str, records: list[dict]) -> dict[str, tuple[np.ndarray, str | None]]:
     spec = next(s for s in PLOTS if s.filename == filename)
-    fig = figure(spec, plot_data(spec, records))
-    return {ln.get_label(): (np.asarray(ln.get_xdata(), dtype=float), ln.get_marker())
-            for ax in fig.axes for ln in ax.get_lines()}
+    keys = {k for rec in records for k in rec}
+    return {line.label: (np.asarray(xs, dtype=float), line.style.get("marker"))
+            for panel in spec.panels(keys) for line, xs, _ in panel_lines(panel, records, keys)}
 
 
 def test_a_staleness_bucket_seen_twice_is_two_points_not_a_line_across_the_run():
