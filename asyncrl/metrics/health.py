@@ -304,8 +304,10 @@ class HealthMonitor:
                  "majority_share")):
             w = self.windows[name]
             if len(w) == w.maxlen and (m := sum(w) / len(w)) > limit:
+                reward = self.series["reward"]
+                r = f", train reward {reward.mean():.3f}" if reward.recent else ""
                 out.append(Alarm(step, alarm, m, limit, f"{m:.0%} {what} over the last {len(w)} steps "
-                                                        f"(> health.{key}={limit:g})"))
+                                                        f"(> health.{key}={limit:g}{r})"))
         return out
 
     def _reward_trend(self, step: int) -> list[Alarm]:
