@@ -3,7 +3,8 @@
 Binds the control ROUTER (workers and the learner: handshakes, work requests, batches, versions,
 heartbeats) and the sample PULL socket, and drives ``asyncrl.controller.core.ControllerCore`` from one
 event loop. Writes ``controller.json`` (its addresses) into the run folder as soon as it listens, so
-the launcher and ``asyncrl worker`` can find it; metrics go to ``metrics.jsonl`` / TensorBoard.
+the launcher and ``asyncrl worker`` can find it; metrics go to ``metrics.jsonl`` / TensorBoard, and each
+row through the training-health watch (``health.jsonl``; a ``learner.stop_on`` alarm ends training).
 Only here: argv, sockets, signals. Malformed frames are counted by the channels and the loop goes on.
 """
 

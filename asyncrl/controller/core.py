@@ -3,8 +3,9 @@
 Owns: the dataset cursor, admission under the staleness gate, group assembly and exactly-once
 accounting (through ``asyncrl.controller``), scoring with the task's verifier, advantages (through
 ``asyncrl.algo``), the trajectory log (every scored sample, every consumed batch), worker liveness,
-learner batches, the training time budget (``learner.time_budget_s``: past it, a batch request is
-answered with ``Shutdown`` and the learner finishes the run), and the controller's checkpointable state.
+learner batches, the training time budget (``learner.time_budget_s``: past it, or once ``stop_reason`` is
+set by a ``learner.stop_on`` health alarm, a batch request is answered with ``Shutdown`` and the learner
+finishes the run), and the controller's checkpointable state.
 Never: touches a socket, a thread or a signal (``workers/controller.py`` does), or trains anything.
 Not thread-safe: one event loop drives it.
 
