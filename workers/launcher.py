@@ -321,6 +321,7 @@ def run_train(overrides: Sequence[str]) -> int:
 
 def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, tokenizer_class: str = "") -> int:
     from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
+    from asyncrl.metrics.health_log import format_alarm, health_path
 
     launcher = Launcher(cfg, run_dir, model_dir, lock_fd=lock_fd, tokenizer_class=tokenizer_class)
     print(f"asyncrl train: run folder {run_dir}")
@@ -336,12 +337,15 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
     try:
         launcher.start()
         print(f"controller at {launcher.address}  (join more workers: asyncrl worker controller={launcher.address})")
-        offset = 0
+        offset = health_offset = 0
         reported: set = set()
         while True:
             records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
             for r in records:
                 progress.update(int(r["step"]), r)
+            alarms, health_offset = tail_metrics(health_path(run_dir), health_offset)
+            for a in alarms:  # training-health alarms (health.jsonl), one line each
+                progress.note(format_alarm(a))
             if interrupted["flag"]:
                 print("\ninterrupted: stopping the learner (it writes a resumable checkpoint) and every worker")
                 launcher.stop([launcher.learner], grace_s=LEARNER_STOP_GRACE_S)
@@ -374,6 +378,8 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
         records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
         for r in records:
             progress.update(int(r["step"]), r)
+        for a in tail_metrics(health_path(run_dir), health_offset)[0]:
+            progress.note(format_alarm(a))
     finally:
         progress.close()
         launcher.stop()
@@ -397,6 +403,8 @@ def _alive(c: Child) -> bool:
 
 
 def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
+    from asyncrl.metrics.health_log import summarize_alarms
+
     learner = json.loads(RunDir(run_dir).learner_final.read_text())
     controller = json.loads(RunDir(run_dir).controller_final.read_text())
     return {
@@ -408,6 +416,7 @@ def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
         "samples_logged": controller["samples_logged"],
         "state_dict_sha256": learner["state_dict_sha256"],
         "run_dir": str(run_dir),
+        **summarize_alarms(run_dir),  # training-health alarms raised (health.jsonl)
     }
 
 

@@ -20,6 +20,7 @@ from asyncrl.engine.factory import ENGINES as ROLLOUT_ENGINES
 from asyncrl.engine.factory import SGLANG_SERVING
 from asyncrl.learner.options import LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
+from asyncrl.metrics.health import HealthConfig, check_health
 from asyncrl.tasks.answers import ANSWER_FORMATS
 from asyncrl.tasks.registry import TASKS
 from protocols.values import AQN_RESAMPLE, require_choice
@@ -206,6 +207,10 @@ class LearnerConfig(StepConfig):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    stop_on: list[str] = field(default_factory=list)
+    """Training-health alarms (``health``; e.g. ``[zero_variance,reward_flat]``) that end training: the
+    controller answers the next batch request with ``Shutdown`` and the learner finishes as at
+    ``total_steps`` (final checkpoint, export, final evaluation), as with ``time_budget_s``."""
 
     def __post_init__(self) -> None:
         # LoRA dropout decides train_dropout, and a dropout forward is not the proximal policy.
@@ -277,6 +282,7 @@ class TrainConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     resume: str = ""
     """A run folder to resume from its last checkpoint."""
 
@@ -343,6 +349,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    check_health(cfg.health, cfg.learner.stop_on)
     require_choice("task.prompt_format", cfg.task.prompt_format, PROMPT_FORMATS)
     if cfg.task.answer_format:
         require_choice("task.answer_format", cfg.task.answer_format, ANSWER_FORMATS)

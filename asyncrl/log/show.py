@@ -4,6 +4,7 @@ Owns: picking samples out of a trajectory log (the last N logged, or the ones le
 grouping them by prompt group, and printing each prompt once (decoded exactly as the model saw it,
 chat template included) followed by its completions with reward, advantage, finish reason, length and
 the policy versions that produced their tokens.
+Before the samples: the run's training-health alarms (``health.jsonl``; step, name, message, cause, fix).
 Never: modifies the log, or builds a model: the tokenizer comes from ``--tokenizer`` or from the model
 folder the run's config names, which must already exist (a run creates it).
 """
@@ -82,6 +83,7 @@ def _indent(text: str, prefix: str) -> str:
 
 def show_main(run: str, *, last: int | None = None, step: int | None = None, tokenizer: str | None = None) -> int:
     path = Path(run)
+    print_alarms(path if RunDir(path).config.is_file() else path.parent)
     try:
         scan = read_log(path)
     except (LogFormatError, OSError) as e:
@@ -95,3 +97,10 @@ def show_main(run: str, *, last: int | None = None, step: int | None = None, tok
     for c in scan.corruptions:
         print(f"CORRUPT    {c} (records before it are intact and were read)")
     return 0
+
+
+def print_alarms(run_dir: Path) -> None:
+    """The run's training-health alarms (step, name, message) before its samples."""
+    from asyncrl.metrics.health_log import alarms_report
+
+    print(alarms_report(run_dir))
