@@ -1,4 +1,4 @@
-"""The scale model (scripts/scalesim.py, scalecal.py) on synthetic stage times whose answer is known.
+"""The scale simulator (asyncrl/sim: the model and its calibration) on synthetic stage times whose answer is known.
 
 Each case fixes the stage costs so that the throughput follows from a formula: the synchronous step is
 G + T + S (generation, training, weight sync one after another); with a large eta and a fast learner
@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from scripts.scalecal import calibrate
-from scripts.scalesim import Params, Sim, simulate, window_rate
+from asyncrl.sim import Params, Sim, simulate, window_rate
+from asyncrl.sim.calibrate import calibrate, pool_params
 
 B_GROUPS, G = 8, 8
 
@@ -112,8 +112,6 @@ def test_params_refuse_a_credit_window_smaller_than_a_group():
 
 
 def test_pooled_calibration_takes_each_cost_as_the_median_over_runs_and_every_runs_lengths():
-    from scripts.simulate_scale import pool_params
-
     runs = [base(train_s=t, step_a=a, lengths=n, workers=w) for t, a, n, w in
             ((0.2, 0.01, [3], 1), (0.5, 0.03, [4, 6], 2), (0.3, 0.02, [5], 4))]  # fmt: skip
     pooled = pool_params(runs)
