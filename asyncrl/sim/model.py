@@ -21,11 +21,11 @@ The model, stage by stage (each a plain reading of the code it stands for):
   (whole groups for the request's credits, admitted as the gate allows beyond those already pending,
   assigned as the worker's weights allow); no assignment is a NoWork (the worker retries after
   ``nowork_retry_s``).
-* **Workers** (``workers/generator.py``; ``asyncrl/sim/worker.py``): a credit window of ``slots`` samples; a request whenever slots
-  are free and none is in flight; an engine that decodes all its samples in lock step, one token per
-  sample per step of ``step_a + step_c * active`` seconds (continuous batching); each sample's length is
-  drawn from ``lengths``; a finished sample reaches the controller ``result_s`` later. A new version: the
-  comms thread fetches it (``fetch_s`` of CPU, plus ``fetch_bytes`` through the publisher's egress when
+* **Workers** (``workers/generator.py``, modelled in ``asyncrl/sim/worker.py``): a credit window of
+  ``slots`` samples; a request whenever slots are free and none is in flight; an engine that decodes all
+  its samples in lock step, one token per sample per step of ``step_a + step_c * active`` seconds
+  (continuous batching); each sample's length is drawn from ``lengths``; a finished sample reaches the
+  controller ``result_s`` later. A new version: the comms thread fetches it (``fetch_s`` of CPU, plus ``fetch_bytes`` through the publisher's egress when
   ``egress_bw`` is set: one link shared by every concurrent fetch); while it fetches it neither sends
   results nor asks for work; with ``pause_engine_on_load`` the engine also stops (an SGLang-style update).
   A sample's behaviour version is the engine's version when it starts.
@@ -36,7 +36,6 @@ The model, stage by stage (each a plain reading of the code it stands for):
 Invariants: ``Result.staleness`` counts every consumed sample once (``learner version at consumption -
 behaviour version``), and no count lies beyond ``eta`` (the real assembler raises otherwise).
 """
-
 
 from __future__ import annotations
 
