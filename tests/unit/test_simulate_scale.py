@@ -4,13 +4,19 @@ Each case fixes the stage costs so that the throughput follows from a formula: t
 G + T + S (generation, training, weight sync one after another); with a large eta and a fast learner
 the workers set the pace (workers x slots per generation round); with slow generation on a large eta the
 learner sets it; processor sharing divides cores equally. The calibration's inversion recovers known
-intrinsic costs from wall times inflated by CPU sharing. The cluster extrapolation runs at 1/32 size.
+intrinsic costs from wall times inflated by CPU sharing. The cluster extrapolation runs at 1/32 size;
+the command line (scripts/simulate_scale.py) answers --help and refuses a malformed option before it
+starts anything.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +26,7 @@ from asyncrl.sim.cluster import ClusterShape, controller_msg_s
 from asyncrl.sim.extrapolate import extrapolate
 from asyncrl.sim.predict import fmt_hist, tv_distance
 
+ROOT = Path(__file__).resolve().parents[2]
 B_GROUPS, G = 8, 8
 
 
@@ -156,3 +163,16 @@ def test_extrapolation_at_1_32_size_keeps_eta_and_charges_the_capacities_it_is_g
         assert lim["log_fsync_use"] == pytest.approx(lim["log_fsyncs_per_s"] * fsync)
     with pytest.raises(ValueError, match="shrink must be >= 1"):
         extrapolate(quick=True, shrink=0, ctl_msg_s=ctl, fsync_s=fsync, show=lambda *t: None)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_scale.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_command_line_lists_its_modes_and_names_the_fix_for_a_bad_cell():
+    helped = _cli("--help")
+    assert helped.returncode == 0 and all(f in helped.stdout for f in ("--run", "--validate", "--extrapolate"))
+    bad = _cli("--validate", "--calibrate-cell", "2")
+    assert bad.returncode == 2 and "give W,E" in bad.stderr  # refused before any run starts
