@@ -26,6 +26,7 @@ Typical wiring (the controller's loop)::
     batch = assembler.try_assemble()                                 # when the learner asks
 """
 
+from asyncrl.controller.admission import admit_and_assign
 from asyncrl.controller.assembler import Batch, BatchAssembler, KeepFn
 from asyncrl.controller.buffer import (
     Assignment,
@@ -63,6 +64,7 @@ __all__ = [
     "StalenessGate",
     "VersionLike",
     "VersionSource",
+    "admit_and_assign",
     "make_group_id",
     "make_sample_id",
     "parse_sample_id",

@@ -44,8 +44,14 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
-from asyncrl.controller.admission import admit_and_assign
+from asyncrl.controller import (
+    BatchAssembler,
+    GroupBuffer,
+    ManualVersion,
+    ResultStatus,
+    StalenessGate,
+    admit_and_assign,
+)
 from asyncrl.sim.kernel import Server, Sim
 from asyncrl.sim.params import Params, Result
 from asyncrl.sim.worker import WorkerModel
