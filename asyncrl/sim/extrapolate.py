@@ -21,7 +21,7 @@ from asyncrl.config.schema import LogConfig
 from asyncrl.controller.core import no_work_retry_s
 from asyncrl.sim.cluster import AREAL, ASSUMPTIONS, SHAPES, ClusterShape, cluster_params, derived
 from asyncrl.sim.model import simulate
-from asyncrl.sim.params import ShowTable, window_rate, window_staleness
+from asyncrl.sim.params import ShowTable, fmt_hist, window_rate, window_staleness
 
 __all__ = ["LOG_BYTES_PER_TOKEN", "LOG_FSYNC_EVERY", "extrapolate", "simulate_shape"]
 
@@ -38,10 +38,8 @@ def simulate_shape(shape: ClusterShape, eta: int, shrink: int) -> dict[str, Any]
     r = simulate(cluster_params(small, eta=eta, nowork_retry_s=no_work_retry_s(shape.gen_gpus)))
     w = window_rate(r.version_times, r.batch_samples)
     span = r.version_times[-1]
-    hist = window_staleness(r)
-    n = sum(hist.values()) or 1
     return {"step_s": w["step_s"], "samples_per_s": w["samples_per_s"] * shrink,
-            "staleness": " ".join(f"{k}:{v / n:.2f}" for k, v in sorted(hist.items())),
+            "staleness": fmt_hist(window_staleness(r)),
             "gen_busy": statistics.fmean(r.worker_busy_s) / span, "learner_busy": r.learner_busy_s / span,
             "controller_busy": r.controller_busy_s / span,
             "controller_msgs_per_s": r.controller_msgs / span * shrink,

@@ -3,7 +3,8 @@ the steady-window figures a real run is measured by.
 
 Owns: the parameter checks (a bad ``Params`` raises ``ValueError`` naming the fix), the warm-up rule
 shared with the calibration (``warmup_steps``: the first tenth of the steps, at least 2), and
-``ShowTable``, the callback through which the table-building functions hand a table to their caller.
+``ShowTable``, the callback through which the table-building functions hand a table to their caller,
+and ``fmt_hist``, a staleness histogram as every table prints it.
 Never: simulates anything (``asyncrl/sim/model.py`` does), reads run folders, or imports outside the
 standard library.
 """
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Params", "Result", "ShowTable", "warmup_steps", "window_rate", "window_staleness"]
+__all__ = ["Params", "Result", "ShowTable", "fmt_hist", "warmup_steps", "window_rate", "window_staleness"]
 
 ShowTable = Callable[[str, list[dict[str, Any]], list[str]], None]
 """``show(title, rows, columns)``: print (or otherwise present) one table; ``scripts/benchlib.print_table``."""
@@ -122,3 +123,9 @@ def window_staleness(r: Result) -> Counter[int]:
     for c in r.batch_staleness[skip:]:
         out.update(c)
     return out
+
+
+def fmt_hist(h: dict[int, int]) -> str:
+    """A staleness histogram as fractions: ``"0:0.75 1:0.25"``."""
+    n = sum(h.values()) or 1
+    return " ".join(f"{k}:{v / n:.2f}" for k, v in sorted(h.items()))

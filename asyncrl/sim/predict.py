@@ -18,9 +18,9 @@ from typing import Any
 
 from asyncrl.sim.calibrate import calibrate, measure, pool_params
 from asyncrl.sim.model import simulate
-from asyncrl.sim.params import Params, ShowTable, window_rate, window_staleness
+from asyncrl.sim.params import Params, ShowTable, fmt_hist, window_rate, window_staleness
 
-__all__ = ["fmt_hist", "from_run", "predict", "tv_distance", "validate"]
+__all__ = ["from_run", "predict", "tv_distance", "validate"]
 
 Cell = tuple[int, int]
 """(workers, eta)."""
@@ -40,12 +40,6 @@ def tv_distance(a: dict[int, int], b: dict[int, int]) -> float:
     """Total-variation distance between two staleness histograms (0 = same shape, 1 = disjoint)."""
     na, nb = sum(a.values()) or 1, sum(b.values()) or 1
     return 0.5 * sum(abs(a.get(k, 0) / na - b.get(k, 0) / nb) for k in set(a) | set(b))
-
-
-def fmt_hist(h: dict[int, int]) -> str:
-    """A staleness histogram as fractions: ``"0:0.75 1:0.25"``."""
-    n = sum(h.values()) or 1
-    return " ".join(f"{k}:{v / n:.2f}" for k, v in sorted(h.items()))
 
 
 def _calibration_row(m: dict[str, Any], p: Params, history: list[dict[str, float]]) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from asyncrl.sim import Params, Sim, simulate, window_rate
 from asyncrl.sim.calibrate import calibrate, pool_params
 from asyncrl.sim.cluster import ClusterShape, controller_msg_s
 from asyncrl.sim.extrapolate import extrapolate
-from asyncrl.sim.predict import fmt_hist, tv_distance
+from asyncrl.sim.params import fmt_hist
+from asyncrl.sim.predict import tv_distance
 
 ROOT = Path(__file__).resolve().parents[2]
 B_GROUPS, G = 8, 8
