@@ -78,11 +78,10 @@ class WorkerModel:
         self.held: list[Sample] = []  # results finished while the comms thread was fetching
 
     def try_request(self) -> None:
-        # The real worker also holds back while it has fewer free slots than one group
-        # (WorkerSetup.group_size). Not modelled: that never bites when the slots are a multiple of the
-        # group size (groups are assigned whole), as in the cluster shapes and the defaults (32 and 8).
+        """Ask for work as the real worker does: no request in flight, not fetching weights, and at least
+        one group's worth of free slots (``WorkerSetup.group_size``: groups are assigned whole)."""
         free = self.job.p.slots - self.outstanding
-        if self.requesting or self.loading or free <= 0 or self.job.done:
+        if self.requesting or self.loading or free < self.job.p.group_size or self.job.done:
             return
         if self.parked_since is not None:
             self.wake()

@@ -118,6 +118,13 @@ def test_calibration_recovers_intrinsic_costs_from_wall_times_inflated_by_cpu_sh
     assert rate(got) == pytest.approx(w["samples_per_s"], rel=0.05)
 
 
+def test_a_worker_asks_only_with_a_groups_worth_of_free_slots_as_the_real_worker_does():
+    # Samples of mixed lengths finish one or a few at a time. With eta large the gate never shuts, so every
+    # request the worker sends (free slots >= a group) is answered with work: no NoWork at all.
+    r = simulate(base(workers=1, eta=8, slots=2 * G, lengths=[1, 2, 3, 5, 8, 13], steps=10))
+    assert r.nowork == 0 and r.controller_msgs > 0
+
+
 def test_params_refuse_a_credit_window_smaller_than_a_group():
     with pytest.raises(ValueError, match="raise slots"):
         base(slots=G - 1)
