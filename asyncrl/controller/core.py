@@ -30,6 +30,7 @@ import numpy as np
 import protocols as P
 from asyncrl.config import TrainConfig
 from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
+from asyncrl.controller.admission import admit_and_assign
 from asyncrl.controller.scored import ScoredGroup
 from asyncrl.controller.scoring import GroupScorer
 from asyncrl.controller.validation import check_sample
@@ -228,15 +229,9 @@ class ControllerCore:
         w.version = max(w.version, msg.version)  # fresh weights are usable at once, not at the next heartbeat
         if self.done:
             return [(peer, P.Shutdown(reason="training finished"))]
-        n_groups = msg.credits // self.cfg.algo.group_size
-        out: list[tuple[bytes, Any]] = []
-        if n_groups > 0:
-            pending = sum(1 for _, _, st in self.buffer.live() if st.value == "pending")
-            want = min(max(0, n_groups - pending), self.gate.capacity())
-            if want:
-                self.buffer.admit(self._next_problem, want)
-            for a in self.buffer.assign(msg.worker_id, worker_version=w.version, max_groups=n_groups):
-                out.append((peer, self._assignment(a)))
+        assigned = admit_and_assign(self.buffer, msg.worker_id, credits=msg.credits, worker_version=w.version,
+                                    make_meta=self._next_problem)
+        out: list[tuple[bytes, Any]] = [(peer, self._assignment(a)) for a in assigned]
         if not out:
             retry_s = no_work_retry_s(len(self.workers))
             self.counters["workers/told_to_wait_ms"] += round(retry_s * 1000)  # read by the learner_bound alarm
