@@ -62,8 +62,8 @@ def learner_command(world_size: int, args: list[str]) -> list[str]:
 
 
 class ChildStartError(RuntimeError):
-    """The controller exited (or never listened) before the run began; the message names its fatal error
-    (e.g. a resume it refused, with the fix) and ends with the tail of its log."""
+    """The controller exited (or never listened) before the run began; the message is one line: its fatal
+    error (e.g. a resume it refused, with the fix) and its log file."""
 
 
 class Child:
@@ -234,8 +234,7 @@ class Launcher:
         while not addr_file.exists():
             if self.controller.proc.poll() is not None or time.monotonic() > deadline:
                 self.controller.proc.poll()
-                raise ChildStartError(f"controller did not start: {self.controller.fatal_line()}\n"
-                                      f"{self.controller.tail()}")
+                raise ChildStartError(f"controller did not start: {self.controller.fatal_line()}")
             time.sleep(START_POLL_S)
         self.address = json.loads(addr_file.read_text())["control"]
         W = self.cfg.learner.world_size
