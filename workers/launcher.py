@@ -424,7 +424,7 @@ def run_replay(overrides: Sequence[str]) -> int:
     from asyncrl.config.loader import apply_overrides, read_run_config
     from asyncrl.log.replay import check_replayable
     from asyncrl.metrics import format_summary, make_plots, write_summary
-    from asyncrl.models.prepare import model_id, prepare_model
+    from asyncrl.models.prepare import check_task, model_id, prepare_model
 
     runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
     if not runs:
@@ -439,6 +439,7 @@ def run_replay(overrides: Sequence[str]) -> int:
     resolve_paths(cfg)
     cfg.resume = ""
     cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
+    check_task(cfg, log=lambda m: print(f"asyncrl replay: {m}"))  # the learner evaluates on it: a moved file fails here
     model_dir = prepare_model(cfg, log=print)
     for note in check_replayable(src_log, model_id=model_id(cfg, model_dir), salvage=cfg.log.salvage):
         print(f"asyncrl replay: {note}")

@@ -109,3 +109,15 @@ def test_a_finished_run_is_not_resumed_and_its_folder_is_untouched(tmp_path, cap
 def test_a_resume_of_a_folder_that_is_not_a_run_says_so(tmp_path, capsys):
     assert cli(["train", f"resume={tmp_path / 'missing'}"]) == 2
     assert "is not an asyncrl run folder (no config.json); pass resume=runs/<name>" in capsys.readouterr().err
+
+
+def test_a_replay_names_a_moved_evaluation_file_before_anything_starts(tmp_path, capsys):
+    _jsonl(tmp_path / "data" / "train.jsonl")
+    held = _jsonl(tmp_path / "data" / "eval.jsonl", 4)
+    run = _run(tmp_path, "task.name=jsonl_math", "task.path=data/train.jsonl", "task.eval_path=data/eval.jsonl",
+               "model.warmstart_steps=0", f"model.cache_dir={tmp_path / 'cache'}")
+    held.rename(tmp_path / "eval-moved.jsonl")
+    assert cli(["replay", f"run={run}"]) == 2
+    err = capsys.readouterr().err
+    assert f"dataset file {str(held)!r} does not exist" in err and "task.eval_path=" in err, err
+    assert sorted(p.name for p in run.parent.iterdir()) == ["r"]  # no replay folder
