@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import TrainConfig, save_config
+from asyncrl.config.paths import resolve_paths
 from asyncrl.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +59,11 @@ def learner_command(world_size: int, args: list[str]) -> list[str]:
     if world_size == 1:
         return [sys.executable, "-u", *script]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", *script]
+
+
+class ChildStartError(RuntimeError):
+    """The controller exited (or never listened) before the run began; the message is one line: its fatal
+    error (e.g. a resume it refused, with the fix) and its log file."""
 
 
 class Child:
@@ -107,16 +113,6 @@ def fatal_error(log_path: Path) -> str:
         if _FATAL.match(text) and not text.startswith(("torch.distributed.elastic", "ChildFailedError")):
             return text
     return lines[-1] if lines else "(empty log)"
-
-
-def resolve_paths(cfg: TrainConfig, cwd: Path | None = None) -> None:
-    """Make every path in ``cfg`` absolute against ``cwd`` (the caller's folder), so children and a later
-    resume started elsewhere read the same files."""
-    base = Path.cwd() if cwd is None else cwd
-    fix = lambda p: str((base / Path(p).expanduser()).resolve()) if p else p  # noqa: E731
-    cfg.runs_dir = fix(cfg.runs_dir)
-    cfg.model.path, cfg.model.cache_dir = fix(cfg.model.path), fix(cfg.model.cache_dir)
-    cfg.task.path, cfg.transport.keys_dir = fix(cfg.task.path), fix(cfg.transport.keys_dir)
 
 
 def child_env() -> dict[str, str]:
@@ -238,7 +234,7 @@ class Launcher:
         while not addr_file.exists():
             if self.controller.proc.poll() is not None or time.monotonic() > deadline:
                 self.controller.proc.poll()
-                raise RuntimeError(f"controller did not start: {self.controller.fatal_line()}\n{self.controller.tail()}")
+                raise ChildStartError(f"controller did not start: {self.controller.fatal_line()}")
             time.sleep(START_POLL_S)
         self.address = json.loads(addr_file.read_text())["control"]
         W = self.cfg.learner.world_size
@@ -308,6 +304,10 @@ def run_train(overrides: Sequence[str]) -> int:
     from workers.roles import prepare_run
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    if resume:  # not a run folder, or a finished run: said before the folder's lock is taken
+        from asyncrl.config.resume import check_resumable
+
+        check_resumable(Path(resume[0]).resolve())
     held = [acquire_run_lock(Path(resume[0]).resolve())] if resume else []  # a second resume is refused here
     try:
         cfg, run_dir, model_dir, tokenizer_class = prepare_run(overrides)  # as `asyncrl controller` does
@@ -335,7 +335,11 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
     progress = Progress(cfg.learner.total_steps)
     rc = 0
     try:
-        launcher.start()
+        try:
+            launcher.start()
+        except ChildStartError as e:  # its own error says what to change: no traceback, no "resume with" hint
+            print(e)
+            return 1
         print(f"controller at {launcher.address}  (join more workers: asyncrl worker controller={launcher.address})")
         offset = health_offset = 0
         reported: set = set()
@@ -429,7 +433,7 @@ def run_replay(overrides: Sequence[str]) -> int:
     from asyncrl.config.loader import apply_overrides, read_run_config
     from asyncrl.log.replay import check_replayable
     from asyncrl.metrics import format_summary, make_plots, write_summary
-    from asyncrl.models.prepare import model_id, prepare_model
+    from asyncrl.models.prepare import check_task, model_id, prepare_model
 
     runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
     if not runs:
@@ -444,6 +448,7 @@ def run_replay(overrides: Sequence[str]) -> int:
     resolve_paths(cfg)
     cfg.resume = ""
     cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
+    check_task(cfg, log=lambda m: print(f"asyncrl replay: {m}"))  # the learner evaluates on it: a moved file fails here
     model_dir = prepare_model(cfg, log=print)
     for note in check_replayable(src_log, model_id=model_id(cfg, model_dir), salvage=cfg.log.salvage):
         print(f"asyncrl replay: {note}")

@@ -38,6 +38,7 @@ from asyncrl.controller.workers import WorkerRegistry
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.log.replay import train_sample
 from asyncrl.rundir import RunDir
+from asyncrl.rundir.checkpoints import prune_controller_states
 from asyncrl.rundir.files import read_checksummed_json, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
@@ -425,6 +426,7 @@ class ControllerCore:
         if checkpoint and self.learner_peer is not None:
             # Saved before the learner writes its own checkpoint of this version (it waits for the ack).
             self.save(self.checkpoint_path(msg.version))
+            prune_controller_states(RunDir(self.run_dir).checkpoints)  # as the learner prunes its own
             legacy = {} if self.learner_typed else {"checkpointed": 1.0}
             out.append((self.learner_peer, P.VersionUpdate(version=msg.version, checkpointed=True, metrics=legacy)))
         return out + self._try_batch()

@@ -38,7 +38,10 @@ def run_tokenizer(run: Path, tokenizer_dir: str | None) -> Any:
 
 
 def select(records: list[Any], *, last: int | None, step: int | None) -> list[tuple[SampleRecord, int | None]]:
-    """(sample, consuming step or None) for ``--step K`` (in batch order) or the last ``last`` samples."""
+    """(sample, consuming step or None) for ``--step K`` (in batch order) or the last ``last`` samples
+    (``last`` >= 1, or None: ``DEFAULT_LAST``)."""
+    if last is not None and last < 1:
+        raise ValueError(f"--last {last}: N is how many samples to show and must be >= 1 (e.g. --last 8)")
     samples = {r.sample.sample_id: r for r in records if isinstance(r, SampleRecord)}
     consumed_at = {sid: r.step for r in records if isinstance(r, BatchRecord) for sid in r.sample_ids}
     if step is not None:
@@ -51,7 +54,7 @@ def select(records: list[Any], *, last: int | None, step: int | None) -> list[tu
         if last is not None:
             chosen = chosen[:last]
     else:
-        chosen = list(samples.values())[-(last or 8):]
+        chosen = list(samples.values())[-(DEFAULT_LAST if last is None else last):]
     return [(s, consumed_at.get(s.sample.sample_id)) for s in chosen]
 
 
@@ -79,6 +82,10 @@ def format_samples(chosen: list[tuple[SampleRecord, int | None]], decode: Callab
 
 def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in (text.splitlines() or [""]))
+
+
+DEFAULT_LAST = 8
+"""Samples shown without ``--last`` or ``--step``."""
 
 
 def show_main(run: str, *, last: int | None = None, step: int | None = None, tokenizer: str | None = None) -> int:
