@@ -58,6 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncrl.rundir import RunDir  # noqa: E402
+from asyncrl.sim.params import warmup_steps  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
 # Generation-dominated sizes: longer responses from one worker whose engine holds one group at a time
@@ -148,7 +149,7 @@ def measure(run_dir: Path, batch_samples: int, n_workers: int) -> dict:
 
     recs = benchlib.step_records(run_dir)
     steps = len(recs)
-    skip = max(2, steps // 10)
+    skip = warmup_steps(steps)  # the steady window the scale simulator predicts, too
     win = recs[skip - 1:]  # the window starts when version `skip` is announced
     n = len(win) - 1
     if n < 1:

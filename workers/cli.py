@@ -2,7 +2,8 @@
 
 Owns argument parsing only. Each sub-command imports its implementation when it runs, so
 ``asyncrl --help`` stays fast and never imports torch or zmq. Configuration errors are printed as one
-line that says what to change, with exit code 2, before any process starts.
+line that says what to change, with exit code 2, before any process starts; a resume of a finished
+run says so and exits 0 without touching the run folder.
 
   asyncrl train [key=value ...]           continuous asynchronous training (Hydra overrides)
   asyncrl demo                            the main job on the embedded default (= train)
@@ -154,8 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    # asyncrl.config loads neither torch nor zmq: the import is cheap
+    from asyncrl.config.resume import RunFinished
+
     try:
         return int(func(args) or 0)
+    except RunFinished as e:  # resume=RUN of a finished run: nothing to do, nothing changed
+        print(f"asyncrl {args.command}: {e}")
+        return 0
     except ValueError as e:
         print(f"asyncrl {args.command}: {e}", file=sys.stderr)
         return 2

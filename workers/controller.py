@@ -3,7 +3,8 @@
 Binds the control ROUTER (workers and the learner: handshakes, work requests, batches, versions,
 heartbeats) and the sample PULL socket, and drives ``asyncrl.controller.core.ControllerCore`` from one
 event loop. Writes ``controller.json`` (its addresses) into the run folder as soon as it listens, so
-the launcher and ``asyncrl worker`` can find it; metrics go to ``metrics.jsonl`` / TensorBoard.
+the launcher and ``asyncrl worker`` can find it; metrics go to ``metrics.jsonl`` / TensorBoard, and each
+row through the training-health watch (``health.jsonl``; a ``learner.stop_on`` alarm ends training).
 Only here: argv, sockets, signals. Malformed frames are counted by the channels and the loop goes on.
 """
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncrl.controller.scoring import build_scorer
     from asyncrl.metrics import MetricsWriter
+    from asyncrl.metrics.health_log import HealthWatch
 
     limit = MAX_MESSAGE_BYTES
     ctl = ZmqChannel.bind(zmq.ROUTER, f"tcp://{host}:{cfg.transport.port}", name="controller", reply_errors=True,
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.announce:
         announce(json.loads(paths.controller_address.read_text()), run_dir)
     writer = MetricsWriter(run_dir, purge_step=resume_version + 1 if resume_state is not None else None)
+    health = HealthWatch(run_dir, cfg.health, cfg.learner.stop_on,
+                         resume_step=resume_version if resume_state is not None else None)
     poller = ChannelPoller([ctl, pull])
     weights_counters: dict[str, float] = {}
     outbox = PeerOutbox(ctl.send, on_drop=lambda peer: core.drop_peer(peer))  # no peer can stall the loop
@@ -172,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                         samples_at_last, t_last = core.samples_logged, now
                         m["time/wall_s"] = now - t0
                         writer.log(env.msg.version, m)
+                        if health.observe(env.msg.version, m) and core.stop_reason is None:
+                            core.stop_reason = health.stop_reason  # learner.stop_on: ends like time_budget_s
                     replies += core.handle(peer, env.msg)
             if time.monotonic() - last_poll > TIMERS_EVERY_S:
                 replies += core.poll()
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             core.close()
             writer.close()
+            health.close()
             ctl.close()
             pull.close()
     return 0

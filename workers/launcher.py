@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import TrainConfig, save_config
+from asyncrl.config.paths import resolve_paths
 from asyncrl.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +59,11 @@ def learner_command(world_size: int, args: list[str]) -> list[str]:
     if world_size == 1:
         return [sys.executable, "-u", *script]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", *script]
+
+
+class ChildStartError(RuntimeError):
+    """The controller exited (or never listened) before the run began; the message is one line: its fatal
+    error (e.g. a resume it refused, with the fix) and its log file."""
 
 
 class Child:
@@ -107,16 +113,6 @@ def fatal_error(log_path: Path) -> str:
         if _FATAL.match(text) and not text.startswith(("torch.distributed.elastic", "ChildFailedError")):
             return text
     return lines[-1] if lines else "(empty log)"
-
-
-def resolve_paths(cfg: TrainConfig, cwd: Path | None = None) -> None:
-    """Make every path in ``cfg`` absolute against ``cwd`` (the caller's folder), so children and a later
-    resume started elsewhere read the same files."""
-    base = Path.cwd() if cwd is None else cwd
-    fix = lambda p: str((base / Path(p).expanduser()).resolve()) if p else p  # noqa: E731
-    cfg.runs_dir = fix(cfg.runs_dir)
-    cfg.model.path, cfg.model.cache_dir = fix(cfg.model.path), fix(cfg.model.cache_dir)
-    cfg.task.path, cfg.transport.keys_dir = fix(cfg.task.path), fix(cfg.transport.keys_dir)
 
 
 def child_env() -> dict[str, str]:
@@ -238,7 +234,7 @@ class Launcher:
         while not addr_file.exists():
             if self.controller.proc.poll() is not None or time.monotonic() > deadline:
                 self.controller.proc.poll()
-                raise RuntimeError(f"controller did not start: {self.controller.fatal_line()}\n{self.controller.tail()}")
+                raise ChildStartError(f"controller did not start: {self.controller.fatal_line()}")
             time.sleep(START_POLL_S)
         self.address = json.loads(addr_file.read_text())["control"]
         W = self.cfg.learner.world_size
@@ -308,6 +304,10 @@ def run_train(overrides: Sequence[str]) -> int:
     from workers.roles import prepare_run
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+    if resume:  # not a run folder, or a finished run: said before the folder's lock is taken
+        from asyncrl.config.resume import check_resumable
+
+        check_resumable(Path(resume[0]).resolve())
     held = [acquire_run_lock(Path(resume[0]).resolve())] if resume else []  # a second resume is refused here
     try:
         cfg, run_dir, model_dir, tokenizer_class = prepare_run(overrides)  # as `asyncrl controller` does
@@ -321,6 +321,7 @@ def run_train(overrides: Sequence[str]) -> int:
 
 def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, tokenizer_class: str = "") -> int:
     from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
+    from asyncrl.metrics.health_log import format_alarm, health_path
 
     launcher = Launcher(cfg, run_dir, model_dir, lock_fd=lock_fd, tokenizer_class=tokenizer_class)
     print(f"asyncrl train: run folder {run_dir}")
@@ -334,14 +335,21 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
     progress = Progress(cfg.learner.total_steps)
     rc = 0
     try:
-        launcher.start()
+        try:
+            launcher.start()
+        except ChildStartError as e:  # its own error says what to change: no traceback, no "resume with" hint
+            print(e)
+            return 1
         print(f"controller at {launcher.address}  (join more workers: asyncrl worker controller={launcher.address})")
-        offset = 0
+        offset = health_offset = 0
         reported: set = set()
         while True:
             records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
             for r in records:
                 progress.update(int(r["step"]), r)
+            alarms, health_offset = tail_metrics(health_path(run_dir), health_offset)
+            for a in alarms:  # training-health alarms (health.jsonl), one line each
+                progress.note(format_alarm(a))
             if interrupted["flag"]:
                 print("\ninterrupted: stopping the learner (it writes a resumable checkpoint) and every worker")
                 launcher.stop([launcher.learner], grace_s=LEARNER_STOP_GRACE_S)
@@ -374,6 +382,8 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
         records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
         for r in records:
             progress.update(int(r["step"]), r)
+        for a in tail_metrics(health_path(run_dir), health_offset)[0]:
+            progress.note(format_alarm(a))
     finally:
         progress.close()
         launcher.stop()
@@ -397,6 +407,8 @@ def _alive(c: Child) -> bool:
 
 
 def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
+    from asyncrl.metrics.health_log import summarize_alarms
+
     learner = json.loads(RunDir(run_dir).learner_final.read_text())
     controller = json.loads(RunDir(run_dir).controller_final.read_text())
     return {
@@ -408,6 +420,7 @@ def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
         "samples_logged": controller["samples_logged"],
         "state_dict_sha256": learner["state_dict_sha256"],
         "run_dir": str(run_dir),
+        **summarize_alarms(run_dir),  # training-health alarms raised (health.jsonl)
     }
 
 
@@ -420,7 +433,7 @@ def run_replay(overrides: Sequence[str]) -> int:
     from asyncrl.config.loader import apply_overrides, read_run_config
     from asyncrl.log.replay import check_replayable
     from asyncrl.metrics import format_summary, make_plots, write_summary
-    from asyncrl.models.prepare import model_id, prepare_model
+    from asyncrl.models.prepare import check_task, model_id, prepare_model
 
     runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
     if not runs:
@@ -435,6 +448,7 @@ def run_replay(overrides: Sequence[str]) -> int:
     resolve_paths(cfg)
     cfg.resume = ""
     cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
+    check_task(cfg, log=lambda m: print(f"asyncrl replay: {m}"))  # the learner evaluates on it: a moved file fails here
     model_dir = prepare_model(cfg, log=print)
     for note in check_replayable(src_log, model_id=model_id(cfg, model_dir), salvage=cfg.log.salvage):
         print(f"asyncrl replay: {note}")

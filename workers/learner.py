@@ -54,6 +54,7 @@ from asyncrl.learner.policy import (
 )
 from asyncrl.models.prepare import model_id
 from asyncrl.rundir import RunDir
+from asyncrl.rundir.checkpoints import KEEP_CHECKPOINTS
 from asyncrl.transport import (
     ChannelTimeout,
     WeightServer,
@@ -406,11 +407,11 @@ def main(argv: list[str] | None = None) -> int:
                 acked = source.report(state.version, metrics, checkpoint=ckpt)
             sd = {}
             if ckpt and _agree(info.is_main and acked, info):
-                save_checkpoint(ckpt_root, state, info, keep_last=3)
+                save_checkpoint(ckpt_root, state, info, keep_last=KEEP_CHECKPOINTS)
         # A final checkpoint only with the controller's state of the same version (it may be gone:
         # then the last periodic checkpoint stays the resume point).
         if _agree(source is not None and source.sync_checkpoint(state.version), info):  # rank 0
-            save_checkpoint(ckpt_root, state, info, keep_last=3)
+            save_checkpoint(ckpt_root, state, info, keep_last=KEEP_CHECKPOINTS)
         if not _agree(info.is_main and stop.is_set(), info):  # finished (or the replayed log ran out): export, hash, final eval
             finish_run(cfg, state, model, model_dir, run_dir, info, evaluator, source, t_run, lora)
     except ChannelTimeout as e:

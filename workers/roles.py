@@ -50,16 +50,11 @@ def prepare_run(overrides: Sequence[str], *, command: str = "train") -> Prepared
     from workers.launcher import check_transport, new_run_dir, resolve_paths
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
-    if resume:
-        from asyncrl.config.loader import read_run_config
+    if resume:  # the run's own configuration, with only the overrides a resume accepts (RunFinished: done)
+        from asyncrl.config.resume import resume_config
 
-        resumed = Path(resume[0]).resolve()
-        run_dir: Path | None = resumed
-        cfg = read_run_config(resumed)  # a resumed run keeps its own configuration
-        ignored = [o for o in overrides if not o.startswith("resume=")]
-        if ignored:
-            print(f"asyncrl {command}: resume keeps the run's configuration; ignoring {ignored}")
-        cfg.resume = str(run_dir)
+        run_dir: Path | None = Path(resume[0]).resolve()
+        cfg = resume_config(Path(resume[0]), overrides, command=command)
     else:
         cfg = load_train_config(list(overrides))  # bad configuration fails here, before any process starts
         run_dir = None

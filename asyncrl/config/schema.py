@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.algo.config import AlgoConfig
+from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.controller.prompts import PROMPT_FORMATS
 from asyncrl.engine.factory import ENGINES as ROLLOUT_ENGINES
 from asyncrl.engine.factory import SGLANG_SERVING
 from asyncrl.learner.options import LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
+from asyncrl.metrics.health import HealthConfig, check_health
 from asyncrl.tasks.answers import ANSWER_FORMATS
 from asyncrl.tasks.registry import TASKS
 from protocols.values import AQN_RESAMPLE, require_choice
@@ -206,6 +208,10 @@ class LearnerConfig(StepConfig):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    stop_on: list[str] = field(default_factory=list)
+    """Training-health alarms (``health``; e.g. ``[zero_variance,reward_flat]``) that end training: the
+    controller answers the next batch request with ``Shutdown`` and the learner finishes as at
+    ``total_steps`` (final checkpoint, export, final evaluation), as with ``time_budget_s``."""
 
     def __post_init__(self) -> None:
         # LoRA dropout decides train_dropout, and a dropout forward is not the proximal policy.
@@ -277,6 +283,7 @@ class TrainConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     resume: str = ""
     """A run folder to resume from its last checkpoint."""
 
@@ -297,7 +304,10 @@ def sglang_wire_format(serving: str) -> str:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Cross-field checks; raises ``ValueError`` naming the key and the fix. Touches no heavy module."""
-    # cfg.algo (asyncrl.algo.AlgoConfig) validated itself when it was built; the checks here span sections.
+    # cfg.algo (asyncrl.algo.AlgoConfig) validated itself when it was built; every other numeric key has
+    # its range in asyncrl.config.ranges.RANGES; the checks below span keys or sections.
+    check_run_name(cfg.run_name)
+    check_ranges(cfg)
     require_choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
     require_choice("quant.aqn_resample", cfg.quant.aqn_resample, AQN_RESAMPLE)
     for fmt in cfg.quant.extra_formats:
@@ -308,29 +318,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     require_choice("task.too_long", cfg.task.too_long, TOO_LONG)
     require_choice("model.name", cfg.model.name, MODEL_NAMES)
     checks = [
-        (cfg.rollout.eta >= 0, f"rollout.eta={cfg.rollout.eta} must be >= 0 (0 = synchronous training)"),
-        (cfg.rollout.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
-        (cfg.rollout.num_workers >= 0, "rollout.num_workers must be >= 0"),
         (cfg.rollout.worker_slots >= cfg.algo.group_size,
          f"rollout.worker_slots={cfg.rollout.worker_slots} must hold one group (algo.group_size="
          f"{cfg.algo.group_size})"),
-        (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
-        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0 for training rollouts"),
-        (cfg.learner.world_size >= 1, "learner.world_size must be >= 1"),
-        (cfg.learner.total_steps >= 1, "learner.total_steps must be >= 1"),
-        (cfg.learner.lr > 0, "learner.lr must be > 0"),
-        (cfg.learner.time_budget_s >= 0, "learner.time_budget_s must be >= 0 (0 = no time limit)"),
-        (cfg.learner.num_threads >= 0, "learner.num_threads must be >= 0 (0 = automatic)"),
-        (cfg.learner.lora.rank >= 0, "learner.lora.rank must be >= 0 (0 = full fine-tuning)"),
         (cfg.learner.lora.rank == 0 or bool(cfg.learner.lora.target_modules),
          "learner.lora.target_modules is empty; name the projections to adapt, e.g. [q_proj,v_proj]"),
         (cfg.learner.lora.rank == 0 or not {"lm_head", "embed_tokens"} & set(cfg.learner.lora.target_modules),
          "learner.lora.target_modules may not include lm_head or embed_tokens; adapt the decoder projections"),
-        (0.0 <= cfg.learner.lora.dropout < 1.0, "learner.lora.dropout must be in [0, 1)"),
-        (cfg.task.max_prompt_tokens >= 0, "task.max_prompt_tokens must be >= 0 (0: the model's context - 1)"),
-        (cfg.log.rotate_mb >= 1, f"log.rotate_mb={cfg.log.rotate_mb} must be >= 1 (segment size in MiB)"),
-        (cfg.log.fsync_every >= 1, f"log.fsync_every={cfg.log.fsync_every} must be >= 1"),
-        (cfg.rollout.assignment_timeout_s > 0, "rollout.assignment_timeout_s must be > 0"),
         (cfg.rollout.dead_after_s > cfg.rollout.heartbeat_s,
          "rollout.dead_after_s must exceed rollout.heartbeat_s"),
         (not cfg.quant.lm_head or cfg.quant.fmt != "fp32",
@@ -343,6 +337,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    check_health(cfg.health, cfg.learner.stop_on)
     require_choice("task.prompt_format", cfg.task.prompt_format, PROMPT_FORMATS)
     if cfg.task.answer_format:
         require_choice("task.answer_format", cfg.task.answer_format, ANSWER_FORMATS)

@@ -2,8 +2,9 @@
 
 Two layers in one package:
 
-* Systems logic, **standard library only** (``versions``, ``gate``, ``buffer``, ``assembler``; the
-  layout test checks it per module): admission (``StalenessGate``), group assembly and exactly-once
+* Systems logic, **standard library only** (``versions``, ``gate``, ``buffer``, ``assembler``,
+  ``admission``; the layout test checks it per module): admission (``StalenessGate``; the step that
+  answers a work request, ``admission.admit_and_assign``), group assembly and exactly-once
   result accounting (``GroupBuffer``), and learner batches with dynamic sampling and the staleness
   check (``BatchAssembler``). Clocks and version sources are injected, so all of it runs in unit
   tests without processes, sockets or torch. Nothing here is thread-safe; the controller drives it
@@ -19,12 +20,13 @@ Typical wiring (the controller's loop)::
     buffer = GroupBuffer(gate, group_size=G)
     assembler = BatchAssembler(gate, buffer, keep=lambda g: ScoredGroup.of(g).informative())
 
-    buffer.admit(cursor.next, gate.capacity())                       # on a work request
-    buffer.assign(worker_id, worker_version=w)                       # -> Assignments to send
+    admit_and_assign(buffer, worker_id, credits=c, worker_version=w,  # on a work request:
+                     make_meta=cursor.next)                           # -> Assignments to send
     buffer.on_result(sample_id, worker_id=w_id, payload=p, min_version=v)
     batch = assembler.try_assemble()                                 # when the learner asks
 """
 
+from asyncrl.controller.admission import admit_and_assign
 from asyncrl.controller.assembler import Batch, BatchAssembler, KeepFn
 from asyncrl.controller.buffer import (
     Assignment,
@@ -62,6 +64,7 @@ __all__ = [
     "StalenessGate",
     "VersionLike",
     "VersionSource",
+    "admit_and_assign",
     "make_group_id",
     "make_sample_id",
     "parse_sample_id",

@@ -3,8 +3,9 @@
 Owns: the dataset cursor, admission under the staleness gate, group assembly and exactly-once
 accounting (through ``asyncrl.controller``), scoring with the task's verifier, advantages (through
 ``asyncrl.algo``), the trajectory log (every scored sample, every consumed batch), worker liveness,
-learner batches, the training time budget (``learner.time_budget_s``: past it, a batch request is
-answered with ``Shutdown`` and the learner finishes the run), and the controller's checkpointable state.
+learner batches, the training time budget (``learner.time_budget_s``: past it, or once ``stop_reason`` is
+set by a ``learner.stop_on`` health alarm, a batch request is answered with ``Shutdown`` and the learner
+finishes the run), and the controller's checkpointable state.
 Never: touches a socket, a thread or a signal (``workers/controller.py`` does), or trains anything.
 Not thread-safe: one event loop drives it.
 
@@ -29,6 +30,7 @@ import numpy as np
 import protocols as P
 from asyncrl.config import TrainConfig
 from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
+from asyncrl.controller.admission import admit_and_assign
 from asyncrl.controller.scored import ScoredGroup
 from asyncrl.controller.scoring import GroupScorer
 from asyncrl.controller.validation import check_sample
@@ -36,6 +38,7 @@ from asyncrl.controller.workers import WorkerRegistry
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.log.replay import train_sample
 from asyncrl.rundir import RunDir
+from asyncrl.rundir.checkpoints import prune_controller_states
 from asyncrl.rundir.files import read_checksummed_json, write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
@@ -99,6 +102,7 @@ class ControllerCore:
         # clock at this process's first batch request
         self.budget_used_s = 0.0
         self.budget_t0: float | None = None
+        self.stop_reason: str | None = None  # set (learner.stop_on): the next batch request gets Shutdown
         self.counters: Counter = Counter()
         self.max_consumed_staleness = 0
         self.samples_logged = 0
@@ -139,6 +143,9 @@ class ControllerCore:
             if peer != self.learner_peer:
                 self.counters["control/not_learner"] += 1
                 return [(peer, P.Error(code="not_learner", message="only the registered learner may ask for batches"))]
+            if self.stop_reason is not None:  # learner.stop_on: finish as at the time budget
+                self.pending_batch = None
+                return [(peer, P.Shutdown(reason=self.stop_reason))]
             if self._budget_spent(now):
                 self.pending_batch = None
                 log.info("learner.time_budget_s=%g spent (%.1f s): no batch %d", self.cfg.learner.time_budget_s,
@@ -223,17 +230,13 @@ class ControllerCore:
         w.version = max(w.version, msg.version)  # fresh weights are usable at once, not at the next heartbeat
         if self.done:
             return [(peer, P.Shutdown(reason="training finished"))]
-        n_groups = msg.credits // self.cfg.algo.group_size
-        out: list[tuple[bytes, Any]] = []
-        if n_groups > 0:
-            pending = sum(1 for _, _, st in self.buffer.live() if st.value == "pending")
-            want = min(max(0, n_groups - pending), self.gate.capacity())
-            if want:
-                self.buffer.admit(self._next_problem, want)
-            for a in self.buffer.assign(msg.worker_id, worker_version=w.version, max_groups=n_groups):
-                out.append((peer, self._assignment(a)))
+        assigned = admit_and_assign(self.buffer, msg.worker_id, credits=msg.credits, worker_version=w.version,
+                                    make_meta=self._next_problem)
+        out: list[tuple[bytes, Any]] = [(peer, self._assignment(a)) for a in assigned]
         if not out:
-            out.append((peer, P.NoWork(retry_after_s=no_work_retry_s(len(self.workers)))))
+            retry_s = no_work_retry_s(len(self.workers))
+            self.counters["workers/told_to_wait_ms"] += round(retry_s * 1000)  # read by the learner_bound alarm
+            out.append((peer, P.NoWork(retry_after_s=retry_s)))
         return out
 
     def _next_problem(self) -> dict[str, Any]:
@@ -423,6 +426,7 @@ class ControllerCore:
         if checkpoint and self.learner_peer is not None:
             # Saved before the learner writes its own checkpoint of this version (it waits for the ack).
             self.save(self.checkpoint_path(msg.version))
+            prune_controller_states(RunDir(self.run_dir).checkpoints)  # as the learner prunes its own
             legacy = {} if self.learner_typed else {"checkpointed": 1.0}
             out.append((self.learner_peer, P.VersionUpdate(version=msg.version, checkpointed=True, metrics=legacy)))
         return out + self._try_batch()
@@ -488,13 +492,16 @@ def response_metrics(group_rewards: list[list[float]], responses: list[P.Array],
                      stop_ids: Sequence[int]) -> dict[str, float]:
     """What a batch's responses look like: mean/max length in tokens, the share of groups whose rewards
     are all equal (zero advantage: no gradient), and the share of samples that stopped at their first
-    token (a chat model answering with its end-of-turn token at once)."""
+    token (a chat model answering with its end-of-turn token at once), and the share of the batch's
+    responses that are its most common one, stop tokens left out (one answer taking over every prompt)."""
     lengths = [r.to_numpy().size for r in responses]
     stops = set(stop_ids)
     first = [n == 1 and int(r.to_numpy()[0]) in stops for n, r in zip(lengths, responses, strict=True)]
+    answers = Counter(tuple(int(t) for t in r.to_numpy() if int(t) not in stops) for r in responses)
     return {"train/response_len_mean": float(np.mean(lengths)), "train/response_len_max": float(max(lengths)),
             "train/zero_variance_groups": float(np.mean([len(set(g)) <= 1 for g in group_rewards])),
-            "train/first_token_stop_frac": float(np.mean(first))}
+            "train/first_token_stop_frac": float(np.mean(first)),
+            "train/majority_answer_share": answers.most_common(1)[0][1] / len(responses)}
 
 
 def _vocab_size(model: ModelInfo, scorer: GroupScorer) -> int:

@@ -4,6 +4,7 @@ Owns: picking samples out of a trajectory log (the last N logged, or the ones le
 grouping them by prompt group, and printing each prompt once (decoded exactly as the model saw it,
 chat template included) followed by its completions with reward, advantage, finish reason, length and
 the policy versions that produced their tokens.
+Before the samples: the run's training-health alarms (``health.jsonl``; step, name, message, cause, fix).
 Never: modifies the log, or builds a model: the tokenizer comes from ``--tokenizer`` or from the model
 folder the run's config names, which must already exist (a run creates it).
 """
@@ -37,7 +38,10 @@ def run_tokenizer(run: Path, tokenizer_dir: str | None) -> Any:
 
 
 def select(records: list[Any], *, last: int | None, step: int | None) -> list[tuple[SampleRecord, int | None]]:
-    """(sample, consuming step or None) for ``--step K`` (in batch order) or the last ``last`` samples."""
+    """(sample, consuming step or None) for ``--step K`` (in batch order) or the last ``last`` samples
+    (``last`` >= 1, or None: ``DEFAULT_LAST``)."""
+    if last is not None and last < 1:
+        raise ValueError(f"--last {last}: N is how many samples to show and must be >= 1 (e.g. --last 8)")
     samples = {r.sample.sample_id: r for r in records if isinstance(r, SampleRecord)}
     consumed_at = {sid: r.step for r in records if isinstance(r, BatchRecord) for sid in r.sample_ids}
     if step is not None:
@@ -50,7 +54,7 @@ def select(records: list[Any], *, last: int | None, step: int | None) -> list[tu
         if last is not None:
             chosen = chosen[:last]
     else:
-        chosen = list(samples.values())[-(last or 8):]
+        chosen = list(samples.values())[-(DEFAULT_LAST if last is None else last):]
     return [(s, consumed_at.get(s.sample.sample_id)) for s in chosen]
 
 
@@ -80,8 +84,13 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in (text.splitlines() or [""]))
 
 
+DEFAULT_LAST = 8
+"""Samples shown without ``--last`` or ``--step``."""
+
+
 def show_main(run: str, *, last: int | None = None, step: int | None = None, tokenizer: str | None = None) -> int:
     path = Path(run)
+    print_alarms(path if RunDir(path).config.is_file() else path.parent)
     try:
         scan = read_log(path)
     except (LogFormatError, OSError) as e:
@@ -95,3 +104,10 @@ def show_main(run: str, *, last: int | None = None, step: int | None = None, tok
     for c in scan.corruptions:
         print(f"CORRUPT    {c} (records before it are intact and were read)")
     return 0
+
+
+def print_alarms(run_dir: Path) -> None:
+    """The run's training-health alarms (step, name, message) before its samples."""
+    from asyncrl.metrics.health_log import alarms_report
+
+    print(alarms_report(run_dir))

@@ -25,6 +25,9 @@ Plots (file: metrics):
   ``train/first_token_stop_frac``.
 - ``learner.png``: ``learner/loss``, ``learner/grad_norm``, ``learner/lr`` and ``actor/entropy``, one panel
   each, for those the run logged.
+
+``reward.png``, ``responses.png`` and ``learner.png`` also mark each training-health alarm of the run
+(``health.jsonl``) with a vertical line at its step.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.metrics.health_log import read_alarms
 from asyncrl.metrics.writer import read_metrics
 from asyncrl.rundir import RunDir
 
@@ -45,6 +49,8 @@ SMOOTHED = "~smoothed:"
 """Prefix of a derived line: the trailing moving average of the metric after it."""
 BASELINE = "~baseline:"
 """Prefix of a derived line: the metric's value at step 0, drawn across the plot."""
+ALARM_MARKED = ("reward.png", "responses.png", "learner.png")
+"""Plots that mark where a training-health alarm fired (``mark_alarms``)."""
 _STALENESS_KL = re.compile(r"^mismatch/by_staleness/(?:eta|η)=(\d+)/kl_k3$")
 
 
@@ -239,7 +245,8 @@ PLOTS: tuple[PlotSpec, ...] = (
 
 
 def _draw(
-    spec: PlotSpec, panels: list[tuple[Panel, list[tuple[Line, list[int], list[float]]]]], path: Path
+    spec: PlotSpec, panels: list[tuple[Panel, list[tuple[Line, list[int], list[float]]]]], path: Path,
+    alarms: Sequence[dict[str, Any]] = (),
 ) -> None:
     from matplotlib.figure import Figure  # lazy: matplotlib costs about a second to import
 
@@ -259,11 +266,28 @@ def _draw(
         ax.grid(True, alpha=0.3)
         n_points = sum(len(xs) for _, xs, _ in drawn)
         ax.legend(loc="best" if n_points < 5000 else "upper left", fontsize="small")  # "best" is O(points)
+    mark_alarms(list(axes), alarms)
     axes[-1].set_xlabel("learner step")
     fig.suptitle(spec.title)
     tmp = path.with_name(path.name + ".tmp")
     fig.savefig(tmp, format="png", dpi=100)
     os.replace(tmp, path)
+
+
+def mark_alarms(axes: Sequence[Any], alarms: Sequence[dict[str, Any]]) -> None:
+    """A dashed red vertical line on every panel at each step a training-health alarm fired
+    (``health.jsonl``), named once at the top of the first panel."""
+    named: set[tuple[int, str]] = set()
+    for a in alarms:
+        step, name = a.get("step"), str(a.get("alarm"))
+        if not isinstance(step, int):
+            continue
+        for ax in axes:
+            ax.axvline(step, color="tab:red", linestyle="--", linewidth=0.9, alpha=0.7)
+        if (step, name) not in named:
+            named.add((step, name))
+            axes[0].annotate(name, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                             color="tab:red", ha="right", va="top")
 
 
 def _base_key(key: str) -> str:
@@ -280,6 +304,7 @@ def make_plots(run_dir: str | Path, records: Sequence[dict[str, Any]] | None = N
     if records is None:
         records = read_metrics(run_dir)
     keys = {k for rec in records for k in rec}
+    alarms = read_alarms(run_dir)
     written: list[Path] = []
     for spec in PLOTS:
         panels = []
@@ -292,6 +317,6 @@ def make_plots(run_dir: str | Path, records: Sequence[dict[str, Any]] | None = N
         out_dir = RunDir(run_dir).plots
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / spec.filename
-        _draw(spec, panels, path)
+        _draw(spec, panels, path, alarms if spec.filename in ALARM_MARKED else ())
         written.append(path)
     return written

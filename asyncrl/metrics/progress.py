@@ -1,8 +1,9 @@
 """Live progress for the launcher: a tqdm bar on a terminal, plain periodic lines elsewhere (CI, files),
 and ``tail_metrics`` to follow a ``metrics.jsonl`` that another process is writing.
 
-Owns: what the progress line shows (step, train reward, last eval accuracy, staleness, tokens/s) and how
-often it is printed when the stream is not a terminal.
+Owns: what the progress line shows (step, train reward, last eval accuracy, staleness, tokens/s), how
+often it is printed when the stream is not a terminal, and notes printed between progress lines
+(training-health alarms, ``note``).
 Never: reads a partial line (``tail_metrics`` returns only complete lines and an offset just past the
 last one, so the rest is read on the next call), or writes to stdout (stdout is the launcher's summary).
 """
@@ -122,6 +123,14 @@ class Progress:
         due = self._last_print is None or now - self._last_print >= self.interval_s
         if due or self.step >= self.total:
             self._print(now)
+
+    def note(self, line: str) -> None:
+        """Prints ``line`` on its own line (a training-health alarm), above the bar on a terminal."""
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+            return
+        self.stream.write(line + "\n")
+        self.stream.flush()
 
     def _print(self, now: float) -> None:
         if self._printed_step == self.step and self._last_print is not None:

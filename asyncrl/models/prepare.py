@@ -80,18 +80,24 @@ def check_prompt_lengths(cfg, model_dir: Path, log: Callable[[str], None] = prin
     return report
 
 
-def model_folder(cfg) -> Path:
-    """Where ``prepare_model`` puts (or found) this run's model folder, without building anything."""
+def base_folder(cfg) -> Path:
+    """The model folder before any warm start: ``model.path``, else the embedded model's folder in the cache."""
     m = cfg.model
-    cache = Path(m.cache_dir)
-    if m.name == "path":
+    if m.path:
         return Path(m.path)
-    if m.name == "smollm2":
-        return Path(m.path) if m.path else cache / "smollm2-135m-instruct"
-    base = Path(m.path) if m.path else cache / f"tiny-qwen2-char-seed{cfg.seed}"
-    if m.warmstart_steps <= 0:
+    name = "smollm2-135m-instruct" if m.name == "smollm2" else f"tiny-qwen2-char-seed{cfg.seed}"
+    return Path(m.cache_dir) / name
+
+
+def model_folder(cfg) -> Path:
+    """Where ``prepare_model`` puts (or found) this run's model folder, without building anything: the one
+    place that names it (``prepare_model`` and ``asyncrl log show`` both call it)."""
+    m = cfg.model
+    base = base_folder(cfg)
+    if m.name != "tiny" or m.warmstart_steps <= 0:
         return base
-    return cache / f"{base.name}-warm-{cfg.task.name}-{task_fingerprint(cfg)}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
+    key = f"{base.name}-warm-{cfg.task.name}-{task_fingerprint(cfg)}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
+    return Path(m.cache_dir) / key
 
 
 def check_prompts(cfg, model_dir: Path) -> tuple[str, str]:
@@ -111,18 +117,16 @@ def prepare_model(cfg, log: Callable[[str], None] = print) -> Path:
     from asyncrl.models import ensure_smollm2, ensure_tiny_model
 
     m = cfg.model
-    cache = Path(m.cache_dir)
     if m.name == "path":
-        return check_model_folder(Path(m.path))
+        return check_model_folder(model_folder(cfg))
     if m.name == "smollm2":
-        return check_model_folder(ensure_smollm2(Path(m.path) if m.path else cache / "smollm2-135m-instruct"))
-    base = ensure_tiny_model(Path(m.path) if m.path else cache / f"tiny-qwen2-char-seed{cfg.seed}", seed=cfg.seed)
+        return check_model_folder(ensure_smollm2(model_folder(cfg)))
+    base = ensure_tiny_model(base_folder(cfg), seed=cfg.seed)
     if m.warmstart_steps <= 0:
         return base
     from asyncrl.models._files import ensure_folder
 
-    key = f"{base.name}-warm-{cfg.task.name}-{task_fingerprint(cfg)}-s{cfg.task.seed}-{m.warmstart_steps}x{m.warmstart_lr:g}"
-    target = cache / key
+    target = model_folder(cfg)
     if not (target / "config.json").is_file():
         log(f"warm start: {m.warmstart_steps} supervised steps of the tiny model on {cfg.task.name} -> {target}")
     return ensure_folder(target, lambda tmp: warm_start(base, tmp, cfg))
@@ -130,17 +134,20 @@ def prepare_model(cfg, log: Callable[[str], None] = print) -> Path:
 
 def task_fingerprint(cfg) -> str:
     """12 hex digits naming the task's data: its settings and, for a file dataset, the file's bytes (two
-    datasets never share a warm start, an edited file gets a new one)."""
+    datasets never share a warm start, an edited file gets a new one; a moved file keeps its fingerprint,
+    so a resume that points ``task.path`` at the new place finds the run's model folder). A dataset that
+    is not one file (a folder) is named by its path."""
     import hashlib
 
     t = cfg.task
     h = hashlib.sha256(json.dumps([t.name, t.dataset, t.eval_size, t.seed]).encode())
-    if t.path:
+    if t.path and Path(t.path).is_file():
+        h.update(b"\0bytes\0")
+        with open(t.path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+    elif t.path:
         h.update(b"\0path\0" + str(Path(t.path).resolve()).encode())
-        if Path(t.path).is_file():
-            with open(t.path, "rb") as f:
-                while block := f.read(1 << 20):
-                    h.update(block)
     return h.hexdigest()[:12]
 
 

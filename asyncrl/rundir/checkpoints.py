@@ -6,6 +6,10 @@ of the resume point shared by the controller and the learner, so both pick the s
 newest learner checkpoint that verifies *and* has a controller state of the same version that
 verifies; else the controller's state at version 0 (written when a run starts), so a run that
 stops before its first learner checkpoint resumes from the start with its log cut back.
+Also owns how many checkpoints a run keeps (``KEEP_CHECKPOINTS``) and the pruning of controller states
+(``prune_controller_states``): the newest ``KEEP_CHECKPOINTS`` stay, and so does every state a learner
+checkpoint on disk pairs with, the state at version 0 (the resume point of last resort) and
+``controller-final.json``.
 Never: imports torch; loads weights; deletes a damaged checkpoint (it is reported and skipped).
 """
 
@@ -14,14 +18,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from pathlib import Path
 
 from asyncrl.rundir.files import ChecksumError, read_checksummed_json, sha256_file, write_checksummed_json
-from asyncrl.rundir.paths import LEARNER_CHECKPOINT_RE, controller_checkpoint_name
+from asyncrl.rundir.paths import CONTROLLER_CHECKPOINT_RE, LEARNER_CHECKPOINT_RE, controller_checkpoint_name
 
 log = logging.getLogger("asyncrl.checkpoints")
 
 MANIFEST = "checksums.json"
+KEEP_CHECKPOINTS = 3
+"""Learner checkpoints a run keeps (older complete ones are deleted as a new one is saved), and the
+number of newest controller states kept beside those the kept learner checkpoints pair with."""
+LEARNER_FOLDER_RE = re.compile(r"^step_(\d{8})(?:\.tmp)?$")
+"""A learner checkpoint folder, complete or still being written (its controller state must stay)."""
 
 
 def controller_state_path(ckpt_root: str | Path, version: int) -> Path:
@@ -107,3 +117,23 @@ def choose_resume_point(ckpt_root: str | Path, *, controller_state: bool = True)
 
 def read_learner_version(ckpt_dir: Path) -> int:
     return int(json.loads((ckpt_dir / "learner.json").read_text())["version"])
+
+
+def prune_controller_states(ckpt_root: str | Path, keep: int = KEEP_CHECKPOINTS) -> list[Path]:
+    """Delete the controller states of ``ckpt_root`` (``controller-NNNNNNNN.json``) beyond the newest
+    ``keep``, except one a learner checkpoint folder of the same version pairs with (complete or being
+    written) and the one of version 0; returns what was deleted. ``controller-final.json`` is never touched."""
+    if keep < 1:
+        raise ValueError(f"keep={keep} must be >= 1: the newest controller state is the next resume point")
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    paired = {int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := LEARNER_FOLDER_RE.match(p.name))}
+    states = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := CONTROLLER_CHECKPOINT_RE.match(p.name))),
+                    reverse=True)
+    removed = []
+    for version, path in states[keep:]:
+        if version != 0 and version not in paired:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

@@ -39,6 +39,8 @@ LEARNER_CHECKPOINT_RE = re.compile(r"^step_(\d{8})$")
 """The name of a complete learner checkpoint folder; group 1 is its version."""
 CONTROLLER_STATES_GLOB = "controller-*.json"
 """Every controller state of a checkpoints folder (``controller-final.json`` included)."""
+CONTROLLER_CHECKPOINT_RE = re.compile(r"^controller-(\d{8})\.json$")
+"""The name of the controller state of one version; group 1 is its version (not ``controller-final.json``)."""
 
 
 def learner_checkpoint_name(version: int) -> str:

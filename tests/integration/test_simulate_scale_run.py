@@ -1,5 +1,5 @@
-"""scripts/simulate_scale.py end to end on a real run folder: a short ``asyncrl train`` (tiny model, 2 workers,
-eta 2), then ``--quick`` with all three modes (calibrate from the run and predict, validate against the run
+"""scripts/simulate_scale.py (the command line of asyncrl/sim) end to end on a real run folder: a short
+``asyncrl train`` (tiny model, 2 workers, eta 2), then ``--quick`` with all three modes (calibrate from the run and predict, validate against the run
 itself, extrapolate to cluster shapes at 1/32 size) and ``--json``. No figure is asserted, only that the
 stage times were found in the run's files and every table is well formed."""
 

@@ -94,7 +94,8 @@ def test_math_packages_are_leaves(leaf):
 # The rule is per module, not per package: the rest of asyncrl/controller (scoring, core) needs numpy,
 # the tokenizer and the tasks (but not torch: tests/unit/controller/test_no_torch.py).
 STDLIB_ONLY = ("asyncrl/controller/__init__.py", "asyncrl/controller/versions.py", "asyncrl/controller/gate.py",
-               "asyncrl/controller/buffer.py", "asyncrl/controller/assembler.py", "asyncrl/controller/workers.py")
+               "asyncrl/controller/buffer.py", "asyncrl/controller/assembler.py", "asyncrl/controller/workers.py",
+               "asyncrl/controller/admission.py")
 
 
 def _module_name(rel: str) -> str:
@@ -107,6 +108,32 @@ def test_controller_systems_logic_uses_the_standard_library_only(rel):
     siblings = {_module_name(r) for r in STDLIB_ONLY}
     bad = {m for m in imported_modules(ROOT / rel) if _top(m) not in allowed and m not in siblings}
     assert not bad, f"{rel} imports {bad}; it must stay standard library only (and import only {sorted(siblings)})"
+
+
+SIM_MAY_IMPORT = ("asyncrl.sim", "asyncrl.controller", "asyncrl.config", "asyncrl.log", "asyncrl.metrics",
+                  "asyncrl.rundir")
+
+
+@pytest.mark.parametrize("path", python_files("asyncrl/sim"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_simulator_models_the_controller_with_its_own_code_and_reads_run_folders_only(path):
+    # asyncrl/sim calls the controller's own admission, gate, buffer and assembler (so its model cannot
+    # drift from them) and reads run folders; it never reaches into the learner, engine or transport.
+    others = {m for m in imported_modules(path) if _top(m) not in sys.stdlib_module_names and m != "__future__"
+              and not any(m == allowed or m.startswith(allowed + ".") for allowed in SIM_MAY_IMPORT)}
+    assert not others, f"{path} imports {others}; asyncrl/sim may import only {SIM_MAY_IMPORT} and the stdlib"
+
+
+@pytest.mark.parametrize("path", [p for p in python_files("asyncrl", "workers", "protocols")
+                                  if p.relative_to(ROOT).parts[:2] != ("asyncrl", "sim")],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_in_the_system_depends_on_its_simulator(path):
+    bad = {m for m in imported_modules(path) if m == "asyncrl.sim" or m.startswith("asyncrl.sim.")}
+    assert not bad, f"{path} imports {bad}; the simulator models the system, the system never needs it"
+
+
+def test_the_simulators_event_kernel_is_standard_library_only():
+    bad = {m for m in imported_modules(ROOT / "asyncrl/sim/kernel.py") if _top(m) not in sys.stdlib_module_names}
+    assert not bad, f"asyncrl/sim/kernel.py imports {bad}; the event kernel knows nothing of asyncrl"
 
 
 def module_name(path: Path) -> str:
@@ -177,6 +204,7 @@ def test_no_file_exceeds_the_hard_line_limit(path):
     ("asyncrl.log", ("torch", "zmq")),
     ("asyncrl.log.replay", ("torch", "zmq")),
     ("asyncrl.controller", ("torch", "zmq", "numpy")),
+    ("asyncrl.sim", ("torch", "zmq", "numpy")),
     ("asyncrl.rundir.checkpoints", ("torch", "zmq", "numpy")),
     ("asyncrl.rundir.lock", ("torch", "zmq", "numpy")),
     ("asyncrl.rundir.paths", ("torch", "zmq", "numpy", "msgspec")),

@@ -1,21 +1,33 @@
-"""The scale model (scripts/scalesim.py, scalecal.py) on synthetic stage times whose answer is known.
+"""The scale simulator (asyncrl/sim: the model and its calibration) on synthetic stage times whose answer is known.
 
 Each case fixes the stage costs so that the throughput follows from a formula: the synchronous step is
 G + T + S (generation, training, weight sync one after another); with a large eta and a fast learner
 the workers set the pace (workers x slots per generation round); with slow generation on a large eta the
 learner sets it; processor sharing divides cores equally. The calibration's inversion recovers known
-intrinsic costs from wall times inflated by CPU sharing.
+intrinsic costs from wall times inflated by CPU sharing. The cluster extrapolation runs at 1/32 size;
+the command line (scripts/simulate_scale.py) answers --help and refuses a malformed option before it
+starts anything.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from scripts.scalecal import calibrate
-from scripts.scalesim import Params, Sim, simulate, window_rate
+from asyncrl.sim import Params, Sim, simulate, window_rate
+from asyncrl.sim.calibrate import calibrate, pool_params
+from asyncrl.sim.cluster import ClusterShape, controller_msg_s
+from asyncrl.sim.extrapolate import extrapolate
+from asyncrl.sim.params import fmt_hist
+from asyncrl.sim.predict import tv_distance
 
+ROOT = Path(__file__).resolve().parents[2]
 B_GROUPS, G = 8, 8
 
 
@@ -106,14 +118,19 @@ def test_calibration_recovers_intrinsic_costs_from_wall_times_inflated_by_cpu_sh
     assert rate(got) == pytest.approx(w["samples_per_s"], rel=0.05)
 
 
+def test_a_worker_asks_only_with_a_groups_worth_of_free_slots_as_the_real_worker_does():
+    # Samples of mixed lengths finish one or a few at a time. With eta large the gate never shuts, so every
+    # request the worker sends (free slots >= a group) is answered with work: no NoWork at all.
+    r = simulate(base(workers=1, eta=8, slots=2 * G, lengths=[1, 2, 3, 5, 8, 13], steps=10))
+    assert r.nowork == 0 and r.controller_msgs > 0
+
+
 def test_params_refuse_a_credit_window_smaller_than_a_group():
     with pytest.raises(ValueError, match="raise slots"):
         base(slots=G - 1)
 
 
 def test_pooled_calibration_takes_each_cost_as_the_median_over_runs_and_every_runs_lengths():
-    from scripts.simulate_scale import pool_params
-
     runs = [base(train_s=t, step_a=a, lengths=n, workers=w) for t, a, n, w in
             ((0.2, 0.01, [3], 1), (0.5, 0.03, [4, 6], 2), (0.3, 0.02, [5], 4))]  # fmt: skip
     pooled = pool_params(runs)
@@ -121,3 +138,49 @@ def test_pooled_calibration_takes_each_cost_as_the_median_over_runs_and_every_ru
     assert sorted(pooled.lengths) == [3, 4, 5, 6] and pooled.workers == 1
     # pooling copies of one calibration changes nothing: the same prediction
     assert rate(pool_params([runs[1]] * 3)) == pytest.approx(rate(runs[1]), rel=1e-12)
+
+
+def test_predictions_compare_staleness_histograms_by_total_variation():
+    assert tv_distance({0: 3, 1: 1}, {0: 30, 1: 10}) == 0.0  # the same shape at any count
+    assert tv_distance({0: 5}, {2: 7}) == 1.0
+    assert tv_distance({0: 1, 1: 1}, {0: 1}) == pytest.approx(0.5)
+    assert fmt_hist({1: 1, 0: 3}) == "0:0.75 1:0.25"
+
+
+def test_the_controller_cost_comes_from_the_best_row_of_a_bench_controller_result_file(tmp_path):
+    path = tmp_path / "bench_controller.json"
+    path.write_text(json.dumps({"tables": {"controller": [{"accepted_per_s": 800.0}, {"accepted_per_s": 1250.0}]}}))
+    assert controller_msg_s(path) == pytest.approx(1 / 1250)
+    assert controller_msg_s(tmp_path / "missing.json") == ClusterShape.ctl_msg_s  # the named default
+
+
+def test_extrapolation_at_1_32_size_keeps_eta_and_charges_the_capacities_it_is_given():
+    shown: list[tuple[str, list[dict], list[str]]] = []
+    ctl, fsync = 1 / 1400, 0.004
+    out = extrapolate(quick=True, shrink=32, ctl_msg_s=ctl, fsync_s=fsync, show=lambda *t: shown.append(t))
+    titles = ("cluster shapes", "async/sync speedup vs AReaL", "what limits scale")
+    assert len(shown) == 3 and all(t[0].startswith(title) for t, title in zip(shown, titles, strict=True))
+    for _, rows, columns in shown:  # every printed column is in every row
+        assert rows and all(set(columns) <= set(r) for r in rows)
+    for r in out["rows"]:
+        eta = r["eta"]
+        assert max(int(k.split(":")[0]) for k in r["staleness"].split()) <= eta
+        assert (r["speedup_vs_eta0"] == 1.0) if eta == 0 else (r["speedup_vs_eta0"] > 1.0)
+    for lim in out["limits"]:
+        assert lim["controller_use"] == pytest.approx(lim["controller_msgs_per_s"] * ctl)
+        assert lim["log_fsync_use"] == pytest.approx(lim["log_fsyncs_per_s"] * fsync)
+    with pytest.raises(ValueError, match="shrink must be >= 1"):
+        extrapolate(quick=True, shrink=0, ctl_msg_s=ctl, fsync_s=fsync, show=lambda *t: None)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_scale.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_command_line_lists_its_modes_and_names_the_fix_for_a_bad_cell():
+    helped = _cli("--help")
+    assert helped.returncode == 0 and all(f in helped.stdout for f in ("--run", "--validate", "--extrapolate"))
+    bad = _cli("--validate", "--calibrate-cell", "2")
+    assert bad.returncode == 2 and "give W,E" in bad.stderr  # refused before any run starts

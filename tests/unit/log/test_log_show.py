@@ -57,3 +57,33 @@ def test_log_show_names_the_steps_there_are(tmp_path, tok_dir, capsys):
     write_run(tmp_path, AutoTokenizer.from_pretrained(str(tok_dir)))
     assert cli(["log", "show", str(tmp_path), "--step", "7", "--tokenizer", str(tok_dir)]) == 2
     assert "no batch for learner step 7 in this log (steps logged: 0..0)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("last", ["0", "-3"])
+def test_log_show_refuses_a_last_that_is_not_a_positive_count(tmp_path, tok_dir, capsys, last):
+    from transformers import AutoTokenizer
+
+    write_run(tmp_path, AutoTokenizer.from_pretrained(str(tok_dir)))
+    assert cli(["log", "show", str(tmp_path), "--last", last, "--tokenizer", str(tok_dir)]) == 2
+    assert f"--last {last}: N is how many samples to show and must be >= 1" in capsys.readouterr().err
+
+
+def test_log_show_finds_the_model_folder_of_a_default_tiny_run(tmp_path, capsys):
+    """A run with the warm-started tiny model: ``log show`` finds its tokenizer through the run's config
+    alone, in the folder ``prepare_model`` built (one function names it for both)."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.config import load_train_config, save_config
+    from asyncrl.models.prepare import model_folder, prepare_model
+    from workers.launcher import resolve_paths
+
+    cfg = load_train_config([f"model.cache_dir={tmp_path / 'cache'}", "model.warmstart_steps=1"])
+    resolve_paths(cfg)
+    built = prepare_model(cfg, log=lambda m: None)
+    assert model_folder(cfg) == built
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(cfg, run / "config.json")
+    write_run(run, AutoTokenizer.from_pretrained(str(built)))
+    assert cli(["log", "show", str(run), "--last", "1"]) == 0
+    assert "2+2=" in capsys.readouterr().out

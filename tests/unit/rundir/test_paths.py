@@ -87,6 +87,7 @@ HF_MODEL_FOLDER = {  # "config.json" of a Hugging Face model folder, not of the 
     ("asyncrl/controller/scoring.py", "config.json"),
     ("workers/roles.py", "config.json"),  # `asyncrl learner` checks the model folder is readable
     ("workers/controller.py", "config.json"),  # the model's config, sent to joining workers (model_info)
+    ("asyncrl/config/resume.py", "config.json"),  # a moved model folder (model.path) must hold a model
 }
 
 

@@ -1,9 +1,10 @@
 """Cluster shapes for the scale model: stage times of a 1.5B or 7B job on GPUs, from public figures.
 
 Owns: ``ClusterShape`` (what a shape assumes, every figure named), ``cluster_params`` (its
-``scalesim.Params``) and ``AREAL`` (the published async/sync figures the shapes are compared with).
+simulator ``Params``) and ``AREAL`` (the published async/sync figures the shapes are compared with).
 Never: measures anything; every number here is an input, named and sourced in ``ASSUMPTIONS`` and in
-docs/benchmarks.md, so a reader can change it (``--set``) and rerun.
+docs/benchmarks.md, so a reader can change it and rerun; ``controller_msg_s`` reads the one measured
+input, a ``bench_controller.py`` result file, from the path it is given.
 
 Stage times (one GPU per generation worker, tensor parallel 1; decode is memory-bound):
 
@@ -18,7 +19,7 @@ Stage times (one GPU per generation worker, tensor parallel 1; decode is memory-
   from the one publisher through its NIC (``egress_bw``, shared by all concurrent fetches: this is how
   ``WeightServer`` on learner rank 0 serves them), then loads them (``load_bw``); the engine pauses while it
   loads (an SGLang weight update);
-* controller: one message costs 1 / (the controller throughput ``bench_controller.py`` measured here).
+* controller: one message costs 1 / (the controller throughput ``scripts/bench_controller.py`` measured).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from scripts.scalesim import Params
+from asyncrl.sim.params import Params
 
-ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["AREAL", "ASSUMPTIONS", "SHAPES", "ClusterShape", "cluster_params", "controller_msg_s", "derived",
+           "lengths"]
 
 # AReaL v0.3 (arXiv:2505.24298; the v0.3 release notes, "Table 2: End-to-end comparison between asynchronous
 # AReaL and synchronous AReaL"): 1000 PPO steps, R1-Distill-Qwen base, AReaL-boba-106k math data.
@@ -44,6 +46,8 @@ AREAL = {
 
 @dataclass(frozen=True)
 class ClusterShape:
+    """One cluster and job; every figure an input (see ``ASSUMPTIONS``)."""
+
     name: str
     params_b: float  # parameters, billions
     layers: int
@@ -88,13 +92,13 @@ ASSUMPTIONS = [
     "mean would make the learner alone slower than AReaL's published async step at 40% MFU)",
     "weight sync: gather+publish at 50 GB/s, one 400 Gb/s publisher NIC shared by every fetch, load at 25 GB/s; "
     "the engine pauses while it loads (assumed)",
-    "controller: 1 / the samples/s that scripts/bench_controller.py measured on this machine, per message",
+    "controller: 1 / the samples/s that scripts/bench_controller.py measured (its result file), per message",
 ]
 
 
-def controller_msg_s() -> float:
-    """Seconds per controller message from ``benchmarks/results/bench_controller.json`` (the best worker count)."""
-    path = ROOT / "benchmarks" / "results" / "bench_controller.json"
+def controller_msg_s(path: Path) -> float:
+    """Seconds per controller message from a ``scripts/bench_controller.py`` result file (its best worker
+    count); the ``ClusterShape`` default when the file is missing or holds no controller table."""
     try:
         rows = json.loads(path.read_text())["tables"]["controller"]
         return 1.0 / max(float(r["accepted_per_s"]) for r in rows)
@@ -103,6 +107,7 @@ def controller_msg_s() -> float:
 
 
 def lengths(shape: ClusterShape, n: int = 4096) -> list[int]:
+    """``n`` response lengths drawn from the shape's clipped lognormal (seeded by ``shape.seed``)."""
     rng = random.Random(shape.seed)
     mu = math.log(shape.median_len)
     return [int(min(shape.max_len, max(64, rng.lognormvariate(mu, shape.len_sigma)))) for _ in range(n)]
@@ -128,13 +133,12 @@ def derived(shape: ClusterShape) -> dict[str, float]:
             "fetch_bytes": weights, "load_s": weights / shape.load_bw, "weights_GB": weights / 1e9}
 
 
-def cluster_params(shape: ClusterShape, *, eta: int, gen_scale: float = 1.0, **overrides: Any) -> Params:
-    """``Params`` of ``shape`` at ``eta``; ``gen_scale`` multiplies the decode step cost (the one free
-    factor ``simulate_scale.py`` fits to a published synchronous step time)."""
+def cluster_params(shape: ClusterShape, *, eta: int, **overrides: Any) -> Params:
+    """``Params`` of ``shape`` at ``eta`` (the stage costs of ``derived``), with ``overrides`` applied."""
     d = derived(shape)
     p = Params(workers=shape.gen_gpus, eta=eta, groups_per_step=shape.groups_per_step, group_size=shape.group_size,
                slots=int(d["slots"]), steps=shape.steps, train_s=0.0, publish_s=d["publish_s"], other_s=0.0,
-               fetch_s=d["load_s"], step_a=d["step_a"] * gen_scale, step_c=d["step_c"] * gen_scale,
+               fetch_s=d["load_s"], step_a=d["step_a"], step_c=d["step_c"],
                lengths=lengths(shape), engine="fluid", train_s_per_token=d["train_s_per_token"],
                fetch_bytes=d["fetch_bytes"], egress_bw=shape.egress_bw, pause_engine_on_load=True, cores=None,
                msg_s=0.001, result_s=0.001, ctl_msg_s=shape.ctl_msg_s, prompt_tokens=shape.prompt_tokens,

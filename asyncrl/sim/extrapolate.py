@@ -1,10 +1,10 @@
 """Extrapolation of the scale model to cluster shapes, and what limits scale there.
 
-Owns: the ``--extrapolate`` table of ``scripts/simulate_scale.py``: every shape of
-``scripts/scalecluster.py`` at several eta, its speedup over eta = 0 next to AReaL's published one, and
+Owns: the ``--extrapolate`` tables of ``scripts/simulate_scale.py``: every shape of
+``asyncrl/sim/cluster.py`` at several eta, its speedup over eta = 0 next to AReaL's published one, and
 the load it puts on the three shared pieces (the controller, the publisher's link, the trajectory log's
-fsyncs), each against a capacity measured on this machine (controller: ``bench_controller.json``;
-fsync: timed here, now). Never: starts a training run.
+fsyncs), each against a capacity the caller measured and passes in (seconds per controller message,
+seconds per fsync). Never: starts a run, measures anything, or prints (tables go to the caller's ``show``).
 
 A shape is simulated at 1/``shrink`` of its size (GPUs and prompts per step divided by ``shrink``; the
 publisher's link bandwidth divided and the controller's cost per message multiplied by it, so every
@@ -13,45 +13,24 @@ per-GPU and per-message load is the full cluster's); rates are reported for the 
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
-import time
 from dataclasses import replace
 from typing import Any
 
+from asyncrl.config.schema import LogConfig
 from asyncrl.controller.core import no_work_retry_s
-from scripts import benchlib
-from scripts.scalecluster import (
-    AREAL,
-    ASSUMPTIONS,
-    SHAPES,
-    ClusterShape,
-    cluster_params,
-    controller_msg_s,
-    derived,
-)
-from scripts.scalesim import simulate, window_rate, window_staleness
+from asyncrl.sim.cluster import AREAL, ASSUMPTIONS, SHAPES, ClusterShape, cluster_params, derived
+from asyncrl.sim.model import simulate
+from asyncrl.sim.params import ShowTable, fmt_hist, window_rate, window_staleness
 
-LOG_FSYNC_EVERY = 64  # log.fsync_every default (asyncrl/config/schema.py)
+__all__ = ["LOG_BYTES_PER_TOKEN", "LOG_FSYNC_EVERY", "extrapolate", "simulate_shape"]
+
+LOG_FSYNC_EVERY = LogConfig().fsync_every  # records per trajectory-log fsync, the log.fsync_every default
 LOG_BYTES_PER_TOKEN = 12  # token id (int32) + behaviour log-prob (float32) + version (int32) per response token
 
 
-def fsync_seconds(rounds: int = 20, record_bytes: int = 64 * 4096) -> float:
-    """Median seconds of one append of ``record_bytes`` + fsync on this machine's temp disk."""
-    times = []
-    with tempfile.NamedTemporaryFile(prefix="fsync-probe-") as f:
-        payload = os.urandom(record_bytes)
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def simulate_shape(shape: ClusterShape, eta: int, shrink: int) -> dict[str, Any]:
+    """``shape`` at ``eta``, simulated at 1/``shrink`` size: the steady window's figures for the full cluster."""
     small = replace(shape, gen_gpus=max(1, shape.gen_gpus // shrink), train_gpus=max(1, shape.train_gpus // shrink),
                     groups_per_step=max(1, shape.groups_per_step // shrink), egress_bw=shape.egress_bw / shrink,
                     ctl_msg_s=shape.ctl_msg_s * shrink)
@@ -59,10 +38,8 @@ def simulate_shape(shape: ClusterShape, eta: int, shrink: int) -> dict[str, Any]
     r = simulate(cluster_params(small, eta=eta, nowork_retry_s=no_work_retry_s(shape.gen_gpus)))
     w = window_rate(r.version_times, r.batch_samples)
     span = r.version_times[-1]
-    hist = window_staleness(r)
-    n = sum(hist.values()) or 1
     return {"step_s": w["step_s"], "samples_per_s": w["samples_per_s"] * shrink,
-            "staleness": " ".join(f"{k}:{v / n:.2f}" for k, v in sorted(hist.items())),
+            "staleness": fmt_hist(window_staleness(r)),
             "gen_busy": statistics.fmean(r.worker_busy_s) / span, "learner_busy": r.learner_busy_s / span,
             "controller_busy": r.controller_busy_s / span,
             "controller_msgs_per_s": r.controller_msgs / span * shrink,
@@ -70,11 +47,14 @@ def simulate_shape(shape: ClusterShape, eta: int, shrink: int) -> dict[str, Any]
             "fetch_s": statistics.fmean(r.stage_wall.get("fetch_s", [0.0]))}
 
 
-def extrapolate(*, quick: bool, shrink: int) -> dict[str, Any]:
-    ctl = controller_msg_s()
+def extrapolate(*, quick: bool, shrink: int, ctl_msg_s: float, fsync_s: float, show: ShowTable) -> dict[str, Any]:
+    """Every shape (quick: the two 7B ones) at eta 0, 1, 2, 4, 8 (quick: 0 and 4), with ``ctl_msg_s`` seconds
+    per controller message and ``fsync_s`` seconds per trajectory-log fsync as the measured capacities."""
+    if shrink < 1:
+        raise ValueError(f"shrink must be >= 1 (simulate 1/shrink of each cluster), got {shrink}")
+    ctl, fsync = ctl_msg_s, fsync_s
     etas = [0, 4] if quick else [0, 1, 2, 4, 8]
     names = ["areal-7b", "7b-192gen-64train"] if quick else list(SHAPES)
-    fsync = fsync_seconds()
     rows, limits, compare = [], [], []
     for name in names:
         shape = replace(SHAPES[name], ctl_msg_s=ctl, steps=8 if quick else 12)
@@ -112,14 +92,14 @@ def extrapolate(*, quick: bool, shrink: int) -> dict[str, Any]:
                             "best_eta": best["eta"], "areal_sync_step_s": a["sync_hours"] * 3.6,
                             "predicted_sync_step_s": sync["step_s"], "areal_async_step_s": a["async_hours"] * 3.6,
                             "predicted_async_step_s_eta4": at4["step_s"]})
-    benchlib.print_table(f"cluster shapes (simulated at 1/{shrink} size, rates for the full cluster); assumptions: "
-                         + "; ".join(ASSUMPTIONS), rows,
-                         ["shape", "gen_gpus", "train_gpus", "eta", "step_s", "samples_per_s", "speedup_vs_eta0",
-                          "gen_busy", "learner_busy", "controller_busy", "train_s", "fetch_s", "staleness"])
+    show(f"cluster shapes (simulated at 1/{shrink} size, rates for the full cluster); assumptions: "
+         + "; ".join(ASSUMPTIONS), rows,
+         ["shape", "gen_gpus", "train_gpus", "eta", "step_s", "samples_per_s", "speedup_vs_eta0",
+          "gen_busy", "learner_busy", "controller_busy", "train_s", "fetch_s", "staleness"])
     if compare:
-        benchlib.print_table("async/sync speedup vs AReaL v0.3 Table 2 (1000 PPO steps; hours x 3.6 = seconds per step)",
-                             compare, list(compare[0]))
-    benchlib.print_table("what limits scale (at the largest eta): load on the shared pieces vs their capacity here",
-                         limits, list(limits[0]))
+        show("async/sync speedup vs AReaL v0.3 Table 2 (1000 PPO steps; hours x 3.6 = seconds per step)",
+             compare, list(compare[0]))
+    show("what limits scale (at the largest eta): load on the shared pieces vs their capacity", limits,
+         list(limits[0]))
     return {"assumptions": ASSUMPTIONS, "shrink": shrink, "shapes": {n: derived(SHAPES[n]) for n in names},
             "rows": rows, "areal": compare, "limits": limits, "controller_msg_s": ctl, "fsync_s": fsync}

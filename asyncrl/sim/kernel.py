@@ -1,8 +1,9 @@
-"""The event kernel of the scale model: a clock, a timer heap and processor-sharing servers.
+"""The event kernel of the scale simulator: a clock, a timer heap and processor-sharing servers.
 
 Owns: ``Sim`` (time and timers), ``Proc`` (an operating-system process: at most one core, or a resource
 such as a network link that takes none) and ``Server`` (a thread serving jobs by processor sharing).
-Never: knows anything about asyncrl; ``scripts/scalesim.py`` builds the job's model on it.
+Never: knows anything about asyncrl (``asyncrl/sim/model.py`` builds the job's model on it), reads the
+wall clock, or imports outside the standard library.
 Invariant: work is conserved: a job of ``w`` units on a server whose share of a core is ``s`` with ``n``
 jobs finishes after ``w * cost(n) / s`` seconds while nothing changes; any change (a job arriving or
 leaving, a process becoming busy or idle) reapportions the rates at that instant.

@@ -1,9 +1,10 @@
-"""Stage times of a real run, read from its own folder, and their calibration into ``scalesim.Params``.
+"""Stage times of a real run, read from its own folder, and their calibration into the simulator's ``Params``.
 
 Owns: what a run folder says about its stages (``measure``: samples/s, staleness histogram, mean wall
 time of each stage) and the inversion that turns those wall times into the model's intrinsic costs
-(``calibrate``). Never: starts runs, or invents a stage time the run does not hold (the controller's
-per-message cost and the message latency are model defaults, named as such in ``Params``).
+(``calibrate``; ``pool_params`` merges the calibrations of several runs of one job). Never: starts runs,
+or invents a stage time the run does not hold (the controller's per-message cost and the message
+latency are model defaults, named as such in ``Params``).
 
 Where each stage time comes from (``asyncrl train`` writes all of it):
 
@@ -13,9 +14,8 @@ Where each stage time comes from (``asyncrl train`` writes all of it):
 * ``trajectories/`` (the trajectory log): each sample's engine ``timings`` (``queue_s``, ``total_s``),
   response length, per-token versions, worker and log time; each batch's log time and sample ids. From
   them: the engine's decode-step cost ``a + c * active`` (a least-squares fit of each sample's seconds
-  per token against how many samples its worker held at its midpoint), the delay from an engine
-  the learner's time beyond train and
-  publish (``other_s`` = batch k logged -> version k+1 reported, minus train and publish), the
+  per token against how many samples its worker held at its midpoint), the learner's time beyond train
+  and publish (``other_s`` = batch k logged -> version k+1 reported, minus train and publish), the
   staleness of every consumed sample, and the response lengths;
 * ``config.json``: workers, eta, groups per step, group size, worker slots, steps.
 
@@ -31,23 +31,22 @@ import collections
 import json
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from asyncrl.log import BatchRecord, SampleRecord, read_log
+from asyncrl.metrics import read_metrics
 from asyncrl.rundir import RunDir
-from scripts.scalesim import Params, simulate, window_rate
+from asyncrl.sim.model import simulate
+from asyncrl.sim.params import Params, warmup_steps, window_rate
 
-
-def _window_steps(n_versions: int) -> int:
-    return max(2, n_versions // 10)
+__all__ = ["POOLED_COSTS", "calibrate", "measure", "params_for", "pool_params", "simulated_stages"]
 
 
 def measure(run_dir: Path) -> dict[str, Any]:
     """Everything the model and its validation need from one finished run folder."""
-    from asyncrl.log import BatchRecord, SampleRecord, read_log
-    from asyncrl.metrics import read_metrics
-
     run_dir = Path(run_dir)
     cfg = json.loads(RunDir(run_dir).config.read_text())
     recs = [r for r in read_metrics(run_dir) if r.get("time/learner_train_s") is not None]
@@ -55,7 +54,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{run_dir}: {len(recs)} learner steps in metrics.jsonl; calibrate from a run of >= 4 steps "
                          "(learner.total_steps)")
     version_times = [float(r["time"]) for r in recs]
-    skip = _window_steps(len(recs))
+    skip = warmup_steps(len(recs))
     body = recs[skip:]
     batch = cfg["rollout"]["groups_per_step"] * cfg["algo"]["group_size"]
     rate = window_rate(version_times, batch)
@@ -150,7 +149,7 @@ def _fit_engine(spans: dict[str, tuple[str, float, float, float, int]]) -> tuple
     return a, c, d, statistics.fmean(per_token)
 
 
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     c = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
@@ -199,3 +198,15 @@ def calibrate(m: dict[str, Any], rounds: int = 6) -> tuple[Params, list[dict[str
         if all(abs(r - 1.0) < 0.01 for r in ratios.values()):
             break
     return p, history
+
+
+POOLED_COSTS = ("train_s", "publish_s", "other_s", "fetch_s", "step_a", "step_c", "step_d", "train_s_per_token")
+
+
+def pool_params(ps: list[Params]) -> Params:
+    """One calibration from several runs of the same job: the median of each intrinsic cost (what one
+    run's CPU speed or workload drift moves) and every run's response lengths; the rest from the first."""
+    if not ps:
+        raise ValueError("pool_params needs the calibrations of at least one run")
+    costs = {k: statistics.median(getattr(p, k) for p in ps) for k in POOLED_COSTS}
+    return replace(ps[0], **costs, lengths=[n for p in ps for n in p.lengths])
