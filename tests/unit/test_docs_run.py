@@ -5,7 +5,8 @@ learner and workers over loopback; a few steps) runs once for this module in a t
 named ``runs/demo`` as in README.md. Then:
 
 * every ``asyncrl ...`` line of README's "Running it" block either runs as written (those that take
-  seconds: the ``log`` tools on ``runs/demo`` and ``keys generate``), or has its ``key=value`` settings
+  seconds: the ``log`` tools on ``runs/demo``, ``keys generate``, and ``train resume=runs/demo``, which on
+  the finished run says there is nothing to resume), or has its ``key=value`` settings
   loaded and validated the way ``asyncrl train`` does before any process starts (the full training
   runs, which take minutes) and its sub-command's ``--help`` printed;
 * ``--help`` works for every sub-command of ``asyncrl``;
@@ -36,6 +37,12 @@ ROOT = Path(REPO_ROOT)
 SHORT = ["run_name=demo", "learner.total_steps=4", "learner.eval_every=4", "learner.ckpt_every=2",
          "task.eval_size=16", "rollout.groups_per_step=2"]
 RUN_AS_WRITTEN = ("log", "keys")  # sub-commands of README's block that finish in seconds on runs/demo
+
+
+def runs_as_written(args: list[str]) -> bool:
+    """Whether a README line finishes in seconds here: the log tools, keys, and a resume of the finished
+    runs/demo (which says so and changes nothing)."""
+    return args[0] in RUN_AS_WRITTEN or (args[0] == "train" and any(a.startswith("resume=") for a in args))
 RECORD_FIELDS = {"step", "time"}  # every record's own fields; the glossary documents them as such
 
 
@@ -90,7 +97,7 @@ def help_text(words: list[str], capsys) -> str:
 
 @pytest.mark.parametrize("args", readme_commands(), ids=lambda a: " ".join(a))
 def test_readme_command(args: list[str], demo_run: Path, capsys):
-    if args[0] in RUN_AS_WRITTEN:
+    if runs_as_written(args):
         tracker = ProcessTracker()
         try:
             res = asyncrl(tracker, demo_run, *args, timeout=300)
@@ -100,7 +107,7 @@ def test_readme_command(args: list[str], demo_run: Path, capsys):
         return
     help_text(args[:1], capsys)
     settings = [a for a in args[1:] if "=" in a]
-    if args[0] == "train" and not any(a.startswith("resume=") for a in settings):
+    if args[0] == "train":
         from asyncrl.config.loader import load_train_config
         from asyncrl.config.schema import validate
 
