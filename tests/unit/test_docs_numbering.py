@@ -1,5 +1,5 @@
-"""One numbering per document, every ``docs/PAGE.md §N`` citation lands on a numbered heading, and
-the pages are references, not diaries.
+"""One numbering per document, every ``docs/PAGE.md §N`` citation lands on a numbered heading, every
+repository file the pages cite exists, and the pages are references, not diaries.
 
 ``tests/unit/test_docs_refs.py`` resolves citations of docs/algorithms.md and docs/architecture.md in
 full (ranges and lists); this module covers every other page, whose citations are single sections
@@ -61,3 +61,17 @@ def test_the_pages_are_references_not_diaries():
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:80]}" for p in [ROOT / "README.md", *PAGES]
              for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(line)]
     assert not found, f"reword these lines: {found}"
+
+
+CITED_FILE = re.compile(r"(?<![\w/.])((?:asyncrl|workers|protocols|scripts|tests|configs|docs|benchmarks|examples)"
+                        r"/[\w./-]+\.(?:py|yaml|md|json|png|log|sbatch))\b")
+EXTERNAL = {"docs/algo/dapo.md"}  # a file of verl's repository, cited among verl's sources in docs/algorithms.md
+
+
+def test_every_repository_file_the_pages_cite_exists():
+    """A file named in README.md or docs/*.md (``asyncrl/learner/memory.py``, ``benchmarks/results/X.json``)
+    is in the repository: a module moved or a result removed must take its citations along."""
+    missing = sorted({f"{p.relative_to(ROOT)}: {m.group(1)}" for p in [ROOT / "README.md", *PAGES]
+                      for m in CITED_FILE.finditer(p.read_text())
+                      if m.group(1) not in EXTERNAL and not (ROOT / m.group(1)).exists()})
+    assert not missing, f"these cited files do not exist: {missing}"
