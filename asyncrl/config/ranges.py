@@ -101,6 +101,19 @@ RANGES: dict[str, tuple[str, str]] = {
     "transport.port": ("[0, 65535]", "a TCP port; 0 = any free port"),
     "log.fsync_every": ("[1, inf)", "records between fsyncs"),
     "log.rotate_mb": ("[1, inf)", "segment size in MiB"),
+    "health.window": ("[1, inf)", "training steps each windowed alarm averages over"),
+    "health.early_steps": ("[1, inf)", "first steps whose mean is the early value"),
+    "health.repeat_every": ("[1, inf)", "steps between repeats of a standing alarm"),
+    "health.solved_reward": ("[0, 1]", "a train reward fraction"),
+    "health.length_ratio": ("[0, 1]", "a fraction of the early mean response length"),
+    "health.entropy_ratio": ("[0, 1]", "a fraction of the early mean entropy"),
+    "health.zero_variance_share": ("[0, 1]", "a share of groups"),
+    "health.flat_after_steps": ("[0, inf)", "the step from which reward_flat is judged"),
+    "health.flat_min_gain": ("(-inf, inf)", "a reward difference, e.g. 0.02"),
+    "health.majority_share": ("[0, 1]", "a share of the batch"),
+    "health.learner_busy_min": ("[0, 1]", "a share of the learner's step time"),
+    "health.learner_busy_max": ("[0, 1]", "a share of the learner's step time"),
+    "health.workers_idle_max": ("[0, 1]", "a share of the workers' time"),
 }
 
 INTERVALS: dict[str, Interval] = {key: Interval.parse(text) for key, (text, _) in RANGES.items()}

@@ -149,12 +149,12 @@ def test_health_keys_and_stop_on_are_hydra_overrides_checked_before_any_process(
     assert cfg.learner.stop_on == ["zero_variance", "reward_flat"] and cfg.health.window == 4
     with pytest.raises(ValueError, match="choose from length_collapse"):
         load_train_config(["learner.stop_on=[zero_var]"])
-    with pytest.raises(ValueError, match=r"health.length_ratio=2.0 must be a fraction"):
+    with pytest.raises(ValueError, match=r"health.length_ratio=2.0 must be in \[0, 1\]"):
         load_train_config(["health.length_ratio=2"])
     with pytest.raises(ValueError, match="drop health.enabled=false"):
         check_health(HealthConfig(enabled=False), ["nonfinite"])
     with pytest.raises(ValueError, match="health.window=0 must be >= 1"):
-        check_health(HealthConfig(window=0), [])
+        load_train_config(["health.window=0"])
 
 
 # ------------------------------------------------------------------------------ the controller side
