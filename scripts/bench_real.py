@@ -57,8 +57,8 @@ from scripts import benchlib  # noqa: E402
 # beside accuracy). chain_sum: the
 # chain_sum preset widened to two or three unsigned terms because the two-term space has only 200
 # questions; its held-out set is then mostly three-term problems (base 0.08) while training repeats
-# the two-term ones (base 0.44), which is why its first recorded run (docs/benchmarks.md §8) moved the
-# sampled reward, not held-out accuracy.
+# the two-term ones (base 0.44), which is why its first recorded run (2026-12-01, in the history of
+# docs/benchmarks.md) moved the sampled reward, not held-out accuracy.
 PRESETS = {
     "chain_sum": ["+experiment=smollm2_chain_sum", "task.rg_config={min_terms:2,max_terms:3,min_digits:1,max_digits:1}",
                   "task.size=400"],

@@ -226,7 +226,7 @@ class GeneratorWorker:
                 try:
                     self._load_weights(-1, cancel=self.stop)  # the newest the learner serves (the controller's view can lag)
                 except WeightFetchCancelled:
-                    pass  # handled below, once the heartbeat helper has given the control socket back
+                    pass  # handled below, once the start-up heartbeat thread has given the control socket back
             if self.weights_version < 0:
                 # SIGTERM, or the run ended (the controller answers a heartbeat with Shutdown) before any
                 # weights arrived: nothing was assigned yet, so leave quietly instead of timing out.
@@ -262,8 +262,8 @@ class GeneratorWorker:
 
     @contextlib.contextmanager
     def _heartbeats_while_starting(self):
-        """Heartbeats from a helper thread while the engine is built and loaded, so the controller does not
-        declare a worker dead whose server is still starting. The helper owns the control socket meanwhile
+        """Heartbeats from a second thread while the engine is built and loaded, so the controller does not
+        declare a worker dead whose server is still starting. That thread owns the control socket meanwhile
         (nothing else uses it until the comms thread starts, after this block)."""
         done = threading.Event()
 
@@ -278,13 +278,13 @@ class GeneratorWorker:
                         self.stop.set()
                     env = self.ctl.recv(0.0)
 
-        helper = threading.Thread(target=beat, name="worker-start-heartbeat", daemon=True)
-        helper.start()
+        beater = threading.Thread(target=beat, name="worker-start-heartbeat", daemon=True)
+        beater.start()
         try:
             yield
         finally:
             done.set()
-            helper.join()
+            beater.join()
 
     def _engine_spec(self, setup: P.WorkerSetup) -> EngineSpec:
         sg = self.sglang

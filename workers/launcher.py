@@ -7,8 +7,8 @@ alone at world size 1) and
 the controller, draws the plots and writes ``summary.json``. Ctrl-C (or SIGTERM) stops every child by
 PID, the learner first writing a resumable checkpoint. Any child that dies unexpectedly stops the run
 with one line naming its fatal error and its log file, then the tail of that log.
-Process trees: each child leads its own session, so ``stop`` ends the whole tree it started (the
-learner's ranks under torchrun included) through that session's process-group id, which is the
+Process trees: each child leads its own process group, so ``stop`` ends the whole tree it started (the
+learner's ranks under torchrun included) through that group's id, which is the
 child's PID; never by name. One live job per run folder: the launcher holds the run-folder lock
 (``asyncrl.rundir.lock``) and hands it to the controller. Relative paths in the configuration are
 resolved against the caller's working directory, which the children also run in.
@@ -72,7 +72,7 @@ class Child:
         self.name, self.log_path = name, log_path
         self.log_file = open(log_path, "ab")  # noqa: SIM115 - closed in close()
         # start_new_session: a terminal's Ctrl-C reaches the launcher only; it stops children by PID.
-        # The session's process group id is the child's PID: stop() ends grandchildren through it.
+        # The child's process group id is its PID: stop() ends grandchildren through it.
         self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=os.getcwd(),
                                      env=env, start_new_session=True, pass_fds=pass_fds)
 
@@ -283,7 +283,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait(timeout=KILL_WAIT_S)
-        for c in chosen:  # whatever the child left behind in its session (torchrun's ranks): by group id
+        for c in chosen:  # whatever the child left behind in its process group (torchrun's ranks): by group id
             end_process_group(c.proc.pid)
 
     def close(self) -> None:
@@ -292,7 +292,7 @@ class Launcher:
 
 
 def end_process_group(pgid: int) -> None:
-    """SIGKILL what is left of the session a child led (its group id is the child's PID)."""
+    """SIGKILL what is left of the process group a child led (its group id is the child's PID)."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

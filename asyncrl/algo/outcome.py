@@ -2,8 +2,8 @@
 
 Owns the arithmetic of the group estimators (GRPO with unbiased std and epsilon 1e-6, Dr. GRPO
 without std, RLOO), the singleton and zero-variance rules, and the DAPO dynamic-sampling predicate.
-The controller scores every complete group here, so its process never loads torch (about 0.25 GB
-of resident memory); ``asyncrl.algo.advantages.group_advantages`` is the tensor interface to the
+The controller scores every complete group here, so its process never loads torch (its resident
+memory: docs/benchmarks.md §8); ``asyncrl.algo.advantages.group_advantages`` is the tensor interface to the
 same function.
 
 Never: imports torch; sees log-probs or versions.

@@ -6,8 +6,8 @@ message; ``raw``: the prompt text tokenized as is; ``auto``: chat when the token
 the stop tokens of a model folder (its tokenizer's EOS, ``config.json`` and
 ``generation_config.json``, so ``<|im_end|>`` ends a chat answer), and loading a folder's tokenizer
 (``load_tokenizer``), also without torch once ``AutoTokenizer``'s choice of class is known:
-``AutoTokenizer`` imports torch through transformers' config classes, about 0.25 GB of resident
-memory in the controller, which has no other use for it.
+``AutoTokenizer`` imports torch through transformers' config classes, resident memory the controller
+has no other use for (docs/benchmarks.md §8).
 Never: decides what a prompt says (tasks do) or tokenizes anywhere but in the controller: the ids
 made here travel to the workers, into the trajectory log and, through replay, back to the learner,
 so a run is replayed with exactly the ids it trained on.

@@ -173,7 +173,7 @@ class SGLangEngine:
         self._control = threading.Thread(target=self._control_loop, name="sglang-control", daemon=True)
         self._control.start()
 
-    # ----------------------------------------------------------------- construction helpers
+    # ----------------------------------------------------------------- construction
 
     @classmethod
     def launch(

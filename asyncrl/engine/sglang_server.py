@@ -189,8 +189,8 @@ class SGLangServerProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the server's PID; then SIGKILL the process group created for it, which still holds its
-        scheduler/detokenizer children. The leader is reaped only after that, so its PID (= the group id)
-        cannot have been reused by another process when the group is signalled. Idempotent."""
+        scheduler/detokenizer children. The group's first process is reaped only after that, so its PID
+        (= the group id) cannot have been reused by another process when the group is signalled. Idempotent."""
         if self.proc.returncode is not None:
             return
         if self.alive():

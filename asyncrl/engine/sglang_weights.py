@@ -152,7 +152,7 @@ def tensor_bodies(
 
 
 def disk_body(folder: Path, version: int) -> dict[str, Any]:
-    """``/update_weights_from_disk`` body (needs no begin/end session in SGLang 0.5.23)."""
+    """``/update_weights_from_disk`` body (needs no ``/begin_weight_update`` ... ``/end_weight_update`` around it in SGLang 0.5.23)."""
     return {"model_path": str(folder), "weight_version": str(version), "flush_cache": False}
 
 

@@ -9,9 +9,8 @@ reuse. The threshold is dynamic: each time a mmapped chunk is freed the threshol
 chunk's size (up to 32 MiB), so after the first layer of a forward almost every activation of a
 2048-token micro-batch (0.1-12 MiB each) is served from the heap. Interleaved with tensors that
 stay alive (the layer inputs kept for activation checkpointing, LoRA's small rank-r
-activations), the freed chunks are rarely reusable as a whole and never given back: measured on
-SmolLM2-135M, one LoRA training forward of 19 x 104 tokens left the process at 2.47 GB RSS of
-which ``malloc_trim`` returned 1.44 GB (full fine-tuning: 1.70 GB, 0.70 GB returned).
+activations), the freed chunks are rarely reusable as a whole and never given back (on SmolLM2-135M, more
+than half of the RSS after one LoRA training forward; docs/benchmarks.md §6).
 
 ``bound_malloc_retention`` fixes the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also turns
 the dynamic adjustment off) and the heap-top trim threshold, so every tensor of at least that
@@ -20,12 +19,10 @@ size lives in its own mapping and goes back to the kernel when freed.
 ``bound_kernel_caches`` bounds the two per-shape caches of torch's oneDNN (mkldnn) CPU path, which
 bf16 matmuls go through: oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and ideep's
 (``LRU_CACHE_CAPACITY``), 1024 entries each by default. A rollout stream's micro-batches have a new
-row count almost every time, every shape builds about a dozen primitives in each cache, and the two
-together kept ~7.5 MB per new shape: measured on this project's CPU (torch 2.13), SmolLM2-sized bf16
-linears (forward and backward) over 180 random row counts grew a process from 0.28 to 1.18 GB, and
-capped at 64 entries each it stayed at 0.34 GB at the same speed. With 128 entries a 30-minute
-full fine-tuning run's learner peaked at 3.66 GB instead of 3.95 (docs/benchmarks.md §8). The caches
-read the variables at their first use, so the call must come before the first bf16 (oneDNN) operation.
+row count almost every time, every shape builds about a dozen primitives in each cache, and at the
+default capacity the process grows by several MB per new shape until the caches are full; capped, it
+stays flat at the same speed (docs/benchmarks.md §6). The caches read the variables at their first
+use, so the call must come before the first bf16 (oneDNN) operation.
 
 Never does: change any value computed (the allocator only decides where bytes live), allocate,
 or act outside glibc (elsewhere it reports False and does nothing).
@@ -50,9 +47,8 @@ DEFAULT_MMAP_THRESHOLD = 1 << 20
 
 DEFAULT_KERNEL_CACHE_CAPACITY = 64
 """Entries per oneDNN/ideep cache. One micro-batch shape needs about 15 primitives in each (30 with
-LoRA's adapter matmuls), so one step's shapes stay cached while it runs. Entries for 2048-token
-micro-batches are large: measured on SmolLM2-135M under bf16 (8 steps of new shapes), at 128 entries
-the learner still grew 0.12 GB, at 32 or 64 it levelled off after 3 steps, at the same speed."""
+LoRA's adapter matmuls), so one step's shapes stay cached while it runs; entries for 2048-token
+micro-batches are large, so a higher capacity still grows (docs/benchmarks.md §6)."""
 
 KERNEL_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 """The environment variables by which oneDNN and ideep (inside libtorch) size their caches."""

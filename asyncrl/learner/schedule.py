@@ -8,7 +8,7 @@ training step (not per minibatch), so the learning rate is constant within a ste
 ``lr_multiplier(version)`` is the multiplier used by the step that produces ``version + 1``.
 
 Why decay matters here: on the embedded addition task a constant learning rate let GRPO reach
-high reward and then collapse late in the run (issue 6); linear warm-up then cosine or linear
+high reward and then collapse late in the run; linear warm-up then cosine or linear
 decay to a floor (``min_lr_ratio``) avoided it.
 """
 

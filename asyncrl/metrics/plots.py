@@ -4,7 +4,10 @@ Owns: which metrics each plot shows, and drawing them with matplotlib's Agg canv
 pyplot global state, so it is safe in a headless launcher and in threads).
 Never: writes a plot with no data (a metric absent from the run is skipped; a plot none of whose
 metrics is present is not written), invents points (a key logged only on some steps, such as eval every
-N steps, is drawn only at the steps that have it; ``null`` values, i.e. non-finite ones, are gaps).
+N steps, is drawn only at the steps that have it; ``null`` values, i.e. non-finite ones, are gaps), or
+draws a line through steps that lack the value: two points are joined only when no step of the run lies
+between them (``gapped``), so a sparse series (a staleness bucket seen at steps 1 and 380, eval every 50
+steps) is drawn as markers or as broken segments, never as a line across steps where it was not logged.
 
 Plots (file: metrics):
 - ``reward.png``: ``train/reward_mean``, its moving average over ``SMOOTH_WINDOW`` steps and, when
@@ -14,8 +17,8 @@ Plots (file: metrics):
   it ``η=J``; both spellings are accepted), one line per J, plus ``mismatch/kl_k3`` over all tokens.
 - ``clip_fractions.png``: keys starting ``actor/clipfrac`` or ``acr/clipfrac``, ``acr/empty_band_frac``,
   ``tbpo/seq_masked_frac``.
-- ``throughput.png``: ``throughput/samples_per_s``, ``throughput/tokens_per_s`` (one panel each) and
-  ``time/learner_busy_frac``, ``time/gen_busy_frac`` (one panel). The run's closing report (``done``)
+- ``throughput.png``: ``throughput/samples_per_s``, ``throughput/tokens_per_s`` and
+  ``time/learner_busy_frac`` (one panel each). The run's closing report (``done``)
   and the step-0 evaluation report (``eval/baseline``) are not training steps and are left out here
   (the closing one's rate over export and final evaluation would be a spike at the last step).
 - ``responses.png``: ``train/response_len_mean``; ``train/zero_variance_groups`` and
@@ -115,6 +118,52 @@ def series(records: Sequence[dict[str, Any]], key: str, skip_final: bool = False
     return steps, values
 
 
+def run_steps(records: Sequence[dict[str, Any]], skip_final: bool = False) -> list[int]:
+    """The distinct steps of the run's records, ascending (the records ``series`` reads with ``skip_final``)."""
+    return sorted({r["step"] for r in records if not (skip_final and (r.get("done") or r.get("eval/baseline")))})
+
+
+def gapped(xs: Sequence[int], ys: Sequence[float], steps: Sequence[int]) -> tuple[list[float], list[float], bool]:
+    """``xs``/``ys`` with a NaN point between two consecutive points that are not adjacent steps of
+    ``steps`` (every step of the run, ascending), so matplotlib breaks the line there; and whether any
+    such gap exists."""
+    index = {s: i for i, s in enumerate(steps)}
+    out_x: list[float] = []
+    out_y: list[float] = []
+    gap = False
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        if i and (x not in index or xs[i - 1] not in index or index[x] - index[xs[i - 1]] != 1):
+            out_x.append(math.nan)
+            out_y.append(math.nan)
+            gap = True
+        out_x.append(float(x))
+        out_y.append(y)
+    return out_x, out_y, gap
+
+
+def panel_lines(panel: Panel, records: Sequence[dict[str, Any]], keys: set[str]
+                ) -> list[tuple[Line, list[Any], list[float]]]:
+    """The lines of ``panel`` that have data, with their (steps, values) as drawn: broken at steps that
+    lack the value (``gapped``), and with markers when broken, so an isolated point shows. A baseline is a
+    reference drawn across the run, not data, and is never broken. Steps are floats (NaN at a break)."""
+    steps = run_steps(records, panel.skip_final)
+    out: list[tuple[Line, list[Any], list[float]]] = []
+    for line in panel.lines:
+        if _base_key(line.key) not in keys:
+            continue
+        xs, ys = derived_series(records, line.key, panel.skip_final)
+        if not xs:
+            continue
+        if line.key.startswith(BASELINE):
+            out.append((line, [float(x) for x in xs], ys))
+            continue
+        gx, gy, gap = gapped(xs, ys, steps)
+        if gap or len(xs) == 1:
+            line = dataclasses.replace(line, style={"marker": "o"} | line.style)
+        out.append((line, gx, gy))
+    return out
+
+
 def _reward(keys: set[str]) -> list[Panel]:
     return [
         Panel(
@@ -157,11 +206,7 @@ def _throughput(keys: set[str]) -> list[Panel]:
     return [
         Panel("tokens / s", [Line("throughput/tokens_per_s", "generated tokens/s")], skip_final=True),
         Panel("samples / s", [Line("throughput/samples_per_s", "samples/s")], skip_final=True),
-        Panel(
-            "busy fraction",
-            [Line("time/learner_busy_frac", "learner busy"), Line("time/gen_busy_frac", "generation busy")],
-            ylim=(-0.02, 1.02), skip_final=True,
-        ),
+        Panel("busy fraction", [Line("time/learner_busy_frac", "learner busy")], ylim=(-0.02, 1.02), skip_final=True),
     ]
 
 
@@ -213,7 +258,7 @@ def _draw(
             if len(xs) == 1:
                 style.setdefault("marker", "o")
             ax.plot(xs, ys, label=line.label, **({"linewidth": 1.4, "markersize": 3.5} | style))
-        if panel.log_if_positive and all(y > 0 for _, _, ys in drawn for y in ys):
+        if panel.log_if_positive and all(y > 0 for _, _, ys in drawn for y in ys if not math.isnan(y)):
             ax.set_yscale("log")
         if panel.ylim is not None:
             ax.set_ylim(*panel.ylim)
@@ -264,9 +309,7 @@ def make_plots(run_dir: str | Path, records: Sequence[dict[str, Any]] | None = N
     for spec in PLOTS:
         panels = []
         for panel in spec.panels(keys):
-            drawn = [(line, *derived_series(records, line.key, panel.skip_final)) for line in panel.lines
-                     if _base_key(line.key) in keys]
-            drawn = [d for d in drawn if d[1]]
+            drawn = panel_lines(panel, records, keys)
             if drawn:
                 panels.append((panel, drawn))
         if not panels:

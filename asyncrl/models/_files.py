@@ -1,6 +1,6 @@
 """Where model folders live and how they are created safely.
 
-Owns: the default models directory and the create-once-atomically helper used by ``ensure_*``.
+Owns: the default models directory and the create-once-atomically function used by ``ensure_*``.
 
 Must never: download anything. A model folder is either already complete on disk or built locally.
 

@@ -4,8 +4,8 @@ Owns:
   * `code_change_frac(prev, cur)`: fraction of quantised weight codes (per element: fp4 nibbles,
     int8/fp8 codes, bf16/fp32 bit patterns of the target linears) that differ between two
     publications; the quantity behind QuRL's "weight updates vanish under quantisation". Padding
-    columns of fp4 blocks are excluded. Logged as `quant/code_change_frac` (docs/algorithms.md §7 calls
-    it `uaq/code_change_frac`; the issue's name is used here).
+    columns of fp4 blocks are excluded. Returned as `quant/code_change_frac` (docs/algorithms.md §7
+    calls it `uaq/code_change_frac`).
   * `quantization_error(state_dict, published)`: per target weight ||W - dequant(Q(W))||_F / ||W||_F,
     as `quant/rel_error_mean` (mean over weights) and `quant/rel_error_max`.
   * `kl_vs_full_precision(model_q, model_fp, probe_input_ids)`: mean over probe positions of

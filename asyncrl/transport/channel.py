@@ -220,7 +220,7 @@ class ZmqChannel:
         # Large payloads (weights) are received without a copy; small messages are faster copied.
         self._zero_copy_recv = zero_copy_recv
 
-    # ------------------------------------------------------------------ construction helpers
+    # ------------------------------------------------------------------ construction
     @classmethod
     def bind(cls, kind: int, address: str, **kwargs) -> ZmqChannel:
         """Bind to ``address``; ``tcp://127.0.0.1:0`` picks a free port (see ``.address``)."""

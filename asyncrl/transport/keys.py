@@ -18,7 +18,7 @@ Keys folder (every file is a zmq certificate written by ``zmq.auth``)::
 
 The allow-list is re-read when ``DIR/clients`` changes (``zap``), so keys added with ``asyncrl keys add``
 are admitted, and removed ones refused, on the next connection attempt without a restart (established
-sessions are not cut).
+connections are not cut).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def _has_chat_prompts() -> bool:
     return "prompt_format" in TaskConfig.__dataclass_fields__
 
 
-@pytest.mark.skipif(not _has_chat_prompts(), reason="needs chat-templated prompts (task.prompt_format, issue 15 item 1)")
+@pytest.mark.skipif(not _has_chat_prompts(), reason="needs chat-templated prompts (task.prompt_format)")
 def test_smollm2_lora_run_gets_rewards_and_replays_bit_exactly(tmp_path, procs):
     """SmolLM2-135M-Instruct, chat-templated prompts, LoRA on every projection, int8 workers: a few
     steps, some responses rewarded, and the replay of its log gives the same merged weights."""
