@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.metrics.health import Alarm, HealthConfig, HealthMonitor, health_config, replay
-from asyncrl.metrics.writer import parse_line, read_metrics
+from asyncrl.metrics.writer import parse_line, purge_records, read_metrics
 
 log = logging.getLogger("asyncrl.health")
 
@@ -58,26 +58,6 @@ def read_alarms(run_dir: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def _purge(path: Path, after_step: int) -> int:
-    """Drops the records at steps > ``after_step``; returns how many."""
-    if not path.exists():
-        return 0
-    kept, dropped = [], 0
-    for raw in path.read_bytes().split(b"\n"):
-        if not raw.strip():
-            continue
-        rec = parse_line(raw)
-        if rec is not None and rec["step"] > after_step:
-            dropped += 1
-        elif rec is not None:
-            kept.append(raw + b"\n")
-    if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(b"".join(kept))
-        os.replace(tmp, path)
-    return dropped
-
-
 class HealthWatch:
     """The controller's watch over a live run. ``observe(step, record)`` with every metrics record it
     writes; ``stop_reason`` becomes set (once) when an alarm named in ``stop_on`` fires.
@@ -94,7 +74,7 @@ class HealthWatch:
         self.stop_reason: str | None = None
         self.raised = 0
         if resume_step is not None:
-            _purge(self.path, resume_step)
+            purge_records(self.path, resume_step + 1)
             for r in read_metrics(run_dir):
                 if r["step"] <= resume_step:
                     self.monitor.observe(int(r["step"]), r)

@@ -172,7 +172,7 @@ def _repair_tail(path: Path) -> int:
     return size - keep
 
 
-def _purge(path: Path, purge_step: int) -> int:
+def purge_records(path: Path, purge_step: int) -> int:
     """Rewrites ``path`` without records at steps >= ``purge_step``; returns how many were dropped."""
     if not path.exists():
         return 0
@@ -219,7 +219,7 @@ class MetricsWriter:
         self.torn_bytes_removed = removed
         self.purged_records = 0
         if purge_step is not None:
-            self.purged_records = _purge(self.path, int(purge_step))
+            self.purged_records = purge_records(self.path, int(purge_step))
             if self.purged_records:
                 log.info(
                     "%s: dropped %d record(s) at steps >= %d (resume)",
