@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from asyncrl.engine.base import GenRequest, GenResult
+from asyncrl.engine.decode_options import DECODE_STEPS
 from asyncrl.engine.decoder import DecoderRunner, decoder_view, native_supported
 from asyncrl.engine.forward import eager_forward, static_forward
 from asyncrl.engine.rows import Seq, model_eos_ids, own_memory
@@ -47,7 +48,6 @@ from asyncrl.engine.step_graphs import resolve_cuda_graphs, tensor_pointers
 from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
 
 log = logging.getLogger(__name__)
-DECODE_STEPS = ("auto", "static", "eager")
 
 
 class EngineClosedError(RuntimeError):

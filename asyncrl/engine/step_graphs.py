@@ -21,9 +21,10 @@ from collections.abc import Callable
 
 import torch
 
+from asyncrl.engine.decode_options import CUDA_GRAPHS
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 MIN_LENGTH_BUCKET = 16
-CUDA_GRAPH_CHOICES = ("auto", "true", "false")
 
 StepBody = Callable[[int, int, bool], None]
 
@@ -54,8 +55,8 @@ def length_bucket(n: int, cap_len: int) -> int:
 def resolve_cuda_graphs(choice: str | bool, device: torch.device) -> bool:
     """``auto`` -> on for CUDA devices; ``true`` off CUDA is refused (``ValueError`` naming the fix)."""
     value = str(choice).lower()
-    if value not in CUDA_GRAPH_CHOICES:
-        raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_CHOICES}, got {choice!r}")
+    if value not in CUDA_GRAPHS:
+        raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPHS}, got {choice!r}")
     if value == "true" and device.type != "cuda":
         raise ValueError(f"cuda_graphs=true needs a CUDA device, and this engine runs on {device}; set "
                          "rollout.cuda_graphs=auto (or false), or rollout.device=cuda")
