@@ -266,3 +266,43 @@ def test_compiled_step_in_the_engine_gives_the_static_samples(tiny_hf):
         assert got[sid].response_ids == r.response_ids
         np.testing.assert_allclose(got[sid].behav_logp, r.behav_logp, atol=1e-6, rtol=0)
     engine.close()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int8_wo", "nvfp4", "mxfp4"])
+def test_a_publication_load_keeps_every_parameter_and_buffer_where_it_was(tiny_hf, tiny_hf_v1, fmt):
+    """Captured CUDA graphs read weights by address: a load must copy into the same storage."""
+    from asyncrl.engine.step_graphs import tensor_pointers
+    from asyncrl.quant import publish
+
+    engine = NativeEngine(copy.deepcopy(tiny_hf), quant_format=fmt, max_batch_size=2)
+    engine.submit([GenRequest("a", ids("1+1="), SamplingParams(max_new_tokens=6, stop_token_ids=()))])
+    engine.step()
+    engine.step()
+    named = [*engine._model.named_parameters(), *engine._model.named_buffers()]
+    before = {name: t.data_ptr() for name, t in named}
+    values = {name: t.detach().clone() for name, t in named}
+    engine.update_weights(1, publish(tiny_hf_v1.state_dict(), fmt, version=1))
+    engine.step()
+    assert engine.version == 1
+    after = {name: t.data_ptr() for name, t in [*engine._model.named_parameters(), *engine._model.named_buffers()]}
+    assert after == before
+    assert any(not torch.equal(t, values[name]) for name, t in named), "the load changed the weights"
+    assert tensor_pointers(engine._model) == engine._pointers
+    engine.close()
+
+
+def test_a_load_that_moves_a_parameter_drops_the_bucket_runners(tiny_hf, caplog):
+    engine = NativeEngine(copy.deepcopy(tiny_hf), max_batch_size=2)
+    engine.submit([GenRequest("a", ids("1+1="), SamplingParams(max_new_tokens=8, stop_token_ids=()))])
+    engine.step()
+    engine.step()
+    assert engine._static.graphs.runners
+    with torch.no_grad():
+        weight = engine._model.model.norm.weight
+        weight.data = weight.data.clone()  # what a load that reallocates leaves behind
+    with caplog.at_level("WARNING"):
+        engine._check_pointers(engine._model)
+    assert not engine._static.graphs.runners and "rebuilt" in caplog.text
+    (res,) = engine.generate()
+    assert len(res.response_ids) == 8
+    engine.close()
