@@ -11,8 +11,8 @@ construction, know about requests, or draw randomness (the uniforms come from th
 ``sampling.request_uniform``).
 
 Invariants:
-  * a step runs a padded batch of ``rows`` (a bucket, ``asyncrl.engine.step_graphs``) over an attention
-    span of ``length`` positions; padding rows have ``live = False``, ``tok = pos = 0``, ``greedy`` on, write
+  * a step runs a padded batch of ``rows`` (a bucket, ``asyncrl.engine.step_graphs``; the exact batch
+    when nothing is captured or compiled, ``pad``) over an attention span of ``length`` positions; padding rows have ``live = False``, ``tok = pos = 0``, ``greedy`` on, write
     K/V only into their own unused rows (re-prefilled before use) and their outputs are never read;
   * the step feeds ``tok[r]`` at ``pos[r]``, then writes ``out[:, r]`` and, for live rows, ``tok[r] = next``
     and ``pos[r] += 1``: with the batch unchanged, the host only uploads the next uniforms;
@@ -97,6 +97,9 @@ class StaticStep:
             backend = compile_body if isinstance(compile_body, str) else "inductor"
             body = torch.compile(self.body, fullgraph=True, dynamic=False, backend=backend)
         self.graphs = StepGraphs(body, self.device, use_graphs=cuda_graphs)
+        self.pad = bool(cuda_graphs or compile_body)
+        """Run buckets (padded rows, power-of-two spans) through ``graphs``: what graphs and a compiled body
+        need. Off (a plain CPU engine), a step runs its exact shape eagerly, as padding would only add work."""
         self._generation = self.cache.generation
 
     # ----------------------------------------------------------------- host side
@@ -153,6 +156,9 @@ class StaticStep:
         if cache.generation != self._generation:
             self.graphs.invalidate()
             self._generation = cache.generation
+        if not self.pad:
+            self.body(n, max_pos + 1, truncate)
+            return
         rows = batch_bucket(n, self.max_rows)
         self.graphs.run(rows, length_bucket(max_pos + 1, cache.cap_len), truncate)
 

@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ class StepGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.body, self.device, self.use_graphs = body, device, use_graphs
         self.runners: dict[tuple[int, int, bool], object] = {}
-        self.pool: object | None = None
+        self.pool: Any = None  # torch.cuda.graph_pool_handle() of the first capture
         self.captures = 0
         self.replays = 0
         self.warmups = 0
@@ -120,7 +121,8 @@ class StepGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: other threads of the worker (weight fetches, sockets) may touch CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.body(*key)
         self.captures += 1
         return graph

@@ -122,8 +122,10 @@ def _scenario_requests():
             for i, t in enumerate(texts)]
 
 
-def test_static_step_matches_the_eager_path_through_joins_leaves_aborts_swaps_and_pauses(tiny_hf, tiny_hf_v1):
+@pytest.mark.parametrize("pad", [False, True], ids=["exact", "buckets"])
+def test_static_step_matches_the_eager_path_through_joins_leaves_aborts_swaps_and_pauses(tiny_hf, tiny_hf_v1, pad):
     engines = _pair(tiny_hf, max_batch_size=5, max_prefill_tokens=12)
+    engines[0]._static.pad = pad  # buckets: padded rows and spans, as under CUDA graphs
     assert [e.capabilities()["decode_step"] for e in engines] == ["static", "eager"]
     reqs = _scenario_requests()
     outs: list[dict] = [{}, {}]
@@ -189,6 +191,7 @@ def _live_engine(tiny_hf, n: int = 3, layers: int | None = None, **kw) -> Native
 def test_the_step_makes_no_host_sync_and_repeats_the_same_ops_at_every_position(tiny_hf):
     engine = _live_engine(tiny_hf)
     st = engine._static
+    st.pad = True
     logs = []
     for _ in range(2):
         with _OpLog() as log:
@@ -203,6 +206,8 @@ def test_the_step_makes_no_host_sync_and_repeats_the_same_ops_at_every_position(
 
 def test_bucket_runners_warm_up_once_replay_after_and_are_dropped_when_the_cache_grows(tiny_hf):
     engine = NativeEngine(copy.deepcopy(tiny_hf), max_batch_size=4, decode_step="static")
+    assert not engine._static.pad, "a CPU engine without graphs or compile runs exact shapes"
+    engine._static.pad = True  # the bucket path CUDA graphs take, here with eager runners
     engine.submit([GenRequest("a", ids("1"), SamplingParams(max_new_tokens=60, stop_token_ids=(), seed=1))])
     for _ in range(12):
         engine.step()
@@ -293,6 +298,7 @@ def test_a_publication_load_keeps_every_parameter_and_buffer_where_it_was(tiny_h
 
 def test_a_load_that_moves_a_parameter_drops_the_bucket_runners(tiny_hf, caplog):
     engine = NativeEngine(copy.deepcopy(tiny_hf), max_batch_size=2)
+    engine._static.pad = True
     engine.submit([GenRequest("a", ids("1+1="), SamplingParams(max_new_tokens=8, stop_token_ids=()))])
     engine.step()
     engine.step()
