@@ -10,13 +10,14 @@ Must never: allocate or resize the step's buffers, know about requests, or captu
 Invariants:
   * a key's first use runs the body eagerly (the warm-up; its outputs are the step's real outputs) and,
     with graphs on, then captures it into the one memory pool every graph of the engine shares; later uses
-    replay it;
+    replay it; a capture that fails turns graphs off for the engine, with one warning, and steps run eagerly;
   * graphs hold pointers: ``invalidate`` drops them all when the K/V storage is reallocated or a weight
     load moved a parameter (``asyncrl.engine.kv_cache.StaticKVCache.generation``, ``tensor_pointers``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 MIN_LENGTH_BUCKET = 16
 
 StepBody = Callable[[int, int, bool], None]
+log = logging.getLogger(__name__)
 
 
 def batch_buckets(max_rows: int) -> tuple[int, ...]:
@@ -110,6 +112,8 @@ class StepGraphs:
             self.body(*key)
             return
         self.runners[key] = self._capture(key)
+        if not self.use_graphs:  # the capture failed: this engine runs its steps eagerly from now on
+            self.runners = {k: _EagerRunner(self.body, k) for k in self.runners}
 
     def _capture(self, key: tuple[int, int, bool]) -> object:
         """CUDA only: the real step on a side stream (warm-up), then capture into the shared pool."""
@@ -121,8 +125,13 @@ class StepGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads of the worker (weight fetches, sockets) may touch CUDA meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.body(*key)
+        try:
+            # thread_local: other threads of the worker (weight fetches, sockets) may touch CUDA meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self.body(*key)
+        except RuntimeError as exc:  # an op of this mode (a quantized kernel, say) cannot be captured
+            log.warning("the decode step cannot be captured as a CUDA graph (%s); it runs eagerly", exc)
+            self.use_graphs = False
+            return _EagerRunner(self.body, key)
         self.captures += 1
         return graph
