@@ -312,3 +312,30 @@ def test_a_load_that_moves_a_parameter_drops_the_bucket_runners(tiny_hf, caplog)
     (res,) = engine.generate()
     assert len(res.response_ids) == 8
     engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_give_the_eager_static_samples_without_a_host_sync(tiny_hf):
+    """GPU only: graphs on vs off on the same device, same samples; a replayed step never syncs."""
+    reqs = _scenario_requests()
+    outs = []
+    for graphs in ("true", "false"):
+        engine = NativeEngine(copy.deepcopy(tiny_hf), device="cuda", max_batch_size=5, cuda_graphs=graphs)
+        assert engine.capabilities()["cuda_graphs"] is (graphs == "true")
+        outs.append({r.sample_id: r for r in engine.generate(reqs)})
+        if graphs == "true":
+            assert engine._static.graphs.captures >= 1 and engine._static.graphs.replays >= 1
+            engine.submit([GenRequest("s", ids("1+1="), SamplingParams(max_new_tokens=30, stop_token_ids=()))])
+            engine.step()
+            engine.step()
+            st = engine._static
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                st.upload([], [], [0.5])
+                st.decode(1, engine._active[0].cache_len, False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        engine.close()
+    for sid, ref in outs[1].items():
+        assert outs[0][sid].response_ids == ref.response_ids
+        np.testing.assert_allclose(outs[0][sid].behav_logp, ref.behav_logp, atol=1e-6, rtol=1e-6)
