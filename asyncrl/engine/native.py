@@ -1,8 +1,10 @@
-"""Native torch rollout engine: continuous batching over a Llama/Qwen2 HF model, interruptible weight swaps.
+"""Native torch rollout engine: continuous batching over an HF causal LM, interruptible weight swaps.
 
 Owns: the request life cycle (queued -> live row -> finished), the step loop, the thread-safe control
-surface (submit / update_weights / abort / pause / resume / close) and the bookkeeping of every sampled
-token's behaviour log-prob and policy version.
+surface (submit / update_weights / abort / pause / resume / close), the bookkeeping of every sampled
+token's behaviour log-prob and policy version, and the choice of decode path per step: the static step
+(``asyncrl.engine.static_step``, optionally as CUDA graphs) for a natively supported model, the eager
+reference path (``asyncrl.engine.forward.eager_forward``) with ``decode_step="eager"`` or forward AQN.
 
 Must never: import zmq/msgspec or know about controllers and workers; call ``torch.manual_seed`` or use the
 global RNG (sampling randomness comes from ``sampling.request_uniform``); hold ``_lock`` while running the
@@ -55,7 +57,7 @@ class EngineClosedError(RuntimeError):
 
 
 class NativeEngine:
-    """``RolloutEngine`` for HF Llama/Qwen2 causal LMs on CPU or one GPU (see module docstring)."""
+    """``RolloutEngine`` for HF Llama/Qwen2/Qwen3/Mistral causal LMs on CPU or one GPU (see module docstring)."""
 
     def __init__(
         self,
@@ -110,7 +112,7 @@ class NativeEngine:
         self.device = torch.device(device)
         graphs = resolve_cuda_graphs(cuda_graphs, self.device)
         reason = native_supported(config, self.max_seq_len)
-        if reason is not None:
+        if reason is not None:  # a runner for other architectures would take the eager path here
             raise ValueError(reason)
         model = quantize_actor(model.to(self.device).eval(), quant_format, head=quantize_head)
         self._model: torch.nn.Module | None = model

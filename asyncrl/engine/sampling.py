@@ -174,8 +174,8 @@ def sample_static(
     cdf = torch.cumsum(lp.exp(), dim=-1)
     target = (uniforms * cdf[:, -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=V - 1)
-    dead = lp.gather(1, idx[:, None]).squeeze(-1) == float("-inf")
-    last_live = torch.where(lp > float("-inf"), torch.arange(V, device=logits.device), -1).amax(dim=-1)
+    dead = logp.gather(1, idx[:, None]).squeeze(-1) == float("-inf")  # fp32 and float64 agree on -inf
+    last_live = torch.where(logp > float("-inf"), torch.arange(V, device=logits.device), -1).amax(dim=-1)
     tokens = torch.where(greedy, logp.argmax(dim=-1), torch.where(dead, last_live, idx))
     behav = logp.gather(1, tokens[:, None]).squeeze(-1)
     return tokens, behav
