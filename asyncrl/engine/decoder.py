@@ -130,6 +130,20 @@ def qkv(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
     return q, k, v
 
 
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention without copying K/V for grouped-query heads.
+
+    q ``[B, H, 1, hd]``, k/v ``[B, KV, L, hd]``, mask ``[B, 1, 1, L]`` bool -> ``[B, 1, H*hd]``. The ``G = H / KV``
+    query heads of KV head ``j`` (HF's ``repeat_interleave`` order: heads ``j*G .. j*G+G-1``) are folded into the
+    query-length axis, ``q: [B, KV, G, hd]``, so SDPA runs with equal head counts (no ``enable_gqa``, which
+    would copy K/V to every query head) in the compute dtype.
+    """
+    B, H, _, hd = q.shape
+    KV = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, hd), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, 1, H * hd)
+
+
 class DecoderRunner:
     """Runs prefill for new rows and one eager decode step for live rows of a supported HF model."""
 
@@ -220,7 +234,7 @@ class DecoderRunner:
             kb, vb = self.cache.k[li], self.cache.v[li]
             kb[rows, :, pos] = k[:, :, 0]
             vb[rows, :, pos] = v[:, :, 0]
-            x = self._block_tail(layer, x, self._attend(q, kb[:B, :, :Lk], vb[:B, :, :Lk], mask))
+            x = self._block_tail(layer, x, attend_one(q, kb[:B, :, :Lk], vb[:B, :, :Lk], mask, self.scaling))
         return self._logits(x[:, 0])
 
 

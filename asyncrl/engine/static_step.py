@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from asyncrl.engine.decoder import DecoderRunner, qkv
+from asyncrl.engine.decoder import DecoderRunner, attend_one, qkv
 from asyncrl.engine.sampling import sample_static
 from asyncrl.engine.step_graphs import StepGraphs, batch_bucket, length_bucket
 
@@ -67,7 +66,6 @@ class StaticStep:
         self.vocab = vocab_size
         self.device = runner.device
         self.max_rows = n = runner.cache.max_rows
-        self.n_groups = runner.n_heads // runner.n_kv_heads
         dev = self.device
         self.tok = torch.zeros(n, dtype=torch.long, device=dev)
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
@@ -204,15 +202,14 @@ class StaticStep:
         cos, sin = base.rotary_emb(x, pos[:, None])
         mask = (torch.arange(length, device=x.device)[None, :] <= pos[:, None])[:, None, None, :]
         index = torch.arange(rows, device=x.device)
-        H, KV, G, hd = runner.n_heads, runner.n_kv_heads, self.n_groups, runner.head_dim
+        H, KV, hd = runner.n_heads, runner.n_kv_heads, runner.head_dim
         for li, layer in enumerate(base.layers):
             q, k, v = qkv(layer, layer.input_layernorm(x), cos, sin, H, KV, hd)
             kb, vb = kv[li, 0], kv[li, 1]
             kb[index, :, pos] = k[:, :, 0]
             vb[index, :, pos] = v[:, :, 0]
-            out = F.scaled_dot_product_attention(q.reshape(rows, KV, G, hd), kb[:rows, :, :length],
-                                                 vb[:rows, :, :length], attn_mask=mask, scale=runner.scaling)
-            x = x + layer.self_attn.o_proj(out.reshape(rows, 1, H * hd))
+            out = attend_one(q, kb[:rows, :, :length], vb[:rows, :, :length], mask, runner.scaling)
+            x = x + layer.self_attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = base.norm(x[:, 0])
         logits = runner.model.lm_head(logits).float()
