@@ -15,7 +15,7 @@ token (and log-prob to float rounding) for the same weights and rows.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +25,29 @@ from asyncrl.engine.sampling import processed_logprobs, request_uniform, sample_
 from asyncrl.engine.static_step import RowState, StaticStep, row_truncates
 
 Join = Callable[[list[Seq]], int]
+
+
+class EagerCache(Protocol):
+    need_len: int
+
+    def move_row(self, src: int, dst: int, length: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class EagerRunner(Protocol):
+    """What the eager path needs of a runner: ``DecoderRunner``, or any runner of another architecture."""
+
+    @property
+    def cache(self) -> EagerCache: ...
+
+    def prefill(self, row0: int, prompts: list[list[int]], live_rows: int) -> torch.Tensor:
+        """K/V of ``prompts`` into rows ``row0..``; next-token logits ``[n, V] float32``."""
+        ...
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per live row at its position; logits ``[B, V] float32``."""
+        ...
 
 
 def _row_state(s: Seq, token: int, position: int) -> RowState:
@@ -55,7 +78,7 @@ def static_forward(st: StaticStep, runner: DecoderRunner, active: list[Seq], adm
     return st.fetch(len(active))
 
 
-def eager_forward(runner: DecoderRunner, active: list[Seq], admitted: list[Seq], join: Join,
+def eager_forward(runner: EagerRunner, active: list[Seq], admitted: list[Seq], join: Join,
                   aqn: Any) -> tuple[list[int], list[float]]:
     """The reference path: eager decode + prefill, ``processed_logprobs`` + ``sample_tokens``."""
     parts = []
