@@ -55,26 +55,30 @@ def _row_state(s: Seq, token: int, position: int) -> RowState:
     return RowState(token, position, p.temperature, p.greedy, p.top_k, p.top_p)
 
 
+def _truncates(s: Seq, vocab: int) -> bool:
+    p = s.req.params
+    return row_truncates(p.temperature, p.top_k, p.top_p, vocab)
+
+
 def static_forward(st: StaticStep, runner: DecoderRunner, active: list[Seq], admitted: list[Seq],
                join: Join) -> tuple[list[int], list[float]]:
     """Static step for the live rows, eager prefill + static sampling for the joining ones, one fetch."""
-    live = active
-    rows = [_row_state(s, s.response[-1], s.cache_len) for s in live]
+    live = list(active)
+    # the rows' full state only when it is uploaded (after a join, a leave, an eager step); else the uniforms
+    rows = [_row_state(s, s.response[-1], s.cache_len) for s in live] if st.dirty or admitted else []
     joining = [_row_state(s, 0, len(s.req.prompt_ids)) for s in admitted]
     uniforms = [request_uniform(s.req.params.seed, s.req.sample_id, len(s.response)) for s in live + admitted]
     st.upload(rows, joining, uniforms)
-    truncate = [row_truncates(r.temperature, r.top_k, r.top_p, st.vocab) for r in rows + joining]
-    n = len(live)
-    if n:
-        max_pos = max(r.position for r in rows)
+    if live:
+        max_pos = max(s.cache_len for s in live)
         cache = runner.cache
         assert cache.dtype is not None, "live rows were prefilled"
-        cache.reserve(n, max_pos + 1, cache.dtype, st.device)
-        st.decode(n, max_pos, any(truncate[:n]))
+        cache.reserve(len(live), max_pos + 1, cache.dtype, st.device)
+        st.decode(len(live), max_pos, any(_truncates(s, st.vocab) for s in live))
     if admitted:
         row0 = join(admitted)
         logits = runner.prefill(row0, [s.req.prompt_ids for s in admitted], len(active))
-        st.sample_joined(row0, logits, any(truncate[n:]))
+        st.sample_joined(row0, logits, any(_truncates(s, st.vocab) for s in admitted))
     return st.fetch(len(active))
 
 
