@@ -341,3 +341,48 @@ def test_cuda_graph_replays_give_the_eager_static_samples_without_a_host_sync(ti
     for sid, ref in outs[1].items():
         assert outs[0][sid].response_ids == ref.response_ids
         np.testing.assert_allclose(outs[0][sid].behav_logp, ref.behav_logp, atol=1e-6, rtol=1e-6)
+
+
+def test_forward_aqn_steps_run_eagerly_and_the_static_step_takes_over_again(tiny_hf, caplog):
+    """A forward-AQN version decodes on the eager path; the next version's steps are static again, and the
+    rows' device state is rebuilt from the host: the samples equal an all-eager engine's, bit for bit."""
+    from asyncrl.quant import publish
+
+    sd = tiny_hf.state_dict()
+    noisy = publish(sd, "fp32", version=1, aqn_sigma=0.05, aqn_seed=9, aqn_resample="forward")
+    clean = publish(sd, "fp32", version=2)
+    reqs = _scenario_requests()[:4]
+    outs = []
+    for engine in _pair(tiny_hf, max_batch_size=4):
+        out: dict = {}
+        static_steps: list[int] = []  # the boundary of every static step body run
+        at = [0]
+        if engine._static is not None:
+            body = engine._static.body
+
+            def spy(*key, _body=body, _steps=static_steps, _at=at):
+                _steps.append(_at[0])
+                return _body(*key)
+
+            engine._static.body = spy
+        engine.submit(reqs)
+        for k in range(30):
+            at[0] = k
+            if k == 3:
+                engine.update_weights(1, noisy)
+            if k == 6:
+                engine.update_weights(2, clean)
+            with caplog.at_level("INFO"):
+                _drain(engine, out)
+        while engine.has_work():
+            _drain(engine, out)
+        outs.append(out)
+        if engine._static is not None:
+            assert "eager decode path" in caplog.text
+            assert {1, 2} <= set(static_steps) and not {3, 4, 5} & set(static_steps) and 6 in static_steps
+        engine.close()
+    for sid, ref in outs[1].items():
+        assert outs[0][sid].response_ids == ref.response_ids
+        assert outs[0][sid].versions.tolist() == ref.versions.tolist()
+        assert outs[0][sid].behav_logp.tobytes() == ref.behav_logp.tobytes()
+    assert {1, 2} <= set(np.concatenate([r.versions for r in outs[0].values()]).tolist())
