@@ -96,6 +96,8 @@ FLUSH_S = 5.0
 """On exit, the longest wait for the last samples and the Goodbye to leave (``end_context``: it returns
 as soon as they have; this bounds only a controller that is gone)."""
 
+NATIVE_KEYS = ("decode_step", "cuda_graphs", "compile")
+"""Native engine settings a worker takes (``rollout.decode_step`` / ``cuda_graphs`` / ``compile``)."""
 
 T = TypeVar("T")
 
@@ -109,16 +111,19 @@ def _built(part: T | None, what: str) -> T:
 class GeneratorWorker:
     def __init__(self, controller: str, *, worker_id: str = "", quant_fmt: str = "", slots: int = 0,
                  drain_s: float = DRAIN_S, hello_timeout_s: float = HELLO_TIMEOUT_S, curve=None, engine: str = "native",
-                 device: str = "auto", sglang: dict[str, str] | None = None, log_dir: str = "") -> None:
+                 device: str = "auto", sglang: dict[str, str] | None = None, log_dir: str = "",
+                 native: dict[str, str] | None = None) -> None:
         self.curve = curve  # CurveConfig (client keys) when the job runs with transport.keys_dir
         self.engine_kind = engine
         self.device = device
+        self.native = dict(native or {})  # decode_step / cuda_graphs / compile of a native engine
         self.sglang = dict(sglang or {})
         self.log_dir = log_dir
         self.fatal: BaseException | None = None  # the first error of any thread; the process exits with 1
         self.left = False
         # checked before any socket: a known engine, and SGLang serves full-precision formats only
-        EngineSpec(kind=engine, quant_format=quant_fmt or ("fp32" if engine == "sglang" else "int8"))
+        EngineSpec(kind=engine, quant_format=quant_fmt or ("fp32" if engine == "sglang" else "int8"),
+                   decode_step=self.native.get("decode_step", "auto"), cuda_graphs=self.native.get("cuda_graphs", "auto"))
         self.controller = controller
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.requested_fmt = quant_fmt
@@ -290,7 +295,9 @@ class GeneratorWorker:
         sg = self.sglang
         extra = [a for a in sg.get("extra_args", "").strip("[]").split(",") if a]
         return EngineSpec(kind=self.engine_kind, quant_format=self.fmt, device=self.device, slots=self.slots,
-                          quantize_head=setup.quantize_head,
+                          quantize_head=setup.quantize_head, decode_step=self.native.get("decode_step", "auto"),
+                          cuda_graphs=self.native.get("cuda_graphs", "auto"),
+                          compile_step=self.native.get("compile", "false").lower() == "true",
                           eos_token_ids=list(setup.eos_token_ids), max_seq_len=setup.max_seq_len,
                           model_config_json=setup.model_config, model_path=sg.get("model_path") or setup.model_dir,
                           sglang_url=sg.get("url", ""), sglang_device=sg.get("device", "auto"),
@@ -475,6 +482,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   controller=tcp://HOST:PORT   required: the address `asyncrl controller` / `asyncrl train` prints
   engine=native|sglang         rollout engine (default native)
   device=auto|cpu|cuda[:N]     native engine device (default auto: a GPU when one is visible)
+  decode_step=auto|static|eager, cuda_graphs=auto|true|false, compile=false|true   native decode step
   quant.fmt=FMT                actor format (native: a published format; sglang: fp32, bf16 or fp8)
   sglang.url=http://H:P        attach to a running SGLang server instead of starting one
   sglang.device=auto|cpu|cuda  device of a server this worker starts; sglang.python=PATH its interpreter
@@ -491,7 +499,7 @@ A fatal error in any thread hands the worker's samples back and exits with statu
         k, v = ov.split("=", 1)
         kv[k] = v
     known = {"controller", "quant.fmt", "worker_id", "slots", "drain_s", "log_level", "transport.keys_dir",
-             "transport.key_name", "engine", "device", "log_dir", *(f"sglang.{k}" for k in SGLANG_KEYS)}
+             "transport.key_name", "engine", "device", "log_dir", *NATIVE_KEYS, *(f"sglang.{k}" for k in SGLANG_KEYS)}
     unknown = set(kv) - known
     if unknown:
         p.error(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -511,7 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              quant_fmt=getattr(args, "quant_fmt", ""), slots=int(getattr(args, "slots", 0)),
                              drain_s=float(getattr(args, "drain_s", DRAIN_S)), curve=curve,
                              engine=getattr(args, "engine", "native"), device=getattr(args, "device", "auto"),
-                             sglang=sglang, log_dir=getattr(args, "log_dir", ""))
+                             sglang=sglang, log_dir=getattr(args, "log_dir", ""),
+                             native={k: getattr(args, k) for k in NATIVE_KEYS if hasattr(args, k)})
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
     rc = worker.run()

@@ -250,6 +250,9 @@ class Launcher:
         keys = [f"transport.keys_dir={cfg.transport.keys_dir}"] if cfg.transport.keys_dir else []
         engine = [f"engine={cfg.rollout.engine}", f"device={cfg.rollout.device}",
                   f"log_dir={self.paths.logs}"]
+        if cfg.rollout.engine == "native":
+            r = cfg.rollout
+            engine += [f"decode_step={r.decode_step}", f"cuda_graphs={r.cuda_graphs}", f"compile={r.compile}".lower()]
         if cfg.rollout.engine == "sglang":
             s = cfg.sglang
             engine += [f"quant.fmt={cfg.quant.fmt}", f"sglang.device={s.device}",

@@ -17,6 +17,7 @@ from typing import Any
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.controller.prompts import PROMPT_FORMATS
+from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
 from asyncrl.engine.factory import ENGINES as ROLLOUT_ENGINES
 from asyncrl.engine.factory import SGLANG_SERVING
 from asyncrl.learner.options import LR_SCHEDULES, StepConfig
@@ -145,6 +146,14 @@ class RolloutConfig:
     device: str = "auto"
     """Device of a native engine: ``auto`` (a GPU when one is visible, else the CPU), ``cpu``, ``cuda`` or
     ``cuda:N``. With several GPUs the launcher gives each worker its own (``CUDA_VISIBLE_DEVICES``)."""
+    decode_step: str = "auto"
+    """Native engine decode step (docs/engine.md "Static decode step"): ``static`` (static shapes, no host
+    sync), ``eager`` (the reference path), ``auto`` (static for a natively supported model)."""
+    cuda_graphs: str = "auto"
+    """Native engine: replay the static decode step as CUDA graphs, one per batch/length bucket: ``auto``
+    (on for CUDA devices), ``true`` (CUDA only; refused on a CPU), ``false``."""
+    compile: bool = False
+    """Native engine: ``torch.compile(fullgraph=True)`` the static decode step's body."""
     dead_after_s: float = 30.0
     """A worker silent this long is declared dead and its assignments are reissued."""
     assignment_timeout_s: float = 90.0
@@ -350,6 +359,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          "drop it (the other tasks score 0 or 1)")
     require_choice("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
     check_device("rollout.device", cfg.rollout.device)
+    require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
+    cfg.rollout.cuda_graphs = str(cfg.rollout.cuda_graphs).lower()  # a Hydra `true` arrives as "True"
+    require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
+    if cfg.rollout.cuda_graphs == "true" and (cfg.rollout.device == "cpu" or cfg.rollout.decode_step == "eager"):
+        raise ValueError(f"rollout.cuda_graphs=true replays the static decode step on a GPU, and this run has "
+                         f"rollout.device={cfg.rollout.device}, rollout.decode_step={cfg.rollout.decode_step}; "
+                         "set rollout.cuda_graphs=auto, or rollout.device=cuda with rollout.decode_step=auto")
     require_choice("learner.device", cfg.learner.device, DEVICES)
     require_choice("sglang.device", cfg.sglang.device, DEVICES)
     if cfg.rollout.engine == "sglang" and cfg.quant.fmt not in SGLANG_SERVING:

@@ -1,14 +1,17 @@
-"""Batched prefill/decode of a Hugging Face Llama/Qwen2 causal LM over a per-row (slot) KV cache.
+"""Batched prefill/decode of a Hugging Face Llama/Qwen2/Qwen3/Mistral causal LM over a per-row KV cache.
 
-Owns: the forward pass the native engine runs (``DecoderRunner``) and the K/V storage it writes
-(``SlotKVCache``). Row ``r`` of the cache belongs to one live sequence; sequences join by being prefilled
+Owns: the eager forward pass the native engine runs (``DecoderRunner``: prefill of joining rows, and the
+reference decode step the static step of ``asyncrl.engine.static_step`` is tested against and that forward
+AQN runs on), the per-layer maths both paths share (``qkv``: projections, Qwen3's per-head q/k norm, RoPE),
+and which HF configs it runs exactly (``native_supported``). Row ``r`` of the cache
+(``asyncrl.engine.kv_cache.StaticKVCache``) belongs to one live sequence; sequences join by being prefilled
 into fresh rows and leave by ``move_row`` (the last row is moved into the hole), so the live batch is always
 rows ``[0, B)`` and requests can join and leave between decode steps.
 
 Must never: sample, know about requests or versions, or re-implement a layer's weights. It calls the HF
-model's own submodules (embeddings, norms, q/k/v/o projections, MLP, rotary embedding, lm_head), so any
-module swapped in by ``asyncrl.quant`` (quantized Linear layers) is used as-is, and it reads them at call
-time so in-place weight loads are seen on the next step.
+model's own submodules (embeddings, norms, q/k/v/o projections, q/k norms, MLP, rotary embedding, lm_head),
+so any module swapped in by ``asyncrl.quant`` (quantized Linear layers) is used as-is, and it reads them at
+call time so in-place weight loads are seen on the next step. Import nothing from ``asyncrl.models``.
 
 Invariants:
   * each row has its own position ids ``0..len-1`` (no left padding, no shared offset), so the logits
@@ -25,86 +28,47 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 import torch.nn.functional as F
 
-from asyncrl.models.prepare import SUPPORTED_MODEL_TYPES
+from asyncrl.engine.kv_cache import StaticKVCache
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+"""HF ``model_type``s whose forward the native decoder reproduces exactly (Qwen3: per-head q/k RMSNorm
+before RoPE; Mistral: Llama's layer, with a sliding window that must cover the sequence limit)."""
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def check_supported(config) -> None:
-    """Raise ``ValueError`` unless the native engine's forward is exact for this HF config."""
+def native_supported(config, max_seq_len: int | None = None) -> str | None:
+    """``None`` when the native decoder runs ``config`` exactly, else the reason it does not (with the fix).
+
+    ``max_seq_len``: the engine's sequence limit (default: the model's ``max_position_embeddings``); a
+    Mistral sliding window at least that long never slides, so it is accepted.
+    """
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"native engine supports model_type in {SUPPORTED_MODEL_TYPES}, got {model_type!r}; "
-            "use a Llama- or Qwen2-family checkpoint or the SGLang engine"
-        )
+    if model_type not in NATIVE_MODEL_TYPES:
+        return (f"the native decoder runs model_type in {NATIVE_MODEL_TYPES}, got {model_type!r}; use one of "
+                "those checkpoints or the SGLang engine")
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise ValueError(
-            "native engine does not implement sliding-window attention; set use_sliding_window=False"
-        )
+        return "the native decoder does not implement sliding-window attention; set use_sliding_window=False"
+    window = getattr(config, "sliding_window", None) if model_type == "mistral" else None
+    limit = int(max_seq_len or getattr(config, "max_position_embeddings", 0) or 0)
+    if window is not None and int(window) < limit:
+        return (f"this Mistral model attends over a sliding window of {window} positions, shorter than the "
+                f"sequence limit {limit}, and the native decoder does not implement sliding windows; set "
+                f"max_seq_len <= {window} (rollout max_seq_len / NativeEngine(max_seq_len=...))")
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
-        raise ValueError(
-            f"rope_type {rope.get('rope_type')!r} depends on the sequence length and is not supported by the "
-            "native engine; use default/linear/llama3/yarn rope"
-        )
+        return (f"rope_type {rope.get('rope_type')!r} depends on the sequence length and is not supported by "
+                "the native engine; use default/linear/llama3/yarn rope")
+    return None
 
 
-class SlotKVCache:
-    """K/V buffers per layer, ``k[l], v[l]: [cap_rows, n_kv_heads, cap_len, head_dim]``, grown by doubling.
-
-    ``need_len`` (``max_len`` until the engine sets it when it admits rows: the longest prompt + response
-    limit among the live rows) caps the doubling of ``cap_len``, so a batch of 60-token prompts with 64 new
-    tokens holds 124 positions per row, not 240 (SmolLM2-135M, 32 rows, fp32: 0.18 GB instead of 0.35)."""
-
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_rows: int, max_len: int) -> None:
-        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
-        self.max_rows, self.max_len = max_rows, max_len
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.cap_rows = 0
-        self.cap_len = 0
-        self.need_len = max_len
-
-    @torch.inference_mode()
-    def reserve(self, rows: int, length: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Make room for ``rows`` rows of ``length`` positions, keeping existing contents."""
-        assert rows <= self.max_rows and length <= self.max_len, (rows, length)
-        if self.k and self.k[0].dtype != dtype:
-            raise ValueError(
-                f"K/V dtype changed from {self.k[0].dtype} to {dtype}; close and rebuild the engine"
-            )
-        if rows <= self.cap_rows and length <= self.cap_len:
-            return
-        new_rows = min(self.max_rows, max(rows, 2 * self.cap_rows, 1))
-        new_len = min(self.max_len, max(length, min(2 * self.cap_len, self.need_len), 16))
-        shape = (new_rows, self.n_kv_heads, new_len, self.head_dim)
-        for bufs in (self.k, self.v):
-            for layer in range(self.n_layers):
-                new = torch.zeros(shape, dtype=dtype, device=device)
-                if layer < len(bufs):
-                    new[: self.cap_rows, :, : self.cap_len] = bufs[layer]
-                    bufs[layer] = new
-                else:
-                    bufs.append(new)
-        self.cap_rows, self.cap_len = new_rows, new_len
-
-    @torch.inference_mode()
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of row ``src`` into row ``dst`` in every layer."""
-        if src == dst or length == 0:
-            return
-        for bufs in (self.k, self.v):
-            for buf in bufs:
-                buf[dst, :, :length] = buf[src, :, :length]
-
-    def release(self) -> None:
-        self.k.clear()
-        self.v.clear()
-        self.cap_rows = self.cap_len = 0
+def check_supported(config, max_seq_len: int | None = None) -> None:
+    """Raise ``ValueError`` (naming the fix) unless the native engine's forward is exact for this HF config."""
+    reason = native_supported(config, max_seq_len)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 _Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -146,20 +110,54 @@ def decoder_view(model: torch.nn.Module) -> HFDecoder:
     return cast(HFDecoder, model)
 
 
+def qkv(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+        head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``h: [B, L, D]``, ``cos/sin: [B, L, hd]`` -> q ``[B, H, L, hd]``, k/v ``[B, KV, L, hd]``, RoPE on q and k.
+
+    Qwen3's ``q_norm`` / ``k_norm`` (RMSNorm over each head's ``hd``) run before RoPE, as in HF."""
+    B, L, _ = h.shape
+    attn = layer.self_attn
+    q = attn.q_proj(h).view(B, L, n_heads, head_dim)
+    k = attn.k_proj(h).view(B, L, n_kv_heads, head_dim)
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is not None and k_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    v = attn.v_proj(h).view(B, L, n_kv_heads, head_dim).transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention without copying K/V for grouped-query heads.
+
+    q ``[B, H, 1, hd]``, k/v ``[B, KV, L, hd]``, mask ``[B, 1, 1, L]`` bool -> ``[B, 1, H*hd]``. The ``G = H / KV``
+    query heads of KV head ``j`` (HF's ``repeat_interleave`` order: heads ``j*G .. j*G+G-1``) are folded into the
+    query-length axis, ``q: [B, KV, G, hd]``, so SDPA runs with equal head counts (no ``enable_gqa``, which
+    would copy K/V to every query head) in the compute dtype.
+    """
+    B, H, _, hd = q.shape
+    KV = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, hd), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, 1, H * hd)
+
+
 class DecoderRunner:
-    """Runs prefill for new rows and one decode step for live rows of a Llama/Qwen2 HF model."""
+    """Runs prefill for new rows and one eager decode step for live rows of a supported HF model."""
 
     def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int) -> None:
         hf = decoder_view(model)
         config = hf.config
-        check_supported(config)
+        check_supported(config, max_len)
         self.model = hf
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         attn = hf.model.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = float(attn.scaling)
-        self.cache = SlotKVCache(len(hf.model.layers), self.n_kv_heads, self.head_dim, max_rows, max_len)
+        self.cache = StaticKVCache(len(hf.model.layers), self.n_kv_heads, self.head_dim, max_rows, max_len)
 
     @property
     def device(self) -> torch.device:
@@ -167,15 +165,7 @@ class DecoderRunner:
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``h: [B, L, D]`` -> q ``[B, H, L, hd]``, k/v ``[B, KV, L, hd]`` with rotary applied to q, k."""
-        B, L, _ = h.shape
-        attn = layer.self_attn
-        q = attn.q_proj(h).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
+        return qkv(layer, h, cos, sin, self.n_heads, self.n_kv_heads, self.head_dim)
 
     def _attend(self, q, k, v, mask) -> torch.Tensor:
         """q ``[B, H, Lq, hd]``, k/v ``[B, KV, Lk, hd]``, mask ``[B, 1, Lq, Lk]`` bool -> ``[B, Lq, H*hd]``."""
@@ -202,11 +192,13 @@ class DecoderRunner:
         base = self.model.model
         device = self.device
         n = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts], device=device)
         Lp = max(len(p) for p in prompts)
-        ids = torch.zeros(n, Lp, dtype=torch.long, device=device)
+        host = torch.zeros(n, Lp + 1, dtype=torch.long)  # one host tensor, one copy: ids and lengths
         for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            host[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            host[i, Lp] = len(p)
+        host = host.to(device, non_blocking=False)
+        ids, lens = host[:, :Lp], host[:, Lp]
         pos = torch.arange(Lp, device=device)
         x = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(x, pos.expand(n, Lp))
@@ -242,7 +234,7 @@ class DecoderRunner:
             kb, vb = self.cache.k[li], self.cache.v[li]
             kb[rows, :, pos] = k[:, :, 0]
             vb[rows, :, pos] = v[:, :, 0]
-            x = self._block_tail(layer, x, self._attend(q, kb[:B, :, :Lk], vb[:B, :, :Lk], mask))
+            x = self._block_tail(layer, x, attend_one(q, kb[:B, :, :Lk], vb[:B, :, :Lk], mask, self.scaling))
         return self._logits(x[:, 0])
 
 

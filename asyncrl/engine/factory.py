@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from asyncrl.engine.base import RolloutEngine
+from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
 from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV
 from protocols.values import require_choice
 
@@ -58,9 +59,18 @@ class EngineSpec:
     quantize_head: bool = False
     """Native engine: the output head is quantized too (``quant.lm_head``, from the controller's setup; the
     run publishes every quantized format so). An fp32 actor converts nothing, so it ignores this."""
+    decode_step: str = "auto"
+    """Native engine decode step: ``auto`` / ``static`` / ``eager`` (``rollout.decode_step``)."""
+    cuda_graphs: str = "auto"
+    """Native engine: CUDA graphs of the static step, ``auto`` / ``true`` / ``false`` (``rollout.cuda_graphs``)."""
+    compile_step: bool = False
+    """Native engine: ``torch.compile`` the static step body (``rollout.compile``)."""
 
     def __post_init__(self) -> None:
         require_choice("engine", self.kind, ENGINES)
+        require_choice("decode_step", self.decode_step, DECODE_STEPS)
+        self.cuda_graphs = str(self.cuda_graphs).lower()
+        require_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         if self.kind == "sglang" and self.quant_format not in SGLANG_SERVING:
             raise ValueError(
                 f"an SGLang worker serves {', '.join(SGLANG_SERVING)} (fp8 on GPUs only), not quant.fmt="
@@ -133,7 +143,8 @@ def _build_native(spec: EngineSpec) -> RolloutEngine:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return NativeEngine(model, quant_format=spec.quant_format, version=-1, device=device,
                         max_batch_size=spec.slots, max_seq_len=spec.max_seq_len or None,
-                        eos_token_ids=spec.eos_token_ids, quantize_head=spec.quantize_head)
+                        eos_token_ids=spec.eos_token_ids, quantize_head=spec.quantize_head,
+                        decode_step=spec.decode_step, cuda_graphs=spec.cuda_graphs, compile_step=spec.compile_step)
 
 
 class _SGLangEngineArgs(TypedDict):

@@ -1,8 +1,10 @@
-"""Native torch rollout engine: continuous batching over a Llama/Qwen2 HF model, interruptible weight swaps.
+"""Native torch rollout engine: continuous batching over an HF causal LM, interruptible weight swaps.
 
 Owns: the request life cycle (queued -> live row -> finished), the step loop, the thread-safe control
-surface (submit / update_weights / abort / pause / resume / close) and the bookkeeping of every sampled
-token's behaviour log-prob and policy version.
+surface (submit / update_weights / abort / pause / resume / close), the bookkeeping of every sampled
+token's behaviour log-prob and policy version, and the choice of decode path per step: the static step
+(``asyncrl.engine.static_step``, optionally as CUDA graphs) for a natively supported model, the eager
+reference path (``asyncrl.engine.forward.eager_forward``) with ``decode_step="eager"`` or forward AQN.
 
 Must never: import zmq/msgspec or know about controllers and workers; call ``torch.manual_seed`` or use the
 global RNG (sampling randomness comes from ``sampling.request_uniform``); hold ``_lock`` while running the
@@ -27,11 +29,11 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,47 +41,23 @@ import numpy as np
 import torch
 
 from asyncrl.engine.base import GenRequest, GenResult
-from asyncrl.engine.decoder import DecoderRunner, decoder_view
-from asyncrl.engine.sampling import processed_logprobs, request_uniform, sample_tokens
+from asyncrl.engine.decode_options import DECODE_STEPS
+from asyncrl.engine.decoder import DecoderRunner, decoder_view, native_supported
+from asyncrl.engine.forward import eager_forward, static_forward
+from asyncrl.engine.rows import Seq, model_eos_ids, own_memory
+from asyncrl.engine.static_step import StaticStep
+from asyncrl.engine.step_graphs import resolve_cuda_graphs, tensor_pointers
 from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
+
+log = logging.getLogger(__name__)
 
 
 class EngineClosedError(RuntimeError):
     """Raised by ``submit``/``update_weights`` after ``close()``."""
 
 
-@dataclass(slots=True)
-class _Seq:
-    req: GenRequest
-    stop_ids: frozenset[int]
-    limit: int
-    t_submit: float
-    response: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    t_admit: float | None = None
-    t_first: float | None = None
-
-    @property
-    def cache_len(self) -> int:
-        """Positions whose K/V are in the cache (the newest sampled token is not yet fed)."""
-        return len(self.req.prompt_ids) + max(len(self.response) - 1, 0)
-
-
-def own_memory(model: torch.nn.Module) -> None:
-    """Give every parameter and buffer its own memory (``NativeEngine.from_pretrained``; an engine
-    built around given tensors, like the learner's evaluation, uses them in place). ``from_pretrained``
-    maps the safetensors file, and quantization reads every page of it; while one tensor still views
-    the mapping (the embedding, the norms) all those pages stay resident: SmolLM2-135M's int8 engine
-    held 0.5 GB of file pages beside 0.2 GB of its own tensors. Tied weights stay tied (one parameter
-    object, copied once)."""
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            t.data = t.data.clone()
-
-
 class NativeEngine:
-    """``RolloutEngine`` for HF Llama/Qwen2 causal LMs on CPU or one GPU (see module docstring)."""
+    """``RolloutEngine`` for HF Llama/Qwen2/Qwen3/Mistral causal LMs on CPU or one GPU (see module docstring)."""
 
     def __init__(
         self,
@@ -94,6 +72,9 @@ class NativeEngine:
         eos_token_ids: Sequence[int] | None = None,
         num_threads: int | None = 1,
         quantize_head: bool = False,
+        decode_step: str = "auto",
+        cuda_graphs: str | bool = "auto",
+        compile_step: bool | str = False,
     ) -> None:
         """Wrap ``model`` (fp32 HF causal LM; quantized here when ``quant_format != "fp32"``) at ``version``.
 
@@ -102,11 +83,18 @@ class NativeEngine:
 
         ``num_threads``: torch intra-op threads for this process (None leaves torch's setting alone).
         ``eos_token_ids``: default stop tokens (requests with ``stop_token_ids=None``); default = model's EOS.
+        ``decode_step``: ``static`` (``asyncrl.engine.static_step``: static shapes, no host sync), ``eager``
+        (``DecoderRunner.decode``: the reference), ``auto`` = static for a natively supported model.
+        ``cuda_graphs``: ``auto`` (on for CUDA), ``true`` (CUDA only, else ``ValueError``), ``false``: replay
+        the static step per batch/length bucket as CUDA graphs. ``compile_step``: ``torch.compile`` the
+        static step body (``fullgraph=True``).
         """
         if quant_format not in QUANT_FORMATS:
             raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {quant_format!r}")
         if max_batch_size < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+        if decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step must be one of {DECODE_STEPS}, got {decode_step!r}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         config = decoder_view(model).config
@@ -120,24 +108,35 @@ class NativeEngine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.vocab_size = int(config.vocab_size)
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _model_eos_ids(model))
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(model))
         self.device = torch.device(device)
+        graphs = resolve_cuda_graphs(cuda_graphs, self.device)
+        reason = native_supported(config, self.max_seq_len)
+        if reason is not None:  # a runner for other architectures would take the eager path here
+            raise ValueError(reason)
         model = quantize_actor(model.to(self.device).eval(), quant_format, head=quantize_head)
         self._model: torch.nn.Module | None = model
         self._runner: DecoderRunner | None = DecoderRunner(model, max_batch_size, self.max_seq_len)
+        self._static: StaticStep | None = None
+        if decode_step != "eager":
+            self._static = StaticStep(self._runner, self.vocab_size, cuda_graphs=graphs, compile_body=compile_step)
+        elif graphs and str(cuda_graphs).lower() == "true":
+            raise ValueError("cuda_graphs=true replays the static decode step; drop decode_step=eager")
+        self._pointers = tensor_pointers(model)
         self._version = int(version)
+        self._eager_notice = False
         self._aqn: Any = None  # asyncrl.quant.ForwardAqn once a version asks for per-forward AQN noise
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
-        self._inbox: deque[_Seq] = deque()
+        self._inbox: deque[Seq] = deque()
         self._live_ids: set[str] = set()
         self._aborts: set[str] = set()
         self._pending_weights: tuple[int, Any] | None = None
         self._paused = False
         self._closed = False
-        self._active: list[_Seq] = []  # row r of the KV cache <-> _active[r]; engine thread only
+        self._active: list[Seq] = []  # row r of the KV cache <-> _active[r]; engine thread only
 
     @classmethod
     def from_pretrained(
@@ -178,7 +177,7 @@ class NativeEngine:
             ids.add(req.sample_id)
             p = req.params
             stop = self.eos_token_ids if p.stop_token_ids is None else frozenset(p.stop_token_ids)
-            seqs.append(_Seq(req, stop, min(p.max_new_tokens, self.max_seq_len - n), now))
+            seqs.append(Seq(req, stop, min(p.max_new_tokens, self.max_seq_len - n), now))
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed; build a new one")
@@ -246,6 +245,7 @@ class NativeEngine:
             if self._runner is not None:
                 self._runner.cache.release()
                 self._runner = None
+                self._static = None
                 self._model = None
 
     def capabilities(self) -> dict[str, Any]:
@@ -261,6 +261,8 @@ class NativeEngine:
             "seeded": True,
             "sampling": ("temperature", "top_p", "top_k", "stop_token_ids", "max_new_tokens"),
             "behav_logp": "processed",
+            "decode_step": "eager" if self._static is None else "static",
+            "cuda_graphs": self._static is not None and self._static.graphs.use_graphs,
         }
 
     @property
@@ -325,12 +327,13 @@ class NativeEngine:
                 apply_weights(self._model, weights[1], self.quant_format, weights[0])
                 self._version = weights[0]
                 self._set_forward_aqn(self._model, weights[1])
+                self._check_pointers(self._model)
             finished: list[GenResult] = []
             with self._lock:
                 aborts, self._aborts = self._aborts, set()
                 closed, paused = self._closed, self._paused
                 if aborts or closed:
-                    keep: deque[_Seq] = deque()
+                    keep: deque[Seq] = deque()
                     for s in self._inbox:
                         if closed or s.req.sample_id in aborts:
                             finished.append(self._result(s, "abort", locked=True))
@@ -358,9 +361,9 @@ class NativeEngine:
             return True
         return not self._paused and bool(self._inbox or self._active)
 
-    def _admit(self) -> list[_Seq]:
+    def _admit(self) -> list[Seq]:
         """Under ``_lock``: pop queued requests that fit the batch and the prefill-token budget."""
-        out: list[_Seq] = []
+        out: list[Seq] = []
         budget = self.max_prefill_tokens
         while self._inbox and len(self._active) + len(out) < self.max_batch_size:
             n = len(self._inbox[0].req.prompt_ids)
@@ -382,40 +385,26 @@ class NativeEngine:
         elif self._aqn is not None:
             self._aqn.set_publication(None, 0.0)
 
-    def _forward_and_sample(self, admitted: list[_Seq], finished: list[GenResult]) -> None:
+    def _check_pointers(self, model: torch.nn.Module) -> None:
+        """After a load: captured graphs read weights by address, so a load that moved one drops them."""
+        pointers = tensor_pointers(model)
+        if pointers != self._pointers and self._static is not None and self._static.graphs.runners:
+            log.warning("a weight load reallocated parameters; the captured decode graphs are rebuilt")
+            self._static.graphs.invalidate()
+        self._pointers = pointers
+
+    def _forward_and_sample(self, admitted: list[Seq], finished: list[GenResult]) -> None:
         assert self._runner is not None
         aqn = self._aqn if self._aqn is not None and self._aqn.sigma > 0 else None
-        parts = []
-        if self._active:
-            tokens = [s.response[-1] for s in self._active]
-            positions = [s.cache_len for s in self._active]
-            if aqn is not None:  # the noise of the forward that samples token len(response) of each row
-                aqn.set_rows([(s.req.sample_id, len(s.response)) for s in self._active])
-            parts.append(self._runner.decode(tokens, positions))
-        if admitted:
-            now = time.monotonic()
-            for s in admitted:
-                s.t_admit = now
-            row0 = len(self._active)
-            self._active.extend(admitted)
-            # only admission raises what a row can reach (the cache never shrinks, so a row leaving changes nothing)
-            self._runner.cache.need_len = max(len(s.req.prompt_ids) + s.limit for s in self._active)
-            if aqn is not None:
-                aqn.set_rows([(s.req.sample_id, 0) for s in admitted])
-            parts.append(self._runner.prefill(row0, [s.req.prompt_ids for s in admitted], len(self._active)))
-        if aqn is not None:
-            aqn.set_rows(None)
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        params = [s.req.params for s in self._active]
-        logp = processed_logprobs(
-            logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params]
-        )
-        uniforms = [
-            request_uniform(p.seed, s.req.sample_id, len(s.response))
-            for p, s in zip(params, self._active, strict=True)
-        ]
-        tokens_t, behav_t = sample_tokens(logp, uniforms, [p.greedy for p in params])
-        tokens, behav = tokens_t.tolist(), behav_t.tolist()
+        if self._static is not None and aqn is None:
+            tokens, behav = static_forward(self._static, self._runner, self._active, admitted, self._join)
+        else:
+            if self._static is not None:
+                if not self._eager_notice:
+                    log.info("forward AQN noise runs on the eager decode path (no static step, no CUDA graphs)")
+                    self._eager_notice = True
+                self._static.dirty = True
+            tokens, behav = eager_forward(self._runner, self._active, admitted, self._join, aqn)
         now = time.monotonic()
         done: list[tuple[int, str]] = []
         for row, s in enumerate(self._active):
@@ -432,6 +421,18 @@ class NativeEngine:
             finished.append(self._result(self._active[row], reason))
             self._remove_row(row)
 
+    def _join(self, admitted: list[Seq]) -> int:
+        """Append ``admitted`` to the live rows (their cache rows start at the returned index)."""
+        assert self._runner is not None
+        now = time.monotonic()
+        for s in admitted:
+            s.t_admit = now
+        row0 = len(self._active)
+        self._active.extend(admitted)
+        # only admission raises what a row can reach (the cache never shrinks, so a row leaving changes nothing)
+        self._runner.cache.need_len = max(len(s.req.prompt_ids) + s.limit for s in self._active)
+        return row0
+
     def _remove_row(self, row: int) -> None:
         last = len(self._active) - 1
         if row != last:
@@ -439,8 +440,10 @@ class NativeEngine:
                 self._runner.cache.move_row(last, row, self._active[last].cache_len)
             self._active[row] = self._active[last]
         self._active.pop()
+        if self._static is not None:
+            self._static.dirty = True
 
-    def _result(self, s: _Seq, reason: str, *, locked: bool = False) -> GenResult:
+    def _result(self, s: Seq, reason: str, *, locked: bool = False) -> GenResult:
         """Build the result and forget the id; ``locked`` says the caller already holds ``_lock``."""
         now = time.monotonic()
         timings = {"total_s": now - s.t_submit, "queue_s": (s.t_admit or now) - s.t_submit}
@@ -465,10 +468,3 @@ class NativeEngine:
         self._live_ids.discard(sample_id)
         self._aborts.discard(sample_id)
 
-
-def _model_eos_ids(model: torch.nn.Module) -> list[int]:
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else list(eos)
-    return []

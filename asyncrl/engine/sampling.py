@@ -117,3 +117,65 @@ def sample_tokens(
         tokens[s] = idx
     behav = logp.gather(1, tokens[:, None]).squeeze(-1)
     return tokens, behav
+
+
+def truncate_static(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, trunc: torch.Tensor) -> torch.Tensor:
+    """Branch-free top-k / top-p over the whole batch: ``processed_logprobs``'s truncation, row for row.
+
+    Args:
+        logp: ``[B, V] float32``, ``log_softmax(logits / T)``.
+        top_k: ``[B] int64`` (``V`` when off); top_p: ``[B] float32`` (1 when off).
+        trunc: ``[B] bool``, the rows ``processed_logprobs`` truncates (sampled rows with top-k or top-p on).
+    Returns:
+        ``[B, V] float32``: truncated and renormalised rows where ``trunc``, ``logp`` itself elsewhere.
+    """
+    V = logp.shape[1]
+    sorted_lp, order = logp.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=logp.device)
+    keep_sorted = ranks[None, :] < top_k[:, None]
+    lp_k = torch.log_softmax(sorted_lp.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    p_k = lp_k.exp()
+    mass_before = torch.cumsum(p_k, dim=-1) - p_k
+    keep_sorted = keep_sorted & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    keep_sorted = keep_sorted | (ranks[None, :] == 0)
+    keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+    truncated = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.where(trunc[:, None], truncated, logp)
+
+
+def sample_static(
+    logits: torch.Tensor,
+    temp: torch.Tensor,
+    greedy: torch.Tensor,
+    uniforms: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    trunc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``processed_logprobs`` + ``sample_tokens`` without a branch, a host sync or a data-dependent shape.
+
+    Same rule, bit for bit: fp32 ``log_softmax(logits / T)``, optional truncation (``truncate_static``, on
+    when ``top_k`` is given), float64 inverse CDF with the dead-row fallback computed for every row, greedy
+    rows the argmax, and the behaviour log-prob gathered from the same fp32 log-probs.
+
+    Args:
+        logits: ``[B, V]`` any float dtype; temp: ``[B] float32`` (1 for greedy rows);
+        greedy: ``[B] bool``; uniforms: ``[B] float64`` in [0, 1) (``request_uniform``; any value for greedy
+        or padding rows); top_k / top_p / trunc: as ``truncate_static``, all or none.
+    Returns:
+        ``(tokens: [B] int64, behav_logp: [B] float32)``.
+    """
+    V = logits.shape[1]
+    logp = torch.log_softmax(logits.float() / temp[:, None], dim=-1)
+    if top_k is not None:
+        assert top_p is not None and trunc is not None
+        logp = truncate_static(logp, top_k, top_p, trunc)
+    lp = logp.double()
+    cdf = torch.cumsum(lp.exp(), dim=-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=V - 1)
+    dead = logp.gather(1, idx[:, None]).squeeze(-1) == float("-inf")  # fp32 and float64 agree on -inf
+    last_live = torch.where(logp > float("-inf"), torch.arange(V, device=logits.device), -1).amax(dim=-1)
+    tokens = torch.where(greedy, logp.argmax(dim=-1), torch.where(dead, last_live, idx))
+    behav = logp.gather(1, tokens[:, None]).squeeze(-1)
+    return tokens, behav

@@ -1,0 +1,222 @@
+"""The native engine's static-shape, sync-free decode step: device-resident per-row state, one step body.
+
+Owns: the per-row device buffers a decode step reads (``tok``, ``pos``, ``temp``, ``greedy``, ``live``,
+``top_k``, ``top_p``, ``trunc``, ``u``: ``[max_rows]`` each) and writes (``out: [2, max_rows] float64`` =
+sampled token, behaviour log-prob), their upload from the host, the step body (decoder layers over the
+shared ``StaticKVCache`` + ``sampling.sample_static``) and the sampling of freshly prefilled rows.
+
+Must never: sync with the device inside the body (no ``.item()``, ``.tolist()``, boolean-mask indexing or
+data-dependent shapes; ``tests/unit/engine/test_static_step.py`` checks the ops), allocate buffers after
+construction, know about requests, or draw randomness (the uniforms come from the host,
+``sampling.request_uniform``).
+
+Invariants:
+  * a step runs a padded batch of ``rows`` (a bucket, ``asyncrl.engine.step_graphs``; the exact batch
+    when nothing is captured or compiled, ``pad``) over an attention span of ``length`` positions; padding rows have ``live = False``, ``tok = pos = 0``, ``greedy`` on, write
+    K/V only into their own unused rows (re-prefilled before use) and their outputs are never read;
+  * the step feeds ``tok[r]`` at ``pos[r]``, then writes ``out[:, r]`` and, for live rows, ``tok[r] = next``
+    and ``pos[r] += 1``: with the batch unchanged, the host only uploads the next uniforms;
+  * grouped-query attention without copying K/V: the ``G = H / KV`` query heads of KV head ``j`` (HF's
+    ``repeat_interleave`` order) are folded into the query-length axis, ``q: [rows, KV, G, hd]``, so SDPA runs
+    without ``enable_gqa`` in the compute dtype, the mask ``[rows, 1, 1, length]`` broadcast over them;
+  * the tokens and behaviour log-probs equal ``processed_logprobs`` + ``sample_tokens`` on the same logits;
+  * one device-to-host copy per step: ``out[:, :n]`` (into pinned memory + an event on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl.engine.decoder import DecoderRunner, attend_one, qkv
+from asyncrl.engine.sampling import sample_static
+from asyncrl.engine.step_graphs import StepGraphs, batch_bucket, length_bucket
+
+_FIELDS = ("tok", "pos", "temp", "greedy", "live", "top_k", "top_p", "trunc", "u", "plen")
+_F = {name: i for i, name in enumerate(_FIELDS)}
+
+
+@dataclass(frozen=True, slots=True)
+class RowState:
+    """What the host knows of one row: the token fed next, its position, and the row's sampling params."""
+
+    token: int
+    position: int
+    temperature: float
+    greedy: bool
+    top_k: int
+    top_p: float
+
+
+def row_truncates(temperature: float, top_k: int, top_p: float, vocab: int) -> bool:
+    """``processed_logprobs``'s rule: a sampled row with top-k (below V) or top-p (below 1) on."""
+    return temperature > 0 and (top_k != -1 and top_k < vocab or top_p < 1.0)
+
+
+class StaticStep:
+    """Static buffers + step body for a ``DecoderRunner``'s model and cache (see module docstring)."""
+
+    def __init__(self, runner: DecoderRunner, vocab_size: int, *, cuda_graphs: bool = False,
+                 compile_body: bool | str = False) -> None:
+        self.runner = runner
+        self.cache = runner.cache
+        self.vocab = vocab_size
+        self.device = runner.device
+        self.max_rows = n = runner.cache.max_rows
+        dev = self.device
+        self.tok = torch.zeros(n, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.temp = torch.ones(n, dtype=torch.float32, device=dev)
+        self.greedy = torch.ones(n, dtype=torch.bool, device=dev)
+        self.live = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.top_k = torch.full((n,), vocab_size, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self.trunc = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.u = torch.zeros(n, dtype=torch.float64, device=dev)
+        self.plen = torch.zeros(n, dtype=torch.long, device=dev)
+        self.out = torch.zeros(2, n, dtype=torch.float64, device=dev)
+        self._state = torch.zeros(len(_FIELDS), n, dtype=torch.float64, device=dev)
+        pinned = dev.type == "cuda"
+        self._stage = torch.zeros(len(_FIELDS), n, dtype=torch.float64, pin_memory=pinned)
+        self._stage_np = self._stage.numpy()
+        self._out_host = torch.zeros(2, n, dtype=torch.float64, pin_memory=pinned)
+        self._event = torch.cuda.Event() if pinned else None
+        self.dirty = True
+        """The host's rows differ from the device state (a join, a leave, an eager step): upload them all."""
+        body = self.body
+        if compile_body:
+            from torch._dynamo import config as dynamo_config
+
+            # one compiled graph per (rows, length, truncate) key
+            dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 256)
+            backend = compile_body if isinstance(compile_body, str) else "inductor"
+            body = torch.compile(self.body, fullgraph=True, dynamic=False, backend=backend)
+        self.graphs = StepGraphs(body, self.device, use_graphs=cuda_graphs)
+        self.pad = bool(cuda_graphs or compile_body)
+        """Run buckets (padded rows, power-of-two spans) through ``graphs``: what graphs and a compiled body
+        need. Off (a plain CPU engine), a step runs its exact shape eagerly, as padding would only add work."""
+        self._generation = self.cache.generation
+
+    # ----------------------------------------------------------------- host side
+
+    def upload(self, rows: Sequence[RowState], joining: Sequence[RowState], uniforms: Sequence[float]) -> None:
+        """Stage the step's inputs and copy them in: every field when ``dirty``, else only the uniforms.
+
+        ``rows``: the live rows ``0..B-1`` before this step's joins; ``joining``: rows that join at ``B..``
+        (``position`` = prompt length, ``token`` unused: they become live in ``sample_joined``);
+        ``uniforms``: one per row that samples in this step (``rows``, then ``joining``).
+        """
+        st = self._stage_np
+        if joining:
+            self.dirty = True
+        if not self.dirty:
+            st[_F["u"], : len(uniforms)] = uniforms
+            self.u.copy_(self._stage[_F["u"]], non_blocking=True)
+            return
+        st[:, :] = 0.0
+        st[_F["temp"]] = 1.0
+        st[_F["greedy"]] = 1.0
+        st[_F["top_k"]] = self.vocab
+        st[_F["top_p"]] = 1.0
+        st[_F["u"], : len(uniforms)] = uniforms
+        for r, row in enumerate(rows):
+            st[_F["tok"], r] = row.token
+            st[_F["pos"], r] = row.position
+            st[_F["live"], r] = 1.0
+            self._stage_params(r, row)
+        for r, row in enumerate(joining, start=len(rows)):
+            st[_F["plen"], r] = row.position
+            self._stage_params(r, row)
+        self._state.copy_(self._stage, non_blocking=True)
+        for name in _FIELDS:
+            getattr(self, name).copy_(self._state[_F[name]])
+        self.dirty = False
+
+    def _stage_params(self, r: int, row: RowState) -> None:
+        st = self._stage_np
+        st[_F["temp"], r] = row.temperature if row.temperature > 0 else 1.0
+        st[_F["greedy"], r] = float(row.greedy)
+        trunc = row_truncates(row.temperature, row.top_k, row.top_p, self.vocab)
+        st[_F["trunc"], r] = float(trunc)
+        st[_F["top_k"], r] = row.top_k if trunc and row.top_k != -1 else self.vocab
+        st[_F["top_p"], r] = row.top_p if trunc else 1.0
+
+    @torch.inference_mode()
+    def decode(self, n: int, max_pos: int, truncate: bool) -> None:
+        """One decode step of live rows ``0..n-1`` (contexts up to ``max_pos + 1``); outputs in ``out[:, :n]``."""
+        cache = self.cache
+        if cache.kv is None or max_pos + 1 > cache.cap_len:
+            raise ValueError(f"the K/V cache holds {cache.cap_len} positions and a row is at {max_pos}; reserve "
+                             "before decoding")
+        if cache.generation != self._generation:
+            self.graphs.invalidate()
+            self._generation = cache.generation
+        if not self.pad:
+            self.body(n, max_pos + 1, truncate)
+            return
+        rows = batch_bucket(n, self.max_rows)
+        self.graphs.run(rows, length_bucket(max_pos + 1, cache.cap_len), truncate)
+
+    @torch.inference_mode()
+    def sample_joined(self, row0: int, logits: torch.Tensor, truncate: bool) -> None:
+        """Sample the first token of rows ``row0..row0+J-1`` from their prefill ``logits: [J, V]`` and make
+        them live at their prompt length (``plen``); outputs in ``out[:, row0:row0+J]``."""
+        sl = slice(row0, row0 + logits.shape[0])
+        extra = (self.top_k[sl], self.top_p[sl], self.trunc[sl]) if truncate else ()
+        tokens, behav = sample_static(logits, self.temp[sl], self.greedy[sl], self.u[sl], *extra)
+        self.out[0, sl].copy_(tokens)
+        self.out[1, sl].copy_(behav)
+        self.tok[sl].copy_(tokens)
+        self.pos[sl].copy_(self.plen[sl])
+        self.live[sl] = True
+
+    def fetch(self, n: int) -> tuple[list[int], list[float]]:
+        """The one device-to-host copy of a step: tokens and behaviour log-probs of rows ``0..n-1``."""
+        if self._event is None:
+            out = self.out[:, :n].numpy()
+        else:
+            host = self._out_host[:, :n]
+            host.copy_(self.out[:, :n], non_blocking=True)
+            self._event.record()
+            self._event.synchronize()
+            out = host.numpy()
+        return out[0].astype(np.int64).tolist(), out[1].astype(np.float32).tolist()
+
+    # ----------------------------------------------------------------- device side
+
+    def body(self, rows: int, length: int, truncate: bool) -> None:
+        """The step on static shapes: ``rows`` padded rows, attention over ``length`` cached positions.
+
+        Reads ``tok, pos, temp, greedy, u`` (and ``top_k, top_p, trunc`` when ``truncate``) ``[:rows]``;
+        writes K/V at ``pos``, ``out[:, :rows]``, and advances ``tok``/``pos`` of live rows.
+        """
+        runner = self.runner
+        base = runner.model.model
+        kv = self.cache.kv
+        assert kv is not None
+        tok, pos = self.tok[:rows], self.pos[:rows]
+        x = base.embed_tokens(tok[:, None])
+        cos, sin = base.rotary_emb(x, pos[:, None])
+        mask = (torch.arange(length, device=x.device)[None, :] <= pos[:, None])[:, None, None, :]
+        index = torch.arange(rows, device=x.device)
+        H, KV, hd = runner.n_heads, runner.n_kv_heads, runner.head_dim
+        for li, layer in enumerate(base.layers):
+            q, k, v = qkv(layer, layer.input_layernorm(x), cos, sin, H, KV, hd)
+            kb, vb = kv[li, 0], kv[li, 1]
+            kb[index, :, pos] = k[:, :, 0]
+            vb[index, :, pos] = v[:, :, 0]
+            out = attend_one(q, kb[:rows, :, :length], vb[:rows, :, :length], mask, runner.scaling)
+            x = x + layer.self_attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = base.norm(x[:, 0])
+        logits = runner.model.lm_head(logits).float()
+        extra = (self.top_k[:rows], self.top_p[:rows], self.trunc[:rows]) if truncate else ()
+        tokens, behav = sample_static(logits, self.temp[:rows], self.greedy[:rows], self.u[:rows], *extra)
+        self.out[0, :rows].copy_(tokens)
+        self.out[1, :rows].copy_(behav)
+        live = self.live[:rows]
+        self.tok[:rows].copy_(torch.where(live, tokens, torch.zeros_like(tokens)))
+        self.pos[:rows].add_(live.long())
