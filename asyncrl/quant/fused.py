@@ -33,8 +33,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .int8 import int_mm, quantize_act_int8
-from .kernels import linear_bf16
+from .int8 import int8_epilogue, int_mm, quantize_act_int8
+from .kernels import act_quant_int8_compiled, int8_epilogue_compiled, linear_bf16
 from .linear import Bf16Linear, Int8Linear, QuantLinear
 
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -109,19 +109,15 @@ class SiblingGroup:
         return parts[idx]
 
     def _int8(self, x2: Tensor) -> list[Tensor]:
-        qx, sx = quantize_act_int8(x2)
+        compiled = self.members[0].kernel == "int_mm_compiled"
+        qx, sx = (act_quant_int8_compiled if compiled else quantize_act_int8)(x2)
         acc = int_mm(qx, self.codes.t())  # [M, sum N] int32, exact
         scales = self.fused["weight_scale"]
-        # Per-member epilogue (same fp32 ops as int8_linear) writing contiguous outputs: downstream
+        # Per-member epilogue (the fp32 ops of int8_linear) writing contiguous outputs: downstream
         # kernels (attention) may round differently on strided inputs, and no copy is needed.
-        parts = []
-        for a, b in self.bounds:
-            y = acc[:, a:b] * sx
-            y.mul_(scales[a:b])
-            if self.bias is not None:
-                y.add_(self.bias[a:b])
-            parts.append(y)
-        return parts
+        epilogue = int8_epilogue_compiled if compiled else int8_epilogue
+        return [epilogue(acc[:, a:b], sx, scales[a:b], None if self.bias is None else self.bias[a:b])
+                for a, b in self.bounds]
 
     def _bf16(self, x2: Tensor) -> list[Tensor]:
         yb = linear_bf16(x2, self.fused["weight"])  # [M, sum N] bf16

@@ -183,8 +183,13 @@ def int8_linear(qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, bias: Tensor | N
     qx: [M, K] int8, sx: [M, 1] or [M] fp32, qw: [N, K] int8, sw: [N] fp32, bias: [N] fp32 or None
     returns y: [M, N] fp32 = fp32(fp32(acc * sx) * sw) + bias
     """
-    acc = int_mm(qx, qw.t())
-    y = acc * (sx if sx.dim() == 2 else sx[:, None])
+    return int8_epilogue(int_mm(qx, qw.t()), sx if sx.dim() == 2 else sx[:, None], sw, bias)
+
+
+def int8_epilogue(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None) -> Tensor:
+    """acc [M, N] int32 (any strides), sx [M, 1], sw [N], bias [N] or None -> contiguous [M, N] fp32
+    fp32(fp32(fp32(acc) * sx) * sw) + bias: three correctly rounded ops, never contracted into an FMA."""
+    y = acc * sx
     y.mul_(sw)
     if bias is not None:
         y.add_(bias)

@@ -6,7 +6,11 @@ kernels that are not the CPU reference rules of int8.py / fp8.py:
 
     kernel       formats                  what runs (x2 [M, K] fp32 -> y [M, N] fp32)
     bf16         bf16                     y = fp32(linear(bf16(x), W_bf16)) + bias
-    int_mm       int8                     int8.py: per-token int8 codes, `torch._int_mm`, exact int32 sums
+    int_mm       int8 (CPU; CUDA without   int8.py: per-token int8 codes, `torch._int_mm`, exact int32 sums
+                 Triton)
+    int_mm_compiled  int8 on CUDA with     the same, with the activation quantisation and the epilogue each
+                 Triton                   one `torch.compile`d kernel under Inductor's eager-numerics options
+                                          (correctly rounded division, no FMA contraction, no flush to zero)
     fp8_emul     fp8 (CPU, CUDA < sm_89,  fp8.py: fp32 GEMM over the decoded E4M3 codes (an fp32 copy of
                  N or K not % 16)         the codes is held), then the scales
     scaled_mm    fp8 on CUDA sm_89+       `torch._scaled_mm` on the E4M3 codes themselves with row-wise
@@ -27,13 +31,20 @@ change a published code: kernels read the buffers, they never write them.
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .int8 import int8_epilogue, quantize_act_int8
+
 KERNELS: dict[str, tuple[str, ...]] = {
     "bf16": ("bf16",),
-    "int8": ("int_mm",),
+    "int8": ("int_mm", "int_mm_compiled"),
     "fp8": ("fp8_emul", "scaled_mm"),
     "int8_wo": ("wo_fp32", "wo_bf16"),
     "nvfp4": ("wo_fp32", "wo_bf16"),
@@ -52,12 +63,21 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
+def triton_available() -> bool:
+    """Whether Inductor can generate GPU kernels here (the `triton` package is importable)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def select_kernel(fmt: str, device: torch.device, out_features: int, in_features: int,
-                  capability: tuple[int, int] | None = None) -> str:
+                  capability: tuple[int, int] | None = None, compiler: bool | None = None) -> str:
     """The kernel a linear of `fmt` with an [out_features, in_features] weight runs on `device`.
-    ``capability`` defaults to the device's own (pass one to ask about a device that is not here)."""
+    ``capability`` defaults to the device's own, ``compiler`` to `triton_available()` (pass them to ask
+    about a device that is not here)."""
     if fmt not in KERNELS:
         raise ValueError(f"no quantised kernel for format {fmt!r}; choose one of {sorted(KERNELS)}")
+    if fmt == "int8":
+        fused = device.type == "cuda" and (triton_available() if compiler is None else compiler)
+        return "int_mm_compiled" if fused else "int_mm"
     cap = capability if capability is not None else cuda_capability(device)
     if fmt == "fp8":
         aligned = out_features % SCALED_MM_ALIGN == 0 and in_features % SCALED_MM_ALIGN == 0
@@ -132,3 +152,41 @@ def rowwise_fp32_supported(device: torch.device) -> bool:
         except (RuntimeError, NotImplementedError):
             _ROWWISE[device] = False
     return _ROWWISE[device]
+
+
+EAGER_NUMERICS: dict[str, str | int | bool | Callable[..., Any]] = {
+    "emulate_precision_casts": True,  # also turns Triton's fp fusion (mul + add -> FMA) off
+    "eager_numerics.division_rounding": True,  # div_rn instead of Triton's approximate div.full
+    "eager_numerics.disable_ftz": True,  # subnormal activations keep their codes
+}
+"""Inductor options under which a compiled rule computes what the eager ops compute, bit for bit."""
+
+
+class Compiled:
+    """``fn`` compiled once per process with `EAGER_NUMERICS` (dynamic shapes: one kernel for every batch
+    size), falling back to ``fn`` itself, with a warning, if compiling fails. Call it once before a CUDA
+    graph is captured (the first call compiles)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._compiled: Callable[..., Any] | None = None
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed:
+            return self.fn(*args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=True, options=EAGER_NUMERICS)
+        try:
+            return self._compiled(*args)
+        except Exception as exc:  # an Inductor/Triton failure must not stop a rollout worker: run eagerly
+            warnings.warn(f"torch.compile of {self.fn.__name__} failed ({exc!r}); running it eagerly",
+                          RuntimeWarning, stacklevel=2)
+            self.failed = True
+            return self.fn(*args)
+
+
+act_quant_int8_compiled = Compiled(quantize_act_int8)
+"""int8.quantize_act_int8 as one kernel: the same codes and scales (tests/unit/quant/test_kernels.py)."""
+int8_epilogue_compiled = Compiled(int8_epilogue)
+"""int8.int8_epilogue as one kernel: the same fp32 values."""

@@ -12,7 +12,8 @@ and shape by `kernels.select_kernel` (module attribute `kernel`; kernels.py has 
     Bf16Linear     y = fp32(linear(bf16(x), weight_bf16)) + bias; q/k/v and gate/up siblings share
                    one cast and one GEMM (fused.py), equal to the unfused modules up to summation order
     Int8Linear     W8A8: per-token int8 activations, `torch._int_mm`, int32 accumulation (int8.py);
-                   siblings share one activation quantisation and one matmul (fused.py), bit-identical
+                   siblings share one activation quantisation and one matmul (fused.py), bit-identical;
+                   on CUDA with Triton the quantisation and the epilogue are compiled kernels (same bits)
     Fp8Linear      E4M3 weights, optional per-token E4M3 activations: `torch._scaled_mm` on CUDA sm_89+,
                    elsewhere the emulated scaled-GEMM rule (fp8.py) over an fp32 copy of the codes
     DecodedLinear  int8_wo / nvfp4 / mxfp4, weight-only: decoded once per load into the compute dtype
@@ -37,11 +38,13 @@ from torch import Tensor, nn
 
 from .formats import dequantize_weight, quantize_weight, weight_suffixes
 from .fp8 import fp8_linear, quantize_act_fp8_codes
-from .int8 import int8_linear, quantize_act_int8
+from .int8 import int8_linear, int_mm, quantize_act_int8
 from .kernels import (
     KERNELS,
+    act_quant_int8_compiled,
     check_kernel,
     compute_dtype,
+    int8_epilogue_compiled,
     linear_bf16,
     rowwise_fp32_supported,
     scaled_mm_fp8,
@@ -164,6 +167,9 @@ class Int8Linear(QuantLinear):
     weight_scale: Tensor
 
     def _compute(self, x2: Tensor) -> Tensor:
+        if self.kernel == "int_mm_compiled":
+            qx, sx = act_quant_int8_compiled(x2)
+            return int8_epilogue_compiled(int_mm(qx, self.qweight.t()), sx, self.weight_scale, self.bias)
         qx, sx = quantize_act_int8(x2)
         return int8_linear(qx, sx, self.qweight, self.weight_scale, self.bias)
 

@@ -16,6 +16,8 @@ import torch
 from asyncrl.quant import FORMATS, load_published, publish, quantize_fp8_rows, quantize_model
 from asyncrl.quant import kernels as K
 from asyncrl.quant.fp8 import fp8_linear, quantize_act_fp8_codes
+from asyncrl.quant.fused import fuse_siblings
+from asyncrl.quant.int8 import quantize_act_int8
 from asyncrl.quant.linear import Bf16Linear, DecodedLinear, Fp8Linear, QuantLinear
 from tests.unit.quant.conftest import make_tiny_qwen2
 
@@ -137,7 +139,9 @@ def test_select_kernel_picks_device_kernels_only_for_devices_that_have_them():
     for fmt in ("int8_wo", "nvfp4", "mxfp4"):
         assert K.select_kernel(fmt, cpu, 32, 64) == "wo_fp32"
         assert K.select_kernel(fmt, CUDA, 32, 64, capability=(9, 0)) == "wo_bf16"
-    assert K.select_kernel("int8", CUDA, 32, 64, capability=(9, 0)) == "int_mm"
+    assert K.select_kernel("int8", CUDA, 32, 64, compiler=True) == "int_mm_compiled"
+    assert K.select_kernel("int8", CUDA, 32, 64, compiler=False) == "int_mm"
+    assert K.select_kernel("int8", cpu, 32, 64, compiler=True) == "int_mm"  # CPU: the eager reference
     assert K.select_kernel("bf16", cpu, 32, 64) == "bf16"
     with pytest.raises(ValueError, match="choose one of"):
         K.select_kernel("fp16", cpu, 32, 64)
@@ -215,3 +219,28 @@ def test_bf16_siblings_share_one_cast_and_one_gemm_and_match_the_unfused_modules
     load_published(model, publish(make_tiny_qwen2(seed=15).state_dict(), "bf16", version=1))
     assert attn.q_proj._group is not None and attn.q_proj._group.is_intact()  # loads write through
     assert isinstance(attn.q_proj, Bf16Linear)
+
+
+def test_compiled_int8_kernel_gives_the_eager_bits(probe_ids):
+    """The compiled activation quantisation and epilogue (Inductor with EAGER_NUMERICS; here its C++
+    backend) give the eager codes, scales and outputs bit for bit, ties and a zero row included, alone
+    and fused."""
+    g = torch.Generator().manual_seed(16)
+    for m in (1, 5, 33):
+        x = torch.randn(m, 96, generator=g) * torch.exp(torch.randn(m, 1, generator=g))
+        x[0, :4] = torch.tensor([0.5, 1.5, 2.5, -2.5]) * (x[0].abs().max() / 127)  # x / s exactly at .5
+        if m > 1:
+            x[1] = 0.0
+        q, s = K.act_quant_int8_compiled(x)
+        q0, s0 = quantize_act_int8(x)
+        assert torch.equal(q, q0) and torch.equal(s, s0)
+    assert not K.act_quant_int8_compiled.failed and not K.int8_epilogue_compiled.failed
+    eager = quantize_model(make_tiny_qwen2(seed=17), "int8")
+    compiled = copy.deepcopy(eager)
+    for mod in compiled.modules():
+        if isinstance(mod, QuantLinear):
+            mod.use_kernel("int_mm_compiled")
+    assert fuse_siblings(compiled) == 4  # fused groups run the compiled kernels too
+    assert compiled.model.layers[0].self_attn.q_proj.kernel == "int_mm_compiled"
+    with torch.no_grad():
+        assert torch.equal(compiled(probe_ids).logits, eager(probe_ids).logits)
