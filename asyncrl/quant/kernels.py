@@ -165,7 +165,8 @@ EAGER_NUMERICS: dict[str, str | int | bool | Callable[..., Any]] = {
 class Compiled:
     """``fn`` compiled once per process with `EAGER_NUMERICS` (dynamic shapes: one kernel for every batch
     size), falling back to ``fn`` itself, with a warning, if compiling fails. Call it once before a CUDA
-    graph is captured (the first call compiles)."""
+    graph is captured (the first call compiles). Traced by an enclosing `torch.compile` (a compiled decode
+    step), it is the plain ``fn``, fused into the caller's graph under the caller's options."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -173,7 +174,7 @@ class Compiled:
         self.failed = False
 
     def __call__(self, *args: Any) -> Any:
-        if self.failed:
+        if self.failed or torch.compiler.is_compiling():  # inside a caller's compiled region: its graph
             return self.fn(*args)
         if self._compiled is None:
             self._compiled = torch.compile(self.fn, dynamic=True, options=EAGER_NUMERICS)
