@@ -52,6 +52,7 @@ def test_gpu_check_cpu_smoke_runs_every_cpu_section_and_writes_one_json(procs, t
     # on CPU the "device" side runs the kernels an sm_90 GPU would select
     assert quant["fp8"]["kernels"].startswith("scaled_mm") and quant["fp8"]["reference_kernels"].startswith("fp8_emul")
     assert quant["nvfp4"]["kernels"].startswith("wo_bf16")
+    assert quant["int8"]["kernels"].startswith("int_mm_compiled") and quant["int8"]["logits_rel_diff"] == 0.0
 
     bench = sections["bench_engine"]["result"]
     rows = bench["tables"]["shapes"]
