@@ -1,4 +1,4 @@
-"""Sibling fusion: q/k/v (and gate/up) projections as one GEMM, for the int8 and bf16 paths.
+"""Sibling fusion: q/k/v (and gate/up) projections as one GEMM, for every quantised format.
 
 Owns: `SiblingGroup`, which makes the linears that read the same input (the q/k/v projections of one
 attention block, the gate/up projections of one MLP) share one input conversion and one matmul, and
@@ -9,6 +9,14 @@ attention block, the gate/up projections of one MLP) share one input conversion 
     Bf16Linear  one cast of x to bf16, one bf16 GEMM over the stacked weights, then each member's
                 cast to fp32 and bias add: equal to the unfused modules up to the GEMM's summation
                 order (every output element is the same K-term sum, rounded to bf16 once)
+    Fp8Linear   one activation quantisation, one GEMM over the stacked codes (`_scaled_mm`, or the
+                fp32 GEMM over the stacked decoded codes), then each member's scales and bias: equal to
+                the unfused modules up to summation order
+    weight-only one GEMM over the stacked decoded weights (`_w_decoded`, fp32 or bf16), then each
+    (int8_wo,   member's bias: equal up to summation order. Only the decoded caches are stacked (an
+    nvfp4,      nvfp4 member's global scale is its own); `refresh` decodes each member into its rows
+    mxfp4)      of the stacked cache, in place
+Members of a group run one kernel (kernels.py); `use_kernel` on a member dissolves its group.
 
 Storage: the group owns one contiguous [sum N_i, K] weight (codes and scales for int8) and bias; each
 member's buffers are row-slice views of it. So state_dict names, shapes and bytes are unchanged, and
@@ -31,18 +39,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .fp8 import quantize_act_fp8, quantize_act_fp8_codes
 from .int8 import int8_epilogue, int_mm, quantize_act_int8
-from .kernels import act_quant_int8_compiled, int8_epilogue_compiled, linear_bf16
-from .linear import Bf16Linear, Int8Linear, QuantLinear
+from .kernels import act_quant_int8_compiled, int8_epilogue_compiled, linear_bf16, scaled_mm_fp8
+from .linear import Bf16Linear, DecodedLinear, Fp8Linear, Int8Linear, QuantLinear
 
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_BUFFERS: dict[type[QuantLinear], tuple[str, ...]] = {
     Int8Linear: ("qweight", "weight_scale"),
     Bf16Linear: ("weight",),
+    Fp8Linear: ("qweight", "weight_scale"),
 }
-"""Member classes that fuse, and the weight buffers their group stacks (the bias is stacked too)."""
+"""Persistent weight buffers a group of that class stacks (the bias and the compute caches too)."""
+
+
+def stacked_names(m: QuantLinear) -> tuple[str, ...]:
+    """The buffers of `m` a sibling group stacks: its class's weight buffers and its compute cache."""
+    if isinstance(m, DecodedLinear):
+        return ("_w_decoded",)
+    names = FUSED_BUFFERS[type(m)]
+    if isinstance(m, Fp8Linear) and m.kernel == "fp8_emul":
+        names = (*names, "_w_codes")
+    return names
+
+
+def fusable(m: object) -> bool:
+    return type(m) in FUSED_BUFFERS or isinstance(m, DecodedLinear)
 
 
 class SiblingGroup:
@@ -50,14 +75,17 @@ class SiblingGroup:
 
     def __init__(self, members: Sequence[QuantLinear]) -> None:
         kind = type(members[0])
-        assert kind in FUSED_BUFFERS and all(type(m) is kind for m in members)
+        assert fusable(members[0]) and all(type(m) is kind for m in members)
+        assert len({(m.kernel, getattr(m, "act_quant", True)) for m in members}) == 1
         k = members[0].in_features
         assert all(m.in_features == k for m in members)
         has_bias = [m.bias is not None for m in members]
         assert all(has_bias) or not any(has_bias)
         self.kind = kind
         self.members = list(members)
-        self.names = FUSED_BUFFERS[kind]
+        self.kernel = members[0].kernel
+        self.act_quant = getattr(members[0], "act_quant", True)
+        self.names = stacked_names(members[0])
         self.fused = {n: torch.cat([getattr(m, n) for m in members]).contiguous() for n in self.names}
         biases = [m.bias for m in members if m.bias is not None]
         self.bias = torch.cat(biases).contiguous() if has_bias[0] else None
@@ -103,13 +131,50 @@ class SiblingGroup:
             if not self._kept:
                 self._x = None
             return out
-        parts = self._int8(x2) if self.kind is Int8Linear else self._bf16(x2)
+        parts = self._compute(x2)
         self._kept = {i: p for i, p in enumerate(parts) if i != idx}
         self._x = x
         return parts[idx]
 
+    def _compute(self, x2: Tensor) -> list[Tensor]:
+        """x2 [M, K] fp32 -> every member's output, contiguous [M, N_i] fp32, by the group's kernel."""
+        k = self.kernel
+        if k in ("int_mm", "int_mm_compiled"):
+            return self._int8(x2)
+        if k in ("bf16", "wo_bf16"):
+            return self._bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
+        if k == "wo_fp32":
+            return self._split(F.linear(x2, self.fused["_w_decoded"]))
+        scales = self.fused["weight_scale"]
+        if k == "scaled_mm":
+            q8, s8 = quantize_act_fp8_codes(x2)
+            return self._split(scaled_mm_fp8(q8, s8, self.fused["qweight"], scales))
+        assert k == "fp8_emul", k
+        # fp8.fp8_linear's ops per element: the GEMM over the codes, times sx, times sw, plus bias
+        sx: Tensor | None = None
+        if self.act_quant:
+            qx, sx = quantize_act_fp8(x2)
+            y = torch.mm(qx, self.fused["_w_codes"].t())
+        else:
+            y = torch.mm(x2, self.fused["_w_codes"].t())
+        parts = []
+        for a, b in self.bounds:
+            p = torch.mul(y[:, a:b], sx) if sx is not None else torch.mul(y[:, a:b], scales[a:b])
+            if sx is not None:
+                p.mul_(scales[a:b])
+            if self.bias is not None:
+                p.add_(self.bias[a:b])
+            parts.append(p)
+        return parts
+
+    def _split(self, y: Tensor) -> list[Tensor]:
+        """[M, sum N] fp32 -> each member's contiguous columns, plus its bias."""
+        if self.bias is None:
+            return [y[:, a:b].contiguous() for a, b in self.bounds]
+        return [torch.add(y[:, a:b], self.bias[a:b]) for a, b in self.bounds]
+
     def _int8(self, x2: Tensor) -> list[Tensor]:
-        compiled = self.members[0].kernel == "int_mm_compiled"
+        compiled = self.kernel == "int_mm_compiled"
         qx, sx = (act_quant_int8_compiled if compiled else quantize_act_int8)(x2)
         acc = int_mm(qx, self.codes.t())  # [M, sum N] int32, exact
         scales = self.fused["weight_scale"]
@@ -119,8 +184,8 @@ class SiblingGroup:
         return [epilogue(acc[:, a:b], sx, scales[a:b], None if self.bias is None else self.bias[a:b])
                 for a, b in self.bounds]
 
-    def _bf16(self, x2: Tensor) -> list[Tensor]:
-        yb = linear_bf16(x2, self.fused["weight"])  # [M, sum N] bf16
+    def _bf16(self, x2: Tensor, w: Tensor) -> list[Tensor]:
+        yb = linear_bf16(x2, w)  # [M, sum N] bf16
         parts = []
         for a, b in self.bounds:
             if self.bias is None:  # a contiguous fp32 copy of the column slice (the exact cast)
@@ -131,18 +196,20 @@ class SiblingGroup:
 
 
 def fuse_siblings(model: nn.Module) -> int:
-    """Group the int8 and bf16 siblings of every attention/MLP block of `model`; returns the number
-    of groups formed. Blocks whose siblings are not all of one fusing class (Int8Linear, Bf16Linear)
-    with equal in_features and uniform bias presence are left unfused."""
+    """Group the quantised siblings of every attention/MLP block of `model`; returns the number of
+    groups formed. Blocks whose siblings are not all of one class and one kernel, with equal
+    in_features and uniform bias presence, are left unfused."""
     n = 0
     for parent in model.modules():
         for names in SIBLINGS:
             mods = [getattr(parent, name, None) for name in names]
             kinds = {type(m) for m in mods}
-            if len(kinds) != 1 or next(iter(kinds)) not in FUSED_BUFFERS:
+            if len(kinds) != 1 or not fusable(mods[0]):
                 continue
             members = [m for m in mods if isinstance(m, QuantLinear)]
             if len({m.in_features for m in members}) != 1 or len({m.bias is None for m in members}) != 1:
+                continue
+            if len({(m.kernel, getattr(m, "act_quant", True)) for m in members}) != 1:
                 continue
             for m in members:
                 if m._group is not None:

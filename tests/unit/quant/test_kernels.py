@@ -244,3 +244,33 @@ def test_compiled_int8_kernel_gives_the_eager_bits(probe_ids):
     assert compiled.model.layers[0].self_attn.q_proj.kernel == "int_mm_compiled"
     with torch.no_grad():
         assert torch.equal(compiled(probe_ids).logits, eager(probe_ids).logits)
+
+
+@pytest.mark.parametrize(("fmt", "kernel"), [("fp8", "fp8_emul"), ("fp8", "scaled_mm"), ("int8_wo", "wo_fp32"),
+                                             ("nvfp4", "wo_bf16"), ("mxfp4", "wo_fp32")])
+def test_fp8_and_weight_only_siblings_fuse_and_match_the_unfused_modules(fmt, kernel, monkeypatch, probe_ids):
+    model = quantize_model(make_tiny_qwen2(seed=18, hidden=64, inter=96), fmt)  # every shape a multiple of 16
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.use_kernel(kernel)  # dissolves the groups quantize_model formed
+    assert fuse_siblings(model) == 4
+    attn = model.model.layers[1].self_attn
+    assert attn.q_proj._group is attn.v_proj._group is not None and attn.q_proj._group.kernel == kernel
+    plain = _dissolved(model)
+    calls: list[int] = []
+    real = K.scaled_mm_fp8
+    monkeypatch.setattr("asyncrl.quant.fused.scaled_mm_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(19))
+    outs = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    assert len(calls) == (kernel == "scaled_mm")  # one GEMM for the three
+    p = plain.model.layers[1].self_attn
+    for out, mod in zip(outs, (p.q_proj, p.k_proj, p.v_proj), strict=True):
+        assert out.is_contiguous()
+        torch.testing.assert_close(out, mod(x), atol=1e-5, rtol=2.0**-7)  # summation order (bf16: one rounding)
+    pub = publish(make_tiny_qwen2(seed=20, hidden=64, inter=96).state_dict(), fmt, version=1)
+    before = _storages(model)
+    load_published(model, pub)
+    load_published(plain, pub)
+    assert _storages(model) == before and attn.q_proj._group is not None  # decoded in place, rows of one cache
+    with torch.no_grad():
+        torch.testing.assert_close(model(probe_ids).logits, plain(probe_ids).logits, atol=1e-3, rtol=1e-3)
