@@ -16,6 +16,7 @@ and shape by `kernels.select_kernel` (module attribute `kernel`; kernels.py has 
                    on CUDA with Triton the quantisation and the epilogue are compiled kernels (same bits)
     Fp8Linear      E4M3 weights, optional per-token E4M3 activations: `torch._scaled_mm` on CUDA sm_89+,
                    elsewhere the emulated scaled-GEMM rule (fp8.py) over an fp32 copy of the codes
+                   (siblings fuse, fused.py, as do the weight-only formats')
     DecodedLinear  int8_wo / nvfp4 / mxfp4, weight-only: decoded once per load into the compute dtype
                    (fp32 on CPU, bf16 on CUDA), y = linear(x, W) + bias. This CPU build has no fast
                    kernel for them (`_weight_int8pack_mm` measured ~15x slower than an fp32 GEMM).
