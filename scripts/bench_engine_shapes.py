@@ -161,7 +161,7 @@ def run_shapes(args) -> int:
     batches = [int(b) for b in (args.batch_sizes or ("128" if args.quick else "32,128") if cuda
                                 else (args.batch_sizes or "1,4")).split(",")]
     new_tokens = args.new_tokens or (32 if args.quick or not cuda else 128)
-    rounds = args.rounds or args.repeats or (3 if args.quick else 5)
+    rounds = args.rounds or args.repeats or (2 if args.quick else 5)
     formats = [f for f in args.formats.split(",") if f]
     bad = [f for f in formats if f not in FORMATS]
     if bad:

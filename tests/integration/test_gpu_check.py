@@ -39,8 +39,7 @@ def test_gpu_check_cpu_smoke_runs_every_cpu_section_and_writes_one_json(procs, t
         assert sections[name]["skipped"] and "GPU" in sections[name]["reason"]
     for name in ("native", "quant", "bench_engine", "gpu_tests", "train"):
         assert sections[name]["passed"] is True, (name, sections[name])
-    bl = sections["bench_learner"]
-    assert bl.get("passed") is True or (bl["skipped"] and "bench_learner" in bl["reason"])
+    assert sections["bench_learner"]["skipped"] and "smoke test" in sections["bench_learner"]["reason"]
 
     assert set(sections["native"]["formats"]) == set(FORMATS)
     assert sections["native"]["formats"]["fp32"]["logp_max_abs_diff"] < 1e-2
