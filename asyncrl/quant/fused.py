@@ -12,10 +12,10 @@ attention block, the gate/up projections of one MLP) share one input conversion 
     Fp8Linear   one activation quantisation, one GEMM over the stacked codes (`_scaled_mm`, or the
                 fp32 GEMM over the stacked decoded codes), then each member's scales and bias: equal to
                 the unfused modules up to summation order
-    weight-only one GEMM over the stacked decoded weights (`_w_decoded`, fp32 or bf16), then each
-    (int8_wo,   member's bias: equal up to summation order. Only the decoded caches are stacked (an
-    nvfp4,      nvfp4 member's global scale is its own); `refresh` decodes each member into its rows
-    mxfp4)      of the stacked cache, in place
+    weight-only one bf16 GEMM over the stacked decoded weights (`_w_decoded`, kernel wo_bf16, CUDA),
+    (int8_wo,   then each member's bias: equal up to summation order. Only the decoded caches are stacked
+    nvfp4,      (an nvfp4 member's global scale is its own); `refresh` decodes each member into its rows of
+    mxfp4)      the stacked cache, in place. On CPU (wo_fp32) they stay unfused (`UNFUSED_KERNELS`)
 Members of a group run one kernel (kernels.py); `use_kernel` on a member dissolves its group.
 
 Storage: the group owns one contiguous [sum N_i, K] weight (codes and scales for int8) and bias; each
@@ -39,7 +39,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .fp8 import quantize_act_fp8, quantize_act_fp8_codes
@@ -66,7 +65,15 @@ def stacked_names(m: QuantLinear) -> tuple[str, ...]:
     return names
 
 
+UNFUSED_KERNELS = ("wo_fp32",)
+"""Kernels whose siblings stay separate: on CPU each weight-only member's own `addmm` (bias fused into the
+GEMM) beat one stacked GEMM plus a bias add per member (0.90-0.97x fused on the projections of the tiny
+Qwen2 of asyncrl.models, M = 1 and 16, CPU time, 2026-12-04); int8, bf16 and fp8 gained 1.09-1.23x there."""
+
+
 def fusable(m: object) -> bool:
+    if not isinstance(m, QuantLinear) or m.kernel in UNFUSED_KERNELS:
+        return False
     return type(m) in FUSED_BUFFERS or isinstance(m, DecodedLinear)
 
 
@@ -143,8 +150,6 @@ class SiblingGroup:
             return self._int8(x2)
         if k in ("bf16", "wo_bf16"):
             return self._bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
-        if k == "wo_fp32":
-            return self._split(F.linear(x2, self.fused["_w_decoded"]))
         scales = self.fused["weight_scale"]
         if k == "scaled_mm":
             q8, s8 = quantize_act_fp8_codes(x2)

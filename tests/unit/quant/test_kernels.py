@@ -246,8 +246,8 @@ def test_compiled_int8_kernel_gives_the_eager_bits(probe_ids):
         assert torch.equal(compiled(probe_ids).logits, eager(probe_ids).logits)
 
 
-@pytest.mark.parametrize(("fmt", "kernel"), [("fp8", "fp8_emul"), ("fp8", "scaled_mm"), ("int8_wo", "wo_fp32"),
-                                             ("nvfp4", "wo_bf16"), ("mxfp4", "wo_fp32")])
+@pytest.mark.parametrize(("fmt", "kernel"), [("fp8", "fp8_emul"), ("fp8", "scaled_mm"), ("int8_wo", "wo_bf16"),
+                                             ("nvfp4", "wo_bf16"), ("mxfp4", "wo_bf16")])
 def test_fp8_and_weight_only_siblings_fuse_and_match_the_unfused_modules(fmt, kernel, monkeypatch, probe_ids):
     model = quantize_model(make_tiny_qwen2(seed=18, hidden=64, inter=96), fmt)  # every shape a multiple of 16
     for m in model.modules():
@@ -274,3 +274,9 @@ def test_fp8_and_weight_only_siblings_fuse_and_match_the_unfused_modules(fmt, ke
     assert _storages(model) == before and attn.q_proj._group is not None  # decoded in place, rows of one cache
     with torch.no_grad():
         torch.testing.assert_close(model(probe_ids).logits, plain(probe_ids).logits, atol=1e-3, rtol=1e-3)
+
+
+def test_weight_only_siblings_stay_unfused_on_the_cpu_kernel():
+    model = quantize_model(make_tiny_qwen2(seed=21), "nvfp4")
+    assert all(m._group is None for m in model.modules() if isinstance(m, QuantLinear))
+    assert fuse_siblings(model) == 0  # wo_fp32: each member's addmm is faster on CPU
