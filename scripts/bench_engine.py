@@ -223,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-formats", default="int8",
                    help="quantized formats also run with the output head quantized (quant.lm_head), as path "
                         "FMT+head; '' for none (default int8)")
-    p.add_argument("--batch-sizes", default=None, help="comma list (default 1,16,64; --quick 1,16)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens per sample (default 128; --quick 32)")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 5)")
+    p.add_argument("--batch-sizes", default=None, help="comma list (default 1,16,64; --quick 1,16; --shapes on cuda: 32,128, --quick 128; on cpu 1,4)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per sample (default 128; --quick 32; --shapes on cpu 32)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 5; --shapes --quick 2)")
     p.add_argument("--repeats", type=int, default=None, help=argparse_suppress())
     p.add_argument("--hf", default=None, help="HF generate comparators, comma list of fp32,int8 (--shapes: bf16,fp32) "
                                                "('' for none; default: fp32,int8; --shapes: bf16)")
