@@ -30,6 +30,16 @@ burst of load elsewhere moves both sides of a ratio): each format vs native fp32
 generate at the same precision, with min, max and spread, and the load average during the rounds.
 
 Run: ``python scripts/bench_engine.py [--quick] [--model tiny|smollm2|PATH] [--json PATH]``.
+
+**Model shapes on a device** (``--shapes``, the default with ``--device cuda``): random-weight models built
+from the configs of Qwen2.5-0.5B, Qwen2.5-1.5B and SmolLM2-135M (nothing is downloaded; weights are drawn
+on the device), batches of identical-length random prompts, exactly --new-tokens tokens per sample. Paths:
+Hugging Face ``generate`` in bf16 and the native engine in every format. Reported per path: tok/s, the
+ratio to HF bf16 and to native bf16 (per round), and the fraction of the memory roofline: the bytes a
+decode step must read (the weights its kernels read, `lm_head` included, plus the K/V of the mean context)
+over the device's copy bandwidth measured in the same run gives the fastest possible step; measured
+tok/s over that bound is the fraction. ``--layers N`` keeps the first N layers (CPU smoke runs).
+Run: ``python scripts/bench_engine.py --device cuda [--quick] [--shapes qwen2.5-0.5b,...]``.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from collections import deque
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from protocols.values import FORMATS  # noqa: E402
+from scripts.bench_engine_shapes import SHAPES  # noqa: E402
 from scripts.benchlib import (  # noqa: E402
     interleaved,
     load_stats,
@@ -212,18 +223,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-formats", default="int8",
                    help="quantized formats also run with the output head quantized (quant.lm_head), as path "
                         "FMT+head; '' for none (default int8)")
-    p.add_argument("--batch-sizes", default=None, help="comma list (default 1,16,64; --quick 1,16)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens per sample (default 128; --quick 32)")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 5)")
+    p.add_argument("--batch-sizes", default=None, help="comma list (default 1,16,64; --quick 1,16; --shapes on cuda: 32,128, --quick 128; on cpu 1,4)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per sample (default 128; --quick 32; --shapes on cpu 32)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 5; --shapes --quick 2)")
     p.add_argument("--repeats", type=int, default=None, help=argparse_suppress())
-    p.add_argument("--hf", default="fp32,int8", help="HF generate comparators, comma list of fp32,int8 "
-                                                      "('' for none; default: %(default)s)")
+    p.add_argument("--hf", default=None, help="HF generate comparators, comma list of fp32,int8 (--shapes: bf16,fp32) "
+                                               "('' for none; default: fp32,int8; --shapes: bf16)")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help="comma list of fixed (exactly N tokens per sample) and rollout (4 x batch requests until "
                         "a stop token, continuous batching vs batches of generate); default: %(default)s")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma list of {', '.join(SHAPES)}: random-weight models of these configs instead of "
+                        "--model (default: all on cuda, none on cpu)")
+    p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (--shapes only)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sample (--shapes only)")
     args = p.parse_args(argv)
+    if args.shapes is None:
+        args.shapes = ",".join(SHAPES) if args.device.startswith("cuda") else ""
+    if args.hf is None:
+        args.hf = "bf16" if args.shapes else "fp32,int8"
+    if args.shapes:
+        from scripts.bench_engine_shapes import run_shapes
+
+        return run_shapes(args)
 
     import torch
 

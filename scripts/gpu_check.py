@@ -1,20 +1,33 @@
-"""GPU check: one command that exercises every CUDA path of asyncrl and prints one JSON document.
+"""GPU check: one command that exercises every CUDA path of asyncrl and writes one JSON document.
 
 Sections (each timed and recorded even when it fails, so one broken path does not hide the others):
 
-  native   the native engine on ``cuda`` in fp32 / bf16 / int8 (W8A8, ``torch._int_mm``): decode tokens/s
-           at batch 32 and the ratio to fp32 measured in the same run; behaviour log-prob agreement with
-           an fp32 Hugging Face forward on the sampled tokens (max / mean |diff|, per format).
-  sglang   an SGLang 0.5.23 server on the GPU serving FP8 (``--quantization fp8 --load-format flash_rl``):
-           generation, then a weight update through it (tokens after it carry the new version and the
-           log-probs change), bf16 serving as a second entry; needs the venv of docs/sglang.md.
-  train    ``asyncrl train rollout.device=cuda learner.device=cuda`` for a few steps: native int8 workers
-           on the GPU and the learner on NCCL (FSDP2, ``cpu:gloo,cuda:nccl``); summary and step times.
-  train_sglang  the same with ``rollout.engine=sglang quant.fmt=fp8`` (skipped with --skip train_sglang).
+  native        the native engine on the device in every format: decode tokens/s at batch 32 and the ratio
+                to fp32 measured in the same run; behaviour log-prob agreement with an fp32 Hugging Face
+                forward on the sampled tokens (max / mean |diff|, per format), and the kernels that ran.
+  quant         the device kernels against their CPU reference (asyncrl/quant/kernels.py), per format on a
+                2-layer random SmolLM2-shaped model: codes quantised on the device equal the CPU codes bit
+                for bit, a publication of device weights has the CPU publication's checksum, every buffer
+                keeps its storage across two loads, and the device logits match the CPU run of the same
+                kernels (fp8 `_scaled_mm` and the bf16 weight-only rule run on CPU too) to 5e-2 relative.
+                On CPU the "device" side runs the kernels an sm_90 GPU with Triton selects (int8 compiled by
+                Inductor's C++ backend there), against the CPU kernels.
+  bench_engine  ``scripts/bench_engine.py --device D``: random-weight Qwen2.5-0.5B/1.5B and SmolLM2 shapes,
+                HF generate bf16 and every native format, tok/s, ratios and the memory-roofline fraction.
+  sglang        an SGLang 0.5.23 server on the GPU serving FP8 (``--quantization fp8 --load-format flash_rl``):
+                generation, then a weight update through it (tokens after it carry the new version), bf16
+                serving as a second entry; skipped without the venv of docs/sglang.md or on CPU.
+  gpu_tests     the tests marked ``gpu`` (tests/sglang/test_gpu.py), skipped there without SGLang.
+  train         ``asyncrl train rollout.device=D learner.device=D`` for a few steps: native int8 workers on
+                the device and the learner (FSDP2, NCCL on CUDA); summary and step times.
+  train_sglang  the same with ``rollout.engine=sglang quant.fmt=fp8`` (CUDA with SGLang only).
+  bench_learner ``scripts/bench_learner.py --device D --quick``, when that script takes ``--device`` (not in
+                the CPU smoke: the learner benchmark has a smoke test of its own).
 
-Run (one H100/H200, about 5-8 minutes):
-  python scripts/gpu_check.py --json gpu_check.json              # everything
-  python scripts/gpu_check.py --skip sglang,train_sglang          # without SGLang installed
+Run:
+  python scripts/gpu_check.py --quick --json gpu_check.json     # H200: about 5 minutes
+  python scripts/gpu_check.py --json gpu_check.json             # longer runs of each section
+  python scripts/gpu_check.py --device cpu --quick              # the CPU smoke of every section that runs there
 
 Exit status: 0 when every section that ran passed, 1 otherwise. Record the JSON in docs/benchmarks.md.
 """
@@ -22,6 +35,7 @@ Exit status: 0 when every section that ran passed, 1 otherwise. Record the JSON 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -36,17 +50,27 @@ sys.path.insert(0, str(ROOT))
 
 from asyncrl.rundir import RunDir  # noqa: E402
 
-SECTIONS = ("native", "sglang", "train", "train_sglang")
+SECTIONS = ("native", "quant", "bench_engine", "sglang", "gpu_tests", "train", "train_sglang", "bench_learner")
 PROMPT = "Compute 17+25 and explain step by step. "
+LOGITS_REL_TOL = 5e-2
+"""Device vs reference logits (max |diff| / max |ref|): GEMMs of another summation order move an activation
+past a rounding boundary now and then, and a flipped fp8 code moves a logit by 1-2% of the largest on the
+2-layer random model (measured on CPU, 2026-12-04); a wrong kernel (scales, layout) is off by O(1)."""
 
 
-def environment() -> dict:
+def environment(device: str) -> dict:
     import torch
 
-    env = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(), "python": sys.version.split()[0]}
+    env = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(), "python": sys.version.split()[0],
+           "device": device}
     if torch.cuda.is_available():
-        env |= {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "cuda": torch.version.cuda}
+        env |= {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "cuda": torch.version.cuda,
+                "capability": list(torch.cuda.get_device_capability(0))}
     return env
+
+
+def child_env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def reference_logp(model, prompt: list[int], response: list[int], temperature: float = 1.0):
@@ -59,43 +83,168 @@ def reference_logp(model, prompt: list[int], response: list[int], temperature: f
     return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].cpu().numpy()
 
 
-def check_native(model_dir: Path, batch: int, new_tokens: int) -> dict:
+def check_native(model_dir: Path, device: str, batch: int, new_tokens: int) -> dict:
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.engine import GenRequest, SamplingParams
     from asyncrl.engine.native import NativeEngine
+    from protocols.values import FORMATS
+    from scripts.bench_engine_shapes import kernel_counts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     prompt = tok(PROMPT).input_ids
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=(), seed=0)
     out: dict = {"batch": batch, "new_tokens": new_tokens, "formats": {}}
-    for fmt in ("fp32", "bf16", "int8"):
+    for fmt in FORMATS:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        engine = NativeEngine(model, quant_format=fmt, device="cuda", max_batch_size=batch, num_threads=None)
+        engine = NativeEngine(model, quant_format=fmt, device=device, max_batch_size=batch, num_threads=None)
         try:
             list(engine.generate([GenRequest(f"warm-{i}", prompt, params) for i in range(batch)]))  # warm-up
-            torch.cuda.synchronize()
+            _sync(device)
             t0 = time.perf_counter()
             results = list(engine.generate([GenRequest(f"{fmt}-{i}", prompt, params) for i in range(batch)]))
-            torch.cuda.synchronize()
+            _sync(device)
             dt = time.perf_counter() - t0
             diffs = np.concatenate([np.abs(r.behav_logp - reference_logp(ref, prompt, r.response_ids))
                                     for r in results[:8]])
             out["formats"][fmt] = {"tokens_per_s": sum(r.num_tokens for r in results) / dt,
                                    "logp_max_abs_diff": float(diffs.max()), "logp_mean_abs_diff": float(diffs.mean()),
-                                   "device": engine.capabilities()["device"]}
+                                   "device": engine.capabilities()["device"], "kernels": kernel_counts(model)}
         finally:
             engine.close()
             del model
-            torch.cuda.empty_cache()
+            _empty_cache(device)
     base = out["formats"]["fp32"]["tokens_per_s"]
     for row in out["formats"].values():
         row["ratio_to_fp32"] = row["tokens_per_s"] / base
     out["passed"] = out["formats"]["fp32"]["logp_max_abs_diff"] < 1e-2
     return out
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _empty_cache(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def check_quant(device: str) -> dict:
+    """Device kernels against the CPU reference (module docstring, section ``quant``)."""
+    import torch
+
+    from asyncrl.quant import load_published, publish, quantize_model
+    from asyncrl.quant.kernels import select_kernel
+    from protocols.values import FORMATS
+    from scripts.bench_engine_shapes import build_model, kernel_counts
+
+    base = build_model("smollm2-135m", "cpu", layers=2, seed=3)
+    nxt = build_model("smollm2-135m", "cpu", layers=2, seed=4)
+    ids = torch.randint(0, base.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(5))
+    cuda = device.startswith("cuda")
+    out: dict = {"model": "smollm2-135m shape, 2 layers, random weights", "formats": {},
+                 "reference": "the CPU running the device's kernels" if cuda else
+                 "CPU kernels; the device side runs the kernels sm_90 with Triton selects, on CPU tensors"}
+    for fmt in FORMATS:
+        row: dict = {}
+        try:
+            pub_cpu = publish(base.state_dict(), fmt, version=1)
+            dev_sd = {k: v.to(device) for k, v in base.state_dict().items()}
+            pub_dev = publish(dev_sd, fmt, version=1)  # quantised on the device, copied to the host
+            row["publication_checksum_equal"] = pub_dev.checksum == pub_cpu.checksum
+            dev = quantize_model(copy.deepcopy(base).to(device), fmt)  # converted on the device
+            cpu = quantize_model(copy.deepcopy(base), fmt)
+            dev_state, cpu_state = dev.state_dict(), cpu.state_dict()
+            row["codes_equal"] = all(torch.equal(_bytes(dev_state[k].cpu()), _bytes(v)) for k, v in cpu_state.items())
+            for (_, d), (_, c) in zip(_quant_modules(dev), _quant_modules(cpu), strict=True):
+                if not cuda:  # CPU smoke: the kernels an H100/H200 picks, against the CPU's own
+                    d.use_kernel(select_kernel(d.fmt, torch.device("cuda"), d.out_features, d.in_features,
+                                               capability=(9, 0), compiler=True))
+                elif c.kernel != d.kernel:
+                    c.use_kernel(d.kernel)  # the CPU runs the device's computation (its reference)
+            row["kernels"] = kernel_counts(dev)
+            row["reference_kernels"] = kernel_counts(cpu)
+            ptrs = _storages(dev)
+            for version, src in ((2, nxt), (3, base)):
+                pub = publish(src.state_dict(), fmt, version=version)
+                load_published(dev, pub)
+                load_published(cpu, pub)
+            row["storage_stable"] = _storages(dev) == ptrs
+            diffs = []
+            for batch in (ids, ids[:1, :8]):  # 96 rows, and 8 (int8 pads M <= 16 on CUDA)
+                with torch.no_grad():
+                    a = dev(batch.to(device)).logits.float().cpu()
+                    b = cpu(batch).logits.float()
+                diffs.append(float((a - b).abs().max() / b.abs().max()))
+            row["logits_rel_diff"] = max(diffs)
+            row["passed"] = bool(row["publication_checksum_equal"] and row["codes_equal"] and row["storage_stable"]
+                                 and row["logits_rel_diff"] < LOGITS_REL_TOL)
+        except Exception as exc:  # a check script: record and go on with the next format
+            row |= {"passed": False, "error": repr(exc), "traceback": traceback.format_exc()[-2000:]}
+        out["formats"][fmt] = row
+        _empty_cache(device)
+    out["passed"] = all(r["passed"] for r in out["formats"].values())
+    return out
+
+
+def _bytes(t):
+    import torch
+
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _quant_modules(model):
+    from asyncrl.quant.linear import QuantLinear
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+
+
+def _storages(model) -> dict:
+    return {n: t.data_ptr() for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None}
+
+
+def run_script(name: str, args: list[str], tmp: Path, timeout_s: float) -> dict:
+    """Run scripts/NAME.py ARGS --json FILE; its JSON document (or the failure) is the section."""
+    out_json = tmp / f"{name}.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args, "--json", str(out_json)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
+    out: dict = {"command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": time.perf_counter() - t0}
+    if proc.returncode != 0 or not out_json.exists():
+        return out | {"passed": False, "tail": (proc.stdout + proc.stderr)[-3000:]}
+    return out | {"passed": True, "result": json.loads(out_json.read_text())}
+
+
+def check_bench_learner(device: str, quick: bool, extra: list[str], tmp: Path, timeout_s: float) -> dict:
+    script = ROOT / "scripts" / "bench_learner.py"
+    if not script.exists():
+        return {"skipped": True, "reason": "scripts/bench_learner.py is not in this checkout"}
+    helptext = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, env=child_env(),
+                              capture_output=True, text=True, timeout=120).stdout
+    if "--device" not in helptext:
+        return {"skipped": True, "reason": "scripts/bench_learner.py has no --device option in this checkout"}
+    return run_script("bench_learner", ["--device", device, *(["--quick"] if quick else []), *extra], tmp, timeout_s)
+
+
+def check_gpu_tests(device: str, timeout_s: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/sglang/test_gpu.py"]
+    env = child_env() | {"ASYNCRL_SGLANG_DEVICE": device}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    tail = (proc.stdout + proc.stderr)[-2000:]
+    # pytest: 0 all passed, 5 nothing collected/selected; skips (no SGLang, no GPU) are not failures
+    return {"command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": time.perf_counter() - t0,
+            "summary": tail.strip().splitlines()[-1] if tail.strip() else "", "passed": proc.returncode in (0, 5),
+            **({"tail": tail} if proc.returncode not in (0, 5) else {})}
 
 
 def check_sglang(model_dir: Path, serving: str, tmp: Path) -> dict:
@@ -134,9 +283,8 @@ def check_sglang(model_dir: Path, serving: str, tmp: Path) -> dict:
 
 def run_train(name: str, overrides: list[str], runs: Path, timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs}", f"run_name={name}", *overrides]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
     out: dict = {"command": " ".join(cmd[2:]), "exit": proc.returncode, "wall_s": time.perf_counter() - t0}
     if proc.returncode != 0:
         out["tail"] = (proc.stdout + proc.stderr)[-3000:]
@@ -155,41 +303,65 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--json", default="", help="also write the JSON document here")
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, or an HF folder (native, train)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run of the same sections)")
+    p.add_argument("--quick", action="store_true", help="the short version of every section (H200: about 5 minutes)")
+    p.add_argument("--model", default=None, help="smollm2 (default on cuda), tiny (default on cpu), or an HF folder "
+                                                 "(native, train)")
     p.add_argument("--sglang-model", default="tiny", help="model of the SGLang check (FP8 flash_rl wants Qwen2)")
     p.add_argument("--skip", default="", help=f"comma list of sections to skip: {','.join(SECTIONS)}")
-    p.add_argument("--steps", type=int, default=20, help="learner steps of the train runs")
+    p.add_argument("--steps", type=int, default=None, help="learner steps of the train runs (default 20; --quick 4; "
+                                                           "cpu 2)")
     args = p.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     unknown = skip - set(SECTIONS)
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    cuda = args.device.startswith("cuda")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        p.error(f"--device must be cuda, cuda:N or cpu, got {args.device!r}")
     from asyncrl.models import ensure_smollm2, ensure_tiny_model
 
     def folder(spec: str) -> Path:
         return Path({"tiny": ensure_tiny_model, "smollm2": ensure_smollm2}.get(spec, lambda: spec)())
 
-    report: dict = {"env": environment(), "sections": {}}
-    if not report["env"]["cuda_available"]:
-        print(json.dumps(report | {"error": "no CUDA device visible; run this on a GPU machine"}, indent=2))
+    report: dict = {"env": environment(args.device), "quick": args.quick, "sections": {}}
+    if cuda and not report["env"]["cuda_available"]:
+        print(json.dumps(report | {"error": "no CUDA device visible; run this on a GPU machine (or --device cpu)"},
+                         indent=2))
         return 1
+    spec = args.model or ("smollm2" if cuda else "tiny")
     tmp = Path(tempfile.mkdtemp(prefix="asyncrl-gpu-check-"))
-    model = "smollm2" if args.model == "smollm2" else ("tiny" if args.model == "tiny" else "path")
-    model_args = [f"model={model}"] if model != "path" else ["model.name=path", f"model.path={args.model}"]
-    common = [f"learner.total_steps={args.steps}", "learner.eval_every=0", "learner.ckpt_every=0",
-              "rollout.groups_per_step=8", "rollout.max_new_tokens=32", "learner.device=cuda"]
+    model = spec if spec in ("smollm2", "tiny") else "path"
+    model_args = [f"model={model}"] if model != "path" else ["model.name=path", f"model.path={spec}"]
+    steps = args.steps or (20 if cuda and not args.quick else 4 if cuda else 2)
+    common = [f"learner.total_steps={steps}", "learner.eval_every=0", "learner.ckpt_every=0",
+              f"rollout.groups_per_step={8 if cuda else 2}", f"rollout.max_new_tokens={32 if cuda else 8}",
+              f"learner.device={args.device}"]
+    if cuda:
+        native_batch, native_tokens = (32, 32) if args.quick else (32, 128)
+        bench_args = ["--device", args.device, *(["--quick"] if args.quick else [])]
+    else:  # the CPU smoke: every section that runs here, at the smallest size
+        native_batch, native_tokens = 4, 8
+        bench_args = ["--device", "cpu", "--quick", "--shapes", "smollm2-135m", "--layers", "1", "--batch-sizes", "2",
+                      "--new-tokens", "4", "--rounds", "1", "--formats", "fp32,bf16,int8,fp8,nvfp4"]
+    workers = 2 if cuda else 1
     jobs = {
-        "native": lambda: check_native(folder(args.model), batch=32, new_tokens=128),
+        "native": lambda: check_native(folder(spec), args.device, batch=native_batch, new_tokens=native_tokens),
+        "quant": lambda: check_quant(args.device),
+        "bench_engine": lambda: run_script("bench_engine", bench_args, tmp, 1800 if not args.quick else 600),
         "sglang": lambda: {s: check_sglang(folder(args.sglang_model), s, tmp) for s in ("fp8", "bf16")},
-        "train": lambda: run_train("native-cuda", [*common, *model_args, "rollout.device=cuda", "quant.fmt=int8",
-                                                   "rollout.num_workers=2"], tmp / "runs", 900),
+        "gpu_tests": lambda: check_gpu_tests(args.device, 900),
+        "train": lambda: run_train("native", [*common, *model_args, f"rollout.device={args.device}", "quant.fmt=int8",
+                                              f"rollout.num_workers={workers}"], tmp / "runs", 900),
         "train_sglang": lambda: run_train("sglang-fp8", [*common, "model=tiny", "rollout.engine=sglang",
                                                          "quant.fmt=fp8", "rollout.num_workers=1",
                                                          "sglang.device=cuda"], tmp / "runs", 900),
+        "bench_learner": lambda: check_bench_learner(args.device, args.quick, [], tmp, 900),
     }
     for name, job in jobs.items():
-        if name in skip:
-            report["sections"][name] = {"skipped": True}
+        reason = skip_reason(name, skip, cuda)
+        if reason:
+            report["sections"][name] = {"skipped": True, "reason": reason}
             continue
         t0 = time.perf_counter()
         try:
@@ -200,14 +372,33 @@ def main(argv: list[str] | None = None) -> int:
             result["passed"] = all(r.get("passed", False) for r in result.values() if isinstance(r, dict))
         result["section_s"] = time.perf_counter() - t0
         report["sections"][name] = result
-        print(f"[gpu_check] {name}: {'passed' if result.get('passed') else 'FAILED'} "
-              f"({result['section_s']:.0f} s)", file=sys.stderr, flush=True)
+        state = "skipped" if result.get("skipped") else "passed" if result.get("passed") else "FAILED"
+        print(f"[gpu_check] {name}: {state} ({result['section_s']:.0f} s)", file=sys.stderr, flush=True)
     text = json.dumps(report, indent=2, default=str)
     print(text)
     if args.json:
         Path(args.json).write_text(text)
     ran = [r for r in report["sections"].values() if not r.get("skipped")]
     return 0 if all(r.get("passed") for r in ran) else 1
+
+
+def skip_reason(name: str, skip: set[str], cuda: bool) -> str:
+    """Why a section does not run ('' when it runs)."""
+    if name in skip:
+        return "--skip"
+    if name == "bench_learner" and not cuda:
+        return ("the CPU smoke leaves the learner benchmark to its own smoke test "
+                "(tests/integration/test_bench_scripts.py)")
+    if name in ("sglang", "train_sglang"):
+        if not cuda:
+            return "SGLang serves on a GPU"
+        from asyncrl.engine.factory import sglang_python
+
+        try:
+            sglang_python()
+        except ValueError as exc:
+            return str(exc)
+    return ""
 
 
 if __name__ == "__main__":

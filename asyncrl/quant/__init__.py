@@ -44,7 +44,7 @@ from .fp4 import (
     unpack_fp4,
 )
 from .fp8 import dequantize_fp8, fp8_linear, quantize_fp8_rows
-from .fused import fuse_int8_siblings
+from .fused import fuse_siblings
 from .int8 import dequantize_int8, int8_linear, quantize_act_int8, quantize_int8_rows
 from .linear import LINEAR_CLASSES, QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, TARGET_LINEARS, model_format, quantize_model, quantizes_head
@@ -88,7 +88,7 @@ __all__ = [
     "e2m1_decode",
     "e2m1_encode",
     "fold_uaq",
-    "fuse_int8_siblings",
+    "fuse_siblings",
     "fp8_linear",
     "int8_linear",
     "kl_vs_full_precision",

@@ -16,7 +16,8 @@ Compute rule of a real FP8 kernel, and therefore of `fp8_linear` (x [M, K], code
     y   = fp32(fp32(acc * sx[m]) * sw[n]) (+ bias)
 The CPU path runs this as an fp32 GEMM over the decoded codes (torch has no fast CPU FP8 GEMM;
 `torch._scaled_mm` on CPU is a correct but ~50x slower reference, used in the tests). Results equal a
-real kernel up to fp32 summation order, which no two GEMM implementations share. Weight-only mode
+real kernel up to fp32 summation order, which no two GEMM implementations share. On CUDA sm_89+ the
+real kernel runs (kernels.py, `scaled_mm`) on the codes of `quantize_act_fp8_codes`, the same codes. Weight-only mode
 (activations not quantised): acc = sum_k x[m, k] * fp32(qw[n, k]), y = acc * sw[n].
 
 Must never: store the weights as anything but float8 codes plus fp32 scales.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .int8 import MIN_SCALE, check_matrix
+from .int8 import MIN_SCALE, check_matrix, row_amax
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -56,11 +57,19 @@ def dequantize_fp8(codes: Tensor, scale: Tensor) -> Tensor:
     return codes.float() * scale[:, None]
 
 
-def quantize_act_fp8(x2: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token fp8 activation quantisation for the hot path; returns the codes already decoded
-    to fp32 (exact) for the fp32 GEMM. x2: [M, K] fp32 -> codes [M, K] fp32, scale [M, 1] fp32."""
-    scale = x2.abs().amax(dim=1, keepdim=True).div_(E4M3_MAX).clamp_(min=MIN_SCALE)
+def quantize_act_fp8_codes(x2: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token fp8 activation quantisation, the row rule above in 5-6 ops (the hot path: no validation).
+    x2: [M, K] fp32 -> codes [M, K] float8_e4m3fn, scale [M, 1] fp32. The same codes on every device:
+    amax is exact, the division and the clamp are correctly rounded, the cast rounds to nearest even."""
+    scale = row_amax(x2).div_(E4M3_MAX).clamp_(min=MIN_SCALE)
     q = torch.div(x2, scale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_act_fp8(x2: Tensor) -> tuple[Tensor, Tensor]:
+    """`quantize_act_fp8_codes` with the codes decoded to fp32 (exact) for the emulated fp32 GEMM.
+    x2: [M, K] fp32 -> codes [M, K] fp32, scale [M, 1] fp32."""
+    q, scale = quantize_act_fp8_codes(x2)
     return q.float(), scale
 
 

@@ -1,21 +1,29 @@
 """Quantised linear modules that replace `nn.Linear` in a Hugging Face decoder.
 
-Owns: one module class per compute path. A module's persistent buffers are exactly the tensors of
-its format (formats.py), under the same names, so `model.state_dict()` of a quantised model has the
-same keys, dtypes and shapes as a publication and `load_published` is a plain copy. Non-persistent
-`_w*` buffers are compute caches derived from the persistent ones; `refresh()` rebuilds them and must
-be called after the persistent buffers change (load_published does).
+Owns: one module class per format. A module's persistent buffers are exactly the tensors of its
+format (formats.py), under the same names, so `model.state_dict()` of a quantised model has the same
+keys, dtypes and shapes as a publication and `load_published` is a plain copy. Non-persistent `_w*`
+buffers are compute caches derived from the persistent ones; `refresh()` rebuilds them and must be
+called after the persistent buffers change (load_published does).
 
 Compute paths (x [..., K] -> y [..., N], computed in fp32, cast back to x's dtype; the bias is added
-in full precision after the scaled product):
-    Bf16Linear     y = fp32(linear(bf16(x), weight_bf16)) + bias
+in full precision after the scaled product). Which kernel runs is chosen per module from its device
+and shape by `kernels.select_kernel` (module attribute `kernel`; kernels.py has the table):
+    Bf16Linear     y = fp32(linear(bf16(x), weight_bf16)) + bias; q/k/v and gate/up siblings share
+                   one cast and one GEMM (fused.py), equal to the unfused modules up to summation order
     Int8Linear     W8A8: per-token int8 activations, `torch._int_mm`, int32 accumulation (int8.py);
-                   q/k/v and gate/up siblings share one activation quantisation and one matmul
-                   (fused.py), bit-identical to the unfused computation
-    Fp8Linear      E4M3 weights, optional per-token E4M3 activations, scaled-GEMM rule (fp8.py)
-    DecodedLinear  int8_wo / nvfp4 / mxfp4, weight-only: this CPU build has no fast kernel for them
-                   (`_weight_int8pack_mm` measured ~15x slower than an fp32 GEMM), so the codes are
-                   decoded once per load into an fp32 weight and y = linear(x, dequant(W)) + bias.
+                   siblings share one activation quantisation and one matmul (fused.py), bit-identical;
+                   on CUDA with Triton the quantisation and the epilogue are compiled kernels (same bits)
+    Fp8Linear      E4M3 weights, optional per-token E4M3 activations: `torch._scaled_mm` on CUDA sm_89+,
+                   elsewhere the emulated scaled-GEMM rule (fp8.py) over an fp32 copy of the codes
+                   (siblings fuse, fused.py, as do the weight-only formats')
+    DecodedLinear  int8_wo / nvfp4 / mxfp4, weight-only: decoded once per load into the compute dtype
+                   (fp32 on CPU, bf16 on CUDA), y = linear(x, W) + bias. This CPU build has no fast
+                   kernel for them (`_weight_int8pack_mm` measured ~15x slower than an fp32 GEMM).
+
+Invariant (CUDA graphs, and references an engine holds): every buffer, cache included, keeps its
+storage across `refresh()` and publication loads of the same model; only a move or cast (`.to()`)
+makes new ones, and that re-selects the kernel for the new device.
 
 Must never: re-quantise in `forward`, or keep any state other than the buffers above.
 """
@@ -30,16 +38,27 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .formats import dequantize_weight, quantize_weight, weight_suffixes
-from .fp8 import fp8_linear
-from .int8 import int8_linear, quantize_act_int8
+from .fp8 import fp8_linear, quantize_act_fp8_codes
+from .int8 import int8_linear, int_mm, quantize_act_int8
+from .kernels import (
+    KERNELS,
+    act_quant_int8_compiled,
+    check_kernel,
+    compute_dtype,
+    int8_epilogue_compiled,
+    linear_bf16,
+    rowwise_fp32_supported,
+    scaled_mm_fp8,
+    select_kernel,
+)
 
 
 class FusedGroup(Protocol):
-    """What an ``Int8Linear`` needs of the sibling group it belongs to (``fused.SiblingGroup``).
+    """What a member needs of the sibling group it belongs to (``fused.SiblingGroup``).
 
     Declared here so that ``fused.py`` imports this module and not the other way round."""
 
-    def __call__(self, member: Int8Linear, x2: Tensor, x: Tensor) -> Tensor: ...
+    def __call__(self, member: QuantLinear, x2: Tensor, x: Tensor) -> Tensor: ...
 
     def is_intact(self) -> bool: ...
 
@@ -50,6 +69,8 @@ class QuantLinear(nn.Module):
     """Base class. Buffers: the format's weight tensors (+ `bias` if the source had one)."""
 
     fmt: str = ""
+    kernel: str = ""
+    _group: FusedGroup | None = None
     # Buffers registered in __init__ (declared for the type checker; nn.Module stores them).
     bias: Tensor | None
 
@@ -63,6 +84,7 @@ class QuantLinear(nn.Module):
         for suffix, t in tensors.items():
             self.register_buffer(suffix, t.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.kernel = self.default_kernel()
         self.refresh()
 
     @classmethod
@@ -74,8 +96,38 @@ class QuantLinear(nn.Module):
     def weight_tensors(self) -> dict[str, Tensor]:
         return {suffix: getattr(self, suffix) for suffix in weight_suffixes(self.fmt)}
 
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.weight_tensors().values())).device
+
+    def default_kernel(self) -> str:
+        """The kernel this module runs where its buffers are (kernels.select_kernel)."""
+        return select_kernel(self.fmt, self.device, self.out_features, self.in_features)
+
+    def use_kernel(self, kernel: str) -> None:
+        """Run `kernel` (one of kernels.KERNELS[fmt]) from now on, rebuilding the caches it needs: how a
+        CPU test or benchmark runs a device kernel's computation on CPU tensors. ValueError if this
+        format or shape cannot run it."""
+        self.kernel = check_kernel(self.fmt, kernel, self.out_features, self.in_features)
+        if self._group is not None:
+            self._group.dissolve()
+        self.refresh()
+
     def refresh(self) -> None:
-        """Rebuild compute caches from the persistent buffers (no-op by default)."""
+        """Rebuild compute caches from the persistent buffers, in place where they exist (so their
+        storage survives every load); a sibling group whose storage was replaced is dissolved."""
+        if self._group is not None and not self._group.is_intact():
+            self._group.dissolve()
+        self._refresh_caches()
+
+    def _refresh_caches(self) -> None:
+        """Subclasses with caches rebuild them here (no-op by default)."""
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantLinear:
+        out = super()._apply(fn, recurse)
+        self.kernel = self.default_kernel()  # a move may change the device, and with it the kernel
+        self.refresh()  # a move/cast that replaced the buffers ends the fusion
+        return out
 
     def _compute(self, x2: Tensor) -> Tensor:  # x2: [M, K] fp32 -> [M, N] fp32 (bias included)
         raise AssertionError("subclasses define _compute")
@@ -85,19 +137,26 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        y = self._compute(x2).reshape(*x.shape[:-1], self.out_features)
+        y = self._compute(x2) if self._group is None else self._group(self, x2, x)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+                f"kernel={self.kernel}")
 
 
 class Bf16Linear(QuantLinear):
+    """bf16 weights, bf16 GEMM. Siblings reading one input may be fused (fused.py)."""
+
     fmt = "bf16"
     weight: Tensor
 
+    def default_kernel(self) -> str:
+        return "bf16"
+
     def _compute(self, x2: Tensor) -> Tensor:
-        y = F.linear(x2.to(torch.bfloat16), self.weight).float()
+        y = linear_bf16(x2, self.weight).float()
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -105,42 +164,28 @@ class Int8Linear(QuantLinear):
     """W8A8 with a real integer matmul. Siblings reading one input may be fused (fused.py)."""
 
     fmt = "int8"
-    _group: FusedGroup | None = None
-
     qweight: Tensor
     weight_scale: Tensor
 
-    def refresh(self) -> None:
-        if self._group is not None and not self._group.is_intact():
-            self._group.dissolve()
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Int8Linear:
-        out = super()._apply(fn, recurse)
-        self.refresh()  # a move/cast that replaced the buffers ends the fusion
-        return out
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x: [..., in_features] -> [..., out_features], same dtype as x."""
-        if self._group is None:
-            return super().forward(x)
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        y = self._group(self, x2, x).reshape(*x.shape[:-1], self.out_features)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
-
     def _compute(self, x2: Tensor) -> Tensor:
+        if self.kernel == "int_mm_compiled":
+            qx, sx = act_quant_int8_compiled(x2)
+            return int8_epilogue_compiled(int_mm(qx, self.qweight.t()), sx, self.weight_scale, self.bias)
         qx, sx = quantize_act_int8(x2)
         return int8_linear(qx, sx, self.qweight, self.weight_scale, self.bias)
 
 
 class Fp8Linear(QuantLinear):
-    """E4M3 weights; per-token E4M3 activations unless `act_quant=False`."""
+    """E4M3 weights; per-token E4M3 activations unless `act_quant=False`.
+
+    Kernels: ``scaled_mm`` (CUDA sm_89+, N and K multiples of 16, W8A8 only) multiplies the codes
+    themselves and holds no other copy of the weight; ``fp8_emul`` (everywhere else, and weight-only
+    mode) holds `_w_codes`, the codes decoded to fp32 (exact), refreshed in place on every load."""
 
     fmt = "fp8"
     qweight: Tensor
     weight_scale: Tensor
-    _w_codes: Tensor
+    _w_codes: Tensor | None
 
     def __init__(
         self,
@@ -153,11 +198,33 @@ class Fp8Linear(QuantLinear):
         self.act_quant = bool(act_quant)
         super().__init__(in_features, out_features, tensors, bias)
 
-    def refresh(self) -> None:
-        # float8 -> fp32 is exact; the GEMM then multiplies the codes themselves (fp8.py rule).
-        self.register_buffer("_w_codes", self.qweight.float(), persistent=False)
+    def default_kernel(self) -> str:
+        return super().default_kernel() if self.act_quant else "fp8_emul"
+
+    def use_kernel(self, kernel: str) -> None:
+        if kernel == "scaled_mm" and not self.act_quant:
+            raise ValueError("scaled_mm multiplies fp8 activations; weight-only fp8 (fp8_activations=False) "
+                             "runs fp8_emul")
+        super().use_kernel(kernel)
+
+    def _refresh_caches(self) -> None:
+        if self.kernel == "scaled_mm":
+            self.register_buffer("_w_codes", None, persistent=False)
+            rowwise_fp32_supported(self.device)  # probe now, never inside a captured step
+            return
+        old = self._buffers.get("_w_codes")
+        codes = self.qweight
+        if old is not None and old.shape == codes.shape and old.device == codes.device and old.is_contiguous():
+            old.copy_(codes)  # float8 -> fp32 is exact
+        else:
+            self.register_buffer("_w_codes", codes.float(), persistent=False)
 
     def _compute(self, x2: Tensor) -> Tensor:
+        if self.kernel == "scaled_mm":
+            qx, sx = quantize_act_fp8_codes(x2)
+            y = scaled_mm_fp8(qx, sx, self.qweight, self.weight_scale)
+            return y if self.bias is None else y.add_(self.bias)
+        assert self._w_codes is not None
         return fp8_linear(x2, self._w_codes, self.weight_scale, self.bias, act_quant=self.act_quant)
 
     def extra_repr(self) -> str:
@@ -165,22 +232,33 @@ class Fp8Linear(QuantLinear):
 
 
 class DecodedLinear(QuantLinear):
-    """Weight-only formats: decode once per load, fp32 GEMM per forward."""
+    """Weight-only formats: decode once per load into the compute dtype (`wo_fp32`: fp32 on CPU;
+    `wo_bf16`: bf16 on CUDA), one GEMM per forward."""
 
+    qweight: Tensor
     _w_decoded: Tensor
 
-    def refresh(self) -> None:
-        # Decode into the existing cache when it fits (a new version of the same model): no fresh
-        # 4*N*K bytes to fault in per load, and references to the cache stay valid, as they do for
-        # the persistent buffers `load_published` copies into.
+    def _refresh_caches(self) -> None:
+        # Decode into the existing cache when it fits (a new version of the same model): no fresh bytes
+        # to fault in per load, and references to the cache (a captured CUDA graph) stay valid, as they
+        # do for the persistent buffers `load_published` copies into.
+        dtype = compute_dtype(self.kernel)
         old = self._buffers.get("_w_decoded")
-        codes = self.weight_tensors()["qweight"]
+        codes = self.qweight
         fits = (old is not None and old.shape == (self.out_features, self.in_features)
-                and old.dtype == torch.float32 and old.device == codes.device and old.is_contiguous())
-        w = dequantize_weight(self.weight_tensors(), self.fmt, self.in_features, out=old if fits else None)
-        self.register_buffer("_w_decoded", w.contiguous(), persistent=False)
+                and old.dtype == dtype and old.device == codes.device and old.is_contiguous())
+        if dtype == torch.float32:
+            w = dequantize_weight(self.weight_tensors(), self.fmt, self.in_features, out=old if fits else None)
+        else:  # bf16_rne of the fp32 dequantised weight (exact for mxfp4, one rounding otherwise)
+            w32 = dequantize_weight(self.weight_tensors(), self.fmt, self.in_features)
+            w = old.copy_(w32) if fits and old is not None else w32.to(dtype)
+        if not fits:
+            self.register_buffer("_w_decoded", w.contiguous(), persistent=False)
 
     def _compute(self, x2: Tensor) -> Tensor:
+        if self.kernel == "wo_bf16":
+            y = linear_bf16(x2, self._w_decoded).float()
+            return y if self.bias is None else y.add_(self.bias)
         return F.linear(x2, self._w_decoded, self.bias)
 
 
@@ -200,3 +278,4 @@ LINEAR_CLASSES: dict[str, type[QuantLinear]] = {
     cls.fmt: cls
     for cls in (Bf16Linear, Int8Linear, Int8WeightOnlyLinear, Fp8Linear, Nvfp4Linear, Mxfp4Linear)
 }
+assert set(LINEAR_CLASSES) == set(KERNELS)

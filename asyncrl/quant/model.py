@@ -15,7 +15,7 @@ precision (it is a lookup, not a matmul).
 
 Must never: quantise anything `publish` would not, or touch modules other than the swapped linears.
 Cast or move the model before converting it: `.to(dtype)` after conversion would cast float8 codes and
-scales, and `.to(device)` dissolves the int8 sibling fusion (call `fuse_int8_siblings` again).
+scales, and `.to(device)` dissolves the sibling fusion (call `fuse_siblings` again).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 
 from .errors import QuantError
 from .formats import check_format
-from .fused import fuse_int8_siblings
+from .fused import fuse_siblings
 from .linear import LINEAR_CLASSES, QuantLinear
 
 TARGET_LINEARS: tuple[str, ...] = (
@@ -85,8 +85,8 @@ def quantize_model(
     fp32 leaves the model untouched. bf16 stores the swapped weights in bf16 and runs their matmul
     in bf16 (input cast to bf16, output cast back, bias added in full precision); everything else
     stays in the model's dtype. `fp8_activations` chooses W8A8 (True, default) or weight-only fp8.
-    For int8 the q/k/v and gate/up siblings are fused (fused.py); after moving the model to another
-    device call `asyncrl.quant.fuse_int8_siblings(model)` again. ``head=True`` also swaps `lm_head`
+    The q/k/v and gate/up siblings are fused (fused.py; fp32 excepted); after moving the model to
+    another device call `asyncrl.quant.fuse_siblings(model)` again. ``head=True`` also swaps `lm_head`
     (the selection rule in the module docstring); publish with the same ``head``.
     Returns `model`. Raises QuantError for a model already converted or without any target linear.
     """
@@ -116,7 +116,6 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, qmod)
-    if fmt == "int8":
-        fuse_int8_siblings(model)
+    fuse_siblings(model)
     setattr(model, _FORMAT_ATTR, fmt)
     return model

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncrl.quant import publish, quantize_model
-from asyncrl.quant.fused import fuse_int8_siblings
+from asyncrl.quant.fused import fuse_siblings
 from asyncrl.quant.publish import load_published
 from tests.unit.quant.conftest import make_tiny_qwen2
 
@@ -85,7 +85,7 @@ def test_replacing_buffers_dissolves_the_group_and_refusing_returns_to_fused(int
     assert all(getattr(m, "_group", None) is None for m in int8_model.modules())
     with torch.no_grad():
         assert torch.equal(int8_model(probe_ids).logits, ref(probe_ids).logits)
-    assert fuse_int8_siblings(int8_model) == 4
+    assert fuse_siblings(int8_model) == 4
     with torch.no_grad():
         assert torch.equal(int8_model(probe_ids).logits, ref(probe_ids).logits)
 

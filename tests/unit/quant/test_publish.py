@@ -75,7 +75,7 @@ def test_publication_holds_contiguous_cpu_copies_and_a_deterministic_checksum(ti
 def test_small_published_tensors_share_a_few_blocks_and_hold_exactly_their_values(tiny_model, fmt):
     # The small tensors of a publication live in 64 MiB blocks (each its own mapping, not glibc's heap):
     # every tensor is still its own contiguous, correctly typed view with the values published one by one.
-    from asyncrl.quant.publish import _Blocks
+    from asyncrl.quant.buffers import Blocks as _Blocks
 
     sd = tiny_model.state_dict()
     pub = publish(sd, fmt, version=1)
@@ -97,7 +97,7 @@ def test_codes_written_into_the_publication_buffers_equal_the_one_shot_quantiser
     # publish passes its buffers to the quantiser (`alloc`): the codes are written once, where they are
     # sent from, small ones in a block and large ones (> _Blocks.SMALL) in a mapping of their own
     from asyncrl.quant import quantize_weight
-    from asyncrl.quant.publish import _Blocks
+    from asyncrl.quant.buffers import Blocks as _Blocks
 
     g = torch.Generator().manual_seed(3)
     sd = {"model.layers.0.mlp.down_proj.weight": torch.randn(96, 80, generator=g),
@@ -158,7 +158,7 @@ def test_a_pool_reuses_the_buffers_of_a_publication_nothing_views_any_more(tiny_
     # free memory the pool keeps is bounded by one publication's buffers (trim, called by publish)
     del second, third
     gc.collect()
-    from asyncrl.quant.publish import _Blocks
+    from asyncrl.quant.buffers import Blocks as _Blocks
 
     assert pool.free_bytes() == 2 * _Blocks.BLOCK  # the tiny model's publications fit one block each
     fourth = publish(sd, fmt, version=4, pool=pool)  # takes one, and trims the rest to one publication
@@ -375,3 +375,25 @@ def test_a_worker_and_a_publication_that_disagree_on_the_head_name_quant_lm_head
         with pytest.raises(ManifestMismatchError, match="quant.lm_head"):
             load_published(worker, pub)
         _assert_unchanged(worker, snapshot)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4"])
+def test_quantizing_on_the_weights_device_gives_the_bytes_of_the_host_quantiser(fmt):
+    # A CUDA learner's weights are quantised on its GPU and only the results are copied to the host. That
+    # branch is run here on CPU tensors: the same code path, with the host as the device.
+    from asyncrl.quant.buffers import Blocks
+    from asyncrl.quant.publish import quantize_for_send, quantizes_on_device
+
+    g = torch.Generator().manual_seed(21)
+    for shape in ((96, 80), (40, 200), (2304, 520)):  # fp4 padding; a large one in a mapping of its own
+        w = torch.randn(*shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g))
+        direct, staged = Blocks(), Blocks()
+        a = quantize_for_send(w, fmt, name="w", blocks=direct, on_device=False)
+        b = quantize_for_send(w, fmt, name="w", blocks=staged, on_device=True)
+        assert a.keys() == b.keys()
+        for suffix in a:
+            assert b[suffix].device.type == "cpu" and b[suffix].is_contiguous()
+            assert b[suffix].data_ptr() in staged._made  # copied once, into a send buffer
+            assert torch.equal(a[suffix].reshape(-1).view(torch.uint8), b[suffix].reshape(-1).view(torch.uint8))
+    assert not quantizes_on_device(torch.zeros(2, 2))
+    assert quantizes_on_device(torch.zeros(2, 2, device="meta"))  # any accelerator: quantise where it lives

@@ -1,0 +1,193 @@
+"""Which GEMM a quantised linear runs on which device, and the device-only GEMMs themselves.
+
+Owns: `select_kernel(fmt, device, out_features, in_features)`, the one place where a compute path is
+chosen from the device (CPU, or a CUDA device's compute capability) and the weight's shape, and the
+kernels that are not the CPU reference rules of int8.py / fp8.py:
+
+    kernel       formats                  what runs (x2 [M, K] fp32 -> y [M, N] fp32)
+    bf16         bf16                     y = fp32(linear(bf16(x), W_bf16)) + bias
+    int_mm       int8 (CPU; CUDA without   int8.py: per-token int8 codes, `torch._int_mm`, exact int32 sums
+                 Triton)
+    int_mm_compiled  int8 on CUDA with     the same, with the activation quantisation and the epilogue each
+                 Triton                   one `torch.compile`d kernel under Inductor's eager-numerics options
+                                          (correctly rounded division, no FMA contraction, no flush to zero)
+    fp8_emul     fp8 (CPU, CUDA < sm_89,  fp8.py: fp32 GEMM over the decoded E4M3 codes (an fp32 copy of
+                 N or K not % 16)         the codes is held), then the scales
+    scaled_mm    fp8 on CUDA sm_89+       `torch._scaled_mm` on the E4M3 codes themselves with row-wise
+                 (N, K multiples of 16)   scales, fp32 output, `use_fast_accum=False` (no decoded copy)
+    wo_fp32      int8_wo/nvfp4/mxfp4 CPU  W decoded once per load to fp32; y = linear(x, W) + bias
+    wo_bf16      int8_wo/nvfp4/mxfp4 CUDA W decoded once per load to bf16 (W_bf16 = bf16_rne(dequant W));
+                                          y = fp32(linear(bf16(x), W_bf16)) + bias (a W·A16 rule)
+
+The CPU path of every format is the reference the CUDA path must match: the same activation codes
+(torch's elementwise ops are correctly rounded on both devices), the same int32 sums for int8, the fp8
+sums up to fp32 summation order and the epilogue up to the order of its two scale products (at most one
+fp32 rounding each, tests/unit/quant/test_kernels.py), and for the weight-only formats the bf16 rule above
+(docs/algorithms.md D26).
+
+Must never: pick a CUDA kernel for a CPU tensor implicitly (CPU tests select one only by name), or
+change a published code: kernels read the buffers, they never write them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .int8 import int8_epilogue, quantize_act_int8
+
+KERNELS: dict[str, tuple[str, ...]] = {
+    "bf16": ("bf16",),
+    "int8": ("int_mm", "int_mm_compiled"),
+    "fp8": ("fp8_emul", "scaled_mm"),
+    "int8_wo": ("wo_fp32", "wo_bf16"),
+    "nvfp4": ("wo_fp32", "wo_bf16"),
+    "mxfp4": ("wo_fp32", "wo_bf16"),
+}
+"""The kernels each quantised format can run, the CPU reference first."""
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and later have E4M3 tensor cores
+SCALED_MM_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for any other device."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def triton_available() -> bool:
+    """Whether Inductor can generate GPU kernels here (the `triton` package is importable)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_kernel(fmt: str, device: torch.device, out_features: int, in_features: int,
+                  capability: tuple[int, int] | None = None, compiler: bool | None = None) -> str:
+    """The kernel a linear of `fmt` with an [out_features, in_features] weight runs on `device`.
+    ``capability`` defaults to the device's own, ``compiler`` to `triton_available()` (pass them to ask
+    about a device that is not here)."""
+    if fmt not in KERNELS:
+        raise ValueError(f"no quantised kernel for format {fmt!r}; choose one of {sorted(KERNELS)}")
+    if fmt == "int8":
+        fused = device.type == "cuda" and (triton_available() if compiler is None else compiler)
+        return "int_mm_compiled" if fused else "int_mm"
+    cap = capability if capability is not None else cuda_capability(device)
+    if fmt == "fp8":
+        aligned = out_features % SCALED_MM_ALIGN == 0 and in_features % SCALED_MM_ALIGN == 0
+        return "scaled_mm" if cap is not None and cap >= FP8_MIN_CAPABILITY and aligned else "fp8_emul"
+    if fmt in ("int8_wo", "nvfp4", "mxfp4"):
+        return "wo_bf16" if device.type == "cuda" else "wo_fp32"
+    return KERNELS[fmt][0]
+
+
+def check_kernel(fmt: str, kernel: str, out_features: int, in_features: int) -> str:
+    """`kernel` if a linear of `fmt` and that shape can run it, else a ValueError naming the choices."""
+    if kernel not in KERNELS.get(fmt, ()):
+        raise ValueError(f"format {fmt!r} runs one of the kernels {KERNELS.get(fmt, ())}, not {kernel!r}")
+    if kernel == "scaled_mm" and (out_features % SCALED_MM_ALIGN or in_features % SCALED_MM_ALIGN):
+        raise ValueError(f"scaled_mm needs in/out features that are multiples of {SCALED_MM_ALIGN}, got "
+                         f"[{out_features}, {in_features}]; use fp8_emul for this linear")
+    return kernel
+
+
+def compute_dtype(kernel: str) -> torch.dtype:
+    """dtype of the decoded weight a weight-only kernel holds."""
+    return torch.bfloat16 if kernel == "wo_bf16" else torch.float32
+
+
+def linear_bf16(x2: Tensor, w_bf16: Tensor) -> Tensor:
+    """x2 [M, K] float, w_bf16 [N, K] bf16 -> [M, N] bf16 (the GEMM of the bf16 and wo_bf16 rules;
+    fp32 accumulation inside the kernel, the output rounded to bf16 once)."""
+    return F.linear(x2.to(torch.bfloat16), w_bf16)
+
+
+def scaled_mm_fp8(qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, *, rowwise: bool | None = None) -> Tensor:
+    """Real FP8 GEMM: qx [M, K] and qw [N, K] float8_e4m3fn (qw.t() is the column-major operand the
+    kernel wants), sx [M, 1] fp32, sw [N] fp32 -> [M, N] fp32, y = acc * sx[m] * sw[n] with acc the
+    fp32 sum of the exact code products. `use_fast_accum=False`: Hopper's fast-accumulation mode keeps
+    fewer bits of the running sum.
+
+    ``rowwise`` (default: whether the device's `_scaled_mm` takes row-wise scales with an fp32
+    output, probed once per device): True hands the per-token and per-channel scales to the kernel's
+    epilogue; False runs it with unit tensor-wise scales and applies fp8.py's epilogue
+    fp32(fp32(acc * sx) * sw) as two fp32 multiplies (the CUTLASS row-wise kernel only writes bf16)."""
+    if rowwise is None:
+        rowwise = rowwise_fp32_supported(qx.device)
+    if rowwise:
+        return torch._scaled_mm(qx, qw.t(), scale_a=sx.contiguous(), scale_b=sw[None, :].contiguous(),
+                                out_dtype=torch.float32, use_fast_accum=False)
+    one = _unit_scale(qx.device)
+    y = torch._scaled_mm(qx, qw.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=False)
+    return y.mul_(sx).mul_(sw)
+
+
+_UNIT: dict[torch.device, Tensor] = {}
+_ROWWISE: dict[torch.device, bool] = {}
+
+
+def _unit_scale(device: torch.device) -> Tensor:
+    if device not in _UNIT:
+        _UNIT[device] = torch.ones((), dtype=torch.float32, device=device)
+    return _UNIT[device]
+
+
+def rowwise_fp32_supported(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` on `device` accepts row-wise fp32 scales with an fp32 output (cuBLASLt
+    on sm_90 with cuBLAS >= 12.9, and the CPU reference; not the bf16-only CUTLASS kernel). Probed once
+    per device with a 16 x 16 x 16 product, before any CUDA graph is captured (model conversion)."""
+    if device not in _ROWWISE:
+        a = torch.zeros((16, 16), device=device).to(torch.float8_e4m3fn)
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=torch.ones((16, 1), device=device),
+                             scale_b=torch.ones((1, 16), device=device), out_dtype=torch.float32,
+                             use_fast_accum=False)
+            _ROWWISE[device] = True
+        except (RuntimeError, NotImplementedError):
+            _ROWWISE[device] = False
+    return _ROWWISE[device]
+
+
+EAGER_NUMERICS: dict[str, str | int | bool | Callable[..., Any]] = {
+    "emulate_precision_casts": True,  # also turns Triton's fp fusion (mul + add -> FMA) off
+    "eager_numerics.division_rounding": True,  # div_rn instead of Triton's approximate div.full
+    "eager_numerics.disable_ftz": True,  # subnormal activations keep their codes
+}
+"""Inductor options under which a compiled rule computes what the eager ops compute, bit for bit."""
+
+
+class Compiled:
+    """``fn`` compiled once per process with `EAGER_NUMERICS` (dynamic shapes: one kernel for every batch
+    size), falling back to ``fn`` itself, with a warning, if compiling fails. Call it once before a CUDA
+    graph is captured (the first call compiles). Traced by an enclosing `torch.compile` (a compiled decode
+    step), it is the plain ``fn``, fused into the caller's graph under the caller's options."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._compiled: Callable[..., Any] | None = None
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed or torch.compiler.is_compiling():  # inside a caller's compiled region: its graph
+            return self.fn(*args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=True, options=EAGER_NUMERICS)
+        try:
+            return self._compiled(*args)
+        except Exception as exc:  # an Inductor/Triton failure must not stop a rollout worker: run eagerly
+            warnings.warn(f"torch.compile of {self.fn.__name__} failed ({exc!r}); running it eagerly",
+                          RuntimeWarning, stacklevel=2)
+            self.failed = True
+            return self.fn(*args)
+
+
+act_quant_int8_compiled = Compiled(quantize_act_int8)
+"""int8.quantize_act_int8 as one kernel: the same codes and scales (tests/unit/quant/test_kernels.py)."""
+int8_epilogue_compiled = Compiled(int8_epilogue)
+"""int8.int8_epilogue as one kernel: the same fp32 values."""

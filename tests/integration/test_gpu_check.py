@@ -1,0 +1,64 @@
+"""``scripts/gpu_check.py --device cpu --quick``: the CPU smoke of the GPU check writes one JSON document in
+which every section that runs on a CPU ran and passed, and the GPU-only ones say why they were skipped.
+
+No figure is asserted (throughput on a shared CPU means nothing); the structure, the per-format checks of
+the ``quant`` section (codes, checksums, storage, logits against the reference) and the exit status are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from protocols.values import FORMATS
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.timeout(900)
+def test_gpu_check_cpu_smoke_runs_every_cpu_section_and_writes_one_json(procs, tmp_path):
+    out, log = tmp_path / "gpu_check.json", tmp_path / "gpu_check.log"
+    with open(log, "wb") as f:
+        proc = procs.python(os.path.join(ROOT, "scripts", "gpu_check.py"), "--device", "cpu", "--quick",
+                            "--json", str(out), stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=840)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"gpu_check did not finish:\n{log.read_text()[-3000:]}")
+    assert rc == 0, log.read_text()[-4000:]
+    report = json.loads(out.read_text())
+    assert report["env"]["device"] == "cpu" and report["quick"] is True
+    sections = report["sections"]
+    assert set(sections) == {"native", "quant", "bench_engine", "sglang", "gpu_tests", "train", "train_sglang",
+                             "bench_learner"}
+    for name in ("sglang", "train_sglang"):
+        assert sections[name]["skipped"] and "GPU" in sections[name]["reason"]
+    for name in ("native", "quant", "bench_engine", "gpu_tests", "train"):
+        assert sections[name]["passed"] is True, (name, sections[name])
+    assert sections["bench_learner"]["skipped"] and "smoke test" in sections["bench_learner"]["reason"]
+
+    assert set(sections["native"]["formats"]) == set(FORMATS)
+    assert sections["native"]["formats"]["fp32"]["logp_max_abs_diff"] < 1e-2
+    quant = sections["quant"]["formats"]
+    assert set(quant) == set(FORMATS)
+    for fmt, row in quant.items():
+        assert row["codes_equal"] and row["publication_checksum_equal"] and row["storage_stable"], (fmt, row)
+        assert 0.0 <= row["logits_rel_diff"] < 5e-2, (fmt, row)
+    # on CPU the "device" side runs the kernels an sm_90 GPU would select
+    assert quant["fp8"]["kernels"].startswith("scaled_mm") and quant["fp8"]["reference_kernels"].startswith("fp8_emul")
+    assert quant["nvfp4"]["kernels"].startswith("wo_bf16")
+    assert quant["int8"]["kernels"].startswith("int_mm_compiled") and quant["int8"]["logits_rel_diff"] == 0.0
+
+    bench = sections["bench_engine"]["result"]
+    rows = bench["tables"]["shapes"]
+    paths = {r["path"] for r in rows}
+    assert {"hf-bf16", "native-bf16", "native-fp32", "native-int8", "native-fp8", "native-nvfp4"} <= paths
+    for r in rows:
+        assert r["shape"] == "smollm2-135m" and r["tok_per_s"] > 0
+        assert 0 < r["roofline_frac"] and r["step_MB"] > 0 and r["vs_hf_bf16"] > 0 and r["vs_native_bf16"] > 0
+    assert bench["copy_bandwidth_Bps"] > 0
+    assert sections["train"]["summary"]["learner_steps"] >= 1
