@@ -29,14 +29,12 @@ from typing import Any
 
 from asyncrl.metrics.health import Alarm, HealthConfig, HealthMonitor, health_config, replay
 from asyncrl.metrics.writer import parse_line, purge_records, read_metrics
+from asyncrl.rundir import RunDir
 
 log = logging.getLogger("asyncrl.health")
 
-HEALTH_FILE = "health.jsonl"
-
-
 def health_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / HEALTH_FILE
+    return RunDir(Path(run_dir)).health
 
 
 def format_alarm(record: Mapping[str, Any]) -> str:
@@ -123,14 +121,14 @@ def alarms_report(run_dir: str | Path) -> str:
     without ``health.jsonl`` (from before the alarms existed, or with ``health.enabled=false``) has its
     ``metrics.jsonl`` replayed with the run's ``health`` settings and says so."""
     run_dir = Path(run_dir)
-    source = HEALTH_FILE
+    source = health_path(run_dir).name
     if health_path(run_dir).exists():
         alarms = read_alarms(run_dir)
     else:
         records = read_metrics(run_dir)
         if not records:
             return "health alarms: none (no metrics.jsonl)"
-        config = run_dir / "config.json"
+        config = RunDir(run_dir).config
         section = json.loads(config.read_text()).get("health") if config.is_file() else None
         cfg = health_config(section)
         if not cfg.enabled:

@@ -10,6 +10,7 @@ Layout of ``runs/<run_name>/`` (path: what writes it; what reads it):
     trajectories/                        controller: the trajectory log; resume, ``asyncrl log``, replay
     metrics.jsonl                        controller (replay: learner): a line per step; launcher, plots
     tb/                                  the same writer: TensorBoard events; TensorBoard
+    health.jsonl                         controller: training-health alarms; launcher, ``asyncrl log show``
     checkpoints/                         learner, controller: what a resume starts from; resume
     checkpoints/step_NNNNNNNN/           learner: its checkpoint of version N (``.tmp`` while saved); resume
     checkpoints/latest                   learner: names the newest complete step_ folder; ``load_checkpoint``
@@ -88,6 +89,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def health(self) -> Path:
+        return self.root / "health.jsonl"
 
     @property
     def tb(self) -> Path:

@@ -60,7 +60,7 @@ def test_the_names_on_disk_are_the_ones_runs_have_always_used(tmp_path):
     assert rel == {
         "lock": ".lock", "config": "config.json", "controller_address": "controller.json",
         "pids": "pids.json", "logs": "logs", "log_of": "logs/worker-0.log", "trajectories": "trajectories",
-        "metrics": "metrics.jsonl", "tb": "tb", "checkpoints": "checkpoints",
+        "metrics": "metrics.jsonl", "health": "health.jsonl", "tb": "tb", "checkpoints": "checkpoints",
         "learner_checkpoint": "checkpoints/step_00000012", "latest": "checkpoints/latest",
         "controller_checkpoint": "checkpoints/controller-00000012.json",
         "controller_final_checkpoint": "checkpoints/controller-final.json", "model": "model",
@@ -75,7 +75,7 @@ def test_the_names_on_disk_are_the_ones_runs_have_always_used(tmp_path):
 
 # Names of the run folder that no module other than paths.py may spell. The generic words (a folder
 # called "model", a dict key "logs") count only as the right operand of ``/``, i.e. as a path join.
-FILE_NAMES = {"config.json", "pids.json", "controller.json", "metrics.jsonl", "learner_final.json",
+FILE_NAMES = {"config.json", "pids.json", "controller.json", "metrics.jsonl", "health.jsonl", "learner_final.json",
               "controller_final.json", "controller-final.json", "summary.json", ".lock"}
 FOLDER_NAMES = {"logs", "trajectories", "checkpoints", "model", "tb", "plots", "latest"}
 PREFIXES = {"step_", "controller-"}  # the constant parts of f"step_{version:08d}", f"controller-{...}.json"
