@@ -40,6 +40,7 @@ import torch
 
 from asyncrl.engine.base import GenRequest, GenResult
 from asyncrl.engine.decoder import DecoderRunner, decoder_view
+from asyncrl.engine.hf_runner import make_runner
 from asyncrl.engine.sampling import processed_logprobs, request_uniform, sample_tokens
 from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
 
@@ -124,7 +125,7 @@ class NativeEngine:
         self.device = torch.device(device)
         model = quantize_actor(model.to(self.device).eval(), quant_format, head=quantize_head)
         self._model: torch.nn.Module | None = model
-        self._runner: DecoderRunner | None = DecoderRunner(model, max_batch_size, self.max_seq_len)
+        self._runner: DecoderRunner | None = make_runner(model, max_batch_size, self.max_seq_len)
         self._version = int(version)
         self._aqn: Any = None  # asyncrl.quant.ForwardAqn once a version asks for per-forward AQN noise
 
