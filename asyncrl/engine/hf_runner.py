@@ -116,10 +116,11 @@ class HFRunner:
     path = "hf_fallback"
 
     def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int) -> None:
-        config = model.config
+        hf: Any = model  # a transformers PreTrainedModel (config, get_input_embeddings, set_attn_implementation)
+        config = hf.config
         if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
-            model.set_attn_implementation("sdpa")  # the explicit 4D masks need an attention that takes them
-        self.model = model
+            hf.set_attn_implementation("sdpa")  # the explicit 4D masks need an attention that takes them
+        self.model = hf
         self.config = config
         self.cache = RowKVCache(max_rows, max_len)
         params = inspect.signature(model.forward).parameters
@@ -240,7 +241,7 @@ def make_runner(model: torch.nn.Module, max_rows: int, max_len: int) -> Any:
     applies to every layer), else ``HFRunner``; the fallback is announced once per model type."""
     from asyncrl.engine.decoder import DecoderRunner
 
-    config = model.config
+    config: Any = model.config
     model_type = getattr(config, "model_type", "?")
     window = getattr(config, "sliding_window", None)
     if window is not None and not getattr(config, "layer_types", None) and window < max_len:
@@ -250,7 +251,7 @@ def make_runner(model: torch.nn.Module, max_rows: int, max_len: int) -> Any:
             gaps = native_gaps(model)
             reason = f"the native decoder does not call {', '.join(gaps[:4])}" if gaps else ""
         except ValueError as e:
-            reason = str(e)
+            reason = str(e).split(";")[0]  # what the native decoder lacks, without its advice to switch models
     if not reason:
         return DecoderRunner(model, max_rows, max_len)
     if model_type not in _ANNOUNCED:
