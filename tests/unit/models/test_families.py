@@ -139,3 +139,31 @@ def test_fallback_cache_grows_and_moves_rows_like_the_native_one(family):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         lens = [n + 1 for n in lens]
     assert a.cache.cap_len >= max(lens)
+
+
+OTHER_ARCHITECTURES = {
+    "phi3": {},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    "gpt_neox": {"rotary_pct": 1.0},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(OTHER_ARCHITECTURES))
+def test_fallback_is_exact_on_architectures_the_native_decoder_lacks(model_type):
+    """Fused qkv (Phi-3, GPT-NeoX), a shared expert (Qwen2-MoE), sliding and full layers mixed (Gemma 3, whose
+    masks go to the model by layer type): all through the model's own forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.models.families import _TINY_COMMON, init_weights
+
+    common = {k: v for k, v in _TINY_COMMON.items() if k != "rope_parameters"}
+    config = AutoConfig.for_model(model_type, **common, **OTHER_ARCHITECTURES[model_type])
+    model = init_weights(AutoModelForCausalLM.from_config(config, dtype=torch.float32), 0).eval()
+    engine = NativeEngine(copy.deepcopy(model), max_batch_size=3)
+    try:
+        assert isinstance(engine._runner, HFRunner)
+        assert max_error(engine.generate(requests()), model) <= 1e-5
+    finally:
+        engine.close()
