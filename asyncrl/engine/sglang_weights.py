@@ -76,20 +76,6 @@ class TensorUpdate:
         return sum(t.numel() * t.element_size() for _, t in self.named)
 
 
-def _conversion_model(config_json: str) -> Any:
-    """A meta-device model of the config (no memory): what transformers' reverse weight conversion reads."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    values = json.loads(config_json)
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-_CONVERSION_MODELS: dict[str, Any] = {}
-
-
 def checkpoint_named_tensors(named: Sequence[tuple[str, Any]], config: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """``[(name, tensor)]`` in the model's runtime names (``state_dict()`` of transformers 5) -> the names of its
     checkpoint files, which SGLang's ``load_weights`` reads: transformers' own reverse conversion (the one
@@ -97,21 +83,15 @@ def checkpoint_named_tensors(named: Sequence[tuple[str, Any]], config: Mapping[s
     ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` (Mixtral: ``block_sparse_moe.experts.{e}.w1/w3``)
     and renames what it renamed on load. With ``tie_word_embeddings`` the ``lm_head.weight`` copy is left out
     (SGLang ties it to the embedding); an untied model's update must carry it. ``config``: config.json values."""
-    if not config.get("model_type"):
-        raise ValueError("the model's config has no model_type; pass the config.json of the served model folder")
+    from asyncrl.models.names import checkpoint_state_dict
+
     tied = bool(config.get("tie_word_embeddings", False))
     names = [n for n, _ in named]
     if not tied and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
         raise ValueError("the model's head is not tied to its embedding, so an update must carry lm_head.weight; "
                          "send the learner's full state dict")
-    key = json.dumps(dict(config), sort_keys=True)
-    if key not in _CONVERSION_MODELS:
-        _CONVERSION_MODELS.clear()  # one served model per engine; keep one meta model
-        _CONVERSION_MODELS[key] = _conversion_model(key)
-    from transformers.core_model_loading import revert_weight_conversion
-
     state = {n: t for n, t in named if not (tied and n == "lm_head.weight")}
-    return list(revert_weight_conversion(_CONVERSION_MODELS[key], state).items())
+    return list(checkpoint_state_dict(config, state).items())
 
 
 def served_config(model_path: str | Path | None) -> dict[str, Any] | None:

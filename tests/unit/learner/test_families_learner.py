@@ -125,3 +125,24 @@ def test_published_trained_weights_round_trip_into_the_engine(name, fmt, tiny, d
 def test_activation_checkpointing_wraps_each_block_of_a_moe(dist_info):
     model = build_family_model("mixtral")
     assert checkpoint_decoder_layers(model) == 2
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral"])
+def test_export_writes_the_checkpoint_names_and_loads_back_to_the_same_model(name, tiny, dist_info, tmp_path):
+    """A MoE's fused expert tensors are exported per expert, as ``save_pretrained`` writes them (what SGLang,
+    vLLM and older transformers read); the folder loads back to the trained model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.learner import export_hf
+
+    policy = prepare_policy(build_family_model(name, seed=6), dist_info)
+    _step(_state(policy, lr=1e-2), tiny, dist_info)
+    out = export_hf(policy, None, tmp_path / "export", dist_info)
+    policy.save_pretrained(tmp_path / "reference")
+    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(tmp_path / "reference" /
+                                                                               "model.safetensors")))
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 20, 30, 40, 50]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, policy(ids).logits, rtol=0, atol=1e-6)
