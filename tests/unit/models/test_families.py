@@ -67,7 +67,7 @@ def test_engine_logps_equal_an_fp32_hf_forward(family):
         engine.close()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4"])
 def test_quantized_engine_logps_match_the_quantized_hf_forward(family, fmt):
     from asyncrl.quant import quantize_model
 
