@@ -254,7 +254,9 @@ class WeightBroadcaster:
 
     @staticmethod
     def describe(state_dict: Mapping[str, Any], group_name: str = "weight_update_group") -> BroadcastWeights:
-        """The ``BroadcastWeights`` for broadcasting ``state_dict`` in its iteration order."""
+        """The ``BroadcastWeights`` for broadcasting ``state_dict`` in its iteration order. Names go to SGLang as
+        given: for a model whose checkpoint names differ from transformers' runtime names (a MoE's fused
+        experts), describe and broadcast ``asyncrl.models.names.checkpoint_state_dict(config, state_dict)``."""
         names = tuple(state_dict)
         dtypes = tuple(str(state_dict[n].dtype).removeprefix("torch.") for n in names)
         shapes = tuple(tuple(state_dict[n].shape) for n in names)

@@ -167,3 +167,17 @@ def test_fallback_is_exact_on_architectures_the_native_decoder_lacks(model_type)
         assert max_error(engine.generate(requests()), model) <= 1e-5
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_engine_on_a_gpu_matches_the_hf_forward(name):
+    """The fallback's masks, cache and per-row positions on CUDA (fp32 here; TF32 off for exactness)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build_family_model(name, seed=3)
+    engine = NativeEngine(copy.deepcopy(model), max_batch_size=3, device="cuda")
+    try:
+        results = list(engine.generate(requests()))
+    finally:
+        engine.close()
+    assert max_error(results, model) <= 1e-4
