@@ -53,3 +53,24 @@ def test_runtime_named_update_is_served_exactly(family, sglang_python_path, tmp_
             logits = model(full).logits[0, len(res.prompt_ids) - 1 : -1].float()
         ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(res.response_ids)[:, None])[:, 0]
         assert float(np.abs(ref.numpy() - res.behav_logp).max()) <= 1e-4
+
+
+def test_train_on_a_qwen3_moe_folder_with_an_sglang_worker(procs, sglang_python_path, tmp_path):
+    """``asyncrl train model.name=path`` on a Qwen3-MoE folder, one SGLang worker (CPU server it starts):
+    every version the learner publishes reaches the server (tokens carry versions 1..3)."""
+    import subprocess
+
+    from tests.sglang.runs import check_trajectory_log
+
+    folder = make_family_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=0)
+    proc = procs.python("-m", "asyncrl", "train", "model.name=path", f"model.path={folder}",
+                        f"runs_dir={tmp_path / 'runs'}", "run_name=moe", "rollout.engine=sglang", "quant.fmt=fp32",
+                        "rollout.num_workers=1", "sglang.device=cpu", f"sglang.python={sglang_python_path}",
+                        "sglang.startup_timeout_s=1500", "learner.total_steps=3", "learner.eval_every=0",
+                        "learner.ckpt_every=0", "rollout.eta=1", "rollout.heartbeat_s=0.05",
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = proc.communicate(timeout=1400)
+    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+    by_id = check_trajectory_log(tmp_path / "runs" / "moe", eta=1, steps=3)
+    served = {int(v) for r in by_id.values() for v in r.sample.versions.to_numpy()}
+    assert {1, 2} <= served

@@ -181,3 +181,17 @@ def test_engine_on_a_gpu_matches_the_hf_forward(name):
     finally:
         engine.close()
     assert max_error(results, model) <= 1e-4
+
+
+def test_fallback_gives_eager_attention_an_additive_mask():
+    """A model loaded with ``attn_implementation="eager"`` adds the mask to its scores: the runner hands it
+    0 / dtype-min instead of booleans, and the log-probs stay exact."""
+    model = build_family_model("qwen3_moe", seed=9)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    engine = NativeEngine(eager, max_batch_size=3)
+    try:
+        assert isinstance(engine._runner, HFRunner) and engine._runner.config._attn_implementation == "eager"
+        assert max_error(engine.generate(requests()), model) <= 1e-5
+    finally:
+        engine.close()
