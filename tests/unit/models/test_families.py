@@ -195,3 +195,27 @@ def test_fallback_gives_eager_attention_an_additive_mask():
         assert max_error(engine.generate(requests()), model) <= 1e-5
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
+@pytest.mark.parametrize("model_type", ["phi3", "gpt_neox", "qwen2_moe"])
+def test_quantized_formats_convert_every_linear_of_the_decoder_blocks(model_type, fmt):
+    """Fused and differently named projections are quantized too (only fused 3-D expert tensors, which
+    are not linears, stay full precision); the engine samples from exactly the quantized model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.learner.fsdp import decoder_layers
+    from asyncrl.models.families import _TINY_COMMON, init_weights
+    from asyncrl.quant import quantize_model
+
+    common = {k: v for k, v in _TINY_COMMON.items() if k != "rope_parameters"}
+    config = AutoConfig.for_model(model_type, **common, **OTHER_ARCHITECTURES[model_type])
+    model = init_weights(AutoModelForCausalLM.from_config(config, dtype=torch.float32), 0).eval()
+    ref = quantize_model(copy.deepcopy(model), fmt).eval()
+    left = [n for layer in decoder_layers(ref) for n, m in layer.named_modules() if type(m) is torch.nn.Linear]
+    assert left == []
+    engine = NativeEngine(copy.deepcopy(model), quant_format=fmt, max_batch_size=3)
+    try:
+        assert max_error(engine.generate(requests()), ref) <= LOGP_ATOL.get(fmt, 1e-4)
+    finally:
+        engine.close()
