@@ -13,6 +13,7 @@ would see zero reward variance. A few dozen supervised steps put the sampled rew
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Callable
@@ -31,22 +32,42 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 Every other causal LM trains as well; its workers run the model's HF forward (``asyncrl.engine.hf_runner``)."""
 
 
+@functools.cache
+def auto_mapping_names(table: str) -> frozenset[str]:
+    """The model types of one of transformers' ``AutoModel`` tables (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, ...),
+    read from the source of ``transformers/models/auto/modeling_auto.py`` without importing it: importing
+    transformers loads torch, and the launcher, which checks a replayed run's model folder, never does. A
+    table that is not a literal there is imported instead."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.submodule_search_locations:
+        source = Path(next(iter(spec.submodule_search_locations))) / "models" / "auto" / "modeling_auto.py"
+        if source.is_file():
+            for node in ast.parse(source.read_text()).body:
+                if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [table]
+                        and isinstance(node.value, ast.Call) and node.value.args):
+                    try:
+                        return frozenset(k for k, _ in ast.literal_eval(node.value.args[0]))
+                    except ValueError:
+                        break
+    import transformers.models.auto.modeling_auto as auto
+
+    return frozenset(getattr(auto, table))
+
+
 def causal_lm_problem(config: dict) -> str:
     """Why a model of this config.json cannot be trained as a causal LM ("" when it can): transformers'
     ``AutoModelForCausalLM`` must know the model type, and the model must be a decoder (not an encoder such
     as BERT that transformers also maps to a causal-LM head, nor an encoder-decoder)."""
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
     model_type = config.get("model_type")
     arch = ", ".join(config.get("architectures") or []) or "no architectures listed"
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if model_type not in auto_mapping_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):
         return f"a {model_type!r} model ({arch}) that transformers' AutoModelForCausalLM does not load"
     if config.get("is_encoder_decoder"):
         return f"an encoder-decoder {model_type!r} model ({arch})"
-    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.get("is_decoder"):
+    if model_type in auto_mapping_names("MODEL_FOR_MASKED_LM_MAPPING_NAMES") and not config.get("is_decoder"):
         return f"a {model_type!r} encoder ({arch}), not a causal (decoder-only) language model"
     return ""
 

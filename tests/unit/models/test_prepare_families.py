@@ -69,3 +69,23 @@ def test_family_folders_load_the_byte_tokenizer_with_the_chat_template(tmp_path,
     assert tok.chat_template == CHATML_TEMPLATE
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_check_reads_transformers_tables_without_loading_torch(tmp_path):
+    """The launcher (which checks a replayed run's folder) never loads torch: the tables are read from
+    transformers' source, and equal the imported ones."""
+    import subprocess
+    import sys
+
+    folder = _folder(tmp_path, {"model_type": "qwen3_moe"})
+    code = ("import sys; from asyncrl.models.prepare import check_model_folder; from pathlib import Path; "
+            f"check_model_folder(Path({str(folder)!r})); print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
+    import transformers.models.auto.modeling_auto as auto
+
+    from asyncrl.models.prepare import auto_mapping_names
+
+    for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"):
+        assert auto_mapping_names(table) == frozenset(getattr(auto, table))
