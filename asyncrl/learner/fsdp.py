@@ -123,7 +123,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     found: list[torch.nn.Module] = []
     inside: set[str] = set()
     for name, module in model.named_modules():
-        if type(module).__name__ in kinds and not any(name.startswith(f"{p}.") for p in inside):
+        # by the class and its bases: fully_shard swaps a module's class for an FSDP subclass of it
+        is_block = any(c.__name__ in kinds for c in type(module).__mro__)
+        if is_block and not any(name.startswith(f"{p}.") for p in inside):
             found.append(module)
             inside.add(name)
     if found:

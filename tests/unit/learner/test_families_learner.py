@@ -77,7 +77,14 @@ def test_fsdp2_shards_by_the_models_decoder_blocks(name, tiny, dist_info):
     from torch.distributed.fsdp import FSDPModule
 
     model = shard_model(build_family_model(name, seed=3), dist_info)
-    assert all(isinstance(layer, FSDPModule) for layer in decoder_layers(model))
+    layers = decoder_layers(model)
+    assert len(layers) == 2 and all(isinstance(layer, FSDPModule) for layer in layers)
+    # fully_shard swaps each block's class for an FSDP subclass; the blocks are still found by class alone
+    holder = torch.nn.Module()
+    holder._no_split_modules = [LAYER_CLASS[name]]
+    holder.blocks = model.model.layers
+    assert all(type(layer).__name__.startswith("FSDP") for layer in layers)
+    assert decoder_layers(holder) == layers
     assert np.isfinite(_step(_state(model), tiny, dist_info)["learner/loss"])
     assert set(policy_state_dict(model)) == set(build_family_model(name).state_dict())
 
