@@ -24,6 +24,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from asyncrl.engine.sglang_weights import FULL_PRECISION_PUBLICATIONS
+
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -35,7 +37,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
 }
-HF_SHAPE_FORMATS = ("bf16", "fp32")
+HF_SHAPE_FORMATS = FULL_PRECISION_PUBLICATIONS  # the HF comparators run unquantized
 
 
 def build_model(shape: str, device: str, *, layers: int | None = None, seed: int = 0):

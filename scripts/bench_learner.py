@@ -31,7 +31,25 @@ rollout stream does, and ``rss_growth_gb`` reports how far the process's residen
 the first step's end to the last's (measured 2026-12-02: bf16 autocast grows with every new shape,
 fp32 does not; docs/benchmarks.md §8).
 
-Run: ``python scripts/bench_learner.py [--quick] [--vary] [--model smollm2|tiny|PATH] [--json PATH]``.
+``--device cuda``: the same steps on the GPU, reported as trained tokens per second, peak GPU memory
+(``torch.cuda.max_memory_allocated``: weights, gradients, AdamW state, activations) and MFU: model FLOPs
+per second over the bf16 matrix rate measured in the same process (a timed 8192^3 bf16 matmul; on the
+CPU a 512^3 one). Model FLOPs of a step, counted on the real (unpadded) positions, fwd + bwd:
+``6 * N * positions + 6 * layers * q_dim * sum(S_i^2)`` with N the matmul parameters (every decoder
+linear, routed experts at their active fraction top_k / E, plus the output head; not the embedding
+lookup) and S_i each sequence's length
+(causal attention: half of the S^2 score and value products). Activation checkpointing's recompute is
+not counted (the usual MFU convention), so it lowers MFU.
+
+``--model``: ``tiny`` / ``smollm2`` / an HF folder, a preset of published architecture built from its
+config with random weights (no download; ``asyncrl.models.families.PRESETS``: ``qwen3-0.6b``,
+``qwen3-1.7b``, ``qwen3-4b``, ``qwen3-8b``, ``llama-3.2-1b``), or ``family:NAME``, a tiny random-weight
+model of a family (``family:qwen3``, ``family:qwen3_moe``, ...).
+
+Run: ``python scripts/bench_learner.py [--quick] [--vary] [--model smollm2|tiny|PATH|PRESET|family:NAME]
+[--device cpu|cuda] [--json PATH]``. The GPU measurement of the presets:
+``python scripts/bench_learner.py --device cuda --model qwen3-0.6b --rows full-bf16,lora-bf16 --samples 64
+--prompt-len 256 --new-tokens 768 --token-budget 32768 --steps 3`` (and ``--model qwen3-1.7b``).
 """
 
 from __future__ import annotations
@@ -61,9 +79,79 @@ ROWS = {
 
 
 def model_folder(spec: str) -> str:
+    """An HF folder for ``tiny`` / ``smollm2`` / a path; presets and ``family:NAME`` stay names (built
+    from their config in the child)."""
     from asyncrl.models import ensure_smollm2, ensure_tiny_model
+    from asyncrl.models.families import FAMILIES, PRESETS
 
+    if spec in PRESETS or spec.removeprefix("family:") in FAMILIES and spec.startswith("family:"):
+        return spec
+    if spec.startswith("family:"):
+        raise SystemExit(f"unknown family {spec!r}; choose family:NAME with NAME in {', '.join(FAMILIES)}")
     return str({"tiny": ensure_tiny_model, "smollm2": ensure_smollm2}.get(spec, lambda: spec)())
+
+
+def build_model(folder: str):
+    """The fp32 model of ``folder``: a preset or tiny family from its config (seeded random weights), else
+    ``from_pretrained``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.models.families import PRESETS, build_family_model, init_weights, preset_config
+
+    if folder in PRESETS:
+        model = AutoModelForCausalLM.from_config(preset_config(folder), dtype=torch.float32)
+        return init_weights(model, 0)
+    if folder.startswith("family:"):
+        return build_family_model(folder.removeprefix("family:"), 0)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def matmul_params(model) -> float:
+    """Parameters that multiply each token's activations: every weight of 2+ dimensions except the input
+    embedding (a tied head counts it once), fused expert tensors ``[E, ...]`` at their active fraction
+    ``num_experts_per_tok / E``."""
+    emb = model.get_input_embeddings().weight
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    total = 0.0
+    for p in model.parameters():
+        if p.dim() == 3 and top_k:
+            total += p.numel() * top_k / p.shape[0]
+        elif p.dim() >= 2 and p is not emb:
+            total += p.numel()
+    return total + (emb.numel() if model.config.tie_word_embeddings else 0)  # a tied head multiplies by it
+
+
+def step_model_flops(config, n_matmul: float, lengths: list[int]) -> float:
+    """Model FLOPs of one fwd + bwd over sequences of ``lengths`` positions (module docstring)."""
+    layers = int(config.num_hidden_layers)
+    q_dim = int(config.num_attention_heads) * int(getattr(config, "head_dim", None)
+                                                   or config.hidden_size // config.num_attention_heads)
+    return 6.0 * n_matmul * sum(lengths) + 6.0 * layers * q_dim * sum(n * n for n in lengths)
+
+
+def matrix_rate(device) -> float:
+    """Measured bf16 matmul rate on ``device``, FLOP/s (8192^3 on a GPU, 512^3 on the CPU)."""
+    import torch
+
+    n, reps = (8192, 20) if device.type == "cuda" else (512, 5)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def synthetic_batch(vocab: int, samples: int, prompt_len: int, new_tokens: int, seed: int = 0):
@@ -83,7 +171,6 @@ def synthetic_batch(vocab: int, samples: int, prompt_len: int, new_tokens: int, 
 def child(spec: dict) -> dict:
     """One configuration in this process: build, run ``steps`` learner steps, report."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from asyncrl.algo import ObjectiveConfig
     from asyncrl.learner import (
@@ -109,8 +196,13 @@ def child(spec: dict) -> dict:
         bound_kernel_caches()
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
-    info = init_distributed()
-    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32)
+    cuda = spec.get("device", "cpu") == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no GPU here; run with --device cpu")
+    info = init_distributed(None if cuda else "gloo")
+    model = build_model(spec["folder"])
+    n_matmul = matmul_params(model)
+    config = model.config
     vocab = int(model.config.vocab_size)
     if row["fsdp"]:
         model = shard_model(model, info)
@@ -127,20 +219,32 @@ def child(spec: dict) -> dict:
     budget = spec["token_budget"] if row["budget"] is None else row["budget"]
     cfg = StepConfig(micro_batch_size=row["micro"], max_tokens_per_micro_batch=budget, reuse_prox=row["reuse"],
                      autocast=row["autocast"])
-    times, cpu, prox, rss_after, per_1k, cpu_per_1k = [], [], [], [], [], []
+    times, cpu, prox, rss_after, per_1k, cpu_per_1k, flops, ntoks = [], [], [], [], [], [], [], []
     for i in range(spec["steps"]):
         if spec.get("vary") and i:  # a rollout stream's batches: other prompt and response lengths each step
             batch = synthetic_batch(vocab, spec["samples"], spec["prompt_len"] + i % 7,
                                     max(1, spec["new_tokens"] - (i * 13) % 45), seed=i)
+        _sync(info.device)
         t0, c0 = time.perf_counter(), time.process_time()
         m = train_step(state, batch, ObjectiveConfig(objective="acr"), cfg, info)
+        _sync(info.device)
         times.append(time.perf_counter() - t0)
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        flops.append(step_model_flops(config, n_matmul, lengths))
+        ntoks.append(batch.num_tokens)
         cpu.append(time.process_time() - c0)
         prox.append(m["learner/prox_seconds"])
         rss_after.append(_rss_now_gb())
         per_1k.append(times[-1] / batch.num_tokens * 1000)
         cpu_per_1k.append(cpu[-1] / batch.num_tokens * 1000)
-    return {"row": spec["row"], "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    best = min(range(len(times)), key=lambda j: times[j])
+    rate = matrix_rate(info.device)
+    device_stats = {"device": info.device.type, "matmul_tflops": rate / 1e12,
+                    "tokens_per_s": ntoks[best] / times[best],
+                    "model_tflops_per_s": flops[best] / times[best] / 1e12, "mfu": flops[best] / times[best] / rate,
+                    "peak_gpu_gb": torch.cuda.max_memory_allocated(info.device) / 2**30 if cuda else 0.0}
+    return {**device_stats, "row": spec["row"],
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "step_s": min(times), "s_per_1k_tokens": min(per_1k), "prox_s": min(prox),
             "cpu_s_per_1k_tokens": min(cpu_per_1k),
             "trained_tokens": tokens, "sequences": batch.batch_size, "seq_len": batch.seq_len,
@@ -169,6 +273,8 @@ def main() -> int:
     ap.add_argument("--vary", action="store_true", help="each step after the first gets other prompt and response "
                     "lengths (as a rollout stream's batches do); rss_growth_gb then shows memory that grows with "
                     "new shapes (the timed figure stays the fastest step)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the learner steps run; cuda "
+                    "reports peak GPU memory and MFU against the bf16 matmul rate measured in the same run")
     ap.add_argument("--child", default="", help=argparse_hidden())
     args = ap.parse_args()
     if args.child:
@@ -183,7 +289,7 @@ def main() -> int:
             raise SystemExit(f"unknown row {name!r}; choose from {', '.join(ROWS)}")
         spec = {"row": name, "folder": folder, "samples": args.samples, "prompt_len": args.prompt_len,
                 "new_tokens": args.new_tokens, "steps": args.steps, "threads": args.threads,
-                "token_budget": args.token_budget, "vary": args.vary}
+                "token_budget": args.token_budget, "vary": args.vary, "device": args.device}
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
         res = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
                              capture_output=True, text=True, env=env)
@@ -191,7 +297,8 @@ def main() -> int:
         if res.returncode != 0 or not lines:
             raise SystemExit(f"row {name} failed (rc {res.returncode}):\n{res.stderr[-3000:]}")
         row = json.loads(lines[-1][len("BENCH_ROW "):])
-        print(f"{name}: {row['peak_rss_gb']:.2f} GB, {row['s_per_1k_tokens']:.2f} s/1k tokens", flush=True)
+        print(f"{name}: {row['peak_rss_gb']:.2f} GB RSS, {row['peak_gpu_gb']:.2f} GB GPU, {row['tokens_per_s']:.0f} "
+              f"tokens/s, MFU {row['mfu']:.3f}", flush=True)
         rows.append(row)
     base = rows[0]
     for r in rows:
@@ -201,10 +308,12 @@ def main() -> int:
     print_table(f"learner steps, {args.model}, {args.samples} x ({args.prompt_len} + {args.new_tokens}) tokens, "
                 f"{args.threads} thread(s)", rows,
                 ["row", "peak_rss_gb", "rss_ratio", "rss_growth_gb", "s_per_1k_tokens", "time_ratio",
-                 "cpu_s_per_1k_tokens", "cpu_ratio", "prox_s", "trainable_params"])
+                 "cpu_s_per_1k_tokens", "cpu_ratio", "prox_s", "trainable_params"]
+                + (["tokens_per_s", "peak_gpu_gb", "model_tflops_per_s", "matmul_tflops", "mfu"]
+                   if args.device == "cuda" else ["tokens_per_s", "mfu"]))
     write_json(args.json, "bench_learner", {"rows": rows}, args, model=args.model, samples=args.samples,
                prompt_len=args.prompt_len, new_tokens=args.new_tokens, threads=args.threads,
-               token_budget=args.token_budget, vary=args.vary)
+               token_budget=args.token_budget, vary=args.vary, device=args.device)
     return 0
 
 

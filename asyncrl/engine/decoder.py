@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.engine.kv_cache import StaticKVCache
+from asyncrl.models.prepare import NATIVE_MODEL_TYPES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 """HF ``model_type``s whose forward the native decoder reproduces exactly (Qwen3: per-head q/k RMSNorm
 before RoPE; Mistral: Llama's layer, with a sliding window that must cover the sequence limit)."""
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")

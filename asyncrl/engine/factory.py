@@ -7,6 +7,9 @@ Owns: the choice between the two ``RolloutEngine`` implementations (a generation
 Must never: import zmq/msgspec or know about controllers (the worker passes plain values in), start an
 SGLang server for an ``url`` that is given (attach instead), or pick a device the caller did not allow.
 
+The native engine runs any causal LM ``AutoModelForCausalLM`` builds from the architecture: the native
+decoder where it is exact, else the model's own HF forward (``asyncrl.engine.hf_runner.make_runner``).
+
 Invariants: the engine returned starts at version ``-1`` (it has no policy weights yet; the worker's first
 fetch installs version >= 0), so every token it ever produces carries a learner version.
 """
@@ -140,7 +143,8 @@ def _build_native(spec: EngineSpec) -> RolloutEngine:
     cfg_dict = json.loads(spec.model_config_json)
     config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
     torch.manual_seed(0)  # weights are replaced by the first fetch; the seed only makes init cheap to reason about
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):  # initialised where it runs: a GPU draws an 8B model's random init in seconds
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return NativeEngine(model, quant_format=spec.quant_format, version=-1, device=device,
                         max_batch_size=spec.slots, max_seq_len=spec.max_seq_len or None,
                         eos_token_ids=spec.eos_token_ids, quantize_head=spec.quantize_head,

@@ -42,8 +42,9 @@ import torch
 
 from asyncrl.engine.base import GenRequest, GenResult
 from asyncrl.engine.decode_options import DECODE_STEPS
-from asyncrl.engine.decoder import DecoderRunner, decoder_view, native_supported
+from asyncrl.engine.decoder import decoder_view
 from asyncrl.engine.forward import eager_forward, static_forward
+from asyncrl.engine.hf_runner import build_runner, fallback_reason
 from asyncrl.engine.rows import Seq, model_eos_ids, own_memory
 from asyncrl.engine.static_step import StaticStep
 from asyncrl.engine.step_graphs import resolve_cuda_graphs, tensor_pointers
@@ -111,17 +112,20 @@ class NativeEngine:
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(model))
         self.device = torch.device(device)
         graphs = resolve_cuda_graphs(cuda_graphs, self.device)
-        reason = native_supported(config, self.max_seq_len)
-        if reason is not None:  # a runner for other architectures would take the eager path here
-            raise ValueError(reason)
-        model = quantize_actor(model.to(self.device).eval(), quant_format, head=quantize_head)
+        model = model.to(self.device).eval()
+        reason = fallback_reason(model, self.max_seq_len)  # on the model as loaded, before its linears change
+        model = quantize_actor(model, quant_format, head=quantize_head)
         self._model: torch.nn.Module | None = model
-        self._runner: DecoderRunner | None = DecoderRunner(model, max_batch_size, self.max_seq_len)
+        self._runner: Any = build_runner(model, max_batch_size, self.max_seq_len, reason)
         self._static: StaticStep | None = None
-        if decode_step != "eager":
+        if decode_step == "static" and reason is not None:
+            raise ValueError(f"decode_step=static needs a model the native decoder runs ({reason}); use "
+                             "decode_step=auto, which takes the eager path on the HF fallback")
+        if decode_step != "eager" and reason is None:
             self._static = StaticStep(self._runner, self.vocab_size, cuda_graphs=graphs, compile_body=compile_step)
         elif graphs and str(cuda_graphs).lower() == "true":
-            raise ValueError("cuda_graphs=true replays the static decode step; drop decode_step=eager")
+            why = "drop decode_step=eager" if reason is None else f"this model runs on the HF fallback ({reason})"
+            raise ValueError(f"cuda_graphs=true replays the static decode step; {why}")
         self._pointers = tensor_pointers(model)
         self._version = int(version)
         self._eager_notice = False

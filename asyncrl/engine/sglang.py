@@ -255,7 +255,7 @@ class SGLangEngine:
         the newest is sent; broadcast updates are never skipped (the learner is sending them)."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
-        payload = prepare_update(weights)
+        payload = prepare_update(weights, self.model_path)
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed; build a new one")

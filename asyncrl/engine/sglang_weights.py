@@ -2,7 +2,9 @@
 
 Owns: turning what ``SGLangEngine.update_weights`` accepts into SGLang 0.5.23 request bodies --
   * a full-precision HF state dict, or an ``asyncrl.quant.PublishedWeights`` in ``fp32``/``bf16``
-    -> ``/update_weights_from_tensor`` bodies: ``serialized_named_tensors`` is one base64 string per
+    -> ``/update_weights_from_tensor`` bodies, in the names of the model's checkpoint files (what SGLang's
+    ``load_weights`` reads, ``checkpoint_named_tensors``: transformers' fused expert tensors split back into
+    one tensor per expert, a tied ``lm_head.weight`` left out, q/k norms and everything else as named): ``serialized_named_tensors`` is one base64 string per
     tensor-parallel rank holding a pickled ``[(hf_name, tensor), ...]`` list. The tensors are pickled
     *by value* (plain ``pickle``, not SGLang's ``ForkingPickler``, whose CPU tensors travel as shared-memory
     handles that another process on another machine cannot open). SGLang's ``SafeUnpickler`` accepts
@@ -16,13 +18,15 @@ Must never: quantize (SGLang quantizes on load in ``--quantization fp8 --load-fo
 quantized publication (its ``qweight``/``weight_scale`` names and per-row scales match no SGLang 0.5.23
 loader that can be re-loaded in place, see docs/sglang.md), or mutate the caller's tensors.
 
-Invariants: chunks keep the caller's tensor order; every tensor is in exactly one chunk; a chunk exceeds
+Invariants: the checkpoint names of an update are exactly the keys ``save_pretrained`` writes for the model
+(minus a tied head); chunks keep the (renamed) tensor order; every tensor is in exactly one chunk; a chunk exceeds
 ``max_chunk_bytes`` only when one tensor alone does.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,8 +76,35 @@ class TensorUpdate:
         return sum(t.numel() * t.element_size() for _, t in self.named)
 
 
-def prepare_update(weights: Any) -> TensorUpdate | Path | BroadcastWeights:
-    """Validate what ``update_weights`` was given (any thread, before queueing); ``ValueError`` with the fix."""
+def checkpoint_named_tensors(named: Sequence[tuple[str, Any]], config: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``[(name, tensor)]`` in the model's runtime names (``state_dict()`` of transformers 5) -> the names of its
+    checkpoint files, which SGLang's ``load_weights`` reads: transformers' own reverse conversion (the one
+    ``save_pretrained`` applies) splits fused expert tensors (``mlp.experts.gate_up_proj [E, 2I, H]``) into
+    ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight`` (Mixtral: ``block_sparse_moe.experts.{e}.w1/w3``)
+    and renames what it renamed on load. With ``tie_word_embeddings`` the ``lm_head.weight`` copy is left out
+    (SGLang ties it to the embedding); an untied model's update must carry it. ``config``: config.json values."""
+    from asyncrl.models.names import checkpoint_state_dict
+
+    tied = bool(config.get("tie_word_embeddings", False))
+    names = [n for n, _ in named]
+    if not tied and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+        raise ValueError("the model's head is not tied to its embedding, so an update must carry lm_head.weight; "
+                         "send the learner's full state dict")
+    state = {n: t for n, t in named if not (tied and n == "lm_head.weight")}
+    return list(checkpoint_state_dict(config, state).items())
+
+
+def served_config(model_path: str | Path | None) -> dict[str, Any] | None:
+    """The config.json values of the folder an SGLang server serves, when that folder is on this host."""
+    if not model_path or not (Path(model_path) / "config.json").is_file():
+        return None
+    return json.loads((Path(model_path) / "config.json").read_text())
+
+
+def prepare_update(weights: Any, model_path: str | Path | None = None) -> TensorUpdate | Path | BroadcastWeights:
+    """Validate what ``update_weights`` was given (any thread, before queueing); ``ValueError`` with the fix.
+    ``model_path``: the served folder; when its config.json is readable here, tensor updates travel in its
+    checkpoint names (``checkpoint_named_tensors``), else in the names given."""
     if isinstance(weights, BroadcastWeights):
         return weights
     if isinstance(weights, (str, Path)):
@@ -89,7 +120,17 @@ def prepare_update(weights: Any) -> TensorUpdate | Path | BroadcastWeights:
         bad = [k for k, v in weights.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
         if bad or not weights:
             raise ValueError(f"a state dict update needs str -> tensor entries; bad entries: {bad[:5]}")
-        return TensorUpdate([(k, _detached(v)) for k, v in weights.items()])
+        named = [(k, v) for k, v in weights.items()]
+    else:
+        named = _published_named(weights)
+    config = served_config(model_path)
+    if config is not None:
+        named = checkpoint_named_tensors(named, config)
+    return TensorUpdate([(k, _detached(v)) for k, v in named])
+
+
+def _published_named(weights: Any) -> list[tuple[str, Any]]:
+    """The tensors of an fp32/bf16 ``PublishedWeights`` (verified), in manifest order."""
     from asyncrl.quant import PublishedWeights
 
     if isinstance(weights, PublishedWeights):
@@ -99,7 +140,7 @@ def prepare_update(weights: Any) -> TensorUpdate | Path | BroadcastWeights:
                 "'bf16' (a server started with quant_format='fp8' quantizes them on load)"
             )
         weights.verify()
-        return TensorUpdate([(e.name, _detached(weights.tensors[e.name])) for e in weights.manifest])
+        return [(e.name, weights.tensors[e.name]) for e in weights.manifest]
     raise ValueError(
         "weights must be a state dict, an asyncrl.quant.PublishedWeights (fp32/bf16), a checkpoint folder "
         f"or a BroadcastWeights; got {type(weights).__name__}"
@@ -213,7 +254,9 @@ class WeightBroadcaster:
 
     @staticmethod
     def describe(state_dict: Mapping[str, Any], group_name: str = "weight_update_group") -> BroadcastWeights:
-        """The ``BroadcastWeights`` for broadcasting ``state_dict`` in its iteration order."""
+        """The ``BroadcastWeights`` for broadcasting ``state_dict`` in its iteration order. Names go to SGLang as
+        given: for a model whose checkpoint names differ from transformers' runtime names (a MoE's fused
+        experts), describe and broadcast ``asyncrl.models.names.checkpoint_state_dict(config, state_dict)``."""
         names = tuple(state_dict)
         dtypes = tuple(str(state_dict[n].dtype).removeprefix("torch.") for n in names)
         shapes = tuple(tuple(state_dict[n].shape) for n in names)

@@ -286,7 +286,8 @@ def export_hf(
     """Write a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     Collective (the full state dict is gathered to rank 0, which writes): ``config.json``,
-    ``model.safetensors`` (fp32), and the tokenizer files of ``tokenizer_dir`` (see
+    ``model.safetensors`` (fp32, in the checkpoint names ``save_pretrained`` would write:
+    ``asyncrl.models.names``), and the tokenizer files of ``tokenizer_dir`` (see
     ``TOKENIZER_FILES``). ``state_dict_transform`` (dict -> dict), if given, is applied to the
     full state dict first (e.g. undoing UAQ folding). A LoRA policy (``lora``: its
     ``policy.LoraSpec``) is exported merged, as a plain model of the base architecture.
@@ -295,6 +296,7 @@ def export_hf(
     from safetensors.torch import save_file
 
     from asyncrl.learner.policy import base_model, policy_state_dict
+    from asyncrl.models.names import checkpoint_state_dict
 
     out = Path(out_dir)
     sd = dict(policy_state_dict(model, lora))  # mutable below (transform, tied lm_head); LoRA: merged here
@@ -307,6 +309,7 @@ def export_hf(
         config.dtype = torch.float32
         if getattr(config, "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)  # tied to the embedding; transformers re-ties on load
+        sd = checkpoint_state_dict(config, sd)  # the checkpoint's own names (per-expert tensors of a MoE)
         out.mkdir(parents=True, exist_ok=True)
         # No copy of what is already a contiguous fp32 tensor of its own (every parameter at world size 1, a
         # merged LoRA weight): a second full copy was the learner's peak at the end of a LoRA run.

@@ -1,7 +1,8 @@
 """Process group and FSDP2 sharding for the learner (torch 2.13 ``fully_shard``).
 
 Owns: joining the process group (torchrun env vars, or a one-process group when run alone),
-sharding a Hugging Face Qwen2/Llama causal LM with FSDP2 (each decoder layer, then the root),
+sharding any Hugging Face causal LM with FSDP2 (each decoder block the model names in
+``_no_split_modules``, then the root),
 and the few collectives the learner needs (batch broadcast, sums, the full state dict).
 
 Never does: DDP. ``shard_model`` always shards (tests use it at world size 1 too); the learner
@@ -111,20 +112,32 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 600.0) ->
     return _INFO
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder-layer list of a Hugging Face causal LM (``model.model.layers`` for Qwen2/Llama),
-    also under a PEFT wrapper."""
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder blocks of a Hugging Face causal LM, also under a PEFT wrapper: the outermost modules whose
+    class is one of the model's own ``_no_split_modules`` (``Qwen3DecoderLayer``, ``MixtralDecoderLayer``,
+    ...), in module order; ``model.model.layers`` for a model that does not declare them."""
     get_base = getattr(model, "get_base_model", None)
     if callable(get_base):
         model = get_base()
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[torch.nn.Module] = []
+    inside: set[str] = set()
+    for name, module in model.named_modules():
+        # by the class and its bases: fully_shard swaps a module's class for an FSDP subclass of it
+        is_block = any(c.__name__ in kinds for c in type(module).__mro__)
+        if is_block and not any(name.startswith(f"{p}.") for p in inside):
+            found.append(module)
+            inside.add(name)
+    if found:
+        return found
+    layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
         raise ValueError(
-            f"{type(model).__name__} has no model.layers ModuleList; shard_model supports Hugging Face "
-            "decoder-only LMs laid out like Qwen2ForCausalLM / LlamaForCausalLM"
+            f"{type(model).__name__} declares no _no_split_modules and has no model.layers ModuleList, so the "
+            "learner cannot find its decoder blocks to shard and checkpoint; use a Hugging Face causal LM that "
+            "declares them (every AutoModelForCausalLM decoder in transformers does)"
         )
-    return layers
+    return list(layers)
 
 
 def shard_model(

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ __all__ = [
     "LoraSpec",
     "default_num_threads",
     "apply_lora",
+    "decoder_linear_names",
+    "lora_targets",
     "checkpoint_decoder_layers",
     "prepare_policy",
     "reference_policy",
@@ -52,6 +55,7 @@ __all__ = [
 ]
 
 _PEFT_PREFIX = "base_model.model."
+log = logging.getLogger("asyncrl.learner")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,16 +95,42 @@ def default_num_threads(num_workers: int, world_size: int, cpus: int | None = No
     return max(1, (cpus - max(0, num_workers)) // max(1, world_size))
 
 
+def decoder_linear_names(model: torch.nn.Module) -> list[str]:
+    """The distinct names of the ``nn.Linear`` modules inside the model's decoder blocks (the projections
+    LoRA can adapt), e.g. ``[down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj]``."""
+    return sorted({n.split(".")[-1] for layer in decoder_layers(model) for n, m in layer.named_modules()
+                   if isinstance(m, torch.nn.Linear)})
+
+
+def lora_targets(model: torch.nn.Module, wanted: tuple[str, ...]) -> tuple[list[str], str]:
+    """The ``target_modules`` LoRA gets on ``model`` and a note on what changed ("" when nothing did):
+    the configured names the model has; when it has none of them, every linear name of its decoder blocks
+    (a Qwen3-MoE has q/k/v/o_proj but its experts are fused tensors, a GPT-NeoX has query_key_value, ...).
+    ``ValueError`` naming the model's projections when its decoder blocks hold no linear layer at all."""
+    present = {n.split(".")[-1] for n, _ in model.named_modules()}
+    kept = [t for t in wanted if t in present]
+    dropped = [t for t in wanted if t not in present]
+    if kept:
+        return kept, (f"learner.lora.target_modules {dropped} are not modules of this model; adapting {kept}"
+                      if dropped else "")
+    own = decoder_linear_names(model)
+    if not own:
+        names = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"learner.lora.target_modules {list(wanted)} match no module and the decoder blocks hold "
+                         f"no linear layer; name some of this model's linear layers {names} in "
+                         "learner.lora.target_modules")
+    return own, f"learner.lora.target_modules {list(wanted)} match no module; adapting the model's own {own}"
+
+
 def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
-    """Wrap ``model`` in a PEFT ``PeftModel`` with LoRA adapters; base weights frozen (fp32)."""
+    """Wrap ``model`` in a PEFT ``PeftModel`` with LoRA adapters on ``lora_targets``; base weights frozen."""
     from peft import LoraConfig, get_peft_model
 
-    missing = [t for t in spec.target_modules if not any(n.split(".")[-1] == t for n, _ in model.named_modules())]
-    if missing:
-        names = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ValueError(f"learner.lora.target_modules {missing} match no module; this model's linear layers: {names}")
+    targets, note = lora_targets(model, spec.target_modules)
+    if note:
+        log.warning("%s", note)
     # PEFT annotates lora_alpha as int but only computes lora_alpha / r, so a fractional alpha is valid.
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),  # type: ignore[arg-type]
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets,  # type: ignore[arg-type]
                         lora_dropout=spec.dropout, bias="none", task_type="CAUSAL_LM")  # fmt: skip
     return get_peft_model(model, config)
 

@@ -13,6 +13,7 @@ would see zero reward variance. A few dozen supervised steps put the sampled rew
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Callable
@@ -26,19 +27,68 @@ def model_id(cfg, model_dir: Path) -> str:
     return f"{cfg.model.name}:{Path(model_dir).name}"
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # what the learner shards and the native engine runs exactly
+NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+"""Families the native engine's own decoder implements exactly (``asyncrl.engine.decoder.check_supported``).
+Every other causal LM trains as well; its workers run the model's HF forward (``asyncrl.engine.hf_runner``)."""
+
+
+@functools.cache
+def auto_mapping_names(table: str) -> frozenset[str]:
+    """The model types of one of transformers' ``AutoModel`` tables (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, ...),
+    read from the source of ``transformers/models/auto/modeling_auto.py`` without importing it: importing
+    transformers loads torch, and the launcher, which checks a replayed run's model folder, never does. A
+    table that is not a literal there is imported instead."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is not None and spec.submodule_search_locations:
+        source = Path(next(iter(spec.submodule_search_locations))) / "models" / "auto" / "modeling_auto.py"
+        if source.is_file():
+            for node in ast.parse(source.read_text()).body:
+                if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [table]
+                        and isinstance(node.value, ast.Call) and node.value.args):
+                    try:
+                        return frozenset(k for k, _ in ast.literal_eval(node.value.args[0]))
+                    except ValueError:
+                        break
+    import transformers.models.auto.modeling_auto as auto
+
+    return frozenset(getattr(auto, table))
+
+
+def causal_lm_problem(config: dict) -> str:
+    """Why a model of this config.json cannot be trained as a causal LM ("" when it can): transformers'
+    ``AutoModelForCausalLM`` must know the model type, and the model must be a decoder (not an encoder such
+    as BERT that transformers also maps to a causal-LM head, nor an encoder-decoder)."""
+    model_type = config.get("model_type")
+    arch = ", ".join(config.get("architectures") or []) or "no architectures listed"
+    if model_type not in auto_mapping_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):
+        return f"a {model_type!r} model ({arch}) that transformers' AutoModelForCausalLM does not load"
+    if config.get("is_encoder_decoder"):
+        return f"an encoder-decoder {model_type!r} model ({arch})"
+    if model_type in auto_mapping_names("MODEL_FOR_MASKED_LM_MAPPING_NAMES") and not config.get("is_decoder"):
+        return f"a {model_type!r} encoder ({arch}), not a causal (decoder-only) language model"
+    return ""
 
 
 def check_model_folder(path: Path) -> Path:
+    """``path`` when it holds a trainable HF causal LM (config.json, weights); ``ValueError`` naming the fix."""
+    if not path.is_dir():
+        raise ValueError(f"model folder {path} does not exist; download or copy the checkpoint there first (asyncrl "
+                         "never downloads) and pass it as model.path")
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {path} has no config.json; pass a Hugging Face model folder in model.path")
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        config = json.loads((path / "config.json").read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"model folder {path}: config.json is not readable JSON ({e})") from None
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model folder {path} holds a {model_type!r} model; asyncrl trains Llama- and Qwen2-family "
-                         f"models (model_type in {SUPPORTED_MODEL_TYPES}): point model.path at such a folder")
+    problem = causal_lm_problem(config)
+    if problem:
+        raise ValueError(f"model folder {path} holds {problem}; asyncrl trains decoder-only causal language models "
+                         "that AutoModelForCausalLM loads (e.g. model_type llama, qwen2, qwen3, mistral, qwen3_moe, "
+                         f"mixtral; {', '.join(NATIVE_MODEL_TYPES)} run on the native decoder, the others on "
+                         "the HF fallback path): point model.path at such a folder")
     if not any((path / f).is_file() for f in WEIGHT_FILES):
         raise ValueError(f"model folder {path} has no weights ({' or '.join(WEIGHT_FILES)}); "
                          "save the model with save_pretrained or point model.path at the right folder")

@@ -4,8 +4,10 @@ Owns: which linears are quantised (`is_target_linear`), the `keep_full_precision
 `quantize_model` and the format marker `model_format` reads back.
 
 Selection rule (shared with publication, which sees only state-dict names): a module is quantised
-iff it is an `nn.Linear` whose own name is one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-down_proj (the attention and MLP projections of Llama/Qwen2 blocks), or, with ``head=True``
+iff it is an `nn.Linear` whose own name is one of `TARGET_LINEARS` (the attention and MLP projections of
+Llama/Qwen2/Qwen3/Mistral blocks and MoE attention and shared experts, plus the fused or differently named
+projections of other families: Phi-3 qkv_proj/gate_up_proj, GPT-NeoX query_key_value/dense/dense_h_to_4h/
+dense_4h_to_h, Qwen2-MoE shared_expert_gate), or, with ``head=True``
 (``quant.lm_head``), the output head `lm_head`; and no `keep_full_precision` entry matches its
 qualified name. An entry matches when it equals a contiguous run of dotted components of the name:
 "down_proj" matches every down_proj, "layers.0" every module of block 0, "model.layers.0.mlp.up_proj"
@@ -37,6 +39,13 @@ TARGET_LINEARS: tuple[str, ...] = (
     "gate_proj",
     "up_proj",
     "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "query_key_value",
+    "dense",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+    "shared_expert_gate",
 )
 HEAD = "lm_head"
 DEFAULT_KEEP_FULL_PRECISION: tuple[str, ...] = ("embed_tokens",)

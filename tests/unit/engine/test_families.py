@@ -58,7 +58,10 @@ def test_native_logprobs_equal_an_fp32_hf_forward(model_type, decode_step, refer
 def test_mistral_sliding_window_shorter_than_the_sequence_limit_is_refused_with_the_fix(reference):
     model = tiny("mistral", sliding_window=32)
     with pytest.raises(ValueError, match=r"max_seq_len <= 32"):
-        NativeEngine(model)
+        NativeEngine(model, decode_step="static")
+    fallback = NativeEngine(model)  # auto: the model's own HF forward, which slides the window
+    assert fallback.capabilities()["decode_step"] == "eager"
+    fallback.close()
     assert native_supported(model.config, 32) is None
     engine = NativeEngine(model, max_seq_len=32)  # a window that covers every position never slides
     (res,) = engine.generate([GenRequest("a", [1, 2, 3], SamplingParams(max_new_tokens=40, stop_token_ids=()))])

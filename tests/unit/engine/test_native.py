@@ -189,11 +189,13 @@ def test_unknown_quant_format_is_rejected(tiny_hf):
         NativeEngine(copy.deepcopy(tiny_hf), quant_format="int4")
 
 
-def test_unsupported_architecture_is_rejected_with_the_fix(tiny_hf):
+def test_architecture_the_native_decoder_lacks_runs_on_the_hf_fallback(tiny_hf):
+    from asyncrl.engine.hf_runner import HFRunner
+
     model = copy.deepcopy(tiny_hf)
     model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)
-    with pytest.raises(ValueError, match="sliding"):
-        NativeEngine(model)
+    model.config.sliding_window = 8
+    assert isinstance(NativeEngine(model)._runner, HFRunner)
 
 
 def test_closed_engine_refuses_updates_and_submissions(engine, tiny_hf_v1):

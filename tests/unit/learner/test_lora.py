@@ -151,10 +151,26 @@ def test_bad_lora_settings_name_the_fix(tiny):
         LoraSpec(rank=0, alpha=1, target_modules=("q_proj",))
     with pytest.raises(ValueError, match="lm_head"):
         LoraSpec(rank=2, alpha=1, target_modules=("lm_head",))
-    from asyncrl.learner.policy import apply_lora
+    from asyncrl.learner.policy import lora_targets
+    from asyncrl.quant import quantize_model
 
-    with pytest.raises(ValueError, match="match no module"):
-        apply_lora(tiny.model(), LoraSpec(rank=2, alpha=1, target_modules=("qkv_proj",)))
+    # a decoder without any linear layer (every projection swapped for an int8 module) names its linears
+    with pytest.raises(ValueError, match=r"match no module.*\['lm_head'\]"):
+        lora_targets(quantize_model(tiny.model(), "int8"), ("qkv_proj",))
+
+
+def test_lora_targets_default_to_the_models_own_projections(tiny):
+    from asyncrl.learner.policy import apply_lora, lora_targets
+
+    own = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    targets, note = lora_targets(tiny.model(), ("query_key_value",))
+    assert targets == own and "adapting the model's own" in note
+    targets, note = lora_targets(tiny.model(), ("q_proj", "w1"))  # keep what exists, say what was dropped
+    assert targets == ["q_proj"] and "['w1']" in note
+    assert lora_targets(tiny.model(), ("q_proj", "v_proj")) == (["q_proj", "v_proj"], "")
+    model = apply_lora(tiny.model(), LoraSpec(rank=2, alpha=1, target_modules=("qkv_proj",)))
+    adapted = {n.split(".lora_A.")[0].split(".")[-1] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert adapted == set(own)
 
 
 def test_activation_checkpointing_changes_no_value_or_gradient(tiny, dist_info):

@@ -27,13 +27,13 @@ def test_kl_coef_is_not_refused():
     assert load_train_config(["algo.kl_coef=0.01"]).algo.kl_coef == 0.01
 
 
-def test_a_gpt2_model_folder_is_refused_before_any_process_starts(tmp_path):
-    from transformers import GPT2Config
+def test_an_encoder_model_folder_is_refused_before_any_process_starts(tmp_path):
+    from transformers import BertConfig
 
-    folder = tmp_path / "gpt2"
-    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(folder)
+    folder = tmp_path / "bert"
+    BertConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, intermediate_size=16).save_pretrained(folder)
     (folder / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ValueError, match="'gpt2' model; asyncrl trains Llama- and Qwen2-family"):
+    with pytest.raises(ValueError, match="'bert'"):
         run_train([f"runs_dir={tmp_path}/runs", "model.name=path", f"model.path={folder}"])
     assert not (tmp_path / "runs").exists()
 
