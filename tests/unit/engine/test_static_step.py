@@ -275,7 +275,7 @@ def test_compiled_step_in_the_engine_gives_the_static_samples(tiny_hf):
     engine.close()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int8_wo", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4"])
 def test_a_publication_load_keeps_every_parameter_and_buffer_where_it_was(tiny_hf, tiny_hf_v1, fmt):
     """Captured CUDA graphs read weights by address: a load must copy into the same storage."""
     from asyncrl.engine.step_graphs import tensor_pointers
