@@ -23,7 +23,7 @@ import protocols as P
 from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
 from asyncrl.controller.outbox import PeerOutbox
-from asyncrl.controller.recovery import resume_point
+from asyncrl.controller.recovery import bind_first, previous_ports, resume_point
 from asyncrl.models.prepare import model_id
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.files import DiskFullError, atomic_write_text
@@ -98,10 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.metrics import MetricsWriter
 
     limit = MAX_MESSAGE_BYTES
-    ctl = ZmqChannel.bind(zmq.ROUTER, f"tcp://{host}:{cfg.transport.port}", name="controller", reply_errors=True,
-                          curve=curve, max_message_bytes=limit)
-    pull = ZmqChannel.bind(zmq.PULL, f"tcp://{host}:0", name="samples", hwm=10_000, curve=curve,
-                           max_message_bytes=limit)
+    # resumed: the previous controller's ports first, where the learner and workers still running look for it
+    old = previous_ports(paths.controller_address) if cfg.resume else (0, 0)
+    ctl = bind_first(lambda a: ZmqChannel.bind(zmq.ROUTER, a, name="controller", reply_errors=True, curve=curve,
+                                               max_message_bytes=limit),
+                     host, [p for p in (old[0],) if p and not cfg.transport.port] + [cfg.transport.port], "control")
+    pull = bind_first(lambda a: ZmqChannel.bind(zmq.PULL, a, name="samples", hwm=10_000, curve=curve,
+                                                max_message_bytes=limit), host, [p for p in (old[1],) if p] + [0], "samples")
     adv = cfg.transport.advertise_host
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
     try:
