@@ -483,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              drain_s=float(getattr(args, "drain_s", DRAIN_S)), curve=curve,
                              engine=getattr(args, "engine", "native"), device=getattr(args, "device", "auto"),
                              sglang=sglang, log_dir=getattr(args, "log_dir", ""))
+    worker.no_learner_limit_s = float(getattr(args, "no_learner_s", worker.no_learner_limit_s))
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
     rc = worker.run()

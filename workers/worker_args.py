@@ -53,6 +53,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   sglang.model_path=DIR        model folder for that server (default: the run's, from the controller)
   sglang.max_total_tokens=N, sglang.startup_timeout_s=S, sglang.extra_args=[--flag,value]
   worker_id=NAME slots=N drain_s=S log_dir=DIR log_level=INFO transport.keys_dir=DIR transport.key_name=NAME
+  no_learner_s=S               how long to wait for a learner when a restarted controller has none (default 120)
 A fatal error in any thread hands the worker's samples back and exits with status 1.""")
     p.add_argument("overrides", nargs="*", help="controller=tcp://HOST:PORT and other key=value settings")
     args = p.parse_args(argv)
@@ -62,11 +63,17 @@ A fatal error in any thread hands the worker's samples back and exits with statu
             p.error(f"{ov!r} is not key=value")
         k, v = ov.split("=", 1)
         kv[k] = v
-    known = {"controller", "quant.fmt", "worker_id", "slots", "drain_s", "log_level", "transport.keys_dir",
+    known = {"controller", "quant.fmt", "worker_id", "slots", "drain_s", "no_learner_s", "log_level", "transport.keys_dir",
              "transport.key_name", "engine", "device", "log_dir", *(f"sglang.{k}" for k in SGLANG_KEYS)}
     unknown = set(kv) - known
     if unknown:
         p.error(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
     if "controller" not in kv:
         p.error("controller=tcp://HOST:PORT is required (printed by `asyncrl train` at start)")
+    try:
+        wait_s = float(kv.get("no_learner_s", "1"))
+    except ValueError:
+        wait_s = -1.0
+    if not 0 < wait_s < float("inf"):
+        p.error(f"no_learner_s={kv['no_learner_s']} must be a number of seconds > 0 (default 120)")
     return argparse.Namespace(**{k.replace(".", "_"): v for k, v in kv.items()})

@@ -129,13 +129,12 @@ def test_a_learner_stopped_and_started_again_at_two_ranks_resumes_and_a_second_w
     assert json.loads((run_dir / "learner_final.json").read_text())["version"] == STEPS
 
 
-def test_a_controller_killed_and_resumed_is_rejoined_and_a_replay_stays_bit_identical(procs, tmp_path):
-    overrides = (f"runs_dir={tmp_path / 'runs'}", "run_name=ctl", *RUN)
-    ctl, address, run_dir = controller(procs, tmp_path, "controller1", *overrides)
+def test_a_worker_follows_the_weight_server_of_a_learner_started_again_under_a_resumed_controller(procs, tmp_path):
+    ctl, address, run_dir = controller(procs, tmp_path, "controller1", f"runs_dir={tmp_path / 'runs'}",
+                                       "run_name=follow", *RUN)
     lrn = learner(procs, tmp_path, "learner1", address)
-    w0 = worker(procs, tmp_path, "worker1", address)
+    w0 = worker(procs, tmp_path, "worker", address)
     wait_for_step(run_dir, 1, ctl, lrn, w0)
-
     # The learner stopped (checkpoint), the controller killed and resumed, the learner started again: the
     # worker, live all along, joins the resumed controller and fetches from the new learner's weight server.
     lrn.proc.send_signal(signal.SIGTERM)
@@ -145,17 +144,29 @@ def test_a_controller_killed_and_resumed_is_rejoined_and_a_replay_stays_bit_iden
     ctl, again, _ = controller(procs, tmp_path, "controller2", f"resume={run_dir}")
     assert again == address  # the live roles find it where they left it
     lrn = learner(procs, tmp_path, "learner2", address)
-    resumed_at = steps_done(run_dir)
-    wait_for_step(run_dir, resumed_at + 2, ctl, lrn, w0)
+    assert lrn.wait(600) == 0, lrn.text()[-3000:]
+    assert ctl.wait(120) == 0, ctl.text()[-3000:]
+    assert w0.wait(120) == 0, w0.text()[-3000:]  # never restarted
     assert "the learner now serves weights at" in w0.text()
+    scan = read_log(run_dir / "trajectories")
+    assert [b.step for b in scan.records if isinstance(b, BatchRecord)] == list(range(STEPS))
 
-    # Killed under a live learner and worker: the learner rejoins at its version, or, ahead of the resumed
-    # controller's checkpoint, stops at once naming the command to start it again (which then resumes).
+
+def test_a_controller_killed_under_a_live_learner_and_worker_is_rejoined_and_a_replay_stays_bit_identical(
+        procs, tmp_path):
+    overrides = (f"runs_dir={tmp_path / 'runs'}", "run_name=ctl", *RUN)
+    ctl, address, run_dir = controller(procs, tmp_path, "controller1", *overrides)
+    lrn = learner(procs, tmp_path, "learner1", address)
+    wrk = worker(procs, tmp_path, "worker1", address)
+    wait_for_step(run_dir, 4, ctl, lrn, wrk)
+    # The learner rejoins at its version, or, ahead of the resumed controller's checkpoint, stops at once
+    # naming the command to start it again (which then resumes); a worker whose weights are newer than those
+    # of the learner that came back leaves, saying so.
     ctl.proc.kill()
     ctl.wait()
-    ctl, again, _ = controller(procs, tmp_path, "controller3", f"resume={run_dir}")
+    ctl, again, _ = controller(procs, tmp_path, "controller2", f"resume={run_dir}")
     assert again == address
-    wrk, restarted = w0, Counter()
+    restarted: Counter = Counter()
     deadline = time.monotonic() + 600
     while lrn.proc.poll() != 0:
         assert time.monotonic() < deadline, lrn.text()[-3000:]
@@ -164,7 +175,7 @@ def test_a_controller_killed_and_resumed_is_rejoined_and_a_replay_stays_bit_iden
             assert lrn.proc.returncode == 1 and "asyncrl learner controller=ADDR" in text, text[-3000:]
             assert "Traceback" not in text and not restarted["learner"]
             restarted["learner"] += 1
-            lrn = learner(procs, tmp_path, "learner3", address)
+            lrn = learner(procs, tmp_path, "learner2", address)
         if wrk.proc.poll() is not None:  # its weights are newer than the restarted learner's: it leaves, saying so
             text = wrk.text()
             assert wrk.proc.returncode == 1 and "start this worker again" in text, text[-3000:]
