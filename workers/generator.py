@@ -314,6 +314,7 @@ class GeneratorWorker(RejoinMixin):
         from asyncrl.transport.publication import from_wire
 
         self._engine.update_weights(ann.version, from_wire(ann, buffers))
+        self.weights_checksum = ann.checksum
         self.weights_version = ann.version
         self.weight_sync_s += time.perf_counter() - t0
         self.weight_syncs += 1

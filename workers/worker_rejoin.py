@@ -49,6 +49,7 @@ class RejoinMixin:
     push: ZmqChannel | None
     weights: WeightClient | None
     weights_version: int
+    weights_checksum: str = ""  # of the version the engine holds (WeightAnnounce.checksum)
     wire_fmt: str
     drain_s: float
     stop: threading.Event
@@ -101,12 +102,16 @@ class RejoinMixin:
             log.error("worker %s: no weights from the learner's new server yet: %s", self.worker_id, e)
             return False
         self.refetch = False
-        if ann.version < self.weights_version:
-            self._give_up(f"the learner came back at version {ann.version}, older than this worker's weights "
-                          f"(v{self.weights_version}), which its engine cannot go back to; start this worker again "
-                          f"(`asyncrl worker controller={self.controller}` with its settings)")
+        same = ann.version == self.weights_version and ann.checksum == self.weights_checksum
+        if ann.version < self.weights_version or (ann.version == self.weights_version and not same):
+            # it resumed from a checkpoint older than the weights this engine holds, which cannot be replaced
+            # by a version that is not newer
+            self._give_up(f"the learner came back at version {ann.version}, and this worker holds other weights of "
+                          f"version {self.weights_version} (it resumed from an older checkpoint); its engine cannot go "
+                          f"back: start this worker again (`asyncrl worker controller={self.controller}` with its "
+                          "settings)")
             return False
-        if ann.version == self.weights_version:
+        if same:  # the learner stopped with a checkpoint of the version this worker holds, and came back there
             return False
         self._take_weights(ann, buffers, t0)
         return True
