@@ -165,10 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                         replies.append((peer, P.Welcome(protocol_version=P.PROTOCOL_VERSION,
                                                             server_id="controller", run=setup, config=legacy)))
                         continue
-                    if isinstance(env.msg, P.VersionUpdate):
-                        if peer == core.learner_peer:  # the learner's weight-server counters, for the run files
-                            weights_counters.update({k: v for k, v in env.msg.metrics.items()
-                                                     if k.startswith("transport/weights")})
+                    if isinstance(env.msg, P.VersionUpdate) and peer == core.learner_peer:  # a refused learner's: not logged
+                        weights_counters.update({k: v for k, v in env.msg.metrics.items()  # the weight server's counters
+                                                 if k.startswith("transport/weights")})
                         now = time.monotonic()
                         m = dict(env.msg.metrics) | _flag_marks(env.msg) | core.metrics() | _transport_metrics(ctl, pull)
                         m["throughput/samples_per_s"] = (core.samples_logged - samples_at_last) / max(1e-9, now - t_last)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.log import BatchRecord, SampleRecord, read_log
+from tests.integration.test_train_e2e import asyncrl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -94,8 +95,8 @@ def check_log_and_replay(procs, run_dir: Path, tmp_path: Path) -> None:
     assert [b.step for b in scan.records if isinstance(b, BatchRecord)] == list(range(STEPS))
     final = json.loads((run_dir / "learner_final.json").read_text())
     assert final["version"] == STEPS
-    rep = Role(procs, tmp_path, "replay", "-m", "asyncrl", "replay", f"run={run_dir}", "run_name=replayed")
-    assert rep.wait(600) == 0, rep.text()[-3000:]
+    rep = asyncrl(procs, "replay", f"run={run_dir}", "run_name=replayed")
+    assert rep.returncode == 0, rep.stdout[-3000:]
     replayed = json.loads((run_dir.parent / "replayed" / "learner_final.json").read_text())
     assert replayed["state_dict_sha256"] == final["state_dict_sha256"]
 
