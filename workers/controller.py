@@ -24,7 +24,7 @@ import protocols as P
 from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
 from asyncrl.controller.outbox import PeerOutbox
-from asyncrl.controller.recovery import resume_point
+from asyncrl.controller.recovery import bind_first, previous_ports, resume_point
 from asyncrl.models.prepare import model_id
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.files import DiskFullError, atomic_write_text
@@ -100,10 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.metrics.health_log import HealthWatch
 
     limit = MAX_MESSAGE_BYTES
-    ctl = ZmqChannel.bind(zmq.ROUTER, f"tcp://{host}:{cfg.transport.port}", name="controller", reply_errors=True,
-                          curve=curve, max_message_bytes=limit)
-    pull = ZmqChannel.bind(zmq.PULL, f"tcp://{host}:0", name="samples", hwm=10_000, curve=curve,
-                           max_message_bytes=limit)
+    # resumed: the previous controller's ports first, where the learner and workers still running look for it
+    old = previous_ports(paths.controller_address) if cfg.resume else (0, 0)
+    ctl = bind_first(lambda a: ZmqChannel.bind(zmq.ROUTER, a, name="controller", reply_errors=True, curve=curve,
+                                               max_message_bytes=limit),
+                     host, [p for p in (old[0],) if p and not cfg.transport.port] + [cfg.transport.port], "control")
+    pull = bind_first(lambda a: ZmqChannel.bind(zmq.PULL, a, name="samples", hwm=10_000, curve=curve,
+                                                max_message_bytes=limit), host, [p for p in (old[1],) if p] + [0], "samples")
     adv = cfg.transport.advertise_host
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
     try:
@@ -166,10 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                         replies.append((peer, P.Welcome(protocol_version=P.PROTOCOL_VERSION,
                                                             server_id="controller", run=setup, config=legacy)))
                         continue
-                    if isinstance(env.msg, P.VersionUpdate):
-                        if peer == core.learner_peer:  # the learner's weight-server counters, for the run files
-                            weights_counters.update({k: v for k, v in env.msg.metrics.items()
-                                                     if k.startswith("transport/weights")})
+                    if isinstance(env.msg, P.VersionUpdate) and peer == core.learner_peer:  # a refused learner's: not logged
+                        weights_counters.update({k: v for k, v in env.msg.metrics.items()  # the weight server's counters
+                                                 if k.startswith("transport/weights")})
                         now = time.monotonic()
                         m = dict(env.msg.metrics) | _flag_marks(env.msg) | core.metrics() | _transport_metrics(ctl, pull)
                         m["throughput/samples_per_s"] = (core.samples_logged - samples_at_last) / max(1e-9, now - t_last)

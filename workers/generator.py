@@ -29,18 +29,17 @@ with ``Shutdown``) gives up the fetch, says ``Goodbye`` and exits 0 at once.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import TypeVar
 
 import numpy as np
 import zmq
@@ -59,9 +58,10 @@ from asyncrl.transport import (
     load_client_keys,
     private_context,
 )
+from workers.worker_args import NATIVE_KEYS, SGLANG_KEYS, built, engine_spec, parse_args
+from workers.worker_rejoin import RejoinMixin
 
 log = logging.getLogger("asyncrl.worker")
-SGLANG_KEYS = ("url", "device", "python", "model_path", "max_total_tokens", "startup_timeout_s", "extra_args")
 
 # Timeouts (seconds). None is a wall-clock expectation of speed: each bounds a wait for a peer that may
 # be gone, and a reachable peer ends the wait at once.
@@ -96,19 +96,7 @@ FLUSH_S = 5.0
 """On exit, the longest wait for the last samples and the Goodbye to leave (``end_context``: it returns
 as soon as they have; this bounds only a controller that is gone)."""
 
-NATIVE_KEYS = ("decode_step", "cuda_graphs", "compile")
-"""Native engine settings a worker takes (``rollout.decode_step`` / ``cuda_graphs`` / ``compile``)."""
-
-T = TypeVar("T")
-
-
-def _built(part: T | None, what: str) -> T:
-    if part is None:
-        raise RuntimeError(f"the worker's {what} is used before run() built it")
-    return part
-
-
-class GeneratorWorker:
+class GeneratorWorker(RejoinMixin):
     def __init__(self, controller: str, *, worker_id: str = "", quant_fmt: str = "", slots: int = 0,
                  drain_s: float = DRAIN_S, hello_timeout_s: float = HELLO_TIMEOUT_S, curve=None, engine: str = "native",
                  device: str = "auto", sglang: dict[str, str] | None = None, log_dir: str = "",
@@ -120,12 +108,15 @@ class GeneratorWorker:
         self.sglang = dict(sglang or {})
         self.log_dir = log_dir
         self.fatal: BaseException | None = None  # the first error of any thread; the process exits with 1
+        self.gave_up = ""  # why the worker left a run it cannot serve any more (exit 1, one line, no traceback)
         self.left = False
         # checked before any socket: a known engine, and SGLang serves full-precision formats only
         EngineSpec(kind=engine, quant_format=quant_fmt or ("fp32" if engine == "sglang" else "int8"),
                    decode_step=self.native.get("decode_step", "auto"), cuda_graphs=self.native.get("cuda_graphs", "auto"))
         self.controller = controller
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        # this process's own socket identity: a second process under the same id is refused by name, not parked
+        self.identity = f"{self.worker_id}/{os.getpid()}-{secrets.token_hex(4)}"
         self.requested_fmt = quant_fmt
         self.requested_slots = slots
         self.drain_s = drain_s
@@ -146,15 +137,15 @@ class GeneratorWorker:
 
     @property
     def _engine(self) -> RolloutEngine:
-        return _built(self.engine, "engine")
+        return built(self.engine, "engine")
 
     @property
     def _weights(self) -> WeightClient:
-        return _built(self.weights, "weight client")
+        return built(self.weights, "weight client")
 
     @property
     def _push(self) -> ZmqChannel:
-        return _built(self.push, "sample channel")
+        return built(self.push, "sample channel")
 
     # ------------------------------------------------------------------------------ handshake
     def _wire_format(self) -> str:
@@ -196,7 +187,7 @@ class GeneratorWorker:
         # last samples and the Goodbye have left (end_context), however long that takes.
         self.ctx = private_context()
         self.ctl = ZmqChannel.connect(zmq.DEALER, self.controller, name="worker-ctl",
-                                      identity=self.worker_id.encode(), curve=self.curve, context=self.ctx)
+                                      identity=self.identity.encode(), curve=self.curve, context=self.ctx)
         try:
             welcome = self._handshake()
         except SystemExit:
@@ -226,8 +217,8 @@ class GeneratorWorker:
                 self.engine = build_engine(self._engine_spec(setup))
                 self.push = ZmqChannel.connect(zmq.PUSH, setup.samples_address, name="worker-samples",
                                                curve=self.curve, context=self.ctx)
-                self.weights = WeightClient(setup.weights_announce, setup.weights_fetch,
-                                            identity=f"{self.worker_id}-w".encode(), curve=self.curve)
+                self.setup = setup
+                self.weights = self._weight_client(setup)
                 try:
                     self._load_weights(-1, cancel=self.stop)  # the newest the learner serves (the controller's view can lag)
                 except WeightFetchCancelled:
@@ -263,7 +254,7 @@ class GeneratorWorker:
             if comms is None or not comms.is_alive():  # a comms thread still inside a socket would block it
                 end_context(self.ctx)  # returns once the last samples and the Goodbye have left
             threading.excepthook = old_hook
-        return 1 if self.fatal is not None else 0
+        return 1 if self.fatal is not None or self.gave_up else 0
 
     @contextlib.contextmanager
     def _heartbeats_while_starting(self):
@@ -292,18 +283,8 @@ class GeneratorWorker:
             beater.join()
 
     def _engine_spec(self, setup: P.WorkerSetup) -> EngineSpec:
-        sg = self.sglang
-        extra = [a for a in sg.get("extra_args", "").strip("[]").split(",") if a]
-        return EngineSpec(kind=self.engine_kind, quant_format=self.fmt, device=self.device, slots=self.slots,
-                          quantize_head=setup.quantize_head, decode_step=self.native.get("decode_step", "auto"),
-                          cuda_graphs=self.native.get("cuda_graphs", "auto"),
-                          compile_step=self.native.get("compile", "false").lower() == "true",
-                          eos_token_ids=list(setup.eos_token_ids), max_seq_len=setup.max_seq_len,
-                          model_config_json=setup.model_config, model_path=sg.get("model_path") or setup.model_dir,
-                          sglang_url=sg.get("url", ""), sglang_device=sg.get("device", "auto"),
-                          sglang_python=sg.get("python", ""), sglang_max_total_tokens=int(sg.get("max_total_tokens", 0)),
-                          sglang_startup_timeout_s=float(sg.get("startup_timeout_s", 600.0)), sglang_extra_args=extra,
-                          log_dir=self.log_dir)
+        return engine_spec(setup, kind=self.engine_kind, fmt=self.fmt, device=self.device, slots=self.slots,
+                           sglang=self.sglang, native=self.native, log_dir=self.log_dir)
 
     def _fail(self, exc: BaseException, where: str) -> None:
         """Record the first fatal error of any thread and stop the worker (the process exits with 1)."""
@@ -320,8 +301,6 @@ class GeneratorWorker:
 
     def _load_weights(self, version: int, timeout_s: float = FIRST_WEIGHTS_TIMEOUT_S,
                       cancel: threading.Event | None = None) -> None:
-        from asyncrl.transport.publication import from_wire
-
         t0 = time.perf_counter()
         # The previous version's frames (and, at the first fetch, the fp32 skeleton the engine was quantized
         # from) are free by now but mostly stay in glibc's heap: give them back before the next arrives
@@ -330,7 +309,14 @@ class GeneratorWorker:
         ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt, cancel=cancel)
         if ann.version <= self.weights_version:
             return
+        self._take_weights(ann, buffers, t0)
+
+    def _take_weights(self, ann, buffers, t0: float) -> None:
+        """Hand fetched weights to the engine (applied at its next step); ``t0``: when the fetch began."""
+        from asyncrl.transport.publication import from_wire
+
         self._engine.update_weights(ann.version, from_wire(ann, buffers))
+        self.weights_checksum = ann.checksum
         self.weights_version = ann.version
         self.weight_sync_s += time.perf_counter() - t0
         self.weight_syncs += 1
@@ -385,13 +371,19 @@ class GeneratorWorker:
                 log.info("controller asked worker %s to stop: %s", self.worker_id, msg.reason)
                 self.stop.set()
             elif isinstance(msg, P.Welcome):
-                log.info("worker %s re-registered with the controller", self.worker_id)
+                self.not_ready_since = None
+                self._rejoined(msg)
+                next_request = 0.0
+            elif isinstance(msg, P.Reject):  # a Hello after not_registered, refused (its id taken meanwhile)
+                self._give_up(f"the controller refused it when it joined again: {msg.reason}")
             elif isinstance(msg, P.Error):
                 request_in_flight = False
                 next_request = time.monotonic() + ERROR_BACKOFF_S
                 if msg.code == "not_registered":  # declared dead (slow start, pause) or controller restarted
                     log.warning("controller does not know worker %s; joining again", self.worker_id)
                     self._send_ctl(self._hello())
+                elif msg.code == "not_ready":  # a controller that restarted and has no learner yet
+                    self._not_ready(time.monotonic())
                 else:
                     log.warning("controller error: %s %s", msg.code, msg.message)
 
@@ -402,9 +394,14 @@ class GeneratorWorker:
         p = a.params
         params = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
                                 top_k=p.top_k, stop_token_ids=tuple(p.stop_token_ids) or None, seed=p.seed)
+        # A group the controller took back (overdue, or this worker was declared dead) may come back to this
+        # worker while its samples still run here: those keep running, and their results count for it.
+        if len(new := [sid for sid in a.sample_ids if sid not in self.outstanding]) < len(a.sample_ids):
+            log.info("group %s came back to worker %s while it still runs here", a.group_id, self.worker_id)
         for sid in a.sample_ids:
             self.outstanding[sid] = a.group_id
-        self._engine.submit([GenRequest(sample_id=sid, prompt_ids=prompt, params=params) for sid in a.sample_ids])
+        if new:
+            self._engine.submit([GenRequest(sample_id=sid, prompt_ids=prompt, params=params) for sid in new])
 
     def _flush_results(self) -> None:
         while True:
@@ -435,6 +432,8 @@ class GeneratorWorker:
 
     def _maybe_update_weights(self) -> bool:
         """Fetch and hand over the newest announced version; True if the engine got new weights."""
+        if self.refetch:
+            return self._fetch_from_new_learner()
         ann = self._weights.poll_announce(0.0, fmt=self.wire_fmt)
         if ann is None or ann.version <= self.weights_version:
             return False
@@ -475,39 +474,6 @@ class GeneratorWorker:
                  len(unfinished))  # the Goodbye leaves before the process ends: run() flushes on close
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="asyncrl worker", description="join a running asyncrl job as a generation worker (any host, any "
-        "time; docs/cluster.md)", formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""settings (key=value):
-  controller=tcp://HOST:PORT   required: the address `asyncrl controller` / `asyncrl train` prints
-  engine=native|sglang         rollout engine (default native)
-  device=auto|cpu|cuda[:N]     native engine device (default auto: a GPU when one is visible)
-  decode_step=auto|static|eager, cuda_graphs=auto|true|false, compile=false|true   native decode step
-  quant.fmt=FMT                actor format (native: a published format; sglang: fp32, bf16 or fp8)
-  sglang.url=http://H:P        attach to a running SGLang server instead of starting one
-  sglang.device=auto|cpu|cuda  device of a server this worker starts; sglang.python=PATH its interpreter
-  sglang.model_path=DIR        model folder for that server (default: the run's, from the controller)
-  sglang.max_total_tokens=N, sglang.startup_timeout_s=S, sglang.extra_args=[--flag,value]
-  worker_id=NAME slots=N drain_s=S log_dir=DIR log_level=INFO transport.keys_dir=DIR transport.key_name=NAME
-A fatal error in any thread hands the worker's samples back and exits with status 1.""")
-    p.add_argument("overrides", nargs="*", help="controller=tcp://HOST:PORT and other key=value settings")
-    args = p.parse_args(argv)
-    kv = {}
-    for ov in args.overrides:
-        if "=" not in ov:
-            p.error(f"{ov!r} is not key=value")
-        k, v = ov.split("=", 1)
-        kv[k] = v
-    known = {"controller", "quant.fmt", "worker_id", "slots", "drain_s", "log_level", "transport.keys_dir",
-             "transport.key_name", "engine", "device", "log_dir", *NATIVE_KEYS, *(f"sglang.{k}" for k in SGLANG_KEYS)}
-    unknown = set(kv) - known
-    if unknown:
-        p.error(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
-    if "controller" not in kv:
-        p.error("controller=tcp://HOST:PORT is required (printed by `asyncrl train` at start)")
-    return argparse.Namespace(**{k.replace(".", "_"): v for k, v in kv.items()})
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     bound_kernel_caches()  # before the engine's first oneDNN matmul (asyncrl/learner/memory.py)
@@ -521,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              engine=getattr(args, "engine", "native"), device=getattr(args, "device", "auto"),
                              sglang=sglang, log_dir=getattr(args, "log_dir", ""),
                              native={k: getattr(args, k) for k in NATIVE_KEYS if hasattr(args, k)})
+    worker.no_learner_limit_s = float(getattr(args, "no_learner_s", worker.no_learner_limit_s))
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
     rc = worker.run()

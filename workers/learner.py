@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import zmq
 
 import protocols as P
 from asyncrl.config.loader import read_run_config
@@ -58,41 +57,21 @@ from asyncrl.rundir.checkpoints import KEEP_CHECKPOINTS
 from asyncrl.transport import (
     ChannelTimeout,
     WeightServer,
-    ZmqChannel,
-    advertised,
     check_bind_security,
-    client_curve,
-    end_context,
-    private_context,
     server_curve,
 )
 from asyncrl.transport.publication import to_wire
+from workers.learner_link import FINAL_ACK_TIMEOUT_S, ControllerSource, finite_metrics
 
 if TYPE_CHECKING:
     from asyncrl.quant import BufferPool, PublishedWeights
 
 log = logging.getLogger("asyncrl.learner")
 
-# Timeouts (seconds): each bounds a wait for a peer that may be gone; a reachable peer ends it at once.
-WELCOME_TIMEOUT_S = 120.0
-"""How long rank 0 waits for the controller's Welcome after its Hello."""
-STOP_CHECK_S = 1.0
-"""While waiting for a batch, how often rank 0 checks whether it was asked to stop (SIGTERM)."""
-ACK_RECV_S = 0.5
-"""Longest single wait for a message while rank 0 awaits a checkpoint acknowledgement."""
-CHECKPOINT_ACK_TIMEOUT_S = 60.0
-"""A periodic checkpoint waits this long for the controller to save its state of the same version;
-without the acknowledgement the learner skips that checkpoint (the previous one stays the resume point)."""
-FINAL_ACK_TIMEOUT_S = 15.0
-"""The same for the final checkpoint on the way out (the controller may already be gone)."""
-FINAL_SEND_TIMEOUT_S = 2.0
-"""On the way out, how long the final checkpoint request may wait to leave (a controller that is gone)."""
+# Timeouts (seconds) of rank 0's link to the controller: workers/learner_link.py.
 COLLECTIVE_TIMEOUT_S = 3600.0
 """torch.distributed timeout: how long ranks wait for rank 0 in a collective (rank 0 may be waiting for a
 batch, evaluating, or exporting)."""
-FLUSH_S = 5.0
-"""On exit, the longest wait for the last message to the controller (the final version) to leave; it
-returns as soon as it has (``end_context``)."""
 
 
 def batch_from_message(msg: P.TrainBatch, temperature: float, pad_id: int) -> LearnerBatch:
@@ -179,79 +158,6 @@ class Evaluator:
             engine.close()
 
 
-class ControllerSource:
-    """Rank 0's link to the controller: batches in, versions out, checkpoints acknowledged."""
-
-    def __init__(self, address: str, server: WeightServer, version: int, stop: threading.Event, transport) -> None:
-        self.stop = stop
-        self._ctx = private_context()  # its own, so that close() can wait until the last message left
-        self.ctl = ZmqChannel.connect(zmq.DEALER, address, name="learner-ctl", identity=b"learner",
-                                      curve=client_curve(transport), context=self._ctx)
-        adv = transport.advertise_host
-        # capabilities["version"]: the string a 1.0-1.2 controller reads (Hello.version is the 1.3 field)
-        self.ctl.send(P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner",
-                              version=version,
-                              capabilities={"weights_announce": advertised(server.announce_address, adv),
-                                            "weights_fetch": advertised(server.fetch_address, adv),
-                                            "version": str(version)}))
-        env = self.ctl.recv(WELCOME_TIMEOUT_S)
-        if env is None or not isinstance(env.msg, P.Welcome):
-            raise SystemExit(f"controller at {address} did not welcome the learner: {env}")
-        self.typed = P.speaks_typed_control(env.msg.protocol_version)  # False: a 1.0-1.2 controller
-
-    def next_batch(self, step: int) -> P.TrainBatch | None:
-        self.ctl.send(P.BatchRequest(step=step))
-        while not self.stop.is_set():
-            env = self.ctl.recv(STOP_CHECK_S)
-            if env is None:
-                continue
-            if isinstance(env.msg, P.TrainBatch):
-                if env.msg.step != step:
-                    raise RuntimeError(f"controller sent batch {env.msg.step} for request {step}")
-                return env.msg
-            if isinstance(env.msg, P.Error):
-                raise RuntimeError(f"controller refused batch {step}: {env.msg.message}")
-            if isinstance(env.msg, P.Shutdown):  # learner.time_budget_s spent: finish as at total_steps
-                log.info("controller ends training before step %d: %s", step, env.msg.reason)
-                return None
-        return None
-
-    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False,
-               done: bool = False) -> bool:
-        """Announce ``version``. With ``checkpoint``, the controller saves its state for this version
-        and acknowledges; returns whether it did (the learner checkpoints only then). ``done``: training
-        is finished."""
-        self.ctl.send(self._update(version, _finite(metrics), checkpoint=checkpoint, done=done))
-        return self._await_ack(version, CHECKPOINT_ACK_TIMEOUT_S) if checkpoint else False
-
-    def _update(self, version: int, metrics: dict[str, float], *, checkpoint: bool, done: bool) -> P.VersionUpdate:
-        if not self.typed:  # a 1.0-1.2 controller reads the control flags among the metrics
-            metrics = metrics | {k: 1.0 for k, on in (("checkpoint", checkpoint), ("done", done)) if on}
-        return P.VersionUpdate(version=version, metrics=metrics, checkpoint=checkpoint, done=done)
-
-    def _await_ack(self, version: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            env = self.ctl.recv(ACK_RECV_S)
-            if (env is not None and isinstance(env.msg, P.VersionUpdate) and env.msg.version == version
-                    and (env.msg.checkpointed or not self.typed)):  # a 1.0-1.2 controller acks with any update
-                return True
-        log.warning("controller did not acknowledge the checkpoint of version %d", version)
-        return False
-
-    def sync_checkpoint(self, version: int, timeout_s: float = FINAL_ACK_TIMEOUT_S) -> bool:
-        """On the way out: ask the controller to save its state for ``version``; False if it cannot."""
-        try:
-            self.ctl.send(self._update(version, {}, checkpoint=True, done=False), timeout_s=FINAL_SEND_TIMEOUT_S)
-        except ChannelTimeout:
-            return False
-        return self._await_ack(version, timeout_s)
-
-    def close(self) -> None:
-        self.ctl.close(linger_s=FLUSH_S)
-        end_context(self._ctx)  # returns once the last message (the final version) has left
-
-
 class ReplaySource:
     """Batches from a trajectory log (``asyncrl replay``); metrics go to this run's own metrics.jsonl."""
 
@@ -271,7 +177,7 @@ class ReplaySource:
 
     def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False,
                done: bool = False) -> bool:
-        self.writer.log(version, _finite(metrics) | ({"done": 1.0} if done else {}))  # done marks the final record
+        self.writer.log(version, finite_metrics(metrics) | ({"done": 1.0} if done else {}))  # done marks the final record
         return checkpoint
 
     def sync_checkpoint(self, version: int, timeout_s: float = FINAL_ACK_TIMEOUT_S) -> bool:
@@ -336,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                                             min_lr_ratio=L.min_lr_ratio))
     state = TrainState(model, opt, sched, version=0)
     ckpt_root = RunDir(run_dir).checkpoints
-    if cfg.resume:  # the same verified checkpoint the controller chose (damaged ones are skipped, said why)
+    # The same verified checkpoint the controller chose on resume (damaged ones are skipped, said why); also
+    # without resume=: a learner started again under a running controller goes on from the run's newest one.
+    if cfg.resume or not args.replay_log:
         from asyncrl.rundir.checkpoints import choose_resume_point
 
         point = choose_resume_point(ckpt_root)
-        for note in point.notes:
+        for note in point.notes if cfg.resume or point.learner_dir is not None else ():
             log.warning("resume: %s", note)
         if point.learner_dir is not None:
             load_checkpoint(point.learner_dir, state, info)
@@ -414,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             save_checkpoint(ckpt_root, state, info, keep_last=KEEP_CHECKPOINTS)
         if not _agree(info.is_main and stop.is_set(), info):  # finished (or the replayed log ran out): export, hash, final eval
             finish_run(cfg, state, model, model_dir, run_dir, info, evaluator, source, t_run, lora)
+        if isinstance(source, ControllerSource) and source.lost:  # the run goes on without this process
+            log.error("learner stopped: %s", source.lost)
+            return 1
     except ChannelTimeout as e:
         log.error("controller unreachable: %s", e)
         return 1
@@ -463,11 +374,6 @@ def _agree(flag: bool, info) -> bool:
         torch.distributed.broadcast(t, src=0)
     return bool(int(t))
 
-
-def _finite(metrics: dict) -> dict[str, float]:
-    import math
-
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
 
 
 if __name__ == "__main__":

@@ -199,6 +199,10 @@ class BatchAssembler:
         for step in [k for k in self._retained if k < version]:
             del self._retained[step]
 
+    def retained_steps(self) -> list[int]:
+        """The steps of the batches emitted and not yet trained on (a resuming learner may ask for them)."""
+        return sorted(self._retained)
+
     def retained_batch(self, step: int) -> Batch:
         """Batch ``step`` again, for a learner that resumed from a checkpoint taken before it
         trained on it (the controller's checkpoint may be newer than the learner's)."""

@@ -21,7 +21,6 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,17 @@ import protocols as P
 from asyncrl.config import TrainConfig
 from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 from asyncrl.controller.admission import admit_and_assign
-from asyncrl.controller.scored import ScoredGroup
+from asyncrl.controller.membership import learner_join, worker_conflict
+from asyncrl.controller.scored import ScoredGroup, response_metrics
 from asyncrl.controller.scoring import GroupScorer
+from asyncrl.controller.state import jsonable, read_state  # noqa: F401 - read_state: the public name here too
 from asyncrl.controller.validation import check_sample
 from asyncrl.controller.workers import WorkerRegistry
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.log.replay import train_sample
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import prune_controller_states
-from asyncrl.rundir.files import read_checksummed_json, write_checksummed_json
+from asyncrl.rundir.files import write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
 MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
@@ -124,6 +125,8 @@ class ControllerCore:
     def handle(self, peer: bytes, msg: Any) -> list[tuple[bytes, Any]]:
         now = self.clock()
         if isinstance(msg, P.Hello):
+            if msg.role == "learner" and P.check_hello(msg) is None:
+                return self._learner_hello(peer, msg)
             return [(peer, self._hello(peer, msg, now))]
         if isinstance(msg, P.WorkRequest):
             return self._work(peer, msg, now)
@@ -167,29 +170,6 @@ class ControllerCore:
         if reject is not None:
             self.counters["control/rejected_hello"] += 1
             return reject
-        if msg.role == "learner":
-            if self.learner_peer is not None and self.learner_peer != peer:
-                self.counters["control/rejected_hello"] += 1
-                return P.Reject(reason="a learner is already registered with this controller")
-            start = _learner_version(msg)
-            if start is None or start < self.version.version:
-                self.counters["control/rejected_hello"] += 1
-                said = "names no version (Hello.version)" if start is None else f"starts at version {start}"
-                return P.Reject(reason=f"the learner {said}, the controller is at version {self.version.version}; "
-                                       "resume the learner and the controller from the same run folder")
-            weights = msg.capabilities.get("weights_announce", ""), msg.capabilities.get("weights_fetch", "")
-            if not all(weights):
-                self.counters["control/rejected_hello"] += 1
-                return P.Reject(reason="the learner's Hello must name its weight server: capabilities "
-                                       "weights_announce and weights_fetch (the addresses workers fetch from)")
-            self.learner_peer = peer
-            self.learner_typed = P.speaks_typed_control(msg.protocol_version)
-            self.weights_addresses = weights
-            if start != self.version.version:
-                log.info("learner starts at version %d", start)
-                self.version.set(start)
-            return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
-                             latest_version=self.version.version)
         if msg.role != "generator":
             return P.Reject(reason=f"role {msg.role!r} cannot join; expected generator or learner")
         if self.learner_peer is None:
@@ -200,9 +180,18 @@ class ControllerCore:
             return P.Reject(reason=f"this run publishes weights as {self.publish_formats}; start the worker with "
                                    f"quant.fmt={self.publish_formats[0]} (or start the run with "
                                    f"quant.extra_formats=[{fmt}])")
+        r = self.cfg.rollout
+        conflict = worker_conflict(msg.peer_id, self.workers.get(msg.peer_id), peer=peer, now=now,
+                                   heartbeat_s=r.heartbeat_s, dead_after_s=r.dead_after_s)
+        if conflict is not None:
+            self.counters["control/duplicate_worker_id"] += 1
+            log.warning("refused a second worker %s: %s", msg.peer_id, conflict)
+            return P.Reject(reason=conflict)
         if msg.peer_id in self.workers:  # joined again (restart, lost Welcome): its old work is reissued
             self._forget(msg.peer_id, reason="joined again")
-        self.workers.join(msg.peer_id, peer=peer, quant_format=fmt, now=now)
+        caps = msg.capabilities
+        self.workers.join(msg.peer_id, peer=peer, quant_format=fmt, now=now, host=caps.get("host", ""),
+                          pid=caps.get("pid", ""))
         self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
                                     logged_at=time.time()))
         log.info("worker %s joined (%s)", msg.peer_id, fmt)
@@ -210,6 +199,9 @@ class ControllerCore:
         legacy = {} if P.speaks_typed_control(msg.protocol_version) else setup.to_legacy()  # a 1.0-1.2 worker
         return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
                          latest_version=self.version.version, setup=setup, config=legacy)
+
+    def _learner_hello(self, peer: bytes, msg: P.Hello) -> list[tuple[bytes, Any]]:
+        return learner_join(self, peer, msg)  # asyncrl.controller.membership
 
     def worker_setup(self, fmt: str) -> P.WorkerSetup:
         """What a worker that fetches ``fmt`` is told when it joins (the one place a ``WorkerSetup`` is filled)."""
@@ -468,7 +460,7 @@ class ControllerCore:
         """Checksummed and atomic: a reader sees the previous state or this one (``DiskFullError`` when full)."""
         self.log.flush()
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_checksummed_json(path, self.state_dict(), default=_jsonable)
+        write_checksummed_json(path, self.state_dict(), default=jsonable)
 
     def close(self) -> None:
         self.log.close()
@@ -488,56 +480,9 @@ class ControllerCore:
             "version": str(self.version.version), "cursor": str(self.cursor)}))
 
 
-def response_metrics(group_rewards: list[list[float]], responses: list[P.Array],
-                     stop_ids: Sequence[int]) -> dict[str, float]:
-    """What a batch's responses look like: mean/max length in tokens, the share of groups whose rewards
-    are all equal (zero advantage: no gradient), and the share of samples that stopped at their first
-    token (a chat model answering with its end-of-turn token at once), and the share of the batch's
-    responses that are its most common one, stop tokens left out (one answer taking over every prompt)."""
-    lengths = [r.to_numpy().size for r in responses]
-    stops = set(stop_ids)
-    first = [n == 1 and int(r.to_numpy()[0]) in stops for n, r in zip(lengths, responses, strict=True)]
-    answers = Counter(tuple(int(t) for t in r.to_numpy() if int(t) not in stops) for r in responses)
-    return {"train/response_len_mean": float(np.mean(lengths)), "train/response_len_max": float(max(lengths)),
-            "train/zero_variance_groups": float(np.mean([len(set(g)) <= 1 for g in group_rewards])),
-            "train/first_token_stop_frac": float(np.mean(first)),
-            "train/majority_answer_share": answers.most_common(1)[0][1] / len(responses)}
-
-
 def _vocab_size(model: ModelInfo, scorer: GroupScorer) -> int:
     """Rows of the model's embedding (from the config the workers get), else the tokenizer's size."""
     vocab = json.loads(model.config_json).get("vocab_size") if model.config_json else None
     if isinstance(vocab, int) and not isinstance(vocab, bool):
         return vocab
     return len(scorer.tokenizer)
-
-
-def _learner_version(hello: P.Hello) -> int | None:
-    """The version a learner starts at: ``Hello.version`` (1.3), or the string capability a 1.0-1.2 learner
-    sent (absent: 0); None when there is none a controller could trust."""
-    if hello.version >= 0:
-        return hello.version
-    if P.speaks_typed_control(hello.protocol_version):
-        return None  # a 1.3 learner names its version, always
-    try:
-        start = int(hello.capabilities.get("version", "0"))
-    except ValueError:
-        return None
-    return start if start >= 0 else None
-
-
-def read_state(path: Path) -> dict[str, Any]:
-    """A saved controller state; ``ChecksumError`` (a ValueError) if the file is damaged."""
-    return read_checksummed_json(path, object_hook=_from_jsonable)
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, P.FinishedSample):
-        return {"__finished_sample__": P.encode(obj).hex()}
-    raise TypeError(f"cannot checkpoint {type(obj).__name__}")
-
-
-def _from_jsonable(d: dict) -> Any:
-    if "__finished_sample__" in d:
-        return P.decode(bytes.fromhex(d["__finished_sample__"]), P.FinishedSample)
-    return d

@@ -2,17 +2,20 @@
 
 Owns: choosing the controller state to resume from (the same verified checkpoint the learner picks,
 ``asyncrl.rundir.checkpoints``), cutting the trajectory log back to it (work after it is redone, so
-keeping it would log it twice), and rewriting controller states after ``asyncrl log repair`` moved
-byte offsets. Never: loads learner weights; resumes from a state that fails its checksum.
+keeping it would log it twice), the ports a resumed controller binds (its predecessor's, so that the
+learner and workers still running find it at the address they know), and rewriting controller states
+after ``asyncrl log repair`` moved byte offsets. Never: loads learner weights; resumes from a state that fails its checksum.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from asyncrl.controller.core import _jsonable, read_state
+from asyncrl.controller.state import jsonable, read_state
 from asyncrl.log import segment_paths, truncate_log
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import choose_resume_point
@@ -40,6 +43,37 @@ def resume_point(run_dir: Path) -> tuple[dict[str, Any] | None, int]:
     return state, point.version
 
 
+T = TypeVar("T")
+
+
+def previous_ports(address_file: Path) -> tuple[int, int]:
+    """(control port, samples port) the run's previous controller listened on (``controller.json``); 0 where
+    the file does not say."""
+    try:
+        addresses = json.loads(address_file.read_text())
+    except (OSError, ValueError):
+        return 0, 0
+    ports = []
+    for key in ("control", "samples"):
+        tail = str(addresses.get(key, "")).rsplit(":", 1)[-1] if isinstance(addresses, dict) else ""
+        ports.append(int(tail) if tail.isdigit() else 0)
+    return ports[0], ports[1]
+
+
+def bind_first(bind: Callable[[str], T], host: str, ports: Sequence[int], what: str) -> T:
+    """``bind(tcp://host:port)`` on the first of ``ports`` that is free (the last one must be; 0: any)."""
+    for i, port in enumerate(ports):
+        try:
+            return bind(f"tcp://{host}:{port}")
+        except ValueError as e:
+            if i == len(ports) - 1:
+                raise
+            log.warning("resume: the previous controller's %s port %d is taken (%s); binding another: the learner "
+                        "and workers still running cannot find this controller, start them again with its new "
+                        "address", what, port, e)
+    raise ValueError("bind_first needs at least one port")
+
+
 def move_log_positions(ckpt_root: Path, repairs) -> list[str]:
     """Rewrite every controller state whose log position lies in a repaired segment (``repair_log`` result)."""
     by_index = {r.index: r for r in repairs}
@@ -53,7 +87,7 @@ def move_log_positions(ckpt_root: Path, repairs) -> list[str]:
         seg, off = state["log_position"]
         if seg in by_index:
             state["log_position"] = [seg, by_index[seg].new_offset(off)]
-            write_checksummed_json(path, state, default=_jsonable)
+            write_checksummed_json(path, state, default=jsonable)
             out.append(f"moved the log position of {path.name}: byte {off} -> {state['log_position'][1]}")
     return out
 

@@ -21,14 +21,17 @@ class WorkerInfo:
     tokens_per_s: float = 0.0
     weight_sync_s: float = 0.0  # the worker's own totals (heartbeat stats): seconds fetching new versions, and how many
     weight_syncs: float = 0.0
+    host: str = ""  # where the worker said it runs (Hello capabilities), for a refusal that names it
+    pid: str = ""
 
 
 class WorkerRegistry(dict[str, WorkerInfo]):
     """Worker id -> ``WorkerInfo`` (a dict, so lookups read as before), plus the questions a controller asks."""
 
-    def join(self, worker_id: str, *, peer: bytes, quant_format: str, now: float) -> WorkerInfo:
+    def join(self, worker_id: str, *, peer: bytes, quant_format: str, now: float, host: str = "",
+             pid: str = "") -> WorkerInfo:
         """Register ``worker_id`` (the caller forgets an earlier registration of it first)."""
-        info = self[worker_id] = WorkerInfo(peer=peer, quant_format=quant_format, last_seen=now)
+        info = self[worker_id] = WorkerInfo(peer=peer, quant_format=quant_format, last_seen=now, host=host, pid=pid)
         return info
 
     def behind(self, peer: bytes) -> list[str]:

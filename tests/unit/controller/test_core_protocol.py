@@ -11,6 +11,7 @@ import pytest
 import protocols as P
 from asyncrl.config import load_train_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
+from asyncrl.controller.membership import learner_version
 from asyncrl.controller.scoring import build_scorer
 from asyncrl.models import ensure_tiny_model
 
@@ -77,18 +78,23 @@ def test_a_workers_version_arrives_as_an_int_field_of_its_heartbeat(core):
 def test_the_learners_version_is_an_int_and_a_1_2_learners_string_is_still_read(core, tmp_path):
     (_, r), = core.handle(b"L", learner(capabilities=WEIGHTS))  # a 1.3 learner must name its version
     assert isinstance(r, P.Reject) and "names no version (Hello.version)" in r.reason
-    (_, r), = core.handle(b"L", learner(version=4, capabilities={"weights_announce": "tcp://l:1"}))
+    (_, r), = core.handle(b"L", learner(version=0, capabilities={"weights_announce": "tcp://l:1"}))
     assert isinstance(r, P.Reject) and "weights_announce and weights_fetch" in r.reason
-    (_, r), = core.handle(b"L", learner(version=4, capabilities=WEIGHTS))
-    assert isinstance(r, P.Welcome) and core.version.version == 4 and core.learner_typed
+    (_, r), = core.handle(b"L", learner(version=4, capabilities=WEIGHTS))  # batch 4 is not this controller's next
+    assert isinstance(r, P.Reject) and "the learner is at version 4" in r.reason and core.learner_peer is None
+    assert learner_version(learner(version=4)) == 4
+    (_, r), = core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
+    assert isinstance(r, P.Welcome) and core.version.version == 0 and core.learner_typed
 
 
 @pytest.mark.parametrize("cap,ok", [("6", True), ("x", False), ("-3", False), ("²", False)])
 def test_a_1_2_learners_string_version_is_parsed_or_refused(core, cap, ok):
-    (_, r), = core.handle(b"L", learner(proto="1.2", capabilities=WEIGHTS | {"version": cap}))
-    assert isinstance(r, P.Welcome if ok else P.Reject)
-    if ok:
-        assert core.version.version == 6 and not core.learner_typed
+    hello = learner(proto="1.2", capabilities=WEIGHTS | {"version": cap})
+    assert learner_version(hello) == (6 if ok else None)
+    (_, r), = core.handle(b"L", hello)
+    assert isinstance(r, P.Reject)  # a version it cannot read, or 6 where this controller serves batch 0
+    (_, r), = core.handle(b"L", learner(proto="1.2", capabilities=WEIGHTS | {"version": "0"}))
+    assert isinstance(r, P.Welcome) and not core.learner_typed
 
 
 def test_checkpoint_request_ack_and_done_are_typed_fields(core):

@@ -38,9 +38,11 @@ def test_config_checks_the_decode_options_and_the_launcher_passes_them_on(tmp_pa
         load_train_config(["rollout.decode_step=fastest"])
 
 
-def _serve_one_group(procs, stand, *worker_args: str) -> subprocess.Popen:
-    worker = procs.python("-m", "workers.generator", f"controller={stand.ctl.address}", "worker_id=w",
-                          *worker_args, stderr=subprocess.PIPE)
+def _serve_one_group(procs, stand, err_path, *worker_args: str) -> subprocess.Popen:
+    # stderr to a file, not a pipe nobody reads while the worker runs (a full pipe would block its logging)
+    with open(err_path, "wb") as err:
+        worker = procs.python("-m", "workers.generator", f"controller={stand.ctl.address}", "worker_id=w",
+                              *worker_args, stderr=err)
     prompt = P.Array.from_numpy(np.array([1, 55, 47, 56, 65], np.int32))
     params = P.SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
     got: dict[str, P.FinishedSample] = {}
@@ -64,14 +66,14 @@ def _serve_one_group(procs, stand, *worker_args: str) -> subprocess.Popen:
 
 def test_a_worker_runs_the_decode_step_it_is_given_and_refuses_cuda_graphs_on_a_cpu(procs, tmp_path):
     with worker_standin(tmp_path, worker_slots=GROUP) as stand:
-        worker, got = _serve_one_group(procs, stand, "device=cpu", "decode_step=eager", "cuda_graphs=false",
-                                       "compile=false")
+        worker, got = _serve_one_group(procs, stand, tmp_path / "ok.err", "device=cpu", "decode_step=eager",
+                                       "cuda_graphs=false", "compile=false")
         assert sorted(got) == [f"g/{i}" for i in range(GROUP)]
         assert all(len(fs.behav_logp.to_numpy()) == 8 for fs in got.values())
         worker.send_signal(15)
         assert worker.wait(timeout=60) == 0
-        bad, got = _serve_one_group(procs, stand, "device=cpu", "cuda_graphs=true")
-        _, err = bad.communicate(timeout=60)
-        text = err.decode(errors="replace")
+        bad, got = _serve_one_group(procs, stand, tmp_path / "bad.err", "device=cpu", "cuda_graphs=true")
+        bad.wait(timeout=60)
+        text = (tmp_path / "bad.err").read_text(errors="replace")
         assert bad.returncode == 1 and not got, text[-2000:]
         assert "cuda_graphs=true needs a CUDA device" in text, text[-2000:]
