@@ -20,9 +20,12 @@ Sections (each timed and recorded even when it fails, so one broken path does no
   gpu_tests     the tests marked ``gpu`` (tests/sglang/test_gpu.py), skipped there without SGLang.
   train         ``asyncrl train rollout.device=D learner.device=D`` for a few steps: native int8 workers on
                 the device and the learner (FSDP2, NCCL on CUDA); summary and step times.
+  train_2gpu    ``train`` with ``learner.world_size=2``: FSDP2 over NCCL on two GPUs (skipped, saying so, when
+                fewer than two are visible).
   train_sglang  the same with ``rollout.engine=sglang quant.fmt=fp8`` (CUDA with SGLang only).
-  bench_learner ``scripts/bench_learner.py --device D --quick``, when that script takes ``--device`` (not in
-                the CPU smoke: the learner benchmark has a smoke test of its own).
+  bench_learner ``scripts/bench_learner.py --device D --quick``: tokens/s, peak GPU memory and MFU of the learner
+                on a random-weight Qwen3-1.7B (full and LoRA, bf16 autocast; not in the CPU smoke: the learner benchmark has a smoke test
+                of its own).
 
 Run:
   python scripts/gpu_check.py --quick --json gpu_check.json     # H200: about 5 minutes
@@ -50,7 +53,8 @@ sys.path.insert(0, str(ROOT))
 
 from asyncrl.rundir import RunDir  # noqa: E402
 
-SECTIONS = ("native", "quant", "bench_engine", "sglang", "gpu_tests", "train", "train_sglang", "bench_learner")
+SECTIONS = ("native", "quant", "bench_engine", "sglang", "gpu_tests", "train", "train_2gpu", "train_sglang",
+            "bench_learner")
 PROMPT = "Compute 17+25 and explain step by step. "
 LOGITS_REL_TOL = 5e-2
 """Device vs reference logits (max |diff| / max |ref|): GEMMs of another summation order move an activation
@@ -353,10 +357,14 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_tests": lambda: check_gpu_tests(args.device, 900),
         "train": lambda: run_train("native", [*common, *model_args, f"rollout.device={args.device}", "quant.fmt=int8",
                                               f"rollout.num_workers={workers}"], tmp / "runs", 900),
+        "train_2gpu": lambda: run_train("native-2gpu", [*common, *model_args, f"rollout.device={args.device}",
+                                                        "quant.fmt=int8", "rollout.num_workers=1",
+                                                        "learner.world_size=2"], tmp / "runs", 900),
         "train_sglang": lambda: run_train("sglang-fp8", [*common, "model=tiny", "rollout.engine=sglang",
                                                          "quant.fmt=fp8", "rollout.num_workers=1",
                                                          "sglang.device=cuda"], tmp / "runs", 900),
-        "bench_learner": lambda: check_bench_learner(args.device, args.quick, [], tmp, 900),
+        "bench_learner": lambda: check_bench_learner(args.device, args.quick, ["--model", "qwen3-1.7b", "--rows",
+                                                                               "full-bf16,lora-bf16"], tmp, 900),
     }
     for name, job in jobs.items():
         reason = skip_reason(name, skip, cuda)
@@ -386,6 +394,11 @@ def skip_reason(name: str, skip: set[str], cuda: bool) -> str:
     """Why a section does not run ('' when it runs)."""
     if name in skip:
         return "--skip"
+    if name == "train_2gpu":
+        import torch
+
+        if not cuda or torch.cuda.device_count() < 2:
+            return f"needs two visible GPUs for an NCCL learner of two ranks ({torch.cuda.device_count()} visible)"
     if name == "bench_learner" and not cuda:
         return ("the CPU smoke leaves the learner benchmark to its own smoke test "
                 "(tests/integration/test_bench_scripts.py)")
