@@ -83,6 +83,7 @@ HF_MODEL_FOLDER = {  # "config.json" of a Hugging Face model folder, not of the 
     ("asyncrl/models/_files.py", "config.json"),
     ("asyncrl/models/prepare.py", "config.json"),
     ("asyncrl/engine/sglang.py", "config.json"),
+    ("asyncrl/engine/sglang_weights.py", "config.json"),  # the served model's names (tied head, experts)
     ("asyncrl/controller/prompts.py", "config.json"),
     ("asyncrl/controller/scoring.py", "config.json"),
     ("workers/roles.py", "config.json"),  # `asyncrl learner` checks the model folder is readable
