@@ -33,8 +33,9 @@ def test_gpu_check_cpu_smoke_runs_every_cpu_section_and_writes_one_json(procs, t
     report = json.loads(out.read_text())
     assert report["env"]["device"] == "cpu" and report["quick"] is True
     sections = report["sections"]
-    assert set(sections) == {"native", "quant", "bench_engine", "sglang", "gpu_tests", "train", "train_sglang",
-                             "bench_learner"}
+    assert set(sections) == {"native", "quant", "bench_engine", "sglang", "gpu_tests", "train", "train_2gpu",
+                             "train_sglang", "bench_learner"}
+    assert sections["train_2gpu"]["skipped"] and "two visible GPUs" in sections["train_2gpu"]["reason"]
     for name in ("sglang", "train_sglang"):
         assert sections[name]["skipped"] and "GPU" in sections[name]["reason"]
     for name in ("native", "quant", "bench_engine", "gpu_tests", "train"):
