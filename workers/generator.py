@@ -2,9 +2,8 @@
 
 One process = one rollout engine. Joins a running job at any time from any host: the controller's
 ``Welcome`` carries everything else in its ``WorkerSetup`` (sample and weight addresses, the model
-architecture, EOS ids, slots, heartbeat period),
-the worker fetches the newest weights in its quantization format, then asks for work with a credit
-window and streams every finished sample at once.
+architecture, EOS ids, slots, heartbeat period), the worker fetches the newest weights in its
+quantization format, then asks for work with a credit window and streams every finished sample at once.
 
 The engine is any ``RolloutEngine`` (``engine=native``: torch on ``device=auto|cpu|cuda[:N]``;
 ``engine=sglang``: an SGLang server the worker starts, or attaches to with ``sglang.url=``); this file
@@ -58,7 +57,7 @@ from asyncrl.transport import (
     load_client_keys,
     private_context,
 )
-from workers.worker_args import NATIVE_KEYS, SGLANG_KEYS, built, engine_spec, parse_args
+from workers.worker_args import NATIVE_KEYS, SGLANG_KEYS, built, engine_spec, parse_args, settings
 from workers.worker_rejoin import RejoinMixin
 
 log = logging.getLogger("asyncrl.worker")
@@ -480,21 +479,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(message)s")
     keys_dir = getattr(args, "transport_keys_dir", "")
     curve = load_client_keys(keys_dir, getattr(args, "transport_key_name", "")) if keys_dir else None
-    sglang = {k: getattr(args, f"sglang_{k}") for k in SGLANG_KEYS if hasattr(args, f"sglang_{k}")}
     worker = GeneratorWorker(args.controller, worker_id=getattr(args, "worker_id", ""),
                              quant_fmt=getattr(args, "quant_fmt", ""), slots=int(getattr(args, "slots", 0)),
                              drain_s=float(getattr(args, "drain_s", DRAIN_S)), curve=curve,
                              engine=getattr(args, "engine", "native"), device=getattr(args, "device", "auto"),
-                             sglang=sglang, log_dir=getattr(args, "log_dir", ""),
-                             native={k: getattr(args, k) for k in NATIVE_KEYS if hasattr(args, k)})
+                             sglang=settings(args, SGLANG_KEYS, "sglang_"), native=settings(args, NATIVE_KEYS),
+                             log_dir=getattr(args, "log_dir", ""))
     worker.no_learner_limit_s = float(getattr(args, "no_learner_s", worker.no_learner_limit_s))
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
     rc = worker.run()
     if rc != 0:  # fatal: leave now, even if a thread of a library is still blocked somewhere
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for flush in (logging.shutdown, sys.stdout.flush, sys.stderr.flush):
+            flush()
         os._exit(rc)
     return rc
 

@@ -27,6 +27,11 @@ def built(part: T | None, what: str) -> T:
     return part
 
 
+def settings(args: argparse.Namespace, keys: Sequence[str], prefix: str = "") -> dict[str, str]:
+    """The given settings among the parsed ``key=value`` ones (``prefix``: ``sglang_`` for ``sglang.KEY``)."""
+    return {k: getattr(args, f"{prefix}{k}") for k in keys if hasattr(args, f"{prefix}{k}")}
+
+
 def engine_spec(setup: P.WorkerSetup, *, kind: str, fmt: str, device: str, slots: int, sglang: dict[str, str],
                 native: dict[str, str], log_dir: str) -> EngineSpec:
     """The engine a worker builds from the run's ``WorkerSetup`` and its own settings."""
