@@ -18,7 +18,8 @@ from asyncrl.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
-RUN = ["learner.total_steps=8", "learner.ckpt_every=2", "learner.eval_every=0", "rollout.eta=1",
+STEPS = 24  # far past the step the test interrupts at, so the Ctrl-C always lands mid-run
+RUN = [f"learner.total_steps={STEPS}", "learner.ckpt_every=2", "learner.eval_every=0", "rollout.eta=1",
        "rollout.groups_per_step=2", "rollout.num_workers=1", "rollout.dead_after_s=60"]
 
 
@@ -73,12 +74,12 @@ def test_a_damaged_log_resumes_with_the_salvage_its_error_asks_for_and_a_finishe
     assert "ignoring ['learner.lr=0.5']" in resumed.stdout
     stored = json.loads(RunDir(run).config.read_text())
     assert stored["log"]["salvage"] is True and stored["learner"]["lr"] != 0.5
-    assert json.loads(RunDir(run).summary.read_text())["learner_steps"] == 8
+    assert json.loads(RunDir(run).summary.read_text())["learner_steps"] == STEPS
 
     shown = asyncrl(procs, "log", "show", str(run), "--last", "2")  # the tokenizer of the run's own model folder
     assert shown.returncode == 0 and "--- g" in shown.stdout, shown.stdout[-2000:]
 
     before = snapshot(run)
     again = asyncrl(procs, "train", f"resume={run}")
-    assert again.returncode == 0 and "already finished (learner version 8" in again.stdout, again.stdout[-2000:]
+    assert again.returncode == 0 and f"already finished (learner version {STEPS}" in again.stdout, again.stdout[-2000:]
     assert snapshot(run) == before  # no log cut, no re-export, no new summary
