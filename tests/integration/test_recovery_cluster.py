@@ -38,7 +38,11 @@ class Role:
         return self.log.read_text(errors="replace")
 
     def wait(self, timeout: float = 300) -> int:
-        return self.proc.wait(timeout=timeout)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout:.0f} s; its output ends:\n"
+                                 + self.text()[-6000:]) from None
 
 
 def controller(procs, tmp_path: Path, name: str, *overrides: str) -> tuple[Role, str, Path]:
