@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.engine.base import GenRequest, GenResult
+from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
 from asyncrl.engine.decode_options import DECODE_STEPS
 from asyncrl.engine.decoder import decoder_view
 from asyncrl.engine.forward import eager_forward, static_forward
@@ -51,10 +51,6 @@ from asyncrl.engine.step_graphs import resolve_cuda_graphs, tensor_pointers
 from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
 
 log = logging.getLogger(__name__)
-
-
-class EngineClosedError(RuntimeError):
-    """Raised by ``submit``/``update_weights`` after ``close()``."""
 
 
 class NativeEngine:
