@@ -8,6 +8,7 @@ not SGLang and proves nothing about SGLang's behaviour; tests/sglang/ runs the c
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import pickle
 import threading
@@ -19,8 +20,10 @@ import pytest
 import torch
 
 from asyncrl.engine import GenRequest, RolloutEngine, SamplingParams
-from asyncrl.engine.sglang import EngineClosedError, SGLangEngine, parse_generate_output, request_seed
+from asyncrl.engine.base import EngineClosedError
+from asyncrl.engine.sglang import SGLangEngine
 from asyncrl.engine.sglang_http import SGLangHTTP, SGLangRequestError, SGLangUnavailableError, parse_base_url
+from asyncrl.engine.sglang_requests import parse_generate_output, request_seed
 from asyncrl.engine.sglang_server import cpu_env, server_command
 from asyncrl.engine.sglang_weights import BroadcastWeights, chunk_update, prepare_update, tensor_bodies
 
@@ -381,6 +384,23 @@ def test_close_aborts_everything_and_refuses_new_work(stub):
     with pytest.raises(EngineClosedError):
         engine.update_weights(1, {"w": torch.zeros(1)})
     engine.close()
+
+
+def test_both_engines_raise_the_one_base_engine_closed_error_after_close(stub, tiny_hf):
+    """Native (tiny model) and SGLang (stub server) refuse work after close with the same class, so one
+    ``except EngineClosedError`` in a worker covers either engine."""
+    from asyncrl.engine.native import NativeEngine
+
+    engines = {"native": NativeEngine(copy.deepcopy(tiny_hf)), "sglang": SGLangEngine(stub.url)}
+    for name, engine in engines.items():
+        engine.close()
+        with pytest.raises(EngineClosedError) as submitted:
+            engine.submit([req(0)])
+        with pytest.raises(EngineClosedError) as updated:
+            engine.update_weights(1, {"model.norm.weight": torch.ones(1)})
+        assert type(submitted.value) is type(updated.value) is EngineClosedError, name
+        assert "build a new one" in str(submitted.value), name
+        engine.close()  # idempotent
 
 
 def test_broadcast_update_posts_metadata_and_is_never_coalesced(stub):
