@@ -220,6 +220,20 @@ def test_request_seeds_differ_per_sample_and_are_stable():
     assert 0 <= request_seed(123, "x") < 2**63
 
 
+def test_stop_cut_and_rids_of_the_request_mapping():
+    from asyncrl.engine.sglang_requests import cut_at_stop, request_rid, stop_set
+
+    assert stop_set(req(0), None) is None and stop_set(req(0), (2, 3)) == {2, 3}
+    assert stop_set(req(0, stop_token_ids=()), (2,)) == frozenset()  # explicit empty set: no stop token
+    ids, logps, versions = [5, 9, 2, 7], [-1.0, -2.0, -3.0, -4.0], [0, 0, 1, 1]
+    assert cut_at_stop(ids, logps, versions, "length", frozenset({2, 7})) == ([5, 9, 2], [-1.0, -2.0, -3.0],
+                                                                            [0, 0, 1], "stop")
+    assert cut_at_stop(ids, logps, versions, "length", frozenset({4})) == (ids, logps, versions, "length")
+    assert cut_at_stop(ids, logps, versions, "length", None) == (ids, logps, versions, "length")
+    # prefix-free: no rid is a prefix of another sample's rid (SGLang aborts by prefix)
+    assert not request_rid("t", "s1").startswith(request_rid("t", "s")) and request_rid("t", "s1") == "t-2:s1"
+
+
 def test_parse_maps_version_spans_and_rejects_foreign_versions():
     r = req(0)
     out = {
