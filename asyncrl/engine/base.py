@@ -1,7 +1,8 @@
 """The rollout-engine contract: request/result dataclasses and the ``RolloutEngine`` Protocol.
 
-Owns: the plain data types every engine speaks (``SamplingParams``, ``GenRequest``, ``GenResult``) and
-the Protocol that the native torch engine and the SGLang engine both implement (docs/architecture.md §3).
+Owns: the plain data types every engine speaks (``SamplingParams``, ``GenRequest``, ``GenResult``),
+the Protocol that the native torch engine and the SGLang engine both implement (docs/architecture.md §3),
+and ``EngineClosedError``, the one error every engine raises for work handed to it after ``close``.
 
 Must never: import zmq, transformers or any engine implementation, or encode anything (the value lists it
 shares with the wire, ``FINISH_REASONS``, come from ``protocols.values``). Wire encoding of these
@@ -31,6 +32,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from protocols.values import FINISH_REASONS
+
+
+class EngineClosedError(RuntimeError):
+    """Raised by an engine's ``submit``/``update_weights`` after its ``close()``: build a new engine."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

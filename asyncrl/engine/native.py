@@ -5,6 +5,8 @@ surface (submit / update_weights / abort / pause / resume / close), the bookkeep
 token's behaviour log-prob and policy version, and the choice of decode path per step: the static step
 (``asyncrl.engine.static_step``, optionally as CUDA graphs) for a natively supported model, the eager
 reference path (``asyncrl.engine.forward.eager_forward``) with ``decode_step="eager"`` or forward AQN.
+Row state, the checks on submitted requests and batch admission are ``asyncrl.engine.rows``; what a weight
+load changes besides the weights (forward AQN, captured graphs' addresses) is ``asyncrl.engine.swap_state``.
 
 Must never: import zmq/msgspec or know about controllers and workers; call ``torch.manual_seed`` or use the
 global RNG (sampling randomness comes from ``sampling.request_uniform``); hold ``_lock`` while running the
@@ -37,24 +39,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from asyncrl.engine.base import GenRequest, GenResult
+from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
 from asyncrl.engine.decode_options import DECODE_STEPS
 from asyncrl.engine.decoder import decoder_view
 from asyncrl.engine.forward import eager_forward, static_forward
 from asyncrl.engine.hf_runner import build_runner, fallback_reason
-from asyncrl.engine.rows import Seq, model_eos_ids, own_memory
+from asyncrl.engine.rows import Seq, model_eos_ids, new_rows, own_memory, split_aborted, take_admissible
 from asyncrl.engine.static_step import StaticStep
-from asyncrl.engine.step_graphs import resolve_cuda_graphs, tensor_pointers
+from asyncrl.engine.step_graphs import resolve_cuda_graphs
+from asyncrl.engine.swap_state import SwapState
 from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
 
 log = logging.getLogger(__name__)
-
-
-class EngineClosedError(RuntimeError):
-    """Raised by ``submit``/``update_weights`` after ``close()``."""
 
 
 class NativeEngine:
@@ -126,10 +124,9 @@ class NativeEngine:
         elif graphs and str(cuda_graphs).lower() == "true":
             why = "drop decode_step=eager" if reason is None else f"this model runs on the HF fallback ({reason})"
             raise ValueError(f"cuda_graphs=true replays the static decode step; {why}")
-        self._pointers = tensor_pointers(model)
+        self._swap = SwapState(model)  # forward AQN and graph addresses, kept across weight loads
         self._version = int(version)
         self._eager_notice = False
-        self._aqn: Any = None  # asyncrl.quant.ForwardAqn once a version asks for per-forward AQN noise
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -159,29 +156,9 @@ class NativeEngine:
 
     def submit(self, requests: Sequence[GenRequest]) -> None:
         """Queue requests (FIFO). Raises ``ValueError`` for a bad request, before queueing any of them."""
-        now = time.monotonic()
-        seqs = []
-        ids = set()
-        for req in requests:
-            n = len(req.prompt_ids)
-            if n >= self.max_seq_len:
-                raise ValueError(
-                    f"request {req.sample_id!r}: prompt has {n} tokens but max_seq_len={self.max_seq_len}; "
-                    "shorten the prompt or raise max_seq_len"
-                )
-            bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {req.sample_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})"
-                )
-            if req.sample_id in ids:
-                raise ValueError(
-                    f"sample_id {req.sample_id!r} appears twice in one submit; ids must be unique"
-                )
-            ids.add(req.sample_id)
-            p = req.params
-            stop = self.eos_token_ids if p.stop_token_ids is None else frozenset(p.stop_token_ids)
-            seqs.append(Seq(req, stop, min(p.max_new_tokens, self.max_seq_len - n), now))
+        seqs = new_rows(requests, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size,
+                        eos_ids=self.eos_token_ids, now=time.monotonic())
+        ids = {s.req.sample_id for s in seqs}
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed; build a new one")
@@ -330,20 +307,14 @@ class NativeEngine:
             if weights is not None and self._model is not None:
                 apply_weights(self._model, weights[1], self.quant_format, weights[0])
                 self._version = weights[0]
-                self._set_forward_aqn(self._model, weights[1])
-                self._check_pointers(self._model)
+                self._swap.loaded(self._model, weights[1], self._static)
             finished: list[GenResult] = []
             with self._lock:
                 aborts, self._aborts = self._aborts, set()
                 closed, paused = self._closed, self._paused
                 if aborts or closed:
-                    keep: deque[Seq] = deque()
-                    for s in self._inbox:
-                        if closed or s.req.sample_id in aborts:
-                            finished.append(self._result(s, "abort", locked=True))
-                        else:
-                            keep.append(s)
-                    self._inbox = keep
+                    self._inbox, gone = split_aborted(self._inbox, aborts, closed)
+                    finished += [self._result(s, "abort", locked=True) for s in gone]
             for row in reversed(range(len(self._active))):
                 s = self._active[row]
                 if closed or s.req.sample_id in aborts:
@@ -351,8 +322,9 @@ class NativeEngine:
                     self._remove_row(row)
             if closed or paused:
                 return finished
-            with self._lock:
-                admitted = self._admit()
+            with self._lock:  # pop queued requests that fit the batch and the prefill-token budget
+                admitted = take_admissible(self._inbox, len(self._active), self.max_batch_size,
+                                           self.max_prefill_tokens)
             if self._active or admitted:
                 self._forward_and_sample(admitted, finished)
             return finished
@@ -365,41 +337,9 @@ class NativeEngine:
             return True
         return not self._paused and bool(self._inbox or self._active)
 
-    def _admit(self) -> list[Seq]:
-        """Under ``_lock``: pop queued requests that fit the batch and the prefill-token budget."""
-        out: list[Seq] = []
-        budget = self.max_prefill_tokens
-        while self._inbox and len(self._active) + len(out) < self.max_batch_size:
-            n = len(self._inbox[0].req.prompt_ids)
-            if out and n > budget:
-                break
-            budget -= n
-            out.append(self._inbox.popleft())
-        return out
-
-    def _set_forward_aqn(self, model: torch.nn.Module, weights: Any) -> None:
-        """Per-forward AQN (``aqn_resample == "forward"`` in the publication): hooks built on first use."""
-        sigma = float(getattr(weights, "aqn_sigma", 0.0) or 0.0)
-        if getattr(weights, "aqn_resample", "publication") == "forward" and sigma > 0:
-            if self._aqn is None:
-                from asyncrl.quant import ForwardAqn
-
-                self._aqn = ForwardAqn(model)
-            self._aqn.set_publication(weights.aqn_seed, sigma)
-        elif self._aqn is not None:
-            self._aqn.set_publication(None, 0.0)
-
-    def _check_pointers(self, model: torch.nn.Module) -> None:
-        """After a load: captured graphs read weights by address, so a load that moved one drops them."""
-        pointers = tensor_pointers(model)
-        if pointers != self._pointers and self._static is not None and self._static.graphs.runners:
-            log.warning("a weight load reallocated parameters; the captured decode graphs are rebuilt")
-            self._static.graphs.invalidate()
-        self._pointers = pointers
-
     def _forward_and_sample(self, admitted: list[Seq], finished: list[GenResult]) -> None:
         assert self._runner is not None
-        aqn = self._aqn if self._aqn is not None and self._aqn.sigma > 0 else None
+        aqn = self._swap.forward_aqn()
         if self._static is not None and aqn is None:
             tokens, behav = static_forward(self._static, self._runner, self._active, admitted, self._join)
         else:
@@ -412,15 +352,9 @@ class NativeEngine:
         now = time.monotonic()
         done: list[tuple[int, str]] = []
         for row, s in enumerate(self._active):
-            s.response.append(tokens[row])
-            s.logps.append(behav[row])
-            s.versions.append(self._version)
-            if s.t_first is None:
-                s.t_first = now
-            if tokens[row] in s.stop_ids:
-                done.append((row, "stop"))
-            elif len(s.response) >= s.limit:
-                done.append((row, "length"))
+            reason = s.record(tokens[row], behav[row], self._version, now)
+            if reason is not None:
+                done.append((row, reason))
         for row, reason in reversed(done):
             finished.append(self._result(self._active[row], reason))
             self._remove_row(row)
@@ -450,23 +384,12 @@ class NativeEngine:
     def _result(self, s: Seq, reason: str, *, locked: bool = False) -> GenResult:
         """Build the result and forget the id; ``locked`` says the caller already holds ``_lock``."""
         now = time.monotonic()
-        timings = {"total_s": now - s.t_submit, "queue_s": (s.t_admit or now) - s.t_submit}
-        if s.t_first is not None:
-            timings["ttft_s"] = s.t_first - s.t_submit
         if locked:
             self._discard_live(s.req.sample_id)
         else:
             with self._lock:
                 self._discard_live(s.req.sample_id)
-        return GenResult(
-            sample_id=s.req.sample_id,
-            prompt_ids=list(s.req.prompt_ids),
-            response_ids=list(s.response),
-            behav_logp=np.asarray(s.logps, dtype=np.float32),
-            versions=np.asarray(s.versions, dtype=np.int32),
-            finish_reason=reason,
-            timings=timings,
-        )
+        return s.result(reason, now)
 
     def _discard_live(self, sample_id: str) -> None:
         self._live_ids.discard(sample_id)

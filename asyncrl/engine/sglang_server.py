@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangUnavailableError
 
@@ -203,3 +204,46 @@ class SGLangServerProcess:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait(timeout=5)
+
+
+def start_server(
+    model_path: str | Path,
+    *,
+    device: str = "cuda",
+    quant_format: str = "fp32",
+    version: int = 0,
+    python: str | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    log_path: str | Path | None = None,
+    startup_timeout_s: float = 600.0,
+    server_args: dict[str, Any] | None = None,
+) -> SGLangServerProcess:
+    """Start a server for one worker (``device="cpu"`` adds the CPU environment, ``cpu_env``) and wait
+    until it generates; a server that does not get ready is stopped before the error propagates.
+
+    ``server_args`` go to ``server_command`` (e.g. ``max_total_tokens``, ``deterministic``,
+    ``extra_args``); ``port`` defaults to a free one; the log goes to ``log_path`` (default
+    ``/tmp/asyncrl-sglang-<port>.log``)."""
+    port = port or free_port(host)
+    if Path(model_path).exists():
+        model_path = Path(model_path).resolve()
+    argv = server_command(
+        model_path,
+        python=python,
+        host=host,
+        port=port,
+        device=device,
+        quant_format=quant_format,
+        weight_version=version,
+        **(server_args or {}),
+    )
+    env = cpu_env() if device == "cpu" else None
+    log = Path(log_path) if log_path else Path(f"/tmp/asyncrl-sglang-{port}.log")
+    proc = SGLangServerProcess(argv, env=env, log_path=log)
+    try:
+        proc.wait_ready(startup_timeout_s)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

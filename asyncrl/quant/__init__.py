@@ -22,6 +22,7 @@ from .aqn import (
     aqn_trend,
     publication_seed,
 )
+from .buffers import BufferPool
 from .diagnostics import code_change_frac, kl_vs_full_precision, publication_metrics, quantization_error
 from .errors import (
     BlockShapeError,
@@ -48,7 +49,7 @@ from .fused import fuse_siblings
 from .int8 import dequantize_int8, int8_linear, quantize_act_int8, quantize_int8_rows
 from .linear import LINEAR_CLASSES, QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, TARGET_LINEARS, model_format, quantize_model, quantizes_head
-from .publish import BufferPool, PublishedWeights, load_published, publish
+from .publish import PublishedWeights, load_published, publish
 from .uaq import UAQ_SITES, fold_uaq, unfold_uaq
 from .wire import RawTensor
 

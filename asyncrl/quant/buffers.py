@@ -1,9 +1,13 @@
 """Host memory for publications: the send buffers one publication is written into, and their reuse.
 
 Owns: `Blocks` (where one publication's tensors live: small ones packed into 64 MiB blocks, large ones
-in mappings of their own, huge pages asked for) and `BufferPool` (a publisher's mappings, handed out
-again once nothing views them). `publish` writes codes straight into these buffers (CPU weights) or
-copies them in once from the device that quantised them (CUDA weights, `Blocks.to_host`).
+in mappings of their own, huge pages asked for), `BufferPool` (a publisher's mappings, handed out
+again once nothing views them) and the staging of one target weight into them (`quantize_for_send`).
+
+Device: a weight is quantised on the device that holds it (`quantizes_on_device`): a CUDA learner's
+weights on its GPU, and only codes, scales and the untouched tensors are copied to the host, each once,
+into these buffers (`Blocks.to_host`); CPU weights have their codes written straight into them. The
+bytes are the same either way (one rule, `formats.quantize_weight`).
 
 Must never: hand out memory that a live tensor, array or zmq frame still views, or copy a tensor
 more than once on its way into a buffer.
@@ -19,6 +23,8 @@ import weakref
 
 import torch
 from torch import Tensor
+
+from .formats import quantize_weight
 
 
 class Blocks:
@@ -168,3 +174,27 @@ class BufferPool:
     def free_bytes(self) -> int:
         """Bytes of the mappings held for reuse (none of them viewed by anything)."""
         return sum(len(m) for m in list(self._free))
+
+
+def quantizes_on_device(t: Tensor) -> bool:
+    """Where `publish` quantises a weight: on the device that holds it. True for an accelerator (a CUDA
+    learner's weights are quantised on its GPU, and only the codes and scales, 1/4 to 1/7 of the fp32
+    bytes, cross to the host); False for the CPU (the codes are written straight into the send buffers)."""
+    return t.device.type != "cpu"
+
+
+def quantize_for_send(t: Tensor, fmt: str, *, name: str, blocks: Blocks,
+                      on_device: bool | None = None) -> dict[str, Tensor]:
+    """Quantise one target weight into host send buffers ({suffix: contiguous CPU tensor}).
+
+    ``on_device`` (default `quantizes_on_device(t)`): True quantises where ``t`` lives with the one
+    rule of formats.py, then copies each result once into a buffer (`Blocks.to_host`); False writes
+    the codes of a CPU weight straight into the buffers. Both give the same bytes: the rule's ops are
+    correctly rounded on every device (tested on CPU tensors through the on-device branch)."""
+    if on_device is None:
+        on_device = quantizes_on_device(t)
+    if not on_device:
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        return quantize_weight(t, fmt, name=name, alloc=blocks.empty)
+    return {suffix: blocks.to_host(q) for suffix, q in quantize_weight(t, fmt, name=name).items()}

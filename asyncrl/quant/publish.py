@@ -18,10 +18,9 @@ no spaces), and the header embeds every tensor's own integrity digest (XXH3-128,
 raw bytes (little-endian, C order). So the checksum covers manifest and bytes, and a byte mismatch is
 reported by tensor name.
 
-Device: a weight is quantised on the device that holds it (`quantizes_on_device`): a CUDA learner's
-weights on its GPU, and only codes, scales and the untouched tensors are copied to the host, each once,
-into the send buffers (buffers.py); CPU weights have their codes written straight into those buffers.
-The bytes are the same either way (one rule, formats.py).
+Device and buffers: every published tensor lands in a send buffer of buffers.py, the one home of the
+host memory a publication lives in (`Blocks`, `BufferPool`) and of the staging of a quantised weight into
+it (`quantize_for_send`: quantised on the device that holds it, copied to the host once).
 
 Cost: each published tensor is read a bounded number of times (quantisation reads the weight once
 for its scale and once for its codes; finiteness of a quantised weight is read off its row/block
@@ -47,7 +46,7 @@ from protocols import TensorSpec
 from protocols.values import AQN_RESAMPLE, require_choice
 
 from . import aqn as aqn_mod
-from .buffers import Blocks, BufferPool
+from .buffers import Blocks, BufferPool, quantize_for_send
 from .errors import (
     ChecksumMismatchError,
     FormatMismatchError,
@@ -62,7 +61,6 @@ from .formats import (
     ROLE_SCALE,
     ROLE_WEIGHT,
     check_format,
-    quantize_weight,
     weight_suffixes,
 )
 from .int8 import all_finite
@@ -315,30 +313,6 @@ def publish(
     return PublishedWeights(
         version, fmt, out, entries, checksum, aqn_seed=seed, aqn_sigma=sigma, aqn_resample=mode
     )
-
-
-def quantizes_on_device(t: Tensor) -> bool:
-    """Where `publish` quantises a weight: on the device that holds it. True for an accelerator (a CUDA
-    learner's weights are quantised on its GPU, and only the codes and scales, 1/4 to 1/7 of the fp32
-    bytes, cross to the host); False for the CPU (the codes are written straight into the send buffers)."""
-    return t.device.type != "cpu"
-
-
-def quantize_for_send(t: Tensor, fmt: str, *, name: str, blocks: Blocks,
-                      on_device: bool | None = None) -> dict[str, Tensor]:
-    """Quantise one target weight into host send buffers ({suffix: contiguous CPU tensor}).
-
-    ``on_device`` (default `quantizes_on_device(t)`): True quantises where ``t`` lives with the one
-    rule of formats.py, then copies each result once into a buffer (`Blocks.to_host`); False writes
-    the codes of a CPU weight straight into the buffers. Both give the same bytes: the rule's ops are
-    correctly rounded on every device (tested on CPU tensors through the on-device branch)."""
-    if on_device is None:
-        on_device = quantizes_on_device(t)
-    if not on_device:
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        return quantize_weight(t, fmt, name=name, alloc=blocks.empty)
-    return {suffix: blocks.to_host(q) for suffix, q in quantize_weight(t, fmt, name=name).items()}
 
 
 def _alias_key(t: Tensor) -> tuple:

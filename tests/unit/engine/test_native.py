@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.native import EngineClosedError, NativeEngine
+from asyncrl.engine.base import EngineClosedError
+from asyncrl.engine.native import NativeEngine
 
 
 def ids(text: str) -> list[int]:

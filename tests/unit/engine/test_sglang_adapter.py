@@ -8,6 +8,7 @@ not SGLang and proves nothing about SGLang's behaviour; tests/sglang/ runs the c
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import pickle
 import threading
@@ -19,8 +20,10 @@ import pytest
 import torch
 
 from asyncrl.engine import GenRequest, RolloutEngine, SamplingParams
-from asyncrl.engine.sglang import EngineClosedError, SGLangEngine, parse_generate_output, request_seed
+from asyncrl.engine.base import EngineClosedError
+from asyncrl.engine.sglang import SGLangEngine
 from asyncrl.engine.sglang_http import SGLangHTTP, SGLangRequestError, SGLangUnavailableError, parse_base_url
+from asyncrl.engine.sglang_requests import parse_generate_output, request_seed
 from asyncrl.engine.sglang_server import cpu_env, server_command
 from asyncrl.engine.sglang_weights import BroadcastWeights, chunk_update, prepare_update, tensor_bodies
 
@@ -217,6 +220,20 @@ def test_request_seeds_differ_per_sample_and_are_stable():
     assert 0 <= request_seed(123, "x") < 2**63
 
 
+def test_stop_cut_and_rids_of_the_request_mapping():
+    from asyncrl.engine.sglang_requests import cut_at_stop, request_rid, stop_set
+
+    assert stop_set(req(0), None) is None and stop_set(req(0), (2, 3)) == {2, 3}
+    assert stop_set(req(0, stop_token_ids=()), (2,)) == frozenset()  # explicit empty set: no stop token
+    ids, logps, versions = [5, 9, 2, 7], [-1.0, -2.0, -3.0, -4.0], [0, 0, 1, 1]
+    assert cut_at_stop(ids, logps, versions, "length", frozenset({2, 7})) == ([5, 9, 2], [-1.0, -2.0, -3.0],
+                                                                            [0, 0, 1], "stop")
+    assert cut_at_stop(ids, logps, versions, "length", frozenset({4})) == (ids, logps, versions, "length")
+    assert cut_at_stop(ids, logps, versions, "length", None) == (ids, logps, versions, "length")
+    # prefix-free: no rid is a prefix of another sample's rid (SGLang aborts by prefix)
+    assert not request_rid("t", "s1").startswith(request_rid("t", "s")) and request_rid("t", "s1") == "t-2:s1"
+
+
 def test_parse_maps_version_spans_and_rejects_foreign_versions():
     r = req(0)
     out = {
@@ -381,6 +398,23 @@ def test_close_aborts_everything_and_refuses_new_work(stub):
     with pytest.raises(EngineClosedError):
         engine.update_weights(1, {"w": torch.zeros(1)})
     engine.close()
+
+
+def test_both_engines_raise_the_one_base_engine_closed_error_after_close(stub, tiny_hf):
+    """Native (tiny model) and SGLang (stub server) refuse work after close with the same class, so one
+    ``except EngineClosedError`` in a worker covers either engine."""
+    from asyncrl.engine.native import NativeEngine
+
+    engines = {"native": NativeEngine(copy.deepcopy(tiny_hf)), "sglang": SGLangEngine(stub.url)}
+    for name, engine in engines.items():
+        engine.close()
+        with pytest.raises(EngineClosedError) as submitted:
+            engine.submit([req(0)])
+        with pytest.raises(EngineClosedError) as updated:
+            engine.update_weights(1, {"model.norm.weight": torch.ones(1)})
+        assert type(submitted.value) is type(updated.value) is EngineClosedError, name
+        assert "build a new one" in str(submitted.value), name
+        engine.close()  # idempotent
 
 
 def test_broadcast_update_posts_metadata_and_is_never_coalesced(stub):

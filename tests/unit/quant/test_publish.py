@@ -381,8 +381,7 @@ def test_a_worker_and_a_publication_that_disagree_on_the_head_name_quant_lm_head
 def test_quantizing_on_the_weights_device_gives_the_bytes_of_the_host_quantiser(fmt):
     # A CUDA learner's weights are quantised on its GPU and only the results are copied to the host. That
     # branch is run here on CPU tensors: the same code path, with the host as the device.
-    from asyncrl.quant.buffers import Blocks
-    from asyncrl.quant.publish import quantize_for_send, quantizes_on_device
+    from asyncrl.quant.buffers import Blocks, quantize_for_send, quantizes_on_device
 
     g = torch.Generator().manual_seed(21)
     for shape in ((96, 80), (40, 200), (2304, 520)):  # fp4 padding; a large one in a mapping of its own
