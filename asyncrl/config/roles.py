@@ -220,14 +220,17 @@ def worker_role_for_run(cfg: TrainConfig, *, controller: str, worker_id: str, lo
 
 
 def _text(kind: Any, value: Any) -> str:
-    """``value`` as the text after ``key=`` that ``parse_role`` reads back as ``value``."""
+    """``value`` as the text after ``key=`` that ``parse_role`` reads back as ``value`` (a literal ``${`` is
+    escaped, as OmegaConf would otherwise resolve it as an interpolation)."""
     if isinstance(value, bool):
         return str(value).lower()
     if _is_list(kind):
+        value = [v.replace("${", "\\${") for v in value]
         plain = bool(value) and all(v and not _quoted(v) and not set(v) & set(",[]'\"") for v in value)
         return ",".join(value) if plain else json.dumps(value)
-    if isinstance(value, str) and _quoted(value):
-        return json.dumps(value)
+    if isinstance(value, str):
+        value = value.replace("${", "\\${")
+        return json.dumps(value) if _quoted(value) else value
     return str(value)
 
 

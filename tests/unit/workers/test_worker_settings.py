@@ -21,6 +21,7 @@ from asyncrl.config import load_train_config
 from asyncrl.config.roles import (
     LearnerRoleConfig,
     WorkerRoleConfig,
+    WorkerSGLangConfig,
     parse_role,
     role_dotlist,
     role_keys,
@@ -180,3 +181,12 @@ def test_a_role_command_with_a_bad_key_exits_2_saying_the_fix(procs, command, se
     assert proc.returncode == 2, text
     assert text.startswith(f"asyncrl {command}: unknown configuration key") and message in text, text
     assert "Traceback" not in text and not out
+
+
+@pytest.mark.parametrize("text", ["null", "true", "~", "1:30", "[x]", "{a: 1}", "#c", "a # b", " lead", "trail ",
+                                  '"q"', "'s'", "it's", "x=y", "${oc.env:HOME}", "a${b}c", "é", "0x10", "1e3", "-",
+                                  "--flag", ""])
+def test_text_settings_round_trip_verbatim(text):
+    role = WorkerRoleConfig(controller="tcp://h:1", worker_id=text, log_dir=text,
+                            sglang=WorkerSGLangConfig(python=text, extra_args=[text, f"{text},z"]))
+    assert parse_role(WorkerRoleConfig, role_dotlist(role), command="worker") == role
