@@ -15,6 +15,9 @@ run says so and exits 0 without touching the run folder.
   asyncrl log repair PATH                 salvage a log with interior damage, explicitly
   asyncrl log show RUN [--last N|--step K] decoded prompts and completions with rewards and versions
   asyncrl keys generate DIR               CurveZMQ keys for transport.keys_dir=DIR
+
+``asyncrl worker`` and ``asyncrl learner`` read their ``key=value`` settings like ``train`` does: typed role
+configs (``asyncrl.config.roles``), with ``role_argv`` here for ``--help``.
 """
 
 from __future__ import annotations
@@ -95,6 +98,19 @@ binds transport.host:transport.port, prints its addresses, then serves until the
   asyncrl worker controller=tcp://THIS_HOST:5555 [engine=sglang ...]             (generation nodes)
 
 Put the run folder (runs_dir) on a filesystem the learner nodes share: both write checkpoints into it."""
+
+
+def role_argv(argv: Sequence[str], *, command: str, description: str, schema: type, note: str = "",
+              usage_text: str = "") -> list[str]:
+    """The ``key=value`` settings of ``asyncrl COMMAND`` (``--help``: the description, ``usage_text``,
+    one line per key of ``schema`` from its docstrings, then ``note``; exits 0)."""
+    from asyncrl.config.roles import settings_help  # no torch, no zmq: the schema and its docstrings
+
+    epilog = "\n".join(filter(None, [usage_text, "settings (key=value):", *settings_help(schema), note]))
+    p = argparse.ArgumentParser(prog=f"asyncrl {command}", description=description, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("settings", nargs="*", help="key=value settings (below)")
+    return list(p.parse_args(list(argv)).settings)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,6 +44,7 @@ import numpy as np
 import zmq
 
 import protocols as P
+from asyncrl.config.roles import WorkerRoleConfig, check_worker_role
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.factory import EngineSpec, build_engine
 from asyncrl.learner.memory import bound_kernel_caches, malloc_trim
@@ -57,7 +58,7 @@ from asyncrl.transport import (
     load_client_keys,
     private_context,
 )
-from workers.worker_args import NATIVE_KEYS, SGLANG_KEYS, built, engine_spec, parse_args, settings
+from workers.worker_args import built, engine_spec, parse_args
 from workers.worker_rejoin import RejoinMixin
 
 log = logging.getLogger("asyncrl.worker")
@@ -71,9 +72,6 @@ HELLO_RETRY_S = 2.0
 ERROR_BACKOFF_S = 0.5
 """Pause after the controller answered with an error (``not_ready`` while starting, any other) before
 asking again."""
-DRAIN_S = 10.0
-"""Default of ``drain_s=``: on SIGTERM or Shutdown, how long in-flight samples may finish before the rest
-is aborted and handed back."""
 COMMS_EXIT_MARGIN_S = 30.0
 """Beyond ``drain_s``, how long the engine thread waits for the comms thread to leave."""
 ENGINE_POLL_S = 0.1
@@ -96,29 +94,21 @@ FLUSH_S = 5.0
 as soon as they have; this bounds only a controller that is gone)."""
 
 class GeneratorWorker(RejoinMixin):
-    def __init__(self, controller: str, *, worker_id: str = "", quant_fmt: str = "", slots: int = 0,
-                 drain_s: float = DRAIN_S, hello_timeout_s: float = HELLO_TIMEOUT_S, curve=None, engine: str = "native",
-                 device: str = "auto", sglang: dict[str, str] | None = None, log_dir: str = "",
-                 native: dict[str, str] | None = None) -> None:
+    def __init__(self, role: WorkerRoleConfig, *, hello_timeout_s: float = HELLO_TIMEOUT_S, curve=None) -> None:
+        self.role = check_worker_role(role)  # its settings (asyncrl worker key=value ...), checked before any socket
         self.curve = curve  # CurveConfig (client keys) when the job runs with transport.keys_dir
-        self.engine_kind = engine
-        self.device = device
-        self.native = dict(native or {})  # decode_step / cuda_graphs / compile of a native engine
-        self.sglang = dict(sglang or {})
-        self.log_dir = log_dir
+        self.engine_kind = role.engine
         self.fatal: BaseException | None = None  # the first error of any thread; the process exits with 1
         self.gave_up = ""  # why the worker left a run it cannot serve any more (exit 1, one line, no traceback)
         self.left = False
-        # checked before any socket: a known engine, and SGLang serves full-precision formats only
-        EngineSpec(kind=engine, quant_format=quant_fmt or ("fp32" if engine == "sglang" else "int8"),
-                   decode_step=self.native.get("decode_step", "auto"), cuda_graphs=self.native.get("cuda_graphs", "auto"))
-        self.controller = controller
-        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.no_learner_limit_s = role.no_learner_s
+        self.controller = role.controller
+        self.worker_id = role.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         # this process's own socket identity: a second process under the same id is refused by name, not parked
         self.identity = f"{self.worker_id}/{os.getpid()}-{secrets.token_hex(4)}"
-        self.requested_fmt = quant_fmt
-        self.requested_slots = slots
-        self.drain_s = drain_s
+        self.requested_fmt = role.quant.fmt
+        self.requested_slots = role.slots
+        self.drain_s = role.drain_s
         self.hello_timeout_s = hello_timeout_s
         self.stop = threading.Event()
         self.results: queue.Queue = queue.Queue()
@@ -282,8 +272,7 @@ class GeneratorWorker(RejoinMixin):
             beater.join()
 
     def _engine_spec(self, setup: P.WorkerSetup) -> EngineSpec:
-        return engine_spec(setup, kind=self.engine_kind, fmt=self.fmt, device=self.device, slots=self.slots,
-                           sglang=self.sglang, native=self.native, log_dir=self.log_dir)
+        return engine_spec(setup, self.role, fmt=self.fmt, slots=self.slots)
 
     def _fail(self, exc: BaseException, where: str) -> None:
         """Record the first fatal error of any thread and stop the worker (the process exits with 1)."""
@@ -474,18 +463,11 @@ class GeneratorWorker(RejoinMixin):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    role = parse_args(sys.argv[1:] if argv is None else argv)
     bound_kernel_caches()  # before the engine's first oneDNN matmul (asyncrl/learner/memory.py)
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"), format="%(asctime)s %(name)s %(message)s")
-    keys_dir = getattr(args, "transport_keys_dir", "")
-    curve = load_client_keys(keys_dir, getattr(args, "transport_key_name", "")) if keys_dir else None
-    worker = GeneratorWorker(args.controller, worker_id=getattr(args, "worker_id", ""),
-                             quant_fmt=getattr(args, "quant_fmt", ""), slots=int(getattr(args, "slots", 0)),
-                             drain_s=float(getattr(args, "drain_s", DRAIN_S)), curve=curve,
-                             engine=getattr(args, "engine", "native"), device=getattr(args, "device", "auto"),
-                             sglang=settings(args, SGLANG_KEYS, "sglang_"), native=settings(args, NATIVE_KEYS),
-                             log_dir=getattr(args, "log_dir", ""))
-    worker.no_learner_limit_s = float(getattr(args, "no_learner_s", worker.no_learner_limit_s))
+    logging.basicConfig(level=role.log_level, format="%(asctime)s %(name)s %(message)s")
+    keys = role.transport
+    worker = GeneratorWorker(role, curve=load_client_keys(keys.keys_dir, keys.key_name) if keys.keys_dir else None)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
     rc = worker.run()

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import TrainConfig, save_config
+from asyncrl.config.devices import parse_device
 from asyncrl.config.paths import resolve_paths
 from asyncrl.rundir import RunDir
 
@@ -192,9 +193,10 @@ def gpu_plan(gpus: Sequence[str], cfg: TrainConfig) -> tuple[str | None, list[st
     n, W = len(gpus), cfg.learner.world_size
     if n == 0:
         return None, [None] * cfg.rollout.num_workers
-    learner = ",".join(gpus[:W]) if cfg.learner.device != "cpu" and n > W else None
+    learner_gpu = parse_device(cfg.learner.device, key="learner.device", indexed=False).may_use_gpu
+    learner = ",".join(gpus[:W]) if learner_gpu and n > W else None
     pool = list(gpus[W:]) if learner is not None else list(gpus)
-    gpu_workers = cfg.rollout.engine == "sglang" or cfg.rollout.device in ("auto", "cuda")
+    gpu_workers = cfg.rollout.engine == "sglang" or parse_device(cfg.rollout.device, key="rollout.device").may_use_gpu
     return learner, [pool[i % len(pool)] if gpu_workers else None for i in range(cfg.rollout.num_workers)]
 
 
@@ -245,24 +247,12 @@ class Launcher:
                         for i in range(self.cfg.rollout.num_workers)]
 
     def worker_args(self, name: str) -> list[str]:
-        """``asyncrl worker`` for one of this run's workers: the run's engine, device and SGLang settings."""
-        cfg = self.cfg
-        keys = [f"transport.keys_dir={cfg.transport.keys_dir}"] if cfg.transport.keys_dir else []
-        engine = [f"engine={cfg.rollout.engine}", f"device={cfg.rollout.device}",
-                  f"log_dir={self.paths.logs}"]
-        if cfg.rollout.engine == "native":
-            r = cfg.rollout
-            engine += [f"decode_step={r.decode_step}", f"cuda_graphs={r.cuda_graphs}", f"compile={r.compile}".lower()]
-        if cfg.rollout.engine == "sglang":
-            s = cfg.sglang
-            engine += [f"quant.fmt={cfg.quant.fmt}", f"sglang.device={s.device}",
-                       f"sglang.startup_timeout_s={s.startup_timeout_s}"]
-            engine += [f"sglang.{k}={v}" for k, v in (("url", s.url), ("python", s.python),
-                                                       ("max_total_tokens", s.max_total_tokens)) if v]
-            if s.extra_args:
-                engine.append(f"sglang.extra_args={','.join(s.extra_args)}")
-        return [sys.executable, "-m", "workers.generator", f"controller={self.address}", f"worker_id={name}",
-                *engine, *keys]
+        """``asyncrl worker`` for one of this run's workers: every setting of its ``WorkerRoleConfig`` (the
+        run's engine, device, decode options, keys and ``sglang.*``), written by ``role_dotlist``."""
+        from asyncrl.config.roles import role_dotlist, worker_role_for_run
+
+        role = worker_role_for_run(self.cfg, controller=self.address, worker_id=name, log_dir=str(self.paths.logs))
+        return [sys.executable, "-m", "workers.generator", *role_dotlist(role)]
 
     def restart_worker(self, dead: Child) -> None:
         """Replace a worker that died (its work was reissued by the controller), on the same GPU."""

@@ -19,7 +19,6 @@ filesystem), because each writes its checkpoints there and a resume reads both.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -142,22 +141,6 @@ def ask_run_setup(controller: str, *, keys_dir: str = "", key_name: str = "",
     return env.msg.run_setup()
 
 
-def parse_kv(argv: Sequence[str], prog: str, known: set[str], epilog: str) -> dict[str, str]:
-    p = argparse.ArgumentParser(prog=prog, description=epilog.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
-    p.add_argument("overrides", nargs="*", help="key=value settings")
-    args = p.parse_args(list(argv))
-    kv = {}
-    for ov in args.overrides:
-        if "=" not in ov:
-            p.error(f"{ov!r} is not key=value")
-        k, v = ov.split("=", 1)
-        if k not in known:
-            p.error(f"unknown setting {k!r}; known: {sorted(known)}")
-        kv[k] = v
-    return kv
-
-
 LEARNER_HELP = """one learner rank of a run whose controller is already serving (`asyncrl controller`)
 Run it under torchrun; every rank asks the controller where the run folder and the model are:
 
@@ -165,27 +148,22 @@ Run it under torchrun; every rank asks the controller where the run folder and t
     torchrun --standalone --nproc-per-node=G -m asyncrl learner controller=tcp://HOST:PORT
   N nodes (the same command on each; SLURM: examples/slurm/asyncrl.sbatch):
     torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 \\
-             --rdzv-id=JOB -m asyncrl learner controller=tcp://HOST:PORT
-
-settings (key=value):
-  controller=tcp://HOST:PORT   required: the address `asyncrl controller` prints
-  run_dir=DIR model_dir=DIR    where the run and model folders are on this host (default: the controller's
-                               paths, which must then be on a filesystem shared with it)
-  transport.keys_dir=DIR transport.key_name=NAME   CurveZMQ client keys (docs/security.md)
-Rank 0 talks to the controller and serves the weights; the device follows learner.device (auto: NCCL on
+             --rdzv-id=JOB -m asyncrl learner controller=tcp://HOST:PORT"""
+LEARNER_NOTE = """Rank 0 talks to the controller and serves the weights; the device follows learner.device (auto: NCCL on
 GPUs, gloo on CPUs)."""
 
 
 def run_learner(argv: Sequence[str]) -> int:
     """``asyncrl learner controller=ADDR``: this process is one rank (torchrun sets RANK/WORLD_SIZE)."""
-    kv = parse_kv(argv, "asyncrl learner", {"controller", "run_dir", "model_dir", "transport.keys_dir",
-                                            "transport.key_name"}, LEARNER_HELP)
-    if "controller" not in kv:
-        raise ValueError("controller=tcp://HOST:PORT is required (printed by `asyncrl controller`)")
-    setup = ask_run_setup(kv["controller"], keys_dir=kv.get("transport.keys_dir", ""),
-                          key_name=kv.get("transport.key_name", ""))
-    run_dir = Path(kv.get("run_dir") or setup.run_dir)
-    model_dir = Path(kv.get("model_dir") or setup.model_dir)
+    from asyncrl.config.roles import LearnerRoleConfig, parse_role
+    from workers.cli import role_argv
+
+    head, _, usage = LEARNER_HELP.partition("\n")
+    role = parse_role(LearnerRoleConfig, role_argv(argv, command="learner", description=head, usage_text=usage,
+                                                   schema=LearnerRoleConfig, note=LEARNER_NOTE), command="learner")
+    setup = ask_run_setup(role.controller, keys_dir=role.transport.keys_dir, key_name=role.transport.key_name)
+    run_dir = Path(role.run_dir or setup.run_dir)
+    model_dir = Path(role.model_dir or setup.model_dir)
     # the run's config.json; the Hugging Face model's config.json
     for name, folder, marker in (("run_dir", run_dir, RunDir(run_dir).config),
                                  ("model_dir", model_dir, model_dir / "config.json")):
@@ -196,7 +174,7 @@ def run_learner(argv: Sequence[str]) -> int:
     from workers.learner import main as learner_main
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    return learner_main(["--run-dir", str(run_dir), "--model-dir", str(model_dir), "--controller", kv["controller"],
+    return learner_main(["--run-dir", str(run_dir), "--model-dir", str(model_dir), "--controller", role.controller,
                          "--publish-formats", ",".join(setup.publish_formats)])
 
 

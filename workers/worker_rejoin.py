@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asyncrl.worker")
 
-NO_LEARNER_LIMIT_S = 120.0
-"""How long a joined worker keeps asking a controller that answers ``not_ready`` (it restarted, and no
-learner has rejoined it yet) before it leaves, saying which role to restart."""
 REFETCH_TIMEOUT_S = 60.0
 """The first fetch from a learner's new weight server (it publishes its version before it joins)."""
 
@@ -56,7 +53,7 @@ class RejoinMixin:
     gave_up: str
     refetch: bool = False  # a new weight server: fetch its newest version before polling its announcements
     not_ready_since: float | None = None
-    no_learner_limit_s: float = NO_LEARNER_LIMIT_S
+    no_learner_limit_s: float  # the worker's no_learner_s= (asyncrl.config.roles.WorkerRoleConfig)
     _take_weights: Callable[[Any, Any, float], None]  # GeneratorWorker's: hand fetched weights to the engine
 
     def _weight_client(self, setup: P.WorkerSetup) -> WeightClient:

@@ -1,4 +1,5 @@
-"""Configuration: structured schemas and the Hydra loader. Imports no torch or zmq."""
+"""Configuration: structured schemas, the Hydra loader, the settings of the role commands (roles.py) and
+the device grammar (devices.py). Imports no torch or zmq."""
 
 from asyncrl.config.loader import CONFIG_DIR, load_train_config, save_config
 from asyncrl.config.schema import (

@@ -53,10 +53,13 @@ def nearest_key(key: str, known: Sequence[str]) -> str | None:
     return None
 
 
-def check_known_keys(tree: Any, *, source: str = "configuration") -> None:
-    """``ValueError`` for the first key of ``tree`` (nested dicts) the schema does not have, naming the
-    nearest valid key. Values of dict-typed keys (free-form settings) are not checked."""
-    known = schema_keys()
+def check_known_keys(tree: Any, *, source: str = "configuration", schema: type = TrainConfig,
+                     where: str = "A '+' never adds a key: every valid key is in asyncrl/config/schema.py") -> None:
+    """``ValueError`` for the first key of ``tree`` (nested dicts) that ``schema`` does not have, naming the
+    nearest valid key, then ``where`` (where the valid keys are listed). Values of dict-typed keys (free-form settings) are
+    not checked. ``asyncrl worker`` / ``asyncrl learner`` check their settings here too
+    (``asyncrl.config.roles``)."""
+    known = schema_keys(schema)
 
     def walk(node: Any, prefix: str) -> None:
         if not isinstance(node, dict):
@@ -66,8 +69,7 @@ def check_known_keys(tree: Any, *, source: str = "configuration") -> None:
             if key not in known:
                 near = nearest_key(key, list(known))
                 hint = f"did you mean {near}?" if near else "no valid key is close to it."
-                raise ValueError(f"unknown configuration key {key!r} (in the {source}); {hint} A '+' never adds "
-                                 "a key: every valid key is in asyncrl/config/schema.py")
+                raise ValueError(f"unknown configuration key {key!r} (in the {source}); {hint} {where}")
             if known[key] is not None:
                 walk(v, f"{key}.")
 

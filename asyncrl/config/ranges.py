@@ -6,7 +6,9 @@ value and the allowed range, before any process starts (``asyncrl.config.schema.
 Also the run name's rule (``check_run_name``): it becomes a folder name under ``runs_dir``.
 Never: imports torch or any heavy module; holds a cross-field rule (those stay in ``validate``).
 
-Invariant: every int/float key of ``TrainConfig`` outside ``algo.*`` has exactly one entry here
+Also ``WORKER_RANGES``, the same for the numeric settings of ``asyncrl worker``.
+
+Invariant: every int/float key of ``TrainConfig`` outside ``algo.*`` has exactly one entry in ``RANGES``
 (tests/unit/config/test_ranges.py checks it); ``algo.*`` keys validate themselves in
 ``asyncrl.algo.config`` when the section is built. Intervals are written ``[lo, hi]`` / ``(lo, hi)``
 with ``inf`` for no upper bound; a value must also be finite whatever its interval.
@@ -116,7 +118,17 @@ RANGES: dict[str, tuple[str, str]] = {
     "health.workers_idle_max": ("[0, 1]", "a share of the workers' time"),
 }
 
-INTERVALS: dict[str, Interval] = {key: Interval.parse(text) for key, (text, _) in RANGES.items()}
+WORKER_RANGES: dict[str, tuple[str, str]] = {
+    "slots": ("[0, inf)", "concurrent samples; 0 = the run's rollout.worker_slots"),
+    "drain_s": ("[0, inf)", "seconds in-flight samples may finish when the worker stops"),
+    "no_learner_s": ("(0, inf)", "seconds to wait for a learner (default 120)"),
+    "sglang.max_total_tokens": RANGES["sglang.max_total_tokens"],
+    "sglang.startup_timeout_s": RANGES["sglang.startup_timeout_s"],
+}
+"""The numeric keys of ``asyncrl worker`` (``asyncrl.config.roles.WorkerRoleConfig``); a key it shares with
+the run (``sglang.*``) has the run's interval."""
+
+INTERVALS: dict[str, Interval] = {key: Interval.parse(text) for key, (text, _) in (RANGES | WORKER_RANGES).items()}
 
 
 def lookup(cfg: Any, key: str) -> Any:
@@ -127,10 +139,11 @@ def lookup(cfg: Any, key: str) -> Any:
     return node
 
 
-def check_value(key: str, value: Any) -> None:
-    """``ValueError`` naming ``key``, ``value`` and the allowed range when ``value`` is not a finite number in it."""
+def check_value(key: str, value: Any, table: dict[str, tuple[str, str]] = RANGES) -> None:
+    """``ValueError`` naming ``key``, ``value`` and the allowed range when ``value`` is not a finite number in
+    it (``table``: ``RANGES``, or ``WORKER_RANGES`` for a worker's settings)."""
     interval = INTERVALS[key]
-    meaning = RANGES[key][1]
+    meaning = table[key][1]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{key}={value!r} is not a number; allowed: {interval.describe()} ({meaning})")
     if not math.isfinite(value):
@@ -139,10 +152,11 @@ def check_value(key: str, value: Any) -> None:
         raise ValueError(f"{key}={value!r} must be {interval.describe()} ({meaning})")
 
 
-def check_ranges(cfg: Any) -> None:
-    """Every key of ``RANGES`` in ``cfg`` (a ``TrainConfig``) is finite and in its interval."""
-    for key in RANGES:
-        check_value(key, lookup(cfg, key))
+def check_ranges(cfg: Any, table: dict[str, tuple[str, str]] = RANGES) -> None:
+    """Every key of ``table`` in ``cfg`` (a ``TrainConfig`` for ``RANGES``, a ``WorkerRoleConfig`` for
+    ``WORKER_RANGES``) is finite and in its interval."""
+    for key in table:
+        check_value(key, lookup(cfg, key), table)
 
 
 def check_run_name(name: str) -> None:

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.algo.config import AlgoConfig
+from asyncrl.config.devices import parse_device
 from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.controller.prompts import PROMPT_FORMATS
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
-from asyncrl.engine.factory import ENGINES as ROLLOUT_ENGINES
-from asyncrl.engine.factory import SGLANG_SERVING
 from asyncrl.learner.options import LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
 from asyncrl.metrics.health import HealthConfig, check_health
@@ -28,8 +27,10 @@ from asyncrl.tasks.registry import TASKS
 from protocols.values import AQN_RESAMPLE, require_choice
 from protocols.values import FORMATS as QUANT_FORMATS
 
-DEVICES = ("auto", "cpu", "cuda")
-"""``learner.device`` and ``sglang.device`` values; ``rollout.device`` also takes ``cuda:N``."""
+ENGINES = ("native", "sglang")
+"""``rollout.engine`` values and a worker's ``engine=`` (``asyncrl.engine.factory.build_engine`` builds them)."""
+SGLANG_SERVING = ("fp32", "bf16", "fp8")
+"""The formats an SGLang worker serves (fp8: GPU only); it fetches ``sglang_wire_format`` of them."""
 MODEL_NAMES = ("tiny", "smollm2", "path")
 """``model.name`` values (``asyncrl.models``)."""
 TOO_LONG = ("skip", "error")
@@ -239,19 +240,21 @@ class SGLangConfig:
     """Workers with ``rollout.engine=sglang`` (or ``asyncrl worker engine=sglang``); docs/sglang.md."""
 
     url: str = ""
-    """Attach to this running SGLang 0.5.23 server (``http://host:port``) instead of starting one per
-    worker. It must serve the run's model architecture; the worker pushes the learner's weights into it."""
+    """``http://HOST:PORT``: attach to this running SGLang 0.5.23 server instead of starting one per worker.
+    It must serve the run's model architecture; the worker pushes the learner's weights into it."""
     device: str = "auto"
-    """Device of a server the worker starts: ``auto`` (``cuda`` when a GPU is visible, else ``cpu``),
-    ``cpu`` (asyncrl's CPU setup, docs/sglang.md) or ``cuda``."""
+    """``auto|cpu|cuda``: device of a server the worker starts (``auto``: ``cuda`` when a GPU is visible,
+    else ``cpu``; ``cpu``: asyncrl's CPU setup, docs/sglang.md)."""
     python: str = ""
-    """Interpreter with SGLang installed; default ``$ASYNCRL_SGLANG_PYTHON``, else ``.cache/sglang-venv``."""
+    """``PATH``: interpreter with SGLang installed; default ``$ASYNCRL_SGLANG_PYTHON``, else
+    ``.cache/sglang-venv``."""
     max_total_tokens: int = 0
-    """KV-cache size of a started server in tokens (0: SGLang's default; on a CPU 16384 is used)."""
+    """``N``: KV-cache size of a started server in tokens (0: SGLang's default; on a CPU 16384 is used)."""
     startup_timeout_s: float = 600.0
-    """How long a worker waits for the server it started to generate its first token."""
+    """``S``: how long a worker waits for the server it started to generate its first token."""
     extra_args: list[str] = field(default_factory=list)
-    """More ``sglang.launch_server`` flags for a started server (e.g. [--attention-backend, triton])."""
+    """``[--flag,value]``: more ``sglang.launch_server`` flags for a started server (e.g.
+    [--attention-backend, triton])."""
 
 
 @dataclass(kw_only=True)
@@ -295,14 +298,6 @@ class TrainConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     resume: str = ""
     """A run folder to resume from its last checkpoint."""
-
-
-def check_device(name: str, value: str) -> str:
-    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; ``ValueError`` naming the fix otherwise."""
-    head, _, index = value.partition(":")
-    if value in DEVICES or (head == "cuda" and index.isdigit()):
-        return value
-    raise ValueError(f"{name}={value!r} is not a device; choose auto, cpu, cuda or cuda:N (N = GPU index)")
 
 
 def sglang_wire_format(serving: str) -> str:
@@ -357,8 +352,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not cfg.task.partial_credit and cfg.task.name != "reasoning_gym":
         raise ValueError(f"task.partial_credit is for task.name=reasoning_gym (this run uses {cfg.task.name}); "
                          "drop it (the other tasks score 0 or 1)")
-    require_choice("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
-    check_device("rollout.device", cfg.rollout.device)
+    require_choice("rollout.engine", cfg.rollout.engine, ENGINES)
+    parse_device(cfg.rollout.device, key="rollout.device")
     require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
     cfg.rollout.cuda_graphs = str(cfg.rollout.cuda_graphs).lower()  # a Hydra `true` arrives as "True"
     require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
@@ -366,8 +361,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"rollout.cuda_graphs=true replays the static decode step on a GPU, and this run has "
                          f"rollout.device={cfg.rollout.device}, rollout.decode_step={cfg.rollout.decode_step}; "
                          "set rollout.cuda_graphs=auto, or rollout.device=cuda with rollout.decode_step=auto")
-    require_choice("learner.device", cfg.learner.device, DEVICES)
-    require_choice("sglang.device", cfg.sglang.device, DEVICES)
+    parse_device(cfg.learner.device, key="learner.device", indexed=False)
+    parse_device(cfg.sglang.device, key="sglang.device", indexed=False)
     if cfg.rollout.engine == "sglang" and cfg.quant.fmt not in SGLANG_SERVING:
         raise ValueError(f"rollout.engine=sglang serves {', '.join(SGLANG_SERVING)} (fp8: GPU only), not "
                          f"quant.fmt={cfg.quant.fmt}; set quant.fmt=fp32, or keep native workers for "

@@ -2,7 +2,10 @@
 
 Owns: the choice between the two ``RolloutEngine`` implementations (a generation worker calls
 ``build_engine`` and from then on only the interface), device resolution (``auto`` / ``cpu`` / ``cuda`` /
-``cuda:N``), the default SGLang interpreter, and which published weight format each engine fetches.
+``cuda:N`` against the GPUs torch sees; the grammar is ``asyncrl.config.devices``'), the default SGLang
+interpreter, and which published weight format each engine fetches. An ``EngineSpec`` carries the
+SGLang settings as the run's own ``SGLangConfig`` (``asyncrl.config.schema``), so a key added there
+reaches ``_build_sglang`` with no other edit.
 
 Must never: import zmq/msgspec or know about controllers (the worker passes plain values in), start an
 SGLang server for an ``url`` that is given (attach instead), or pick a device the caller did not allow.
@@ -22,19 +25,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
+from asyncrl.config.devices import parse_device
+from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig, sglang_wire_format
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
 from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV
 from protocols.values import require_choice
 
-ENGINES = ("native", "sglang")
-SGLANG_SERVING = ("fp32", "bf16", "fp8")
+__all__ = ["ENGINES", "SGLANG_SERVING", "EngineSpec", "build_engine", "resolve_device", "sglang_python"]
 DEFAULT_SGLANG_VENV_PYTHON = REPO_ROOT / ".cache" / "sglang-venv" / "bin" / "python"
 
 
 @dataclass(kw_only=True)
 class EngineSpec:
-    """Everything a worker needs to build its engine (plain values; see ``configs`` ``rollout``/``sglang``)."""
+    """Everything a worker needs to build its engine: its own settings (``asyncrl worker``, the run's
+    ``rollout.*``/``sglang.*`` for a worker the launcher starts) and the run's ``WorkerSetup``."""
 
     kind: str = "native"
     """``native`` or ``sglang``."""
@@ -51,12 +56,8 @@ class EngineSpec:
     """The architecture (HF config JSON with model_type) for a native engine; weights come by fetch."""
     model_path: str = ""
     """HF model folder an SGLang server is started from (it must exist on this host)."""
-    sglang_url: str = ""
-    sglang_device: str = "auto"
-    sglang_python: str = ""
-    sglang_max_total_tokens: int = 0
-    sglang_startup_timeout_s: float = 600.0
-    sglang_extra_args: list[str] = field(default_factory=list)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """An SGLang engine's server: attach to ``sglang.url``, or start one with the other settings."""
     log_dir: str = ""
     """Where a started SGLang server writes its log (default: the temp folder)."""
     quantize_head: bool = False
@@ -86,27 +87,26 @@ class EngineSpec:
         """The published format this engine fetches (SGLang takes full-precision updates only)."""
         if self.kind == "native":
             return self.quant_format
-        return "fp32" if self.quant_format == "fp32" else "bf16"
+        return sglang_wire_format(self.quant_format)
 
 
 def resolve_device(spec: str) -> str:
-    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda[:N]`` is checked against the GPUs."""
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda[:N]`` is checked against the GPUs.
+    The grammar is ``asyncrl.config.devices.parse_device``'s (its refusal names every valid spelling)."""
     import torch
 
-    head, _, index = spec.partition(":")
-    if spec == "auto":
+    device = parse_device(spec)
+    if device.kind == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cpu":
-        return spec
-    if head != "cuda" or (index and not index.isdigit()):
-        raise ValueError(f"device {spec!r} is not a device; choose auto, cpu, cuda or cuda:N")
+    if device.kind == "cpu":
+        return "cpu"
     if not torch.cuda.is_available():
         raise ValueError(f"device={spec} but torch sees no GPU here (CUDA_VISIBLE_DEVICES="
                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device=auto or device=cpu")
-    if index and int(index) >= torch.cuda.device_count():
+    if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device={spec} but only {torch.cuda.device_count()} GPU(s) are visible; "
                          "pick an index below that")
-    return spec
+    return device.text
 
 
 def sglang_python(explicit: str = "") -> str:
@@ -165,24 +165,25 @@ def _build_sglang(spec: EngineSpec) -> RolloutEngine:
 
     common = _SGLangEngineArgs(quant_format=spec.quant_format, version=-1, max_batch_size=spec.slots,
                                eos_token_ids=spec.eos_token_ids or None)
-    if spec.sglang_url:
-        return SGLangEngine.attach(spec.sglang_url, **common)
+    sg = spec.sglang
+    if sg.url:
+        return SGLangEngine.attach(sg.url, **common)
     if not spec.model_path or not Path(spec.model_path).is_dir():
         raise ValueError(f"an SGLang worker starts its server from the model folder, and {spec.model_path!r} is "
                          "not a folder on this host; pass sglang.model_path=DIR (a copy of the run's model) or "
                          "attach to a server with sglang.url=http://HOST:PORT")
-    device = spec.sglang_device
-    if device == "auto":
+    device = parse_device(sg.device, key="sglang.device", indexed=False).kind
+    if device == "auto":  # the server's own interpreter may see GPUs this one's torch cannot: only auto asks
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    server_args: dict[str, Any] = {"extra_args": list(spec.sglang_extra_args)}
-    tokens = spec.sglang_max_total_tokens or (16384 if device == "cpu" else 0)
+    server_args: dict[str, Any] = {"extra_args": list(sg.extra_args)}
+    tokens = sg.max_total_tokens or (16384 if device == "cpu" else 0)
     if tokens:
         server_args["max_total_tokens"] = tokens
     server_args["max_running_requests"] = spec.slots
     log_dir = Path(spec.log_dir) if spec.log_dir else None
     log_path = log_dir / f"sglang-{os.getpid()}.log" if log_dir else None
-    return SGLangEngine.launch(spec.model_path, device=device, python=sglang_python(spec.sglang_python),
-                               log_path=log_path, startup_timeout_s=spec.sglang_startup_timeout_s,
+    return SGLangEngine.launch(spec.model_path, device=device, python=sglang_python(sg.python),
+                               log_path=log_path, startup_timeout_s=sg.startup_timeout_s,
                                server_args=server_args, **common)

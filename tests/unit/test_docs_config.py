@@ -6,7 +6,7 @@ these tests keep such quotes from drifting:
 
 * every backticked ``section.key`` (or ``section.key=value``) in README.md and docs/*.md whose section is
   a section of the run's config is a key of the schema (a free-form dict key below one, such as
-  ``task.rg_config.max_digits``, counts), or a setting of ``asyncrl worker`` (``SGLANG_KEYS``);
+  ``task.rg_config.max_digits``, counts), or a setting of ``asyncrl worker`` (``WorkerRoleConfig``);
 * a default quoted in the forms the pages use (`` `key`, default `v` ``, `` `key=v`, the default ``,
   `` `key`, off/on by default ``, `` `key` empty, the default ``) equals what ``asyncrl train`` runs with;
 * the ``ObjectiveConfig`` table of docs/algorithms.md §15 lists every field with its dataclass default.
@@ -46,11 +46,9 @@ def schema_keys() -> dict[str, Any]:
 
 
 def worker_keys() -> set[str]:
-    try:
-        from workers.generator import SGLANG_KEYS
-    except ImportError:
-        return set()
-    return {f"sglang.{k}" for k in SGLANG_KEYS}
+    from asyncrl.config.roles import WorkerRoleConfig, role_keys
+
+    return set(role_keys(WorkerRoleConfig))
 
 
 def mentioned_keys() -> list[tuple[str, str]]:

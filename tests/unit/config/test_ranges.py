@@ -13,8 +13,8 @@ from asyncrl.config.loader import schema_keys
 from asyncrl.config.ranges import INTERVALS, RANGES, Interval, check_run_name
 
 
-def numeric_keys() -> set[str]:
-    """Every int/float leaf of ``TrainConfig`` outside ``algo.*`` (which validates itself)."""
+def numeric_keys(schema: type | None = None) -> set[str]:
+    """Every int/float leaf of ``schema`` (default ``TrainConfig``, outside ``algo.*``, which validates itself)."""
     out: set[str] = set()
 
     def walk(schema: type, prefix: str) -> None:
@@ -27,13 +27,23 @@ def numeric_keys() -> set[str]:
             elif kind in (int, float):
                 out.add(f"{prefix}{f.name}")
 
-    walk(TrainConfig, "")
+    walk(schema or TrainConfig, "")
     return out
 
 
 def test_every_numeric_key_has_exactly_one_range():
     assert set(RANGES) == numeric_keys()
     assert set(RANGES) <= set(schema_keys())
+
+
+def test_every_numeric_worker_setting_has_a_range_and_shared_keys_share_the_runs():
+    from asyncrl.config.ranges import WORKER_RANGES, check_ranges
+    from asyncrl.config.roles import WorkerRoleConfig
+
+    assert set(WORKER_RANGES) == numeric_keys(WorkerRoleConfig)
+    for key in set(WORKER_RANGES) & set(RANGES):
+        assert WORKER_RANGES[key] == RANGES[key], key
+    check_ranges(WorkerRoleConfig(), WORKER_RANGES)  # the defaults are inside
 
 
 def test_every_default_is_inside_its_range():

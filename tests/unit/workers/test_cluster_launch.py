@@ -86,16 +86,12 @@ def test_slurm_example_is_valid_bash_and_uses_only_settings_the_role_commands_kn
     import re
     import subprocess
 
-    from workers.generator import SGLANG_KEYS
+    from asyncrl.config.roles import LearnerRoleConfig, WorkerRoleConfig, role_keys
 
     path = Path(__file__).resolve().parents[3] / "examples" / "slurm" / "asyncrl.sbatch"
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     text = path.read_text()
-    known = {
-        "worker": {"controller", "quant.fmt", "worker_id", "slots", "drain_s", "log_level", "transport.keys_dir",
-                   "transport.key_name", "engine", "device", "log_dir", *(f"sglang.{k}" for k in SGLANG_KEYS)},
-        "learner": {"controller", "run_dir", "model_dir", "transport.keys_dir", "transport.key_name"},
-    }
+    known = {"worker": set(role_keys(WorkerRoleConfig)), "learner": set(role_keys(LearnerRoleConfig))}
     for role, keys in known.items():
         m = re.search(rf"asyncrl {role} (.*?)(?:&&|&$|\n\s*\n)", text, re.S | re.M)
         assert m, role
