@@ -10,9 +10,10 @@ with one line naming its fatal error and its log file, then the tail of that log
 Process trees: each child leads its own process group, so ``stop`` ends the whole tree it started (the
 learner's ranks under torchrun included) through that group's id, which is the
 child's PID; never by name. One live job per run folder: the launcher holds the run-folder lock
-(``asyncrl.rundir.lock``) and hands it to the controller. Relative paths in the configuration are
-resolved against the caller's working directory, which the children also run in.
-Only here: process spawning and signals; everything checkable is checked before the first spawn.
+(``asyncrl.rundir.lock``) and hands it to the controller. The children run in the caller's working
+directory, against which ``workers/prepare.py`` resolved the configuration's relative paths.
+Only here: process spawning and signals. Everything checkable (configuration, transport, task, model,
+prompts) is checked before the first spawn, by the run preparation in ``workers/prepare.py``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from asyncrl.config import TrainConfig, save_config
-from asyncrl.config.paths import resolve_paths
+from asyncrl.config import TrainConfig
 from asyncrl.rundir import RunDir
+from workers.prepare import prepare_replay, prepare_run, publish_formats
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_WORKER_RESTARTS = 8  # a worker that keeps crashing is a bug to see, not to hide forever
@@ -121,36 +122,6 @@ def child_env() -> dict[str, str]:
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
-
-
-def new_run_dir(cfg: TrainConfig) -> Path:
-    base = Path(cfg.runs_dir) / cfg.run_name
-    run_dir, i = base, 1
-    while run_dir.exists():
-        i += 1
-        run_dir = base.with_name(f"{base.name}-{i}")
-    run_dir.mkdir(parents=True)
-    return run_dir
-
-
-def check_transport(cfg: TrainConfig) -> None:
-    """Keys load and the bind address is allowed, before any process starts (children run from ROOT)."""
-    from asyncrl.transport import check_bind_security, server_curve
-
-    if cfg.transport.keys_dir:
-        cfg.transport.keys_dir = str(Path(cfg.transport.keys_dir).resolve())
-    curve = server_curve(cfg.transport)
-    check_bind_security(f"tcp://{cfg.transport.host}:{cfg.transport.port}", keys=curve is not None,
-                        insecure=cfg.transport.insecure)
-
-
-def publish_formats(cfg: TrainConfig) -> list[str]:
-    """The run's format first (the primary), then the extra ones, without repeats. SGLang workers fetch a
-    full-precision publication (an fp8 server quantizes bf16 on load), so that one is published too."""
-    from asyncrl.config.schema import sglang_wire_format
-
-    extra = [sglang_wire_format(cfg.quant.fmt)] if cfg.rollout.engine == "sglang" else []
-    return list(dict.fromkeys([cfg.quant.fmt, *cfg.quant.extra_formats, *extra]))
 
 
 def visible_gpus() -> list[str]:
@@ -304,7 +275,6 @@ def end_process_group(pgid: int) -> None:
 
 def run_train(overrides: Sequence[str]) -> int:
     from asyncrl.rundir.lock import acquire_run_lock
-    from workers.roles import prepare_run
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
     if resume:  # not a run folder, or a finished run: said before the folder's lock is taken
@@ -433,30 +403,9 @@ def run_replay(overrides: Sequence[str]) -> int:
     With no overrides the final weights are bit-identical to the original run's (CPU); with overrides
     (``algo=tbpo``, ``learner.lr=...``) it is a counterfactual on the same data, in its own run folder.
     """
-    from asyncrl.config.loader import apply_overrides, read_run_config
-    from asyncrl.log.replay import check_replayable
     from asyncrl.metrics import format_summary, make_plots, write_summary
-    from asyncrl.models.prepare import check_task, model_id, prepare_model
 
-    runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
-    if not runs:
-        raise ValueError("replay needs run=runs/<name> (a run folder with a trajectory log)")
-    src = Path(runs[0]).resolve()
-    src_log = RunDir(src).trajectories
-    base = read_run_config(src)
-    rest = [o for o in overrides if not o.startswith("run=")]
-    if not any(o.startswith("run_name=") for o in rest):
-        rest.append(f"run_name={src.name}-replay")
-    cfg = apply_overrides(base, rest)
-    resolve_paths(cfg)
-    cfg.resume = ""
-    cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
-    check_task(cfg, log=lambda m: print(f"asyncrl replay: {m}"))  # the learner evaluates on it: a moved file fails here
-    model_dir = prepare_model(cfg, log=print)
-    for note in check_replayable(src_log, model_id=model_id(cfg, model_dir), salvage=cfg.log.salvage):
-        print(f"asyncrl replay: {note}")
-    run_dir = new_run_dir(cfg)
-    save_config(cfg, RunDir(run_dir).config)
+    cfg, src, src_log, run_dir, model_dir = prepare_replay(overrides)
     print(f"asyncrl replay: {src_log} -> {run_dir}")
     launcher = Launcher(cfg, run_dir, model_dir)
     t0 = time.monotonic()
