@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from asyncrl.config import TrainConfig
@@ -293,8 +293,7 @@ def run_train(overrides: Sequence[str]) -> int:
 
 
 def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, tokenizer_class: str = "") -> int:
-    from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
-    from asyncrl.metrics.health_log import format_alarm, health_path
+    from asyncrl.metrics import Progress, format_summary, make_plots, write_summary
 
     launcher = Launcher(cfg, run_dir, model_dir, lock_fd=lock_fd, tokenizer_class=tokenizer_class)
     print(f"asyncrl train: run folder {run_dir}")
@@ -306,7 +305,6 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     progress = Progress(cfg.learner.total_steps)
-    rc = 0
     try:
         try:
             launcher.start()
@@ -314,49 +312,7 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
             print(e)
             return 1
         print(f"controller at {launcher.address}  (join more workers: asyncrl worker controller={launcher.address})")
-        offset = health_offset = 0
-        reported: set = set()
-        while True:
-            records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
-            for r in records:
-                progress.update(int(r["step"]), r)
-            alarms, health_offset = tail_metrics(health_path(run_dir), health_offset)
-            for a in alarms:  # training-health alarms (health.jsonl), one line each
-                progress.note(format_alarm(a))
-            if interrupted["flag"]:
-                print("\ninterrupted: stopping the learner (it writes a resumable checkpoint) and every worker")
-                launcher.stop([launcher.learner], grace_s=LEARNER_STOP_GRACE_S)
-                launcher.stop()
-                rc = 130
-                break
-            if launcher.learner.proc.poll() is not None:
-                if launcher.learner.proc.returncode != 0:
-                    rc = launcher.learner.proc.returncode
-                    print(f"\n{launcher.learner.fatal_line()}\n{launcher.learner.tail()}")
-                    launcher.stop()
-                    break
-                launcher.controller.proc.wait(timeout=CONTROLLER_EXIT_TIMEOUT_S) if _alive(launcher.controller) else None
-                launcher.stop()
-                break
-            if launcher.controller.proc.poll() not in (None, 0):  # 0: it finished with the learner
-                rc = launcher.controller.proc.returncode
-                print(f"\n{launcher.controller.fatal_line()}\n{launcher.controller.tail()}")
-                launcher.stop()
-                break
-            for w in list(launcher.workers):
-                if w.proc.poll() not in (None, 0) and w not in reported:
-                    reported.add(w)  # elastic: the controller reissues its work; the run goes on
-                    print(f"\n{w.fatal_line()}; its assignments are reissued")
-                    if launcher.restarts < MAX_WORKER_RESTARTS:
-                        launcher.restart_worker(w)
-                        print(f"restarted {w.name} (restart {launcher.restarts} of {MAX_WORKER_RESTARTS}; "
-                              f"add more with: asyncrl worker controller={launcher.address})")
-            time.sleep(SUPERVISE_POLL_S)
-        records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
-        for r in records:
-            progress.update(int(r["step"]), r)
-        for a in tail_metrics(health_path(run_dir), health_offset)[0]:
-            progress.note(format_alarm(a))
+        rc = supervise(launcher, ProgressFeed(run_dir, progress), interrupted=lambda: interrupted["flag"])
     finally:
         progress.close()
         launcher.stop()
@@ -373,6 +329,81 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
     print(f"results: {run_dir} (summary.json, metrics.jsonl, tb/, trajectories/, checkpoints/, model/, "
           f"{len(plots)} plots in plots/)")
     return 0
+
+
+class ProgressFeed:
+    """The run's new ``metrics.jsonl`` records and training-health alarms (``health.jsonl``, one line
+    each), read from where the last ``read`` stopped into the live progress line."""
+
+    def __init__(self, run_dir: Path, progress) -> None:
+        from asyncrl.metrics.health_log import health_path
+
+        self.metrics, self.health, self.progress = RunDir(run_dir).metrics, health_path(run_dir), progress
+        self.offset = self.health_offset = 0
+
+    def read(self) -> None:
+        from asyncrl.metrics import tail_metrics
+        from asyncrl.metrics.health_log import format_alarm
+
+        records, self.offset = tail_metrics(self.metrics, self.offset)
+        for r in records:
+            self.progress.update(int(r["step"]), r)
+        alarms, self.health_offset = tail_metrics(self.health, self.health_offset)
+        for a in alarms:
+            self.progress.note(format_alarm(a))
+
+
+def supervise(launcher: Launcher, feed: ProgressFeed, *, interrupted: Callable[[], bool]) -> int:
+    """Follow the run until the learner finishes (0), a child fails (its exit status; the others are
+    stopped) or the launcher is interrupted (130: the learner first writes a resumable checkpoint). A worker
+    that dies meanwhile is restarted, up to ``MAX_WORKER_RESTARTS`` in all; the run goes on."""
+    reported: set[Child] = set()
+    while True:
+        feed.read()
+        if interrupted():
+            print("\ninterrupted: stopping the learner (it writes a resumable checkpoint) and every worker")
+            launcher.stop([launcher.learner], grace_s=LEARNER_STOP_GRACE_S)
+            launcher.stop()
+            rc = 130
+            break
+        ended = _run_ended(launcher)
+        if ended is not None:
+            rc = ended
+            break
+        _restart_failed_workers(launcher, reported)
+        time.sleep(SUPERVISE_POLL_S)
+    feed.read()
+    return rc
+
+
+def _run_ended(launcher: Launcher) -> int | None:
+    """The run's exit status once the learner has exited or the controller failed (every child then
+    stopped), else None."""
+    learner, controller = launcher.learner, launcher.controller
+    if learner.proc.poll() is not None:
+        if learner.proc.returncode != 0:
+            print(f"\n{learner.fatal_line()}\n{learner.tail()}")
+            launcher.stop()
+            return learner.proc.returncode
+        controller.proc.wait(timeout=CONTROLLER_EXIT_TIMEOUT_S) if _alive(controller) else None
+        launcher.stop()
+        return 0
+    if controller.proc.poll() not in (None, 0):  # 0: it finished with the learner
+        print(f"\n{controller.fatal_line()}\n{controller.tail()}")
+        launcher.stop()
+        return controller.proc.returncode
+    return None
+
+
+def _restart_failed_workers(launcher: Launcher, reported: set[Child]) -> None:
+    for w in list(launcher.workers):
+        if w.proc.poll() not in (None, 0) and w not in reported:
+            reported.add(w)  # elastic: the controller reissues its work; the run goes on
+            print(f"\n{w.fatal_line()}; its assignments are reissued")
+            if launcher.restarts < MAX_WORKER_RESTARTS:
+                launcher.restart_worker(w)
+                print(f"restarted {w.name} (restart {launcher.restarts} of {MAX_WORKER_RESTARTS}; "
+                      f"add more with: asyncrl worker controller={launcher.address})")
 
 
 def _alive(c: Child) -> bool:
