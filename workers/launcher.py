@@ -1,4 +1,5 @@
 """Local launcher: ``asyncrl train [key=value ...]`` starts and supervises one training job.
+(``asyncrl replay`` is ``workers/replay.py``, built on the same ``Launcher``.)
 
 Starts, in order: the controller, the learner (``learner.world_size`` ranks under torchrun; one rank
 alone at world size 1) and
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from asyncrl.config import TrainConfig
 from asyncrl.rundir import RunDir
-from workers.prepare import prepare_replay, prepare_run, publish_formats
+from workers.prepare import prepare_run, publish_formats
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_WORKER_RESTARTS = 8  # a worker that keeps crashing is a bug to see, not to hide forever
@@ -416,7 +417,7 @@ def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
     learner = json.loads(RunDir(run_dir).learner_final.read_text())
     controller = json.loads(RunDir(run_dir).controller_final.read_text())
     return {
-        "final_train_reward": _last_reward(run_dir),
+        "final_train_reward": last_reward(run_dir),
         "eval_accuracy": learner.get("eval/accuracy"),
         "learner_steps": learner["version"],
         "wall_seconds": wall_seconds,
@@ -428,49 +429,8 @@ def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
     }
 
 
-def run_replay(overrides: Sequence[str]) -> int:
-    """``asyncrl replay run=runs/<name> [overrides]``: retrain from the run's trajectory log, no workers.
-
-    With no overrides the final weights are bit-identical to the original run's (CPU); with overrides
-    (``algo=tbpo``, ``learner.lr=...``) it is a counterfactual on the same data, in its own run folder.
-    """
-    from asyncrl.metrics import format_summary, make_plots, write_summary
-
-    cfg, src, src_log, run_dir, model_dir = prepare_replay(overrides)
-    print(f"asyncrl replay: {src_log} -> {run_dir}")
-    launcher = Launcher(cfg, run_dir, model_dir)
-    t0 = time.monotonic()
-    try:
-        learner = launcher.spawn("learner", learner_command(cfg.learner.world_size, [
-            "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--replay-log", str(src_log)]))
-        rc = learner.proc.wait()
-    except KeyboardInterrupt:
-        launcher.stop()
-        return 130
-    finally:
-        launcher.stop()  # the learner's ranks too, if its torchrun agent died
-        launcher.close()
-    if rc != 0:
-        print(f"replay {learner.fatal_line()}\n{learner.tail()}")
-        return rc
-    from asyncrl.log.inspect import summarize
-
-    learner_final = json.loads(RunDir(run_dir).learner_final.read_text())
-    log_summary = summarize(src_log)
-    staleness = [int(k) for k in log_summary["staleness_histogram"]]
-    summary = {
-        "final_train_reward": _last_reward(run_dir), "eval_accuracy": learner_final.get("eval/accuracy"),
-        "learner_steps": learner_final["version"], "wall_seconds": time.monotonic() - t0,
-        "max_consumed_staleness": max(staleness) if staleness else 0, "samples_logged": log_summary["samples"],
-        "state_dict_sha256": learner_final["state_dict_sha256"], "run_dir": str(run_dir), "replay_of": str(src),
-    }
-    make_plots(run_dir)
-    write_summary(run_dir, summary)
-    print(format_summary(summary))
-    return 0
-
-
-def _last_reward(run_dir: Path) -> float:
+def last_reward(run_dir: Path) -> float:
+    """The mean of the run's last five ``train/reward_mean`` values (NaN before the first)."""
     from asyncrl.metrics import read_metrics
 
     rewards = [r["train/reward_mean"] for r in read_metrics(run_dir) if r.get("train/reward_mean") is not None]
