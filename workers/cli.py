@@ -60,7 +60,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from workers.launcher import run_replay
+    from workers.replay import run_replay
 
     return run_replay(args.overrides)
 

@@ -36,6 +36,7 @@ from asyncrl.transport import (
     check_bind_security,
     server_curve,
 )
+from workers.run_setup import SETUP_REQUEST, announce, setup_reply
 
 log = logging.getLogger("asyncrl.controller")
 
@@ -125,8 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(paths.controller_address, json.dumps({"control": advertised(ctl.address, adv),
                                                              "samples": advertised(pull.address, adv)}))
     log.info("controller listening on %s (samples on %s)", ctl.address, pull.address)
-    from workers.roles import SETUP_REQUEST, announce, setup_reply
-
     setup = setup_reply(run_dir, model_dir, formats)
     if args.announce:
         announce(json.loads(paths.controller_address.read_text()), run_dir)

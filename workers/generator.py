@@ -14,6 +14,10 @@ Threads: the *main thread* drives the engine (``poll``); the *comms thread* owns
 (control DEALER, sample PUSH, weight SUB/DEALER) and talks to the engine only through its
 thread-safe surface (submit / update_weights / abort). Weight swaps land at a decode-step boundary.
 
+Parts in their own modules: joining (Hello until Welcome, start-up heartbeats: ``workers/worker_join.py``),
+the samples (assigned, streamed back, handed back: ``workers/worker_samples.py``), following a controller
+or learner that restarted (``workers/worker_rejoin.py``), the command line (``workers/worker_args.py``).
+
 No thread dies while the process lives: an exception in any thread of the worker (an engine that fails,
 a request it refuses, a broken socket) is fatal. The worker then hands its unfinished samples back in a
 ``Goodbye`` (the controller reissues them at once), closes its engine (and a server it started), and
@@ -28,10 +32,8 @@ with ``Shutdown``) gives up the fetch, says ``Goodbye`` and exits 0 at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import queue
 import secrets
 import signal
 import socket
@@ -40,7 +42,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import zmq
 
 import protocols as P
@@ -56,22 +57,16 @@ from asyncrl.transport import (
     ZmqChannel,
     end_context,
     load_client_keys,
-    private_context,
 )
 from workers.worker_args import built, engine_spec, parse_args
+from workers.worker_join import ERROR_BACKOFF_S, HELLO_TIMEOUT_S, JoinMixin
 from workers.worker_rejoin import RejoinMixin
+from workers.worker_samples import SampleStream
 
 log = logging.getLogger("asyncrl.worker")
 
 # Timeouts (seconds). None is a wall-clock expectation of speed: each bounds a wait for a peer that may
 # be gone, and a reachable peer ends the wait at once.
-HELLO_TIMEOUT_S = 120.0
-"""How long a worker keeps saying Hello before it gives up (the controller may still be starting)."""
-HELLO_RETRY_S = 2.0
-"""Wait for a Welcome before saying Hello again (a controller that restarted never saw the first)."""
-ERROR_BACKOFF_S = 0.5
-"""Pause after the controller answered with an error (``not_ready`` while starting, any other) before
-asking again."""
 COMMS_EXIT_MARGIN_S = 30.0
 """Beyond ``drain_s``, how long the engine thread waits for the comms thread to leave."""
 ENGINE_POLL_S = 0.1
@@ -83,9 +78,6 @@ FIRST_WEIGHTS_TIMEOUT_S = 120.0
 """The first weight fetch (the learner may still be publishing its first version)."""
 WEIGHTS_TIMEOUT_S = 60.0
 """Fetching an announced version; on failure the worker keeps its current weights."""
-SAMPLE_SEND_TIMEOUT_S = 30.0
-"""How long a finished sample may wait at the samples socket's high-water mark (the controller not
-reading) before it is kept for the next try."""
 CONTROL_SEND_TIMEOUT_S = 5.0
 """A control message (heartbeat, work request, Goodbye) that cannot leave in this time is dropped and
 logged (a stalled controller)."""
@@ -93,7 +85,8 @@ FLUSH_S = 5.0
 """On exit, the longest wait for the last samples and the Goodbye to leave (``end_context``: it returns
 as soon as they have; this bounds only a controller that is gone)."""
 
-class GeneratorWorker(RejoinMixin):
+
+class GeneratorWorker(JoinMixin, RejoinMixin):
     def __init__(self, role: WorkerRoleConfig, *, hello_timeout_s: float = HELLO_TIMEOUT_S, curve=None) -> None:
         self.role = check_worker_role(role)  # its settings (asyncrl worker key=value ...), checked before any socket
         self.curve = curve  # CurveConfig (client keys) when the job runs with transport.keys_dir
@@ -111,11 +104,8 @@ class GeneratorWorker(RejoinMixin):
         self.drain_s = role.drain_s
         self.hello_timeout_s = hello_timeout_s
         self.stop = threading.Event()
-        self.results: queue.Queue = queue.Queue()
-        self.outstanding: dict[str, str] = {}  # sample id -> group id, assigned and not yet sent
-        self.samples_sent = 0
+        self.samples = SampleStream(self.worker_id, role.engine)  # assigned, streamed back, handed back
         self.weights_version = -1  # newest version handed to the engine (applied at its next step)
-        self.tokens_generated = 0
         self.weight_sync_s = 0.0  # seconds spent fetching + unpacking + handing over new versions (comms thread)
         self.weight_syncs = 0
         self.t_start = time.monotonic()
@@ -136,63 +126,9 @@ class GeneratorWorker(RejoinMixin):
     def _push(self) -> ZmqChannel:
         return built(self.push, "sample channel")
 
-    # ------------------------------------------------------------------------------ handshake
-    def _wire_format(self) -> str:
-        """The published format to fetch: a native actor fetches its own; SGLang fetches fp32/bf16."""
-        fmt = getattr(self, "fmt", self.requested_fmt)
-        if self.engine_kind != "sglang":
-            return fmt
-        return EngineSpec(kind="sglang", quant_format=fmt or "fp32").wire_format
-
-    def _hello(self) -> P.Hello:
-        caps = {"engine": self.engine_kind, "quant_format": self._wire_format(), "slots": str(self.requested_slots),
-                "pid": str(os.getpid()), "host": socket.gethostname()}
-        return P.Hello(protocol_version=P.PROTOCOL_VERSION, role="generator", peer_id=self.worker_id,
-                       capabilities=caps)
-
-    def _handshake(self) -> P.Welcome:
-        hello = self._hello()
-        deadline = time.monotonic() + self.hello_timeout_s
-        while time.monotonic() < deadline and not self.stop.is_set():
-            self.ctl.send(hello)
-            env = self.ctl.recv(HELLO_RETRY_S)
-            if env is None:
-                continue
-            msg = env.msg
-            if isinstance(msg, P.Welcome):
-                return msg
-            if isinstance(msg, P.Reject):
-                raise SystemExit(f"controller refused worker {self.worker_id}: {msg.reason}")
-            if isinstance(msg, P.Error) and msg.code == "not_ready":
-                time.sleep(ERROR_BACKOFF_S)
-                continue
-            log.warning("unexpected reply to Hello: %r", msg)
-        raise SystemExit(f"no Welcome from controller {self.controller} within {self.hello_timeout_s}s; "
-                         "is the job running and the address right?")
-
     # ------------------------------------------------------------------------------------ run
     def run(self) -> int:
-        # The control and sample sockets get a context of their own, so that leaving can wait until the
-        # last samples and the Goodbye have left (end_context), however long that takes.
-        self.ctx = private_context()
-        self.ctl = ZmqChannel.connect(zmq.DEALER, self.controller, name="worker-ctl",
-                                      identity=self.identity.encode(), curve=self.curve, context=self.ctx)
-        try:
-            welcome = self._handshake()
-        except SystemExit:
-            self.ctl.close()
-            end_context(self.ctx)
-            raise
-        try:
-            setup = welcome.worker_setup()
-            self.slots = self.requested_slots or setup.worker_slots
-            if self.slots < setup.group_size:
-                raise ValueError(f"{self.slots} slots cannot hold a group of {setup.group_size} samples, so this "
-                                 f"worker would never be given work; start it with slots={setup.group_size} or "
-                                 "more, or without slots= to take the run's rollout.worker_slots")
-        except ValueError as e:
-            self.ctl.close()
-            raise SystemExit(f"worker {self.worker_id}: {e}") from None
+        welcome, setup = self._join()
         self.typed = P.speaks_typed_control(welcome.protocol_version)  # False: a 1.0-1.2 controller
         self.fmt = self.requested_fmt or (setup.quant_format if self.engine_kind == "native" else "fp32")
         self.wire_fmt = self._wire_format()
@@ -224,7 +160,7 @@ class GeneratorWorker(RejoinMixin):
             comms.start()
             while comms.is_alive() and self.fatal is None:  # also while draining: in-flight samples finish
                 for res in self.engine.poll(ENGINE_POLL_S):
-                    self.results.put(res)
+                    self.samples.finished(res)
         except BaseException as exc:  # noqa: B036 - every failure of the engine thread ends the process
             self._fail(exc, "engine thread")
         finally:
@@ -244,32 +180,6 @@ class GeneratorWorker(RejoinMixin):
                 end_context(self.ctx)  # returns once the last samples and the Goodbye have left
             threading.excepthook = old_hook
         return 1 if self.fatal is not None or self.gave_up else 0
-
-    @contextlib.contextmanager
-    def _heartbeats_while_starting(self):
-        """Heartbeats from a second thread while the engine is built and loaded, so the controller does not
-        declare a worker dead whose server is still starting. That thread owns the control socket meanwhile
-        (nothing else uses it until the comms thread starts, after this block)."""
-        done = threading.Event()
-
-        def beat() -> None:
-            while not done.wait(self.heartbeat_s):
-                self._send_ctl(self._heartbeat(-1, {"outstanding": 0.0, "samples": 0.0}))
-                env = self.ctl.recv(0.0)
-                while env is not None:  # nothing was asked yet: only a Shutdown (the run ended) matters
-                    if isinstance(env.msg, P.Shutdown):
-                        log.info("controller asked worker %s to stop while starting: %s", self.worker_id,
-                                 env.msg.reason)
-                        self.stop.set()
-                    env = self.ctl.recv(0.0)
-
-        beater = threading.Thread(target=beat, name="worker-start-heartbeat", daemon=True)
-        beater.start()
-        try:
-            yield
-        finally:
-            done.set()
-            beater.join()
 
     def _engine_spec(self, setup: P.WorkerSetup) -> EngineSpec:
         return engine_spec(setup, self.role, fmt=self.fmt, slots=self.slots)
@@ -334,13 +244,13 @@ class GeneratorWorker(RejoinMixin):
                 last_hb = now
             if self._maybe_update_weights():
                 next_request = 0.0  # new weights: ask for the work they unlock now, not after a back-off
-            self._flush_results()
+            self.samples.flush(self._push, self.fmt)
             if draining_since is not None:
-                if not self.outstanding or now - draining_since > self.drain_s:
+                if not self.samples.outstanding or now - draining_since > self.drain_s:
                     self._leave()
                     return
             elif not request_in_flight and now >= next_request:
-                free = self.slots - len(self.outstanding)
+                free = self.slots - len(self.samples.outstanding)
                 if free >= self.min_credits:
                     self._send_ctl(P.WorkRequest(worker_id=self.worker_id, credits=free,
                                                  version=self.weights_version))
@@ -376,47 +286,8 @@ class GeneratorWorker(RejoinMixin):
                     log.warning("controller error: %s %s", msg.code, msg.message)
 
     def _accept(self, a: P.RolloutAssignment) -> None:
-        from asyncrl.engine import GenRequest, SamplingParams
-
-        prompt = a.prompt_ids.to_numpy().tolist()
-        p = a.params
-        params = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
-                                top_k=p.top_k, stop_token_ids=tuple(p.stop_token_ids) or None, seed=p.seed)
-        # A group the controller took back (overdue, or this worker was declared dead) may come back to this
-        # worker while its samples still run here: those keep running, and their results count for it.
-        if len(new := [sid for sid in a.sample_ids if sid not in self.outstanding]) < len(a.sample_ids):
-            log.info("group %s came back to worker %s while it still runs here", a.group_id, self.worker_id)
-        for sid in a.sample_ids:
-            self.outstanding[sid] = a.group_id
-        if new:
-            self._engine.submit([GenRequest(sample_id=sid, prompt_ids=prompt, params=params) for sid in new])
-
-    def _flush_results(self) -> None:
-        while True:
-            try:
-                res = self.results.get_nowait()
-            except queue.Empty:
-                return
-            group_id = self.outstanding.get(res.sample_id)
-            if group_id is None or res.finish_reason == "abort":
-                continue  # aborted partial samples are handed back in Goodbye, never sent as results
-            msg = P.FinishedSample(
-                sample_id=res.sample_id, group_id=group_id,
-                prompt_ids=P.Array.from_numpy(np.asarray(res.prompt_ids, np.int32)),
-                response_ids=P.Array.from_numpy(np.asarray(res.response_ids, np.int32)),
-                behav_logp=P.Array.from_numpy(res.behav_logp), versions=P.Array.from_numpy(res.versions),
-                finish_reason=res.finish_reason, worker_id=self.worker_id, engine=self.engine_kind,
-                quant_format=self.fmt, timings=res.timings,
-            )
-            try:
-                self._push.send(msg, timeout_s=SAMPLE_SEND_TIMEOUT_S)
-            except ChannelTimeout:
-                log.error("controller stopped taking samples; keeping %s for the next try", res.sample_id)
-                self.results.put(res)
-                return
-            del self.outstanding[res.sample_id]
-            self.samples_sent += 1
-            self.tokens_generated += len(res.response_ids)
+        if new := self.samples.accept(a):
+            self._engine.submit(new)
 
     def _maybe_update_weights(self) -> bool:
         """Fetch and hand over the newest announced version; True if the engine got new weights."""
@@ -434,8 +305,8 @@ class GeneratorWorker(RejoinMixin):
 
     def _stats(self) -> dict[str, float]:
         dt = max(1e-6, time.monotonic() - self.t_start)
-        return {"outstanding": float(len(self.outstanding)), "samples": float(self.samples_sent),
-                "tokens_per_s": self.tokens_generated / dt,
+        return {"outstanding": float(len(self.samples.outstanding)), "samples": float(self.samples.sent),
+                "tokens_per_s": self.samples.tokens / dt,
                 "weight_sync_s": self.weight_sync_s, "weight_syncs": float(self.weight_syncs)}
 
     def _heartbeat(self, version: int, stats: dict[str, float]) -> P.Heartbeat:
@@ -454,11 +325,11 @@ class GeneratorWorker(RejoinMixin):
         if self.left:
             return
         self.left = True
-        unfinished = list(self.outstanding)
+        unfinished = self.samples.unfinished()
         if unfinished:
             self._engine.abort(unfinished)
         self._send_ctl(P.Goodbye(peer_id=self.worker_id, unfinished=unfinished, reason=reason))
-        log.info("worker %s left: %d samples sent, %d handed back", self.worker_id, self.samples_sent,
+        log.info("worker %s left: %d samples sent, %d handed back", self.worker_id, self.samples.sent,
                  len(unfinished))  # the Goodbye leaves before the process ends: run() flushes on close
 
 

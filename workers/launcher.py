@@ -1,4 +1,5 @@
 """Local launcher: ``asyncrl train [key=value ...]`` starts and supervises one training job.
+(``asyncrl replay`` is ``workers/replay.py``, built on the same ``Launcher``.)
 
 Starts, in order: the controller, the learner (``learner.world_size`` ranks under torchrun; one rank
 alone at world size 1) and
@@ -10,9 +11,10 @@ with one line naming its fatal error and its log file, then the tail of that log
 Process trees: each child leads its own process group, so ``stop`` ends the whole tree it started (the
 learner's ranks under torchrun included) through that group's id, which is the
 child's PID; never by name. One live job per run folder: the launcher holds the run-folder lock
-(``asyncrl.rundir.lock``) and hands it to the controller. Relative paths in the configuration are
-resolved against the caller's working directory, which the children also run in.
-Only here: process spawning and signals; everything checkable is checked before the first spawn.
+(``asyncrl.rundir.lock``) and hands it to the controller. The children run in the caller's working
+directory, against which ``workers/prepare.py`` resolved the configuration's relative paths.
+Only here: process spawning and signals. Everything checkable (configuration, transport, task, model,
+prompts) is checked before the first spawn, by the run preparation in ``workers/prepare.py``.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from asyncrl.config import TrainConfig, save_config
+from asyncrl.config import TrainConfig
 from asyncrl.config.devices import parse_device
-from asyncrl.config.paths import resolve_paths
 from asyncrl.rundir import RunDir
+from workers.prepare import prepare_run, publish_formats
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_WORKER_RESTARTS = 8  # a worker that keeps crashing is a bug to see, not to hide forever
@@ -122,36 +124,6 @@ def child_env() -> dict[str, str]:
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
-
-
-def new_run_dir(cfg: TrainConfig) -> Path:
-    base = Path(cfg.runs_dir) / cfg.run_name
-    run_dir, i = base, 1
-    while run_dir.exists():
-        i += 1
-        run_dir = base.with_name(f"{base.name}-{i}")
-    run_dir.mkdir(parents=True)
-    return run_dir
-
-
-def check_transport(cfg: TrainConfig) -> None:
-    """Keys load and the bind address is allowed, before any process starts (children run from ROOT)."""
-    from asyncrl.transport import check_bind_security, server_curve
-
-    if cfg.transport.keys_dir:
-        cfg.transport.keys_dir = str(Path(cfg.transport.keys_dir).resolve())
-    curve = server_curve(cfg.transport)
-    check_bind_security(f"tcp://{cfg.transport.host}:{cfg.transport.port}", keys=curve is not None,
-                        insecure=cfg.transport.insecure)
-
-
-def publish_formats(cfg: TrainConfig) -> list[str]:
-    """The run's format first (the primary), then the extra ones, without repeats. SGLang workers fetch a
-    full-precision publication (an fp8 server quantizes bf16 on load), so that one is published too."""
-    from asyncrl.config.schema import sglang_wire_format
-
-    extra = [sglang_wire_format(cfg.quant.fmt)] if cfg.rollout.engine == "sglang" else []
-    return list(dict.fromkeys([cfg.quant.fmt, *cfg.quant.extra_formats, *extra]))
 
 
 def visible_gpus() -> list[str]:
@@ -294,7 +266,6 @@ def end_process_group(pgid: int) -> None:
 
 def run_train(overrides: Sequence[str]) -> int:
     from asyncrl.rundir.lock import acquire_run_lock
-    from workers.roles import prepare_run
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
     if resume:  # not a run folder, or a finished run: said before the folder's lock is taken
@@ -313,8 +284,7 @@ def run_train(overrides: Sequence[str]) -> int:
 
 
 def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, tokenizer_class: str = "") -> int:
-    from asyncrl.metrics import Progress, format_summary, make_plots, tail_metrics, write_summary
-    from asyncrl.metrics.health_log import format_alarm, health_path
+    from asyncrl.metrics import Progress, format_summary, make_plots, write_summary
 
     launcher = Launcher(cfg, run_dir, model_dir, lock_fd=lock_fd, tokenizer_class=tokenizer_class)
     print(f"asyncrl train: run folder {run_dir}")
@@ -326,7 +296,6 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     progress = Progress(cfg.learner.total_steps)
-    rc = 0
     try:
         try:
             launcher.start()
@@ -334,49 +303,7 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
             print(e)
             return 1
         print(f"controller at {launcher.address}  (join more workers: asyncrl worker controller={launcher.address})")
-        offset = health_offset = 0
-        reported: set = set()
-        while True:
-            records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
-            for r in records:
-                progress.update(int(r["step"]), r)
-            alarms, health_offset = tail_metrics(health_path(run_dir), health_offset)
-            for a in alarms:  # training-health alarms (health.jsonl), one line each
-                progress.note(format_alarm(a))
-            if interrupted["flag"]:
-                print("\ninterrupted: stopping the learner (it writes a resumable checkpoint) and every worker")
-                launcher.stop([launcher.learner], grace_s=LEARNER_STOP_GRACE_S)
-                launcher.stop()
-                rc = 130
-                break
-            if launcher.learner.proc.poll() is not None:
-                if launcher.learner.proc.returncode != 0:
-                    rc = launcher.learner.proc.returncode
-                    print(f"\n{launcher.learner.fatal_line()}\n{launcher.learner.tail()}")
-                    launcher.stop()
-                    break
-                launcher.controller.proc.wait(timeout=CONTROLLER_EXIT_TIMEOUT_S) if _alive(launcher.controller) else None
-                launcher.stop()
-                break
-            if launcher.controller.proc.poll() not in (None, 0):  # 0: it finished with the learner
-                rc = launcher.controller.proc.returncode
-                print(f"\n{launcher.controller.fatal_line()}\n{launcher.controller.tail()}")
-                launcher.stop()
-                break
-            for w in list(launcher.workers):
-                if w.proc.poll() not in (None, 0) and w not in reported:
-                    reported.add(w)  # elastic: the controller reissues its work; the run goes on
-                    print(f"\n{w.fatal_line()}; its assignments are reissued")
-                    if launcher.restarts < MAX_WORKER_RESTARTS:
-                        launcher.restart_worker(w)
-                        print(f"restarted {w.name} (restart {launcher.restarts} of {MAX_WORKER_RESTARTS}; "
-                              f"add more with: asyncrl worker controller={launcher.address})")
-            time.sleep(SUPERVISE_POLL_S)
-        records, offset = tail_metrics(RunDir(run_dir).metrics, offset)
-        for r in records:
-            progress.update(int(r["step"]), r)
-        for a in tail_metrics(health_path(run_dir), health_offset)[0]:
-            progress.note(format_alarm(a))
+        rc = supervise(launcher, ProgressFeed(run_dir, progress), interrupted=lambda: interrupted["flag"])
     finally:
         progress.close()
         launcher.stop()
@@ -395,6 +322,81 @@ def _train(cfg: TrainConfig, run_dir: Path, model_dir: Path, lock_fd: int, token
     return 0
 
 
+class ProgressFeed:
+    """The run's new ``metrics.jsonl`` records and training-health alarms (``health.jsonl``, one line
+    each), read from where the last ``read`` stopped into the live progress line."""
+
+    def __init__(self, run_dir: Path, progress) -> None:
+        from asyncrl.metrics.health_log import health_path
+
+        self.metrics, self.health, self.progress = RunDir(run_dir).metrics, health_path(run_dir), progress
+        self.offset = self.health_offset = 0
+
+    def read(self) -> None:
+        from asyncrl.metrics import tail_metrics
+        from asyncrl.metrics.health_log import format_alarm
+
+        records, self.offset = tail_metrics(self.metrics, self.offset)
+        for r in records:
+            self.progress.update(int(r["step"]), r)
+        alarms, self.health_offset = tail_metrics(self.health, self.health_offset)
+        for a in alarms:
+            self.progress.note(format_alarm(a))
+
+
+def supervise(launcher: Launcher, feed: ProgressFeed, *, interrupted: Callable[[], bool]) -> int:
+    """Follow the run until the learner finishes (0), a child fails (its exit status; the others are
+    stopped) or the launcher is interrupted (130: the learner first writes a resumable checkpoint). A worker
+    that dies meanwhile is restarted, up to ``MAX_WORKER_RESTARTS`` in all; the run goes on."""
+    reported: set[Child] = set()
+    while True:
+        feed.read()
+        if interrupted():
+            print("\ninterrupted: stopping the learner (it writes a resumable checkpoint) and every worker")
+            launcher.stop([launcher.learner], grace_s=LEARNER_STOP_GRACE_S)
+            launcher.stop()
+            rc = 130
+            break
+        ended = _run_ended(launcher)
+        if ended is not None:
+            rc = ended
+            break
+        _restart_failed_workers(launcher, reported)
+        time.sleep(SUPERVISE_POLL_S)
+    feed.read()
+    return rc
+
+
+def _run_ended(launcher: Launcher) -> int | None:
+    """The run's exit status once the learner has exited or the controller failed (every child then
+    stopped), else None."""
+    learner, controller = launcher.learner, launcher.controller
+    if learner.proc.poll() is not None:
+        if learner.proc.returncode != 0:
+            print(f"\n{learner.fatal_line()}\n{learner.tail()}")
+            launcher.stop()
+            return learner.proc.returncode
+        controller.proc.wait(timeout=CONTROLLER_EXIT_TIMEOUT_S) if _alive(controller) else None
+        launcher.stop()
+        return 0
+    if controller.proc.poll() not in (None, 0):  # 0: it finished with the learner
+        print(f"\n{controller.fatal_line()}\n{controller.tail()}")
+        launcher.stop()
+        return controller.proc.returncode
+    return None
+
+
+def _restart_failed_workers(launcher: Launcher, reported: set[Child]) -> None:
+    for w in list(launcher.workers):
+        if w.proc.poll() not in (None, 0) and w not in reported:
+            reported.add(w)  # elastic: the controller reissues its work; the run goes on
+            print(f"\n{w.fatal_line()}; its assignments are reissued")
+            if launcher.restarts < MAX_WORKER_RESTARTS:
+                launcher.restart_worker(w)
+                print(f"restarted {w.name} (restart {launcher.restarts} of {MAX_WORKER_RESTARTS}; "
+                      f"add more with: asyncrl worker controller={launcher.address})")
+
+
 def _alive(c: Child) -> bool:
     return c.proc.poll() is None
 
@@ -405,7 +407,7 @@ def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
     learner = json.loads(RunDir(run_dir).learner_final.read_text())
     controller = json.loads(RunDir(run_dir).controller_final.read_text())
     return {
-        "final_train_reward": _last_reward(run_dir),
+        "final_train_reward": last_reward(run_dir),
         "eval_accuracy": learner.get("eval/accuracy"),
         "learner_steps": learner["version"],
         "wall_seconds": wall_seconds,
@@ -417,70 +419,8 @@ def build_summary(run_dir: Path, *, wall_seconds: float) -> dict:
     }
 
 
-def run_replay(overrides: Sequence[str]) -> int:
-    """``asyncrl replay run=runs/<name> [overrides]``: retrain from the run's trajectory log, no workers.
-
-    With no overrides the final weights are bit-identical to the original run's (CPU); with overrides
-    (``algo=tbpo``, ``learner.lr=...``) it is a counterfactual on the same data, in its own run folder.
-    """
-    from asyncrl.config.loader import apply_overrides, read_run_config
-    from asyncrl.log.replay import check_replayable
-    from asyncrl.metrics import format_summary, make_plots, write_summary
-    from asyncrl.models.prepare import check_task, model_id, prepare_model
-
-    runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
-    if not runs:
-        raise ValueError("replay needs run=runs/<name> (a run folder with a trajectory log)")
-    src = Path(runs[0]).resolve()
-    src_log = RunDir(src).trajectories
-    base = read_run_config(src)
-    rest = [o for o in overrides if not o.startswith("run=")]
-    if not any(o.startswith("run_name=") for o in rest):
-        rest.append(f"run_name={src.name}-replay")
-    cfg = apply_overrides(base, rest)
-    resolve_paths(cfg)
-    cfg.resume = ""
-    cfg.runs_dir = str(src.parent) if not any(o.startswith("runs_dir=") for o in rest) else cfg.runs_dir
-    check_task(cfg, log=lambda m: print(f"asyncrl replay: {m}"))  # the learner evaluates on it: a moved file fails here
-    model_dir = prepare_model(cfg, log=print)
-    for note in check_replayable(src_log, model_id=model_id(cfg, model_dir), salvage=cfg.log.salvage):
-        print(f"asyncrl replay: {note}")
-    run_dir = new_run_dir(cfg)
-    save_config(cfg, RunDir(run_dir).config)
-    print(f"asyncrl replay: {src_log} -> {run_dir}")
-    launcher = Launcher(cfg, run_dir, model_dir)
-    t0 = time.monotonic()
-    try:
-        learner = launcher.spawn("learner", learner_command(cfg.learner.world_size, [
-            "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--replay-log", str(src_log)]))
-        rc = learner.proc.wait()
-    except KeyboardInterrupt:
-        launcher.stop()
-        return 130
-    finally:
-        launcher.stop()  # the learner's ranks too, if its torchrun agent died
-        launcher.close()
-    if rc != 0:
-        print(f"replay {learner.fatal_line()}\n{learner.tail()}")
-        return rc
-    from asyncrl.log.inspect import summarize
-
-    learner_final = json.loads(RunDir(run_dir).learner_final.read_text())
-    log_summary = summarize(src_log)
-    staleness = [int(k) for k in log_summary["staleness_histogram"]]
-    summary = {
-        "final_train_reward": _last_reward(run_dir), "eval_accuracy": learner_final.get("eval/accuracy"),
-        "learner_steps": learner_final["version"], "wall_seconds": time.monotonic() - t0,
-        "max_consumed_staleness": max(staleness) if staleness else 0, "samples_logged": log_summary["samples"],
-        "state_dict_sha256": learner_final["state_dict_sha256"], "run_dir": str(run_dir), "replay_of": str(src),
-    }
-    make_plots(run_dir)
-    write_summary(run_dir, summary)
-    print(format_summary(summary))
-    return 0
-
-
-def _last_reward(run_dir: Path) -> float:
+def last_reward(run_dir: Path) -> float:
+    """The mean of the run's last five ``train/reward_mean`` values (NaN before the first)."""
     from asyncrl.metrics import read_metrics
 
     rewards = [r["train/reward_mean"] for r in read_metrics(run_dir) if r.get("train/reward_mean") is not None]

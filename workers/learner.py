@@ -6,6 +6,9 @@ One step (docs/algorithms.md §10): rank 0 asks for batch k and broadcasts it; e
 ``asyncrl.learner.train_step`` (prox log-probs with theta_k, minibatches with global denominators);
 the new version k+1 is gathered, published, announced to the controller; every ``ckpt_every``
 steps a DCP checkpoint is written (all ranks).
+``main`` is two parts: ``build`` puts one rank's job together (configuration, process group, policy,
+optimizer and resumed state from ``workers/learner_setup.py``; on rank 0 the batch source, the weight
+server and the evaluator) into a ``Learner``, and ``Learner.train`` runs the step loop to its end.
 Only here: argv, sockets, the process loop. The math is in ``asyncrl.learner`` and ``asyncrl.algo``.
 """
 
@@ -19,37 +22,29 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 import protocols as P
+from asyncrl.config import TrainConfig
 from asyncrl.config.loader import read_run_config
 from asyncrl.learner import (
     LearnerBatch,
-    LRSchedule,
     TrainState,
-    build_optimizer,
-    build_scheduler,
     export_hf,
-    init_distributed,
-    load_checkpoint,
     save_checkpoint,
     sha256_of_state_dict,
     train_step,
 )
-from asyncrl.learner.fsdp import broadcast_batch, close_distributed
-from asyncrl.learner.memory import bound_kernel_caches, bound_malloc_retention
+from asyncrl.learner.fsdp import DistInfo, broadcast_batch, close_distributed
 from asyncrl.learner.policy import (
     LoraSpec,
     base_model,
-    default_num_threads,
-    initial_copy,
     policy_state_dict,
-    prepare_policy,
-    reference_policy,
 )
 from asyncrl.models.prepare import model_id
 from asyncrl.rundir import RunDir
@@ -62,16 +57,12 @@ from asyncrl.transport import (
 )
 from asyncrl.transport.publication import to_wire
 from workers.learner_link import FINAL_ACK_TIMEOUT_S, ControllerSource, finite_metrics
+from workers.learner_setup import Policy, Rank, load_policy, start_rank, training_state
 
 if TYPE_CHECKING:
     from asyncrl.quant import BufferPool, PublishedWeights
 
 log = logging.getLogger("asyncrl.learner")
-
-# Timeouts (seconds) of rank 0's link to the controller: workers/learner_link.py.
-COLLECTIVE_TIMEOUT_S = 3600.0
-"""torch.distributed timeout: how long ranks wait for rank 0 in a collective (rank 0 may be waiting for a
-batch, evaluating, or exporting)."""
 
 
 def batch_from_message(msg: P.TrainBatch, temperature: float, pad_id: int) -> LearnerBatch:
@@ -200,149 +191,168 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
-    run_dir, model_dir = Path(args.run_dir), Path(args.model_dir)
-    cfg = read_run_config(run_dir)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    # Before any tensor exists: freed activations go back to the kernel instead of staying in
-    # glibc's heap (asyncrl/learner/memory.py; most of the LoRA learner's peak RSS otherwise).
-    bounded = bound_malloc_retention()
-    caches = bound_kernel_caches()  # before the first bf16 matmul: one cache entry per batch shape otherwise
-    info = init_distributed({"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}.get(cfg.learner.device), timeout_s=COLLECTIVE_TIMEOUT_S)
-    L = cfg.learner
-    threads = L.num_threads or default_num_threads(cfg.rollout.num_workers, info.world_size)
-    torch.set_num_threads(threads)
-    torch.manual_seed(L.seed)
+    learner = build(Path(args.run_dir), Path(args.model_dir), controller=args.controller, replay_log=args.replay_log,
+                    publish_formats=[f for f in args.publish_formats.split(",") if f])
+    return learner.train()
 
-    from transformers import AutoModelForCausalLM
 
-    from asyncrl.controller.prompts import load_tokenizer
+@dataclass
+class Learner:
+    """One rank's training job as ``build`` put it together; ``train`` runs the step loop to its end.
 
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    pad_id = load_tokenizer(model_dir).pad_token_id or 0
-    if cfg.quant.uaq:  # §8: fold once on the fp32 master weights, before optimiser states exist
-        from asyncrl.quant import fold_uaq
+    ``source``, ``server``, ``publisher`` and ``evaluator`` exist on rank 0 only (None elsewhere).
+    Holds no full copy of the policy between steps: weights are gathered (merged, for LoRA) only to
+    publish or evaluate, inside one step, and dropped right after."""
 
-        fold_uaq(model, cfg.quant.uaq_scale, tuple(cfg.quant.uaq_sites))
-    lora = lora_spec(L)
-    initial = initial_copy(model) if cfg.algo.kl_coef > 0 and lora is None else None
-    model = prepare_policy(model, info, lora=lora, activation_checkpointing=L.activation_checkpointing)
-    ref_model = reference_policy(model, initial, info) if cfg.algo.kl_coef > 0 else None
-    del initial
-    log.info("learner: %d threads, %s, %s, world size %d%s%s, oneDNN/ideep caches %s", threads,
-             f"LoRA r={lora.rank}" if lora else "full fine-tuning",
-             "activation checkpointing" if L.activation_checkpointing else "no activation checkpointing",
-             info.world_size, ", KL reference" if ref_model is not None else "",
-             "" if bounded else ", malloc retention unbounded (not glibc)",
-             "/".join(caches.values()))
-    opt = build_optimizer(model, lr=L.lr, weight_decay=L.weight_decay)
-    sched = build_scheduler(opt, LRSchedule(kind=L.lr_schedule, warmup_steps=L.warmup_steps,
-                                            total_steps=max(L.total_steps, L.warmup_steps + 1),
-                                            min_lr_ratio=L.min_lr_ratio))
-    state = TrainState(model, opt, sched, version=0)
-    ckpt_root = RunDir(run_dir).checkpoints
-    # The same verified checkpoint the controller chose on resume (damaged ones are skipped, said why); also
-    # without resume=: a learner started again under a running controller goes on from the run's newest one.
-    if cfg.resume or not args.replay_log:
-        from asyncrl.rundir.checkpoints import choose_resume_point
-
-        point = choose_resume_point(ckpt_root)
-        for note in point.notes if cfg.resume or point.learner_dir is not None else ():
-            log.warning("resume: %s", note)
-        if point.learner_dir is not None:
-            load_checkpoint(point.learner_dir, state, info)
-            log.info("resumed learner at version %d", state.version)
-    formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
-    replay = bool(args.replay_log)
-
-    # rank 0 only:
+    cfg: TrainConfig
+    rank: Rank
+    policy: Policy
+    state: TrainState
+    run_dir: Path
+    model_dir: Path
+    stop: threading.Event
+    replay: bool
+    buffers: dict[str, torch.Tensor]
+    """The policy's non-parameter tensors (rotary tables), by the base model's names (for evaluation)."""
     source: ReplaySource | ControllerSource | None = None
     server: WeightServer | None = None
     publisher: Publisher | None = None
     evaluator: Evaluator | None = None
+
+    @property
+    def info(self) -> DistInfo:
+        return self.rank.info
+
+    def state_dict(self, needed: bool = True) -> Mapping[str, torch.Tensor]:
+        """The full policy state dict (collective: every rank calls it), or {} when not ``needed``."""
+        return policy_state_dict(self.policy.model, self.policy.lora) if needed else {}
+
+    def train(self) -> int:
+        """The step loop, then the final checkpoint, export and evaluation; the exit status of the rank."""
+        t_run = time.perf_counter()
+        try:
+            while self.state.version < self.cfg.learner.total_steps and self.step():
+                pass
+            self.finish(t_run)
+            if isinstance(self.source, ControllerSource) and self.source.lost:  # the run goes on without this process
+                log.error("learner stopped: %s", self.source.lost)
+                return 1
+        except ChannelTimeout as e:
+            log.error("controller unreachable: %s", e)
+            return 1
+        finally:
+            self.close()
+        return 0
+
+    def step(self) -> bool:
+        """One step on every rank (docs/algorithms.md §10): batch k in, version k+1 trained, published and
+        reported, a checkpoint when due. False when rank 0 has no batch (stopped, or the replayed log ran out)."""
+        info, L, k = self.info, self.cfg.learner, self.state.version
+        t0 = time.perf_counter()
+        msg = self.source.next_batch(k) if self.source is not None else None  # rank 0
+        if _agree(info.is_main and msg is None, info):
+            log.info("learner stopping before step %d", k)
+            return False
+        batch = batch_from_message(msg, self.cfg.rollout.temperature, self.policy.pad_id) if msg is not None else None
+        batch = broadcast_batch(batch, info)
+        t_wait = time.perf_counter() - t0
+        metrics = train_step(self.state, batch, self.cfg.algo, L, info, ref_model=self.policy.ref_model)
+        t_train = time.perf_counter() - t0 - t_wait
+        v = self.state.version
+        eval_due = bool(L.eval_every) and v % L.eval_every == 0 and v < L.total_steps
+        ckpt = bool(L.ckpt_every) and v % L.ckpt_every == 0 and v < L.total_steps
+        acked = self.publish_and_report(msg, metrics, eval_due=eval_due, ckpt=ckpt,
+                                        times={"t0": t0, "wait": t_wait, "train": t_train})
+        if ckpt and _agree(info.is_main and acked, info):
+            save_checkpoint(RunDir(self.run_dir).checkpoints, self.state, info, keep_last=KEEP_CHECKPOINTS)
+        return True
+
+    def publish_and_report(self, msg: P.TrainBatch | None, metrics: dict[str, float], *, eval_due: bool,
+                           ckpt: bool, times: dict[str, float]) -> bool:
+        """The new version published, evaluated when due and reported to the controller (rank 0; the state
+        dict is gathered on every rank). True when the controller saved its state for a checkpoint."""
+        sd = self.state_dict(not self.replay or eval_due)
+        if not self.info.is_main:
+            return False
+        assert self.source is not None and self.evaluator is not None and msg is not None  # rank 0 holds them
+        v = self.state.version
+        if self.publisher is not None:
+            metrics |= self.publisher.publish(sd, v)
+        if self.server is not None:  # the weight server's received/rejected counters reach metrics.jsonl
+            metrics |= self.server.as_metrics()
+        metrics |= msg.metrics
+        t0, t_train = times["t0"], times["train"]
+        metrics |= {"time/learner_wait_s": times["wait"], "time/learner_train_s": t_train,
+                    "time/learner_busy_frac": t_train / max(1e-9, time.perf_counter() - t0),
+                    "learner/lr": float(self.state.optimizer.param_groups[0]["lr"])}
+        if eval_due:
+            metrics |= self.evaluator.evaluate(sd, v, self.buffers)
+        # The controller saves its state for this version before the learner's checkpoint
+        # exists, so every learner checkpoint has a matching controller state.
+        return self.source.report(v, metrics, checkpoint=ckpt)
+
+    def finish(self, t_run: float) -> None:
+        """After the loop: a final checkpoint only with the controller's state of the same version (it may be
+        gone: then the last periodic checkpoint stays the resume point); export, hash and evaluate unless stopped."""
+        info = self.info
+        if _agree(self.source is not None and self.source.sync_checkpoint(self.state.version), info):  # rank 0
+            save_checkpoint(RunDir(self.run_dir).checkpoints, self.state, info, keep_last=KEEP_CHECKPOINTS)
+        if not _agree(info.is_main and self.stop.is_set(), info):  # finished (or the replayed log ran out)
+            finish_run(self.cfg, self.state, self.policy.model, self.model_dir, self.run_dir, info, self.evaluator,
+                       self.source, t_run, self.policy.lora)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.source is not None:
+            self.source.close()
+        close_distributed()
+
+
+def build(run_dir: Path, model_dir: Path, *, controller: str = "", replay_log: str = "",
+          publish_formats: Sequence[str] = ()) -> Learner:
+    """This rank's training job: configuration (the run folder's), process group, policy, optimizer,
+    resumed state, and on rank 0 the batch source, the weight server with the first publication, and
+    the evaluator with the step-0 baseline. ``replay_log``: train from a trajectory log instead of a
+    controller; ``publish_formats``: the formats rank 0 publishes (default: the run's ``quant.fmt``)."""
+    cfg = read_run_config(run_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    rank = start_rank(cfg)
+    policy = load_policy(cfg, model_dir, rank)
+    replay = bool(replay_log)
+    state = training_state(cfg, policy, rank.info, RunDir(run_dir).checkpoints, replay=replay)
+    learner = Learner(cfg, rank, policy, state, run_dir, model_dir, stop, replay,
+                      buffers={n: b for n, b in base_model(policy.model).named_buffers()})
     # Weights are gathered (merged, for LoRA) only to publish or evaluate, and dropped right after:
     # the learner process holds no full copy of the policy between steps.
-    sd = policy_state_dict(model, lora) if not replay or (state.version == 0 and L.eval_every) else {}
-    buffers = {n: b for n, b in base_model(model).named_buffers()}
-    if info.is_main:
-        evaluator = Evaluator(cfg, model_dir)
-        if replay:
-            source = ReplaySource(Path(args.replay_log), run_dir, model_id(cfg, model_dir), stop,
-                                  salvage=cfg.log.salvage)
-        else:
-            host = cfg.transport.host
-            curve = server_curve(cfg.transport)
-            check_bind_security(f"tcp://{host}:0", keys=curve is not None, insecure=cfg.transport.insecure)
-            server = WeightServer(f"tcp://{host}:0", f"tcp://{host}:0", curve=curve)
-            publisher = Publisher(cfg, formats, server)
-            publisher.publish(sd, state.version)
-            source = ControllerSource(args.controller, server, state.version, stop, cfg.transport)
-        if state.version == 0 and L.eval_every:  # the step-0 baseline every later evaluation is read against
-            source.report(0, evaluator.evaluate(sd, 0, buffers) | {"eval/baseline": 1.0})
-    sd = {}
-    t_run = time.perf_counter()
-    try:
-        while state.version < L.total_steps:
-            k = state.version
-            t0 = time.perf_counter()
-            msg = source.next_batch(k) if source is not None else None  # rank 0
-            if _agree(info.is_main and msg is None, info):
-                log.info("learner stopping before step %d", k)
-                break
-            batch = batch_from_message(msg, cfg.rollout.temperature, pad_id) if msg is not None else None
-            batch = broadcast_batch(batch, info)
-            t_wait = time.perf_counter() - t0
-            metrics = train_step(state, batch, cfg.algo, cfg.learner, info, ref_model=ref_model)
-            t_train = time.perf_counter() - t0 - t_wait
-            eval_due = bool(L.eval_every) and state.version % L.eval_every == 0 and state.version < L.total_steps
-            sd = policy_state_dict(model, lora) if (not replay or eval_due) else {}
-            ckpt = bool(L.ckpt_every) and state.version % L.ckpt_every == 0 and state.version < L.total_steps
-            if info.is_main:
-                assert source is not None and evaluator is not None and msg is not None  # rank 0 holds them
-                if publisher is not None:
-                    metrics |= publisher.publish(sd, state.version)
-                if server is not None:  # the weight server's received/rejected counters reach metrics.jsonl
-                    metrics |= server.as_metrics()
-                metrics |= msg.metrics
-                metrics |= {"time/learner_wait_s": t_wait, "time/learner_train_s": t_train,
-                            "time/learner_busy_frac": t_train / max(1e-9, time.perf_counter() - t0),
-                            "learner/lr": float(opt.param_groups[0]["lr"])}
-                if eval_due:
-                    metrics |= evaluator.evaluate(sd, state.version, buffers)
-                # The controller saves its state for this version before the learner's checkpoint
-                # exists, so every learner checkpoint has a matching controller state.
-                acked = source.report(state.version, metrics, checkpoint=ckpt)
-            sd = {}
-            if ckpt and _agree(info.is_main and acked, info):
-                save_checkpoint(ckpt_root, state, info, keep_last=KEEP_CHECKPOINTS)
-        # A final checkpoint only with the controller's state of the same version (it may be gone:
-        # then the last periodic checkpoint stays the resume point).
-        if _agree(source is not None and source.sync_checkpoint(state.version), info):  # rank 0
-            save_checkpoint(ckpt_root, state, info, keep_last=KEEP_CHECKPOINTS)
-        if not _agree(info.is_main and stop.is_set(), info):  # finished (or the replayed log ran out): export, hash, final eval
-            finish_run(cfg, state, model, model_dir, run_dir, info, evaluator, source, t_run, lora)
-        if isinstance(source, ControllerSource) and source.lost:  # the run goes on without this process
-            log.error("learner stopped: %s", source.lost)
-            return 1
-    except ChannelTimeout as e:
-        log.error("controller unreachable: %s", e)
-        return 1
-    finally:
-        if server is not None:
-            server.close()
-        if source is not None:
-            source.close()
-        close_distributed()
-    return 0
+    sd = learner.state_dict(not replay or (state.version == 0 and bool(cfg.learner.eval_every)))
+    if rank.info.is_main:
+        open_rank0(learner, sd, controller=controller, replay_log=replay_log,
+                   formats=list(publish_formats) or [cfg.quant.fmt])
+    return learner
 
 
-def lora_spec(L) -> LoraSpec | None:
-    """``learner.lora`` as a ``LoraSpec`` (None for full fine-tuning)."""
-    if L.lora.rank <= 0:
-        return None
-    return LoraSpec(rank=L.lora.rank, alpha=L.lora.alpha, target_modules=tuple(L.lora.target_modules),
-                    dropout=L.lora.dropout)
+def open_rank0(learner: Learner, sd: Mapping[str, torch.Tensor], *, controller: str, replay_log: str,
+               formats: list[str]) -> None:
+    """Rank 0's parts: the evaluator, the batch source (the controller, with a weight server holding the
+    first publication, or a trajectory log), and the step-0 evaluation every later one is read against."""
+    cfg, version = learner.cfg, learner.state.version
+    learner.evaluator = Evaluator(cfg, learner.model_dir)
+    if learner.replay:
+        learner.source = ReplaySource(Path(replay_log), learner.run_dir, model_id(cfg, learner.model_dir),
+                                      learner.stop, salvage=cfg.log.salvage)
+    else:
+        host = cfg.transport.host
+        curve = server_curve(cfg.transport)
+        check_bind_security(f"tcp://{host}:0", keys=curve is not None, insecure=cfg.transport.insecure)
+        learner.server = WeightServer(f"tcp://{host}:0", f"tcp://{host}:0", curve=curve)
+        learner.publisher = Publisher(cfg, formats, learner.server)
+        learner.publisher.publish(sd, version)
+        learner.source = ControllerSource(controller, learner.server, version, learner.stop, cfg.transport)
+    if version == 0 and cfg.learner.eval_every:  # the step-0 baseline every later evaluation is read against
+        learner.source.report(0, learner.evaluator.evaluate(sd, 0, learner.buffers) | {"eval/baseline": 1.0})
 
 
 def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluator, source, t_run: float,

@@ -74,8 +74,8 @@ def test_log_show_finds_the_model_folder_of_a_default_tiny_run(tmp_path, capsys)
     from transformers import AutoTokenizer
 
     from asyncrl.config import load_train_config, save_config
+    from asyncrl.config.paths import resolve_paths
     from asyncrl.models.prepare import model_folder, prepare_model
-    from workers.launcher import resolve_paths
 
     cfg = load_train_config([f"model.cache_dir={tmp_path / 'cache'}", "model.warmstart_steps=1"])
     resolve_paths(cfg)

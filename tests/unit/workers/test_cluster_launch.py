@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_train_config
-from workers.launcher import Launcher, gpu_plan, publish_formats
+from workers.launcher import Launcher, gpu_plan
+from workers.prepare import publish_formats
 
 
 def _cfg(*overrides: str):

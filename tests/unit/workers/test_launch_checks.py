@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_train_config
+from asyncrl.config.paths import resolve_paths
 from asyncrl.config.schema import config_warnings
-from workers.launcher import Launcher, resolve_paths, run_train
+from workers.launcher import Launcher, run_train
 
 
 @pytest.mark.parametrize("override,message", [

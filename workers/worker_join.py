@@ -1,0 +1,150 @@
+"""A generation worker joining a run: Hello until Welcome, the Welcome's setup checked, and heartbeats
+while its engine starts.
+
+Owns: the worker's ``Hello`` (engine, the format it fetches, slots, pid, host), saying it until the
+controller answers (a controller still starting answers ``not_ready``; one that restarted never saw the
+first), the control socket and its context, the check that the worker's slots can hold a group, and
+the heartbeats a second thread sends while the engine is built and its first weights load.
+Never: builds the engine, fetches weights or speaks the work protocol (``workers/generator.py``); follows
+a controller or learner that restarted under a joined worker (``workers/worker_rejoin.py``).
+
+Invariant: the control socket has one user at a time: ``_join``, then the start-up heartbeat thread
+(``_heartbeats_while_starting``), then the comms thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+import protocols as P
+from asyncrl.engine.factory import EngineSpec
+from asyncrl.transport import ZmqChannel, end_context, private_context
+
+if TYPE_CHECKING:
+    from asyncrl.transport import CurveConfig
+
+log = logging.getLogger("asyncrl.worker")
+
+# Timeouts (seconds): each bounds a wait for a controller that may be gone; a reachable one ends it at once.
+HELLO_TIMEOUT_S = 120.0
+"""How long a worker keeps saying Hello before it gives up (the controller may still be starting)."""
+HELLO_RETRY_S = 2.0
+"""Wait for a Welcome before saying Hello again (a controller that restarted never saw the first)."""
+ERROR_BACKOFF_S = 0.5
+"""Pause after the controller answered with an error (``not_ready`` while starting, any other) before
+asking again."""
+
+
+class JoinMixin:
+    """Mixed into ``GeneratorWorker``; the attributes below are the worker's own."""
+
+    controller: str
+    worker_id: str
+    identity: str
+    curve: CurveConfig | None
+    engine_kind: str
+    requested_fmt: str
+    requested_slots: int
+    hello_timeout_s: float
+    stop: threading.Event
+    ctx: zmq.Context
+    ctl: ZmqChannel
+    slots: int
+    heartbeat_s: float
+    _send_ctl: Callable[[Any], None]  # GeneratorWorker's: a control message, dropped if it cannot leave
+    _heartbeat: Callable[[int, dict[str, float]], P.Heartbeat]
+
+    def _wire_format(self) -> str:
+        """The published format to fetch: a native actor fetches its own; SGLang fetches fp32/bf16."""
+        fmt = getattr(self, "fmt", self.requested_fmt)
+        if self.engine_kind != "sglang":
+            return fmt
+        return EngineSpec(kind="sglang", quant_format=fmt or "fp32").wire_format
+
+    def _hello(self) -> P.Hello:
+        caps = {"engine": self.engine_kind, "quant_format": self._wire_format(), "slots": str(self.requested_slots),
+                "pid": str(os.getpid()), "host": socket.gethostname()}
+        return P.Hello(protocol_version=P.PROTOCOL_VERSION, role="generator", peer_id=self.worker_id,
+                       capabilities=caps)
+
+    def _handshake(self) -> P.Welcome:
+        hello = self._hello()
+        deadline = time.monotonic() + self.hello_timeout_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            self.ctl.send(hello)
+            env = self.ctl.recv(HELLO_RETRY_S)
+            if env is None:
+                continue
+            msg = env.msg
+            if isinstance(msg, P.Welcome):
+                return msg
+            if isinstance(msg, P.Reject):
+                raise SystemExit(f"controller refused worker {self.worker_id}: {msg.reason}")
+            if isinstance(msg, P.Error) and msg.code == "not_ready":
+                time.sleep(ERROR_BACKOFF_S)
+                continue
+            log.warning("unexpected reply to Hello: %r", msg)
+        raise SystemExit(f"no Welcome from controller {self.controller} within {self.hello_timeout_s}s; "
+                         "is the job running and the address right?")
+
+    def _join(self) -> tuple[P.Welcome, P.WorkerSetup]:
+        """Connect the control socket, say Hello until the controller's Welcome, and check its setup (this
+        worker's slots hold a group). A refusal, no answer, or a setup it cannot serve: ``SystemExit`` with
+        one line, the control socket closed."""
+        # The control and sample sockets get a context of their own, so that leaving can wait until the
+        # last samples and the Goodbye have left (end_context), however long that takes.
+        self.ctx = private_context()
+        self.ctl = ZmqChannel.connect(zmq.DEALER, self.controller, name="worker-ctl",
+                                      identity=self.identity.encode(), curve=self.curve, context=self.ctx)
+        try:
+            welcome = self._handshake()
+        except SystemExit:
+            self.ctl.close()
+            end_context(self.ctx)
+            raise
+        try:
+            setup = welcome.worker_setup()
+            self.slots = self.requested_slots or setup.worker_slots
+            if self.slots < setup.group_size:
+                raise ValueError(f"{self.slots} slots cannot hold a group of {setup.group_size} samples, so this "
+                                 f"worker would never be given work; start it with slots={setup.group_size} or "
+                                 "more, or without slots= to take the run's rollout.worker_slots")
+        except ValueError as e:
+            self.ctl.close()
+            raise SystemExit(f"worker {self.worker_id}: {e}") from None
+        return welcome, setup
+
+    @contextlib.contextmanager
+    def _heartbeats_while_starting(self) -> Iterator[None]:
+        """Heartbeats from a second thread while the engine is built and loaded, so the controller does not
+        declare a worker dead whose server is still starting. That thread owns the control socket meanwhile
+        (nothing else uses it until the comms thread starts, after this block)."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.heartbeat_s):
+                self._send_ctl(self._heartbeat(-1, {"outstanding": 0.0, "samples": 0.0}))
+                env = self.ctl.recv(0.0)
+                while env is not None:  # nothing was asked yet: only a Shutdown (the run ended) matters
+                    if isinstance(env.msg, P.Shutdown):
+                        log.info("controller asked worker %s to stop while starting: %s", self.worker_id,
+                                 env.msg.reason)
+                        self.stop.set()
+                    env = self.ctl.recv(0.0)
+
+        beater = threading.Thread(target=beat, name="worker-start-heartbeat", daemon=True)
+        beater.start()
+        try:
+            yield
+        finally:
+            done.set()
+            beater.join()
