@@ -100,19 +100,6 @@ binds transport.host:transport.port, prints its addresses, then serves until the
 Put the run folder (runs_dir) on a filesystem the learner nodes share: both write checkpoints into it."""
 
 
-def role_argv(argv: Sequence[str], *, command: str, description: str, schema: type, note: str = "",
-              usage_text: str = "") -> list[str]:
-    """The ``key=value`` settings of ``asyncrl COMMAND`` (``--help``: the description, ``usage_text``,
-    one line per key of ``schema`` from its docstrings, then ``note``; exits 0)."""
-    from asyncrl.config.roles import settings_help  # no torch, no zmq: the schema and its docstrings
-
-    epilog = "\n".join(filter(None, [usage_text, "settings (key=value):", *settings_help(schema), note]))
-    p = argparse.ArgumentParser(prog=f"asyncrl {command}", description=description, epilog=epilog,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("settings", nargs="*", help="key=value settings (below)")
-    return list(p.parse_args(list(argv)).settings)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,

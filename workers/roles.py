@@ -57,7 +57,7 @@ GPUs, gloo on CPUs)."""
 def run_learner(argv: Sequence[str]) -> int:
     """``asyncrl learner controller=ADDR``: this process is one rank (torchrun sets RANK/WORLD_SIZE)."""
     from asyncrl.config.roles import LearnerRoleConfig, parse_role
-    from workers.cli import role_argv
+    from workers.role_cli import role_argv
 
     head, _, usage = LEARNER_HELP.partition("\n")
     role = parse_role(LearnerRoleConfig, role_argv(argv, command="learner", description=head, usage_text=usage,

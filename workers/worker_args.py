@@ -1,7 +1,7 @@
 """A generation worker's command line and what it derives from it (``workers/generator.py`` runs it).
 
 Owns: ``parse_args`` (``asyncrl worker key=value ...`` -> a checked ``WorkerRoleConfig``, parsed by
-``asyncrl.config.roles.parse_role`` like ``asyncrl train``'s overrides; ``--help``: ``workers.cli.role_argv``), the ``EngineSpec`` a worker builds from the run's ``WorkerSetup`` and its own settings, and
+``asyncrl.config.roles.parse_role`` like ``asyncrl train``'s overrides; ``--help``: ``workers.role_cli.role_argv``), the ``EngineSpec`` a worker builds from the run's ``WorkerSetup`` and its own settings, and
 ``built`` (a part of the worker used before it exists is a bug, said as such).
 Never: opens a socket or builds an engine; knows a setting by name that the role schema does not define.
 """
@@ -40,7 +40,7 @@ def engine_spec(setup: P.WorkerSetup, role: WorkerRoleConfig, *, fmt: str, slots
 
 def parse_args(argv: Sequence[str]) -> WorkerRoleConfig:
     """``asyncrl worker`` settings -> a checked ``WorkerRoleConfig`` (``ValueError`` naming the fix)."""
-    from workers.cli import role_argv
+    from workers.role_cli import role_argv
 
     settings = role_argv(argv, command="worker", description=WORKER_DESCRIPTION, schema=WorkerRoleConfig,
                          note=WORKER_NOTE)

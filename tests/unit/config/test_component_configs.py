@@ -130,7 +130,7 @@ def test_an_override_changes_the_value_the_library_sees(name):
 def test_the_learner_hands_the_runs_algo_config_to_the_training_step():
     tree = ast.parse((ROOT / "workers" / "learner.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "train_step"]
-    assert calls and all(ast.unparse(c.args[2]) == "cfg.algo" for c in calls)
+    assert calls and all(ast.unparse(c.args[2]) in ("cfg.algo", "self.cfg.algo") for c in calls)
     assert "ObjectiveConfig(" not in (ROOT / "workers" / "learner.py").read_text()
 
 
