@@ -10,13 +10,17 @@ Evolution rules (msgspec schema evolution, enforced in review):
      ignoring it, keep it on the wire).
   3. Tags (the ``tag=`` string of each Struct) never change and are never reused.
   4. Any change that breaks rules 1-3 bumps ``PROTOCOL_MAJOR``; appending fields bumps ``PROTOCOL_MINOR``.
-  5. Every connection starts with ``Hello``; a server refuses a peer whose major version differs, with a
-     ``Reject`` that states both versions. Different minors interoperate (old peers ignore new fields,
-     new peers see defaults for fields old peers do not send).
-  6. When a minor version replaces an older form of the same information (1.3: typed setup, versions and
-     control flags instead of string dictionaries), a peer reads the older form only from a peer that
-     announced an older minor (``Hello``/``Welcome.protocol_version``), and writes it only to such a peer
-     (``speaks_typed_control``); peers of the same minor never see it.
+  5. Every connection starts with ``Hello``; a server refuses a peer whose major version differs, or
+     whose minor is below ``PROTOCOL_FLOOR_MINOR``, with a ``Reject`` that states both versions and the
+     fix. Minors from the floor up interoperate (old peers ignore new fields, new peers see defaults for
+     fields old peers do not send).
+  6. Protocol 1.4 is the floor: no peer reads or writes an older form of the same information (the
+     string ``Welcome.config``, control flags among ``VersionUpdate.metrics``, a version among
+     ``Heartbeat.stats``). Such a field stays on the wire, unread and empty (rule 2).
+  7. The fields (name, type, default, order) and tag of every Struct are checked against the table of
+     ``PROTOCOL_VERSION`` in tests/unit/protocols/wire_schema.json (tests/unit/protocols/test_schema.py,
+     which also checks rules 1-3 between the tables): a change bumps the version per rule 4 and adds
+     that version's table.
 
 Arrays travel as ``Array`` (raw bytes + dtype + shape), never as Python lists. Validation happens at
 decode time (``__post_init__`` runs inside msgspec's decoder), so a decoded message is well-formed.
@@ -37,8 +41,8 @@ PROTOCOL_MAJOR = 1
 # 1.4: WorkerSetup.group_size
 PROTOCOL_MINOR = 4
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
-TYPED_CONTROL_MINOR = 3
-"""The first minor whose peers send the typed setup, versions and control flags (evolution rule 6)."""
+PROTOCOL_FLOOR_MINOR = 4
+"""The oldest minor a peer may speak (evolution rule 5); older peers are refused at ``Hello``."""
 
 # dtype name -> item size in bytes. The names are numpy's (``np.dtype(name)`` round-trips them).
 DTYPE_SIZES: dict[str, int] = {
@@ -136,9 +140,8 @@ def _check_version(owner: str, version: int) -> None:
 class Hello(_Base, tag="hello"):
     """First message on every control connection.
 
-    ``version`` (since 1.3): the newest weights version the peer holds; the learner's is the version it
-    starts at (0, or a resumed checkpoint's), -1 when it has none. A 1.0-1.2 learner sent it as the string
-    ``capabilities["version"]``; a 1.3 learner sends both, so a 1.2 controller still reads it."""
+    ``version``: the newest weights version the peer holds; the learner's is the version it starts at
+    (0, or a resumed checkpoint's), -1 when it has none."""
 
     protocol_version: str
     role: str
@@ -157,10 +160,10 @@ class Hello(_Base, tag="hello"):
 class Welcome(_Base, tag="welcome"):
     """Handshake accepted. ``latest_version`` lets a late joiner fetch the newest weights at once.
 
-    ``setup`` (since 1.3): a generation worker's ``WorkerSetup``; ``run``: the ``RunSetup`` a learner
-    that asked where the run is gets. ``config`` is the string form 1.0-1.2 peers read; a 1.3 controller
-    fills it only for such peers (``WorkerSetup.to_legacy``). Read a Welcome with ``worker_setup()`` /
-    ``run_setup()``, which accept either form."""
+    ``setup``: a generation worker's ``WorkerSetup``; ``run``: the ``RunSetup`` a learner that asked
+    where the run is gets. ``config``: unused and empty (evolution rule 6), kept on the wire (rule 2).
+    Read a Welcome with ``worker_setup()`` / ``run_setup()``: a ``ValueError`` names the fix when the
+    setup is missing."""
 
     protocol_version: str
     server_id: str
@@ -170,12 +173,20 @@ class Welcome(_Base, tag="welcome"):
     run: RunSetup | None = None
 
     def worker_setup(self) -> WorkerSetup:
-        """The worker setup, typed (a 1.0-1.2 controller's ``config`` is parsed); ``ValueError`` names the gap."""
-        return self.setup if self.setup is not None else WorkerSetup.from_legacy(self.config)
+        """The worker setup; ``ValueError`` naming the fix when this Welcome carries none."""
+        if self.setup is None:
+            raise ValueError(self._missing("worker setup"))
+        return self.setup
 
     def run_setup(self) -> RunSetup:
-        """The run setup, typed (a 1.0-1.2 controller's ``config`` is parsed); ``ValueError`` names the gap."""
-        return self.run if self.run is not None else RunSetup.from_legacy(self.config)
+        """The run setup; ``ValueError`` naming the fix when this Welcome carries none."""
+        if self.run is None:
+            raise ValueError(self._missing("run setup"))
+        return self.run
+
+    def _missing(self, what: str) -> str:
+        return (f"the Welcome of {self.server_id!r} (protocol {self.protocol_version}) carries no {what}; "
+                f"run a controller of protocol {PROTOCOL_MAJOR}.{PROTOCOL_FLOOR_MINOR} or newer (upgrade asyncrl there)")
 
 
 class Reject(_Base, tag="reject"):
@@ -396,8 +407,7 @@ class TrainBatch(_Base, tag="train_batch"):
 class VersionUpdate(_Base, tag="version_update"):
     """The learner finished step ``version - 1`` and published ``version``; ``metrics`` are numbers only.
 
-    Control (since 1.3; 1.0-1.2 peers sent these as ``metrics`` entries "checkpoint", "checkpointed", "done"
-    with the value 1.0):
+    Control (typed flags, never ``metrics`` entries):
     ``checkpoint``: learner -> controller, save your state for ``version`` and acknowledge (the learner
     writes its own checkpoint of ``version`` only after the acknowledgement); ``checkpointed``:
     controller -> learner, that acknowledgement; ``done``: learner -> controller, training is finished."""
@@ -417,8 +427,8 @@ class VersionUpdate(_Base, tag="version_update"):
 
 
 class Heartbeat(_Base, tag="heartbeat"):
-    """A worker is alive. ``version`` (since 1.3): the weights version its engine uses for new work
-    (-1: none yet); 1.0-1.2 workers sent it as the float ``stats["version"]``. ``stats`` are numbers."""
+    """A worker is alive. ``version``: the weights version its engine uses for new work (-1: none yet).
+    ``stats`` are numbers."""
 
     peer_id: str
     time: float

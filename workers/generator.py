@@ -194,6 +194,8 @@ class GeneratorWorker(RejoinMixin):
             end_context(self.ctx)
             raise
         try:
+            if (why := P.version_refusal(welcome.protocol_version, f"the controller at {self.controller}")) is not None:
+                raise ValueError(why)
             setup = welcome.worker_setup()
             self.slots = self.requested_slots or setup.worker_slots
             if self.slots < setup.group_size:
@@ -203,7 +205,6 @@ class GeneratorWorker(RejoinMixin):
         except ValueError as e:
             self.ctl.close()
             raise SystemExit(f"worker {self.worker_id}: {e}") from None
-        self.typed = P.speaks_typed_control(welcome.protocol_version)  # False: a 1.0-1.2 controller
         self.fmt = self.requested_fmt or (setup.quant_format if self.engine_kind == "native" else "fp32")
         self.wire_fmt = self._wire_format()
         self.min_credits = max(1, setup.group_size)  # free slots worth asking with: groups are assigned whole
@@ -450,9 +451,7 @@ class GeneratorWorker(RejoinMixin):
                 "weight_sync_s": self.weight_sync_s, "weight_syncs": float(self.weight_syncs)}
 
     def _heartbeat(self, version: int, stats: dict[str, float]) -> P.Heartbeat:
-        """``version``: the engine's weights version (-1: none yet); a 1.0-1.2 controller reads it from stats."""
-        if not self.typed:
-            stats = stats | {"version": float(version)}
+        """``version``: the engine's weights version (-1: none yet)."""
         return P.Heartbeat(peer_id=self.worker_id, time=time.time(), stats=stats, version=max(-1, int(version)))
 
     def _send_ctl(self, msg) -> None:

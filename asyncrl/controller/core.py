@@ -82,7 +82,6 @@ class ControllerCore:
         self.model = model
         self.samples_address = samples_address
         self.weights_addresses: tuple[str, str] | None = None  # the learner's weight server (announce, fetch)
-        self.learner_typed = True  # the learner speaks protocol >= 1.3 (typed control flags)
         self.publish_formats = publish_formats
         self.clock = clock
         self.version = ManualVersion(0)
@@ -195,10 +194,8 @@ class ControllerCore:
         self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
                                     logged_at=time.time()))
         log.info("worker %s joined (%s)", msg.peer_id, fmt)
-        setup = self.worker_setup(fmt)
-        legacy = {} if P.speaks_typed_control(msg.protocol_version) else setup.to_legacy()  # a 1.0-1.2 worker
         return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
-                         latest_version=self.version.version, setup=setup, config=legacy)
+                         latest_version=self.version.version, setup=self.worker_setup(fmt))
 
     def _learner_hello(self, peer: bytes, msg: P.Hello) -> list[tuple[bytes, Any]]:
         return learner_join(self, peer, msg)  # asyncrl.controller.membership
@@ -260,11 +257,7 @@ class ControllerCore:
             self.counters["control/unknown_heartbeat"] += 1
             return
         w.last_seen = now
-        version = msg.version
-        if version < 0:  # a 1.0-1.2 worker: its version is a float among its stats
-            legacy = msg.stats.get("version", -1.0)
-            version = int(legacy) if math.isfinite(legacy) else -1  # the peer's word: never let a NaN reach int()
-        w.version = max(w.version, version)
+        w.version = max(w.version, msg.version)
         tps = msg.stats.get("tokens_per_s", 0.0)
         w.tokens_per_s = tps if math.isfinite(tps) else 0.0  # alive, but its assignments' deadlines stand
         sync_s, syncs = msg.stats.get("weight_sync_s", 0.0), msg.stats.get("weight_syncs", 0.0)
@@ -407,20 +400,15 @@ class ControllerCore:
         if msg.version > self.version.version:
             self.version.set(msg.version)
             self.assembler.release_through(msg.version)
-        done, checkpoint = msg.done, msg.checkpoint
-        if not self.learner_typed:  # a 1.0-1.2 learner sends its control flags among the metrics
-            done = done or msg.metrics.get("done", 0.0) >= 1.0
-            checkpoint = checkpoint or msg.metrics.get("checkpoint", 0.0) >= 1.0
-        if done and not self.done:
+        if msg.done and not self.done:
             self.done = True
             self.done_at = self.clock()
         out = []
-        if checkpoint and self.learner_peer is not None:
+        if msg.checkpoint and self.learner_peer is not None:
             # Saved before the learner writes its own checkpoint of this version (it waits for the ack).
             self.save(self.checkpoint_path(msg.version))
             prune_controller_states(RunDir(self.run_dir).checkpoints)  # as the learner prunes its own
-            legacy = {} if self.learner_typed else {"checkpointed": 1.0}
-            out.append((self.learner_peer, P.VersionUpdate(version=msg.version, checkpointed=True, metrics=legacy)))
+            out.append((self.learner_peer, P.VersionUpdate(version=msg.version, checkpointed=True)))
         return out + self._try_batch()
 
     def checkpoint_path(self, version: int) -> Path:
