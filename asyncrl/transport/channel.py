@@ -98,10 +98,6 @@ class ChannelStats:
         with self._auth_lock:
             return dict(self.auth)
 
-    @property
-    def auth_denied(self) -> int:
-        return sum(n for k, n in self.auth_counts().items() if k != "accepted")
-
     def reject(self, reason: str, message: str) -> None:
         self.rejected[reason] += 1
         self.last_errors.append(f"{reason}: {message}")
