@@ -5,6 +5,7 @@ so that a client in another project can speak the protocol. See ``protocols.mess
 schema-evolution rules.
 """
 
+from protocols.arrays import DTYPE_SIZES, Array, check_array
 from protocols.codec import (
     ProtocolError,
     check_hello,
@@ -20,7 +21,6 @@ from protocols.codec import (
 )
 from protocols.messages import *  # noqa: F403
 from protocols.messages import (
-    DTYPE_SIZES,
     FINISH_REASONS,
     MESSAGE_TYPES,
     PROTOCOL_FLOOR_MINOR,
@@ -28,11 +28,9 @@ from protocols.messages import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     ROLES,
-    Array,
     Message,
     SamplingParams,
     TensorSpec,
-    check_array,
 )
 from protocols.setup import RunSetup, WorkerSetup
 
