@@ -49,10 +49,6 @@ class Array(msgspec.Struct, frozen=True, array_like=True, gc=False):
     shape: tuple[int, ...]
     data: bytes
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
     @classmethod
     def from_numpy(cls, a) -> Array:  # noqa: ANN001 - duck-typed so this module never imports numpy
         """Wrap a numpy array (made C-contiguous, little-endian by the caller's dtype)."""
