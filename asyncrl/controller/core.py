@@ -34,7 +34,7 @@ from asyncrl.controller.batches import request_batch, try_batch
 from asyncrl.controller.membership import learner_join, worker_conflict
 from asyncrl.controller.scored import ScoredGroup
 from asyncrl.controller.scoring import GroupScorer
-from asyncrl.controller.state import load_state, save_state, state_dict
+from asyncrl.controller.state import load_state, save_state
 from asyncrl.controller.validation import check_sample
 from asyncrl.controller.workers import WorkerRegistry
 from asyncrl.log import EventRecord, SampleRecord, TrajectoryLogWriter
@@ -371,11 +371,8 @@ class ControllerCore:
         return out
 
     # ----------------------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict[str, Any]:
-        return state_dict(self)  # asyncrl.controller.state
-
     def save(self, path: Path) -> None:
-        """Checksummed and atomic: a reader sees the previous state or this one (``DiskFullError`` when full)."""
+        """Checksummed and atomic: a reader sees the previous state or this one (``asyncrl.controller.state``)."""
         save_state(self, path)
 
     def load_state(self, state: dict[str, Any]) -> None:
