@@ -172,11 +172,6 @@ class GroupBuffer:
         self._next_seq += 1
         return group_id
 
-    @property
-    def next_seq(self) -> int:
-        """Sequence number the next admitted group gets."""
-        return self._next_seq
-
     # --------------------------------------------------------------- assignment
     def assign(self, worker_id: str, *, worker_version: int, max_groups: int = 1) -> list[Assignment]:
         """Hand up to ``max_groups`` PENDING groups to ``worker_id``, oldest first.

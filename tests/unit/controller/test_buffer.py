@@ -64,7 +64,7 @@ def test_admission_numbers_groups_in_order_and_draws_metas_only_for_admitted_gro
     assert buf.admit(next_problem, 3) == ["g0", "g1"]
     assert buf.admit(next_problem, 1) == []
     assert drawn == ["p0", "p1"]  # a dataset cursor advances exactly as far as admission
-    assert buf.next_seq == 2 and gate.counts().issued == 2
+    assert buf.state_dict()["next_seq"] == 2 and gate.counts().issued == 2
     assert [a.meta for a in buf.assign("w", worker_version=0, max_groups=2)] == ["p0", "p1"]
 
 
