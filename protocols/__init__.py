@@ -5,6 +5,7 @@ so that a client in another project can speak the protocol. See ``protocols.mess
 schema-evolution rules.
 """
 
+from protocols.arrays import DTYPE_SIZES, Array, check_array
 from protocols.codec import (
     ProtocolError,
     check_hello,
@@ -16,23 +17,20 @@ from protocols.codec import (
     encode_frames,
     encode_into,
     parse_version,
-    speaks_typed_control,
+    version_refusal,
 )
 from protocols.messages import *  # noqa: F403
 from protocols.messages import (
-    DTYPE_SIZES,
     FINISH_REASONS,
     MESSAGE_TYPES,
+    PROTOCOL_FLOOR_MINOR,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     ROLES,
-    TYPED_CONTROL_MINOR,
-    Array,
     Message,
     SamplingParams,
     TensorSpec,
-    check_array,
 )
 from protocols.setup import RunSetup, WorkerSetup
 
@@ -54,8 +52,8 @@ __all__ = [
     "encode_frames",
     "encode_into",
     "parse_version",
-    "speaks_typed_control",
-    "TYPED_CONTROL_MINOR",
+    "version_refusal",
+    "PROTOCOL_FLOOR_MINOR",
     "RunSetup",
     "WorkerSetup",
     "SamplingParams",

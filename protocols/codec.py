@@ -1,7 +1,8 @@
 """Encoding and decoding of asyncrl messages, and the one error type decoding may raise.
 
 Owns: the cached msgspec encoder/decoders, the multi-frame layout (a msgpack header frame, optionally
-followed by one raw payload frame for ``WeightChunk``), and the handshake version check.
+followed by one raw payload frame for ``WeightChunk``), and the handshake version check (same major,
+minor at least ``PROTOCOL_FLOOR_MINOR``).
 Never: raises anything but ``ProtocolError`` from ``decode``/``decode_frames`` on bad input (random
 bytes, truncated frames, unknown tags, wrong array sizes); imports zmq or torch.
 """
@@ -15,9 +16,9 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocols.messages import (
+    PROTOCOL_FLOOR_MINOR,
     PROTOCOL_MAJOR,
     PROTOCOL_VERSION,
-    TYPED_CONTROL_MINOR,
     Hello,
     Message,
     Reject,
@@ -145,27 +146,23 @@ def parse_version(version: str) -> tuple[int, int]:
         raise ProtocolError("version", f"protocol version {version!r} is not MAJOR.MINOR") from None
 
 
-def speaks_typed_control(version: str) -> bool:
-    """Whether a peer that announced protocol ``version`` sends and reads the typed setup, versions and
-    control flags of 1.3 (evolution rule 6); False for 1.0-1.2 peers and for an unreadable version."""
+def version_refusal(version: str, peer: str) -> str | None:
+    """Why a peer that announced protocol ``version`` cannot talk to this process, naming the fix; None
+    when it can (same major, minor at least ``PROTOCOL_FLOOR_MINOR``)."""
     try:
         major, minor = parse_version(version)
-    except ProtocolError:
-        return False
-    return (major, minor) >= (PROTOCOL_MAJOR, TYPED_CONTROL_MINOR)
+    except ProtocolError as e:
+        return str(e)
+    if major != PROTOCOL_MAJOR:
+        return (f"protocol major version mismatch: {peer} speaks {version}, this process speaks "
+                f"{PROTOCOL_VERSION}; run the same asyncrl major version on both sides")
+    if minor < PROTOCOL_FLOOR_MINOR:
+        return (f"{peer} speaks protocol {version}, older than {PROTOCOL_MAJOR}.{PROTOCOL_FLOOR_MINOR}, the oldest "
+                f"this process ({PROTOCOL_VERSION}) accepts; upgrade asyncrl on that side")
+    return None
 
 
 def check_hello(hello: Hello) -> Reject | None:
-    """``None`` if the peer may connect, else the ``Reject`` to send back (different major version)."""
-    try:
-        major, _ = parse_version(hello.protocol_version)
-    except ProtocolError as e:
-        return Reject(reason=str(e))
-    if major != PROTOCOL_MAJOR:
-        return Reject(
-            reason=(
-                f"protocol major version mismatch: peer {hello.peer_id!r} speaks {hello.protocol_version}, "
-                f"this server speaks {PROTOCOL_VERSION}; run the same asyncrl major version on both sides"
-            )
-        )
-    return None
+    """``None`` if the peer may connect, else the ``Reject`` to send back (``version_refusal``)."""
+    reason = version_refusal(hello.protocol_version, f"peer {hello.peer_id!r}")
+    return None if reason is None else Reject(reason=reason)

@@ -10,15 +10,19 @@ Evolution rules (msgspec schema evolution, enforced in review):
      ignoring it, keep it on the wire).
   3. Tags (the ``tag=`` string of each Struct) never change and are never reused.
   4. Any change that breaks rules 1-3 bumps ``PROTOCOL_MAJOR``; appending fields bumps ``PROTOCOL_MINOR``.
-  5. Every connection starts with ``Hello``; a server refuses a peer whose major version differs, with a
-     ``Reject`` that states both versions. Different minors interoperate (old peers ignore new fields,
-     new peers see defaults for fields old peers do not send).
-  6. When a minor version replaces an older form of the same information (1.3: typed setup, versions and
-     control flags instead of string dictionaries), a peer reads the older form only from a peer that
-     announced an older minor (``Hello``/``Welcome.protocol_version``), and writes it only to such a peer
-     (``speaks_typed_control``); peers of the same minor never see it.
+  5. Every connection starts with ``Hello``; a server refuses a peer whose major version differs, or
+     whose minor is below ``PROTOCOL_FLOOR_MINOR``, with a ``Reject`` that states both versions and the
+     fix. Minors from the floor up interoperate (old peers ignore new fields, new peers see defaults for
+     fields old peers do not send).
+  6. Protocol 1.4 is the floor: no peer reads or writes an older form of the same information (the
+     string ``Welcome.config``, control flags among ``VersionUpdate.metrics``, a version among
+     ``Heartbeat.stats``). Such a field stays on the wire, unread and empty (rule 2).
+  7. The fields (name, type, default, order) and tag of every Struct are checked against the table of
+     ``PROTOCOL_VERSION`` in tests/unit/protocols/wire_schema.json (tests/unit/protocols/test_schema.py,
+     which also checks rules 1-3 between the tables): a change bumps the version per rule 4 and adds
+     that version's table.
 
-Arrays travel as ``Array`` (raw bytes + dtype + shape), never as Python lists. Validation happens at
+Arrays travel as ``Array`` (raw bytes + dtype + shape, ``protocols.arrays``), never as Python lists. Validation happens at
 decode time (``__post_init__`` runs inside msgspec's decoder), so a decoded message is well-formed.
 """
 
@@ -28,6 +32,7 @@ import math
 
 import msgspec
 
+from protocols.arrays import Array, check_token_arrays, check_vectors
 from protocols.setup import RunSetup, WorkerSetup
 from protocols.values import FINISH_REASONS
 
@@ -37,94 +42,14 @@ PROTOCOL_MAJOR = 1
 # 1.4: WorkerSetup.group_size
 PROTOCOL_MINOR = 4
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
-TYPED_CONTROL_MINOR = 3
-"""The first minor whose peers send the typed setup, versions and control flags (evolution rule 6)."""
-
-# dtype name -> item size in bytes. The names are numpy's (``np.dtype(name)`` round-trips them).
-DTYPE_SIZES: dict[str, int] = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "float8_e8m0fnu": 1,
-}
+PROTOCOL_FLOOR_MINOR = 4
+"""The oldest minor a peer may speak (evolution rule 5); older peers are refused at ``Hello``."""
 
 ROLES = ("controller", "generator", "learner", "client")
-MAX_ARRAY_RANK = 8
 
 
 class _Base(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
     """Common options: keyword-only construction, defaults omitted on the wire."""
-
-
-class Array(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """An n-d array as raw little-endian bytes. ``len(data) == prod(shape) * itemsize(dtype)``.
-
-    The size rule is checked by every message that carries arrays (``check_array`` in its
-    ``__post_init__``), at construction and at decode; one check per message is cheaper than a
-    ``__post_init__`` per nested array on the hot path of sample streaming. ``gc=False``: an Array
-    holds only a str, a tuple of ints and bytes, so it can never be part of a reference cycle, and the
-    garbage collector need not track the thousands a batch decodes (not a wire change).
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @classmethod
-    def from_numpy(cls, a) -> Array:  # noqa: ANN001 - duck-typed so this module never imports numpy
-        """Wrap a numpy array (made C-contiguous, little-endian by the caller's dtype)."""
-        if not a.flags["C_CONTIGUOUS"]:
-            a = a.copy(order="C")
-        return cls(dtype=str(a.dtype), shape=tuple(int(d) for d in a.shape), data=a.tobytes())
-
-    def to_numpy(self):  # noqa: ANN201 - numpy is imported lazily
-        """A read-only numpy view over ``data`` (no copy)."""
-        import numpy as np
-
-        if self.dtype == "bfloat16":
-            raise ValueError("bfloat16 has no numpy dtype; decode it with torch (asyncrl.transport.tensors)")
-        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
-
-
-def check_array(name: str, a: Array) -> int:
-    """Validate ``a`` (dtype known, dims >= 0, byte length = numel x itemsize); returns numel."""
-    shape = a.shape
-    size = DTYPE_SIZES.get(a.dtype)
-    if size is None:
-        raise ValueError(f"{name}: unknown array dtype {a.dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
-    if len(shape) == 1:
-        n = shape[0]
-    elif len(shape) > MAX_ARRAY_RANK:
-        raise ValueError(f"{name}: invalid array shape {shape}: rank must be <= {MAX_ARRAY_RANK}")
-    else:
-        n = math.prod(shape)
-    if n * size != len(a.data) or (shape and min(shape) < 0):
-        raise ValueError(
-            f"{name}: array byte length {len(a.data)} does not match dtype {a.dtype} x shape "
-            f"{tuple(shape)} = {n * size} bytes"
-        )
-    return n
-
-
-def _check_vectors(specs: tuple) -> None:
-    """Each (name, array, dtype) must be a valid 1-d array of that dtype."""
-    for name, arr, dtype in specs:
-        check_array(name, arr)
-        if arr.dtype != dtype or len(arr.shape) != 1:
-            raise ValueError(f"{name} must be a 1-d {dtype} array, got {arr.dtype}{list(arr.shape)}")
 
 
 # ----------------------------------------------------------------------------------------- handshake
@@ -136,9 +61,8 @@ def _check_version(owner: str, version: int) -> None:
 class Hello(_Base, tag="hello"):
     """First message on every control connection.
 
-    ``version`` (since 1.3): the newest weights version the peer holds; the learner's is the version it
-    starts at (0, or a resumed checkpoint's), -1 when it has none. A 1.0-1.2 learner sent it as the string
-    ``capabilities["version"]``; a 1.3 learner sends both, so a 1.2 controller still reads it."""
+    ``version``: the newest weights version the peer holds; the learner's is the version it starts at
+    (0, or a resumed checkpoint's), -1 when it has none."""
 
     protocol_version: str
     role: str
@@ -157,10 +81,10 @@ class Hello(_Base, tag="hello"):
 class Welcome(_Base, tag="welcome"):
     """Handshake accepted. ``latest_version`` lets a late joiner fetch the newest weights at once.
 
-    ``setup`` (since 1.3): a generation worker's ``WorkerSetup``; ``run``: the ``RunSetup`` a learner
-    that asked where the run is gets. ``config`` is the string form 1.0-1.2 peers read; a 1.3 controller
-    fills it only for such peers (``WorkerSetup.to_legacy``). Read a Welcome with ``worker_setup()`` /
-    ``run_setup()``, which accept either form."""
+    ``setup``: a generation worker's ``WorkerSetup``; ``run``: the ``RunSetup`` a learner that asked
+    where the run is gets. ``config``: unused and empty (evolution rule 6), kept on the wire (rule 2).
+    Read a Welcome with ``worker_setup()`` / ``run_setup()``: a ``ValueError`` names the fix when the
+    setup is missing."""
 
     protocol_version: str
     server_id: str
@@ -170,12 +94,20 @@ class Welcome(_Base, tag="welcome"):
     run: RunSetup | None = None
 
     def worker_setup(self) -> WorkerSetup:
-        """The worker setup, typed (a 1.0-1.2 controller's ``config`` is parsed); ``ValueError`` names the gap."""
-        return self.setup if self.setup is not None else WorkerSetup.from_legacy(self.config)
+        """The worker setup; ``ValueError`` naming the fix when this Welcome carries none."""
+        if self.setup is None:
+            raise ValueError(self._missing("worker setup"))
+        return self.setup
 
     def run_setup(self) -> RunSetup:
-        """The run setup, typed (a 1.0-1.2 controller's ``config`` is parsed); ``ValueError`` names the gap."""
-        return self.run if self.run is not None else RunSetup.from_legacy(self.config)
+        """The run setup; ``ValueError`` naming the fix when this Welcome carries none."""
+        if self.run is None:
+            raise ValueError(self._missing("run setup"))
+        return self.run
+
+    def _missing(self, what: str) -> str:
+        return (f"the Welcome of {self.server_id!r} (protocol {self.protocol_version}) carries no {what}; "
+                f"run a controller of protocol {PROTOCOL_MAJOR}.{PROTOCOL_FLOOR_MINOR} or newer (upgrade asyncrl there)")
 
 
 class Reject(_Base, tag="reject"):
@@ -228,7 +160,7 @@ class RolloutAssignment(_Base, tag="rollout_assignment"):
     def __post_init__(self) -> None:
         if self.n_samples != len(self.sample_ids) or self.n_samples < 1:
             raise ValueError(f"n_samples={self.n_samples} but {len(self.sample_ids)} sample ids")
-        _check_vectors((("prompt_ids", self.prompt_ids, "int32"),))
+        check_vectors((("prompt_ids", self.prompt_ids, "int32"),))
 
 
 class NoWork(_Base, tag="no_work"):
@@ -263,27 +195,7 @@ class FinishedSample(_Base, tag="finished_sample", gc=False):
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
-        _check_token_arrays(self)
-
-
-def _check_token_arrays(m: FinishedSample | TrainSample) -> None:
-    p, r, b, v = m.prompt_ids, m.response_ids, m.behav_logp, m.versions
-    np_, nr = len(p.data), len(r.data)
-    if (  # fast path for the common, valid case: 1-d, right dtypes, 4-byte items, sizes agree. Shapes
-        # are compared as whole tuples against the byte lengths (no per-dimension Python arithmetic).
-        p.dtype == "int32" and r.dtype == "int32" and v.dtype == "int32" and b.dtype == "float32"
-        and not (np_ & 3 or nr & 3) and len(b.data) == nr and len(v.data) == nr
-        and p.shape == (np_ >> 2,) and r.shape == b.shape == v.shape == (nr >> 2,)
-    ):
-        return
-    _check_vectors((("prompt_ids", p, "int32"), ("response_ids", r, "int32"), ("behav_logp", b, "float32"),
-                    ("versions", v, "int32")))
-    n = r.shape[0]
-    if b.shape[0] != n or v.shape[0] != n:
-        raise ValueError(
-            f"response has {n} tokens but behav_logp has {b.shape[0]} and versions "
-            f"{v.shape[0]}: every response token needs one log-prob and one version"
-        )
+        check_token_arrays(self)
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -378,7 +290,7 @@ class TrainSample(_Base, tag="train_sample", gc=False):
     finish_reason: str = "stop"
 
     def __post_init__(self) -> None:
-        _check_token_arrays(self)
+        check_token_arrays(self)
 
 
 class BatchRequest(_Base, tag="batch_request"):
@@ -396,8 +308,7 @@ class TrainBatch(_Base, tag="train_batch"):
 class VersionUpdate(_Base, tag="version_update"):
     """The learner finished step ``version - 1`` and published ``version``; ``metrics`` are numbers only.
 
-    Control (since 1.3; 1.0-1.2 peers sent these as ``metrics`` entries "checkpoint", "checkpointed", "done"
-    with the value 1.0):
+    Control (typed flags, never ``metrics`` entries):
     ``checkpoint``: learner -> controller, save your state for ``version`` and acknowledge (the learner
     writes its own checkpoint of ``version`` only after the acknowledgement); ``checkpointed``:
     controller -> learner, that acknowledgement; ``done``: learner -> controller, training is finished."""
@@ -417,8 +328,8 @@ class VersionUpdate(_Base, tag="version_update"):
 
 
 class Heartbeat(_Base, tag="heartbeat"):
-    """A worker is alive. ``version`` (since 1.3): the weights version its engine uses for new work
-    (-1: none yet); 1.0-1.2 workers sent it as the float ``stats["version"]``. ``stats`` are numbers."""
+    """A worker is alive. ``version``: the weights version its engine uses for new work (-1: none yet).
+    ``stats`` are numbers."""
 
     peer_id: str
     time: float

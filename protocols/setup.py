@@ -1,9 +1,8 @@
-"""The typed setup a controller hands a peer in its ``Welcome`` (protocol 1.3).
+"""The typed setup a controller hands a peer in its ``Welcome``.
 
 Owns: ``WorkerSetup`` (what a generation worker needs to join: addresses, model architecture, EOS ids,
 slots, heartbeat period, actor format), ``RunSetup`` (what ``asyncrl learner`` needs: the run folder,
-the model folder, the formats to publish), their validation, and their translation to and from the
-``dict[str, str]`` that 1.0-1.2 peers read and wrote as ``Welcome.config``.
+the model folder, the formats to publish) and their validation.
 Never: imports anything but msgspec and the standard library; reads files or sockets.
 
 Invariant: a decoded ``WorkerSetup``/``RunSetup`` is well-formed (``__post_init__`` runs inside msgspec's
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 
 import msgspec
 
@@ -50,11 +48,11 @@ class WorkerSetup(_Struct, tag="worker_setup"):
     max_seq_len: int = 0
     quantize_head: bool = False
     """The run quantizes the output head too (``quant.lm_head``): a native worker of a quantized format
-    converts its ``lm_head`` to load what is published. Absent (False) from older controllers."""
+    converts its ``lm_head`` to load what is published."""
     group_size: int = 0
     """Samples per group (``algo.group_size``, since 1.4). Groups are assigned whole, so a worker asks for
     work only with at least this many free slots, and one with fewer slots in all can never be given
-    any. 0 (a 1.0-1.3 controller): no such bound."""
+    any. 0: no such bound."""
 
     def __post_init__(self) -> None:
         _nonempty("WorkerSetup", samples_address=self.samples_address, weights_announce=self.weights_announce,
@@ -85,35 +83,6 @@ class WorkerSetup(_Struct, tag="worker_setup"):
         v = json.loads(self.model_config).get("vocab_size")
         return v if isinstance(v, int) and not isinstance(v, bool) else None
 
-    def to_legacy(self) -> dict[str, str]:
-        """The ``Welcome.config`` a 1.0-1.2 worker reads (sent to such peers only)."""
-        return {"samples_address": self.samples_address, "weights_announce": self.weights_announce,
-                "weights_fetch": self.weights_fetch, "model_config": self.model_config,
-                "eos_token_ids": json.dumps(list(self.eos_token_ids)), "worker_slots": str(self.worker_slots),
-                "heartbeat_s": repr(float(self.heartbeat_s)), "quant_format": self.quant_format,
-                "model_id": self.model_id, "max_seq_len": str(self.max_seq_len), "model_dir": self.model_dir}
-
-    @classmethod
-    def from_legacy(cls, config: Mapping[str, str]) -> WorkerSetup:
-        """Read the ``Welcome.config`` of a 1.0-1.2 controller; ``ValueError`` naming the bad key."""
-        def need(key: str) -> str:
-            if key not in config:
-                raise ValueError(f"the controller's Welcome has no {key!r} (neither a typed setup nor a legacy "
-                                 "config entry); run a controller of this asyncrl version")
-            return config[key]
-
-        try:
-            eos = json.loads(config.get("eos_token_ids", "[]"))
-            if not isinstance(eos, list) or not all(isinstance(t, int) for t in eos):
-                raise ValueError(f"eos_token_ids {config.get('eos_token_ids')!r} is not a JSON list of ints")
-            return cls(samples_address=need("samples_address"), weights_announce=need("weights_announce"),
-                       weights_fetch=need("weights_fetch"), model_config=need("model_config"),
-                       worker_slots=int(need("worker_slots")), heartbeat_s=float(config.get("heartbeat_s", "1.0")),
-                       quant_format=need("quant_format"), eos_token_ids=eos, model_id=config.get("model_id", ""),
-                       model_dir=config.get("model_dir", ""), max_seq_len=int(config.get("max_seq_len", "0")))
-        except ValueError as e:
-            raise ValueError(f"the controller's legacy Welcome.config is unusable: {e}") from None
-
 
 class RunSetup(_Struct, tag="run_setup"):
     """What the controller tells ``asyncrl learner`` that asks where the run is (docs/cluster.md)."""
@@ -126,15 +95,3 @@ class RunSetup(_Struct, tag="run_setup"):
         _nonempty("RunSetup", run_dir=self.run_dir, model_dir=self.model_dir)
         if any(not f for f in self.publish_formats):
             raise ValueError(f"RunSetup.publish_formats must name formats, got {self.publish_formats}")
-
-    def to_legacy(self) -> dict[str, str]:
-        """The ``Welcome.config`` a 1.0-1.2 learner reads."""
-        return {"run_dir": self.run_dir, "model_dir": self.model_dir, "publish_formats": ",".join(self.publish_formats)}
-
-    @classmethod
-    def from_legacy(cls, config: Mapping[str, str]) -> RunSetup:
-        if "run_dir" not in config or "model_dir" not in config:
-            raise ValueError(f"the controller's Welcome does not describe its run (keys {sorted(config)}); "
-                             "run a controller of this asyncrl version")
-        return cls(run_dir=config["run_dir"], model_dir=config["model_dir"],
-                   publish_formats=[f for f in config.get("publish_formats", "").split(",") if f])

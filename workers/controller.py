@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                     if (isinstance(env.msg, P.Hello) and env.msg.role == "client"
                             and env.msg.capabilities.get("request") == SETUP_REQUEST):
                         # `asyncrl learner`: where the run folder and the model are (before it loads anything)
-                        legacy = {} if P.speaks_typed_control(env.msg.protocol_version) else setup.to_legacy()
-                        replies.append((peer, P.Welcome(protocol_version=P.PROTOCOL_VERSION,
-                                                            server_id="controller", run=setup, config=legacy)))
+                        refused = P.check_hello(env.msg)  # a peer older than the protocol floor
+                        replies.append((peer, refused if refused is not None else P.Welcome(
+                            protocol_version=P.PROTOCOL_VERSION, server_id="controller", run=setup)))
                         continue
                     if isinstance(env.msg, P.VersionUpdate) and peer == core.learner_peer:  # a refused learner's: not logged
                         weights_counters.update({k: v for k, v in env.msg.metrics.items()  # the weight server's counters

@@ -129,7 +129,6 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
     # ------------------------------------------------------------------------------------ run
     def run(self) -> int:
         welcome, setup = self._join()
-        self.typed = P.speaks_typed_control(welcome.protocol_version)  # False: a 1.0-1.2 controller
         self.fmt = self.requested_fmt or (setup.quant_format if self.engine_kind == "native" else "fp32")
         self.wire_fmt = self._wire_format()
         self.min_credits = max(1, setup.group_size)  # free slots worth asking with: groups are assigned whole
@@ -310,9 +309,7 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
                 "weight_sync_s": self.weight_sync_s, "weight_syncs": float(self.weight_syncs)}
 
     def _heartbeat(self, version: int, stats: dict[str, float]) -> P.Heartbeat:
-        """``version``: the engine's weights version (-1: none yet); a 1.0-1.2 controller reads it from stats."""
-        if not self.typed:
-            stats = stats | {"version": float(version)}
+        """``version``: the engine's weights version (-1: none yet)."""
         return P.Heartbeat(peer_id=self.worker_id, time=time.time(), stats=stats, version=max(-1, int(version)))
 
     def _send_ctl(self, msg) -> None:

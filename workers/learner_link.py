@@ -81,12 +81,12 @@ class ControllerSource:
             raise SystemExit(f"learner: the controller at {address} refused this learner: {env.msg.reason}")
         if not isinstance(env.msg, P.Welcome):
             raise SystemExit(f"learner: the controller at {address} did not welcome the learner: {env.msg!r}")
-        self.typed = P.speaks_typed_control(env.msg.protocol_version)  # False: a 1.0-1.2 controller
+        if (why := P.version_refusal(env.msg.protocol_version, f"the controller at {address}")) is not None:
+            raise SystemExit(f"learner: {why}")
 
     def _hello(self, version: int) -> P.Hello:
-        # capabilities["version"]: the string a 1.0-1.2 controller reads (Hello.version is the 1.3 field)
         return P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner", version=version,
-                       capabilities=self._weights | {"version": str(version)})
+                       capabilities=self._weights)
 
     def _lose(self, why: str) -> None:
         self.lost = why
@@ -139,8 +139,6 @@ class ControllerSource:
         return self._await_ack(version, CHECKPOINT_ACK_TIMEOUT_S) if checkpoint else False
 
     def _update(self, version: int, metrics: dict[str, float], *, checkpoint: bool, done: bool) -> P.VersionUpdate:
-        if not self.typed:  # a 1.0-1.2 controller reads the control flags among the metrics
-            metrics = metrics | {k: 1.0 for k, on in (("checkpoint", checkpoint), ("done", done)) if on}
         return P.VersionUpdate(version=version, metrics=metrics, checkpoint=checkpoint, done=done)
 
     def _await_ack(self, version: int, timeout_s: float) -> bool:
@@ -148,7 +146,7 @@ class ControllerSource:
         while time.monotonic() < deadline:
             env = self.ctl.recv(ACK_RECV_S)
             if (env is not None and isinstance(env.msg, P.VersionUpdate) and env.msg.version == version
-                    and (env.msg.checkpointed or not self.typed)):  # a 1.0-1.2 controller acks with any update
+                    and env.msg.checkpointed):
                 return True
             if env is not None and isinstance(env.msg, P.Error) and env.msg.code == "not_learner":
                 self.ctl.send(self._hello(version))  # a controller that restarted: join it again, no checkpoint now

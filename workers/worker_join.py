@@ -112,6 +112,8 @@ class JoinMixin:
             end_context(self.ctx)
             raise
         try:
+            if (why := P.version_refusal(welcome.protocol_version, f"the controller at {self.controller}")) is not None:
+                raise ValueError(why)
             setup = welcome.worker_setup()
             self.slots = self.requested_slots or setup.worker_slots
             if self.slots < setup.group_size:

@@ -10,8 +10,9 @@ Two layers in one package:
   tests without processes, sockets or torch. Nothing here is thread-safe; the controller drives it
   from one event loop. This package's ``__init__`` exports only these, so importing it loads neither
   torch, numpy nor zmq.
-* The controller's logic on top (``core``: messages in, replies out; ``scoring``, ``prompts``,
-  ``validation``, ``outbox``, ``recovery``; ``workers``: the worker registry, stdlib only; ``scored``:
+* The controller's logic on top (``core``: messages in, replies out; ``batches``: the learner's batch
+  requests and the ``TrainBatch`` with its metrics; ``state``: the checkpointed state, saved and loaded;
+  ``membership``, ``scoring``, ``prompts``, ``validation``, ``outbox``, ``recovery``; ``workers``: the worker registry, stdlib only; ``scored``:
   ``ScoredGroup``, a group with its rewards and advantages), imported by module.
 
 Typical wiring (the controller's loop)::

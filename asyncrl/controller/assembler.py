@@ -106,10 +106,6 @@ class BatchAssembler:
         """Last batch index that may consume a group admitted at ``admit_version``."""
         return admit_version + self.gate.eta
 
-    def consumed_step(self, sample_id: str) -> int | None:
-        """Batch that consumed ``sample_id`` (batches formed by this process), or ``None``."""
-        return self._consumed_by.get(sample_id)
-
     # ------------------------------------------------------------------ filter
     def _judge(self) -> None:
         """Apply the predicate once to every newly complete group, in completion order."""
@@ -131,13 +127,6 @@ class BatchAssembler:
                     self._filtered_this_step += 1
             else:
                 self._judged[group.group_id] = True
-
-    def drain_filtered(self) -> list[CompleteGroup]:
-        """Judge complete groups now and hand over those dropped so far (they also appear in the
-        next ``Batch.filtered`` unless drained here)."""
-        self._judge()
-        out, self._filtered = self._filtered, []
-        return out
 
     # ---------------------------------------------------------------- assembly
     def try_assemble(self) -> Batch | None:

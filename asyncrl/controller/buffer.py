@@ -1,7 +1,7 @@
 """Group buffer: assembly of prompt groups from samples that stream back out of order.
 
-Owns: every admitted group that the learner has not consumed yet (and that was not filtered or
-cancelled), from admission to completion; which worker holds which group and until when
+Owns: every admitted group that the learner has not consumed yet (and that was not filtered), from
+admission to completion; which worker holds which group and until when
 (assignment deadlines from an injected clock); exactly-once accounting of sample results; the
 completion order; the group/sample id scheme (``versions.make_group_id`` / ``make_sample_id``).
 
@@ -16,12 +16,12 @@ Invariants:
 - A result is accepted at most once per sample id, and only from the worker that currently holds
   the group. Anything else is dropped and counted: DUPLICATE (that sample already returned), LATE
   (the group was taken from that worker, e.g. after a reissue), RETIRED (the group was already
-  consumed, filtered or cancelled), UNKNOWN (an id this buffer never issued).
+  consumed or filtered), UNKNOWN (an id this buffer never issued).
 - ``assign`` hands a group only to a worker whose weights version is at least the group's
   admission version, so every token of a group is at least as new as its admission (the gate's
   staleness guarantee depends on this; a result that breaks it raises ``ValueError``).
 - Members that already returned survive a reissue: only the unfinished ones are regenerated.
-- Every transition is mirrored on the gate (started, reissued, finished, cancelled), so the gate's
+- Every transition is mirrored on the gate (started, reissued, finished), so the gate's
   issued/running/finished counters equal the number of PENDING/ASSIGNED/COMPLETE groups here.
 - Checkpoints: ``state_dict`` holds groups with their payloads as given (the controller must pass
   payloads its checkpoint writer can serialise). After ``load_state_dict`` no group is ASSIGNED:
@@ -172,11 +172,6 @@ class GroupBuffer:
         self._next_seq += 1
         return group_id
 
-    @property
-    def next_seq(self) -> int:
-        """Sequence number the next admitted group gets."""
-        return self._next_seq
-
     # --------------------------------------------------------------- assignment
     def assign(self, worker_id: str, *, worker_version: int, max_groups: int = 1) -> list[Assignment]:
         """Hand up to ``max_groups`` PENDING groups to ``worker_id``, oldest first.
@@ -240,14 +235,6 @@ class GroupBuffer:
         self.gate.on_reissued()
         return missing
 
-    def cancel_group(self, group_id: str) -> None:
-        """Abandon a PENDING or ASSIGNED group for good (for example at shutdown without resume)."""
-        g = self._groups[group_id]
-        if g.state is GroupState.COMPLETE:
-            raise ValueError(f"group {group_id} is complete; filter it instead of cancelling it")
-        self.gate.on_cancelled(running=g.state is GroupState.ASSIGNED)
-        del self._groups[group_id]
-
     # ------------------------------------------------------------------ results
     def on_result(self, sample_id: str, *, worker_id: str, payload: Any, min_version: int) -> ResultStatus:
         """Record one returned sample. ``min_version`` is the oldest behaviour version among its tokens."""
@@ -302,11 +289,6 @@ class GroupBuffer:
         return ResultStatus.ACCEPTED
 
     # ------------------------------------------------------------------ reading
-    def group_state(self, group_id: str) -> GroupState | None:
-        """State of a live group; ``None`` once it is consumed, filtered or cancelled (or unknown)."""
-        g = self._groups.get(group_id)
-        return None if g is None else g.state
-
     def live(self) -> list[tuple[str, int, GroupState]]:
         """``(group_id, admit_version, state)`` of every live group, in admission order."""
         return [(g.group_id, g.admit_version, g.state) for g in self._groups.values()]

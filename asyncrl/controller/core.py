@@ -2,10 +2,10 @@
 
 Owns: the dataset cursor, admission under the staleness gate, group assembly and exactly-once
 accounting (through ``asyncrl.controller``), scoring with the task's verifier, advantages (through
-``asyncrl.algo``), the trajectory log (every scored sample, every consumed batch), worker liveness,
-learner batches, the training time budget (``learner.time_budget_s``: past it, or once ``stop_reason`` is
-set by a ``learner.stop_on`` health alarm, a batch request is answered with ``Shutdown`` and the learner
-finishes the run), and the controller's checkpointable state.
+``asyncrl.algo``), the trajectory log (every scored sample), worker liveness, the training time budget
+(``learner.time_budget_s``; ``stop_reason``, set by a ``learner.stop_on`` health alarm, ends the run the
+same way), and the fields of its checkpointable state. Learner batches are answered by
+``asyncrl.controller.batches``, the state is saved and loaded by ``asyncrl.controller.state``.
 Never: touches a socket, a thread or a signal (``workers/controller.py`` does), or trains anything.
 Not thread-safe: one event loop drives it.
 
@@ -30,17 +30,16 @@ import protocols as P
 from asyncrl.config import TrainConfig
 from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 from asyncrl.controller.admission import admit_and_assign
+from asyncrl.controller.batches import request_batch, try_batch
 from asyncrl.controller.membership import learner_join, worker_conflict
-from asyncrl.controller.scored import ScoredGroup, response_metrics
+from asyncrl.controller.scored import ScoredGroup
 from asyncrl.controller.scoring import GroupScorer
-from asyncrl.controller.state import jsonable, read_state  # noqa: F401 - read_state: the public name here too
+from asyncrl.controller.state import load_state, save_state
 from asyncrl.controller.validation import check_sample
 from asyncrl.controller.workers import WorkerRegistry
-from asyncrl.log import BatchRecord, EventRecord, SampleRecord, TrajectoryLogWriter
-from asyncrl.log.replay import train_sample
+from asyncrl.log import EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import prune_controller_states
-from asyncrl.rundir.files import write_checksummed_json
 
 log = logging.getLogger("asyncrl.controller")
 MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
@@ -82,7 +81,6 @@ class ControllerCore:
         self.model = model
         self.samples_address = samples_address
         self.weights_addresses: tuple[str, str] | None = None  # the learner's weight server (announce, fetch)
-        self.learner_typed = True  # the learner speaks protocol >= 1.3 (typed control flags)
         self.publish_formats = publish_formats
         self.clock = clock
         self.version = ManualVersion(0)
@@ -126,7 +124,7 @@ class ControllerCore:
         now = self.clock()
         if isinstance(msg, P.Hello):
             if msg.role == "learner" and P.check_hello(msg) is None:
-                return self._learner_hello(peer, msg)
+                return learner_join(self, peer, msg)  # asyncrl.controller.membership
             return [(peer, self._hello(peer, msg, now))]
         if isinstance(msg, P.WorkRequest):
             return self._work(peer, msg, now)
@@ -143,20 +141,7 @@ class ControllerCore:
                 self._forget(msg.peer_id, reason=f"left ({msg.reason})")
             return []
         if isinstance(msg, P.BatchRequest):
-            if peer != self.learner_peer:
-                self.counters["control/not_learner"] += 1
-                return [(peer, P.Error(code="not_learner", message="only the registered learner may ask for batches"))]
-            if self.stop_reason is not None:  # learner.stop_on: finish as at the time budget
-                self.pending_batch = None
-                return [(peer, P.Shutdown(reason=self.stop_reason))]
-            if self._budget_spent(now):
-                self.pending_batch = None
-                log.info("learner.time_budget_s=%g spent (%.1f s): no batch %d", self.cfg.learner.time_budget_s,
-                         self.budget_elapsed(now), msg.step)
-                return [(peer, P.Shutdown(reason=f"learner.time_budget_s={self.cfg.learner.time_budget_s:g} "
-                                                 f"spent before step {msg.step}"))]
-            self.pending_batch = msg.step
-            return self._try_batch()
+            return request_batch(self, peer, msg, now)  # asyncrl.controller.batches
         if isinstance(msg, P.VersionUpdate):
             if peer != self.learner_peer:
                 self.counters["control/not_learner"] += 1
@@ -195,13 +180,8 @@ class ControllerCore:
         self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
                                     logged_at=time.time()))
         log.info("worker %s joined (%s)", msg.peer_id, fmt)
-        setup = self.worker_setup(fmt)
-        legacy = {} if P.speaks_typed_control(msg.protocol_version) else setup.to_legacy()  # a 1.0-1.2 worker
         return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
-                         latest_version=self.version.version, setup=setup, config=legacy)
-
-    def _learner_hello(self, peer: bytes, msg: P.Hello) -> list[tuple[bytes, Any]]:
-        return learner_join(self, peer, msg)  # asyncrl.controller.membership
+                         latest_version=self.version.version, setup=self.worker_setup(fmt))
 
     def worker_setup(self, fmt: str) -> P.WorkerSetup:
         """What a worker that fetches ``fmt`` is told when it joins (the one place a ``WorkerSetup`` is filled)."""
@@ -260,11 +240,7 @@ class ControllerCore:
             self.counters["control/unknown_heartbeat"] += 1
             return
         w.last_seen = now
-        version = msg.version
-        if version < 0:  # a 1.0-1.2 worker: its version is a float among its stats
-            legacy = msg.stats.get("version", -1.0)
-            version = int(legacy) if math.isfinite(legacy) else -1  # the peer's word: never let a NaN reach int()
-        w.version = max(w.version, version)
+        w.version = max(w.version, msg.version)
         tps = msg.stats.get("tokens_per_s", 0.0)
         w.tokens_per_s = tps if math.isfinite(tps) else 0.0  # alive, but its assignments' deadlines stand
         sync_s, syncs = msg.stats.get("weight_sync_s", 0.0), msg.stats.get("weight_syncs", 0.0)
@@ -329,7 +305,7 @@ class ControllerCore:
         self.counters[f"samples/{status.value}"] += 1
         if status is ResultStatus.COMPLETED:
             self._complete(msg.group_id)
-            return self._try_batch()  # a waiting learner gets its batch now, not at the next timer tick
+            return try_batch(self)  # a waiting learner gets its batch now, not at the next timer tick
         return []
 
     def _complete(self, group_id: str) -> None:
@@ -343,60 +319,11 @@ class ControllerCore:
             self.samples_logged += 1
 
     # -------------------------------------------------------------------------------- learner
-    def _try_batch(self) -> list[tuple[bytes, Any]]:
-        if self.pending_batch is None or self.learner_peer is None:
-            return []
-        step, next_step = self.pending_batch, self.assembler.next_step
-        if step < next_step:
-            # The learner resumed from a checkpoint taken while this batch was on its way to it
-            # (stopped between receiving and training): serve the same batch again; it is logged once.
-            try:
-                retained = self.assembler.retained_batch(step)
-            except ValueError as e:
-                self.pending_batch = None
-                return [(self.learner_peer, P.Error(code="wrong_step", message=str(e)))]
-            self.pending_batch = None
-            self.counters["batches/resent"] += 1
-            return [(self.learner_peer, self._train_batch(retained))]
-        if step > next_step:
-            self.pending_batch = None
-            return [(self.learner_peer, P.Error(code="wrong_step", message=(
-                f"learner asked for batch {step}, the controller is at batch {next_step}; "
-                "resume both from the same checkpoint")))]
-        batch = self.assembler.try_assemble()
-        if batch is None:
-            return []
-        self.counters["data/filtered_groups"] += len(batch.filtered)
-        self.max_consumed_staleness = max(self.max_consumed_staleness, batch.max_staleness)
-        self.log.append(BatchRecord(step=batch.step, sample_ids=list(batch.sample_ids), logged_at=time.time()))
-        self.log.flush()  # the batch record is durable before the learner trains on it
-        self.pending_batch = None
-        return [(self.learner_peer, self._train_batch(batch))]
-
-    def _train_batch(self, batch) -> P.TrainBatch:
-        samples, rewards = [], []
-        scored = [ScoredGroup.of(g) for g in batch.groups]
-        for sg in scored:
-            for s, r, a in zip(sg.group.samples, sg.rewards, sg.advantages, strict=True):
-                samples.append(train_sample(s.payload, advantage=a, reward=r))
-                rewards.append(r)
-        metrics = {
-            "train/reward_mean": float(np.mean(rewards)),
-            "train/reward_std": float(np.std(rewards)),
-            **response_metrics([list(sg.rewards) for sg in scored], [s.response_ids for s in samples],
-                               getattr(self.scorer, "stop_ids", ())),
-            "data/filtered_groups": float(len(batch.filtered)),
-            "staleness/max": float(batch.max_staleness),
-            "gate/capacity": float(self.gate.capacity()),
-            "workers/alive": float(len(self.workers)),
-        }
-        return P.TrainBatch(step=batch.step, samples=samples, metrics=metrics)
-
     def budget_elapsed(self, now: float) -> float:
         """Training seconds of ``learner.time_budget_s`` spent so far (0 before the first batch request)."""
         return self.budget_used_s + (0.0 if self.budget_t0 is None else now - self.budget_t0)
 
-    def _budget_spent(self, now: float) -> bool:
+    def budget_spent(self, now: float) -> bool:
         """Starts the budget clock at the first batch request; True once ``learner.time_budget_s`` is spent."""
         if self.budget_t0 is None:
             self.budget_t0 = now
@@ -407,21 +334,16 @@ class ControllerCore:
         if msg.version > self.version.version:
             self.version.set(msg.version)
             self.assembler.release_through(msg.version)
-        done, checkpoint = msg.done, msg.checkpoint
-        if not self.learner_typed:  # a 1.0-1.2 learner sends its control flags among the metrics
-            done = done or msg.metrics.get("done", 0.0) >= 1.0
-            checkpoint = checkpoint or msg.metrics.get("checkpoint", 0.0) >= 1.0
-        if done and not self.done:
+        if msg.done and not self.done:
             self.done = True
             self.done_at = self.clock()
         out = []
-        if checkpoint and self.learner_peer is not None:
+        if msg.checkpoint and self.learner_peer is not None:
             # Saved before the learner writes its own checkpoint of this version (it waits for the ack).
             self.save(self.checkpoint_path(msg.version))
             prune_controller_states(RunDir(self.run_dir).checkpoints)  # as the learner prunes its own
-            legacy = {} if self.learner_typed else {"checkpointed": 1.0}
-            out.append((self.learner_peer, P.VersionUpdate(version=msg.version, checkpointed=True, metrics=legacy)))
-        return out + self._try_batch()
+            out.append((self.learner_peer, P.VersionUpdate(version=msg.version, checkpointed=True)))
+        return out + try_batch(self)
 
     def checkpoint_path(self, version: int) -> Path:
         return RunDir(self.run_dir).controller_checkpoint(version)
@@ -437,7 +359,7 @@ class ControllerCore:
             self.counters["samples/reissued"] += len(self.buffer.reassign_group(a.group_id))
             log.warning("group %s not finished by %s within %.0fs of its assignment; reissued", a.group_id,
                         a.worker_id, self.cfg.rollout.assignment_timeout_s)
-        return self._try_batch()
+        return try_batch(self)
 
     def metrics(self) -> dict[str, float]:
         out = {f"controller/{k}": float(v) for k, v in self.counters.items()}
@@ -449,35 +371,16 @@ class ControllerCore:
         return out
 
     # ----------------------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor, "gate": self.gate.state_dict(), "buffer": self.buffer.state_dict(),
-                "assembler": self.assembler.state_dict(), "log_position": list(self.log.tell()),
-                "counters": dict(self.counters), "samples_logged": self.samples_logged,
-                "max_consumed_staleness": self.max_consumed_staleness,
-                "budget_used_s": self.budget_elapsed(self.clock())}
-
     def save(self, path: Path) -> None:
-        """Checksummed and atomic: a reader sees the previous state or this one (``DiskFullError`` when full)."""
-        self.log.flush()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_checksummed_json(path, self.state_dict(), default=jsonable)
-
-    def close(self) -> None:
-        self.log.close()
-
+        """Checksummed and atomic: a reader sees the previous state or this one (``asyncrl.controller.state``)."""
+        save_state(self, path)
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (``state_dict`` of a previous controller, after ``truncate_log``)."""
-        self.cursor = int(state["cursor"])
-        self.gate.load_state_dict(state["gate"])
-        self.buffer.load_state_dict(state["buffer"])
-        self.assembler.load_state_dict(state["assembler"])
-        self.counters.update(state["counters"])
-        self.samples_logged = int(state["samples_logged"])
-        self.max_consumed_staleness = int(state["max_consumed_staleness"])
-        self.budget_used_s = float(state.get("budget_used_s", 0.0))  # absent in states of older runs
-        self.log.append(EventRecord(event="resume", logged_at=time.time(), data={
-            "version": str(self.version.version), "cursor": str(self.cursor)}))
+        load_state(self, state)
+
+    def close(self) -> None:
+        self.log.close()
 
 
 def _vocab_size(model: ModelInfo, scorer: GroupScorer) -> int:

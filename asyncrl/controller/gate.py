@@ -1,7 +1,7 @@
 """Staleness gate: admission control for prompt groups (AReaL's rule, docs/architecture.md §1 step 1).
 
-Owns: the group counters (issued, running, finished, consumed; filtered and cancelled groups leave
-the count) and the admission rule
+Owns: the group counters (issued, running, finished, consumed; filtered groups leave the
+count) and the admission rule
 
     admit a group only while  issued + running + finished + consumed  <  (eta + version + 1) * B
 
@@ -16,7 +16,7 @@ calls it from one event loop (the version source may be written by another threa
 Invariants (why nothing consumed is more than ``eta`` versions stale):
 - Consumption frees no slot. A consumed group keeps counting, so after ``c`` learner batches at
   most ``(eta + version + 1 - c) * B`` groups are admitted and not yet consumed. Only groups that
-  never reach the learner (filtered by dynamic sampling, cancelled) leave the count.
+  never reach the learner (filtered by dynamic sampling) leave the count.
 - Staleness counts queue time: a group is charged from admission, and its deadline is fixed then:
   ``admit_version + eta``. The admission version is recorded with the group (``admit()`` returns it)
   and ``GroupBuffer.assign`` hands a group only to a worker whose weights are at least that
@@ -32,7 +32,7 @@ Worked example (eta = 1, B = 2, so the limit is ``(version + 2) * 2``)::
 
     version 0: limit 4
       four work requests       -> g0 g1 g2 g3 admitted (issued 4, capacity 0)
-      a fifth request          -> try_admit() == 0: the worker waits, nothing is generated early
+      a fifth request          -> admit() == (0, version): the worker waits, nothing is generated early
       g0..g3 start             -> running 4
       g1, g3 finish            -> finished 2, running 2
       learner takes batch 0    -> {g1, g3}: consumed 2; counted is still 4 so capacity stays 0
@@ -67,8 +67,6 @@ class GateCounts:
     """Taken by the learner in a batch."""
     filtered: int
     """Complete but dropped by dynamic sampling; no longer counted."""
-    cancelled: int
-    """Abandoned before completion; no longer counted."""
     reissued: int
     """Reissue events (a group can be reissued more than once)."""
     admitted: int
@@ -116,7 +114,6 @@ class StalenessGate:
         self._finished = 0
         self._consumed = 0
         self._filtered = 0
-        self._cancelled = 0
         self._reissued = 0
         self._admitted = 0
 
@@ -159,7 +156,6 @@ class StalenessGate:
             finished=self._finished,
             consumed=self._consumed,
             filtered=self._filtered,
-            cancelled=self._cancelled,
             reissued=self._reissued,
             admitted=self._admitted,
         )
@@ -178,10 +174,6 @@ class StalenessGate:
         self._issued += granted
         self._admitted += granted
         return granted, version
-
-    def try_admit(self, n: int = 1) -> int:
-        """Admit up to ``n`` groups and return how many were admitted (0 when the gate is shut)."""
-        return self.admit(n)[0]
 
     # -------------------------------------------------------------- transitions
     def on_started(self, n: int = 1) -> None:
@@ -205,11 +197,6 @@ class StalenessGate:
         """Finished -> gone: dynamic sampling dropped the group, its slot is free again."""
         self._move("finished", None, n)
         self._filtered += n
-
-    def on_cancelled(self, n: int = 1, *, running: bool = True) -> None:
-        """Running (or issued, with ``running=False``) -> gone: the group is abandoned for good."""
-        self._move("running" if running else "issued", None, n)
-        self._cancelled += n
 
     def _move(self, src: str, dst: str | None, n: int) -> None:
         if n < 0:
@@ -247,6 +234,5 @@ class StalenessGate:
         self._finished = int(state["finished"])
         self._consumed = int(state["consumed"])
         self._filtered = int(state["filtered"])
-        self._cancelled = int(state["cancelled"])
         self._reissued = int(state["reissued"])
         self._admitted = int(state["admitted"])

@@ -69,20 +69,6 @@ def worker_conflict(worker_id: str, existing: WorkerInfo | None, *, peer: bytes,
             f"start this one with another worker_id=NAME, or stop the other first")
 
 
-def learner_version(hello: P.Hello) -> int | None:
-    """The version a learner starts at: ``Hello.version`` (1.3), or the string capability a 1.0-1.2 learner
-    sent (absent: 0); None when there is none a controller could trust."""
-    if hello.version >= 0:
-        return hello.version
-    if P.speaks_typed_control(hello.protocol_version):
-        return None  # a 1.3 learner names its version, always
-    try:
-        start = int(hello.capabilities.get("version", "0"))
-    except ValueError:
-        return None
-    return start if start >= 0 else None
-
-
 def learner_join(core: Any, peer: bytes, msg: P.Hello) -> list[tuple[bytes, Any]]:
     """``core``: the ``ControllerCore`` (typed loosely: core imports this module). A learner joins, rejoins (a controller that restarted under it, a probe while it waits), or
     comes back from its checkpoint; workers registered here are told its new weight server."""
@@ -93,7 +79,7 @@ def learner_join(core: Any, peer: bytes, msg: P.Hello) -> list[tuple[bytes, Any]
 
     if core.learner_peer is not None and core.learner_peer != peer:
         return refuse("a learner is already registered with this controller")
-    start = learner_version(msg)
+    start = msg.version if msg.version >= 0 else None
     refusal = learner_refusal(start, version=core.version.version, next_step=core.assembler.next_step,
                               retained=core.assembler.retained_steps())
     if refusal is not None:
@@ -105,7 +91,6 @@ def learner_join(core: Any, peer: bytes, msg: P.Hello) -> list[tuple[bytes, Any]
                       "weights_announce and weights_fetch (the addresses workers fetch from)")
     moved = core.weights_addresses is not None and weights != core.weights_addresses
     core.learner_peer = peer
-    core.learner_typed = P.speaks_typed_control(msg.protocol_version)
     core.weights_addresses = weights
     core.pending_batch = None  # a request of an earlier learner process; the learner asks again after its Welcome
     if start > core.version.version:

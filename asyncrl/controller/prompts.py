@@ -89,10 +89,6 @@ class PromptEncoder:
         ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
         return [int(i) for i in ids]
 
-    def text(self, prompt: str) -> str:
-        """What the model sees, as text (for ``asyncrl log show`` and docs)."""
-        return self.tokenizer.decode(self.encode(prompt))
-
 
 def _ids(value: Any) -> list[int]:
     if value is None:

@@ -95,8 +95,8 @@ def manifest_entry(name: str, t: Tensor, fmt: str, role: str, logical: tuple[int
 
 
 def entry_dict(e: TensorSpec) -> dict[str, Any]:
-    """An entry as the canonical header writes it (the checksum covers exactly these keys: a 1.0-1.2
-    publisher's checksum is reproduced; ``sha256`` appears only as a ``digest`` of that algorithm)."""
+    """An entry as the canonical header writes it (the checksum covers exactly these keys; ``sha256``
+    appears only as a ``digest`` of that algorithm)."""
     return {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "fmt": e.fmt, "role": e.role,
             "nbytes": int(e.nbytes), "digest": e.digest, "logical_shape": list(e.logical_shape) or None}
 

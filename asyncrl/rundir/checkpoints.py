@@ -16,7 +16,6 @@ Never: imports torch; loads weights; deletes a damaged checkpoint (it is reporte
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 from pathlib import Path
@@ -113,10 +112,6 @@ def choose_resume_point(ckpt_root: str | Path, *, controller_state: bool = True)
     if notes:
         notes.append("no usable checkpoint: starting from version 0")
     return ResumePoint(0, None, None, notes)
-
-
-def read_learner_version(ckpt_dir: Path) -> int:
-    return int(json.loads((ckpt_dir / "learner.json").read_text())["version"])
 
 
 def prune_controller_states(ckpt_root: str | Path, keep: int = KEEP_CHECKPOINTS) -> list[Path]:

@@ -1,32 +1,24 @@
 """Transport: ZeroMQ channels, weight publication/fetch. The only library code that touches zmq.
 
-See ``channel`` for the socket kinds and their guarantees, ``weights`` for the weight path, ``keys``
+See ``channel`` for the socket kinds and their guarantees (``stats``: its counters; ``contexts``: zmq
+contexts and advertised addresses), ``weights`` for the weight path, ``keys``
 for CURVE key files and the bind-address policy, ``zap`` for the ZAP allow-list handler and the
 handshake counters. The ``asyncrl keys`` command line lives in ``workers/keys.py``.
 """
 
-from asyncrl.transport.channel import (
-    ChannelClosed,
-    ChannelPoller,
-    ChannelStats,
-    ChannelTimeout,
-    Envelope,
-    ZmqChannel,
-    advertised,
-    end_context,
-    is_loopback,
-    private_context,
-    shared_context,
-)
+from asyncrl.transport.channel import ChannelClosed, ChannelPoller, ChannelTimeout, Envelope, ZmqChannel
+from asyncrl.transport.contexts import advertised, end_context, private_context, shared_context
 from asyncrl.transport.keys import (
     CurveConfig,
     check_bind_security,
     client_curve,
     generate_keys,
+    is_loopback,
     load_client_keys,
     load_server_keys,
     server_curve,
 )
+from asyncrl.transport.stats import ChannelStats
 from asyncrl.transport.weights import (
     PublishedVersion,
     WeightClient,

@@ -18,9 +18,6 @@ Without ``curve`` a channel is a plain zmq socket, exactly as before keys existe
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,8 +25,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from asyncrl.transport.keys import CurveConfig, is_loopback
-from asyncrl.transport.zap import auth_counter_metrics, secure_socket, shutdown_security
+from asyncrl.transport.contexts import shared_context
+from asyncrl.transport.keys import CurveConfig
+from asyncrl.transport.stats import ChannelStats
+from asyncrl.transport.zap import secure_socket
 from protocols import (
     Error,
     Message,
@@ -38,7 +37,6 @@ from protocols import (
     decode_frames,
     decode_single,
     decoder_for,
-    encode,
     encode_frames,
     encode_into,
 )
@@ -75,88 +73,6 @@ class Envelope(msgspec.Struct):
         if self.peer is None:
             raise ValueError("this envelope has no sender identity: only a ROUTER channel's recv() sets peer")
         return self.peer
-
-
-@dataclasses.dataclass
-class ChannelStats:
-    """Counters a long-running process exports as metrics (``transport/<name>/...``)."""
-
-    received: int = 0
-    sent: int = 0
-    rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    last_errors: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
-    auth: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    """CURVE handshake outcomes (``accepted``, ``unknown_key``, ``no_curve``, ...), counted by the ZAP thread."""
-    secured: bool = False
-    _auth_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def count_auth(self, reason: str) -> None:
-        with self._auth_lock:
-            self.auth[reason] += 1
-
-    def auth_counts(self) -> dict[str, int]:
-        with self._auth_lock:
-            return dict(self.auth)
-
-    @property
-    def auth_denied(self) -> int:
-        return sum(n for k, n in self.auth_counts().items() if k != "accepted")
-
-    def reject(self, reason: str, message: str) -> None:
-        self.rejected[reason] += 1
-        self.last_errors.append(f"{reason}: {message}")
-
-    @property
-    def rejected_total(self) -> int:
-        return sum(self.rejected.values())
-
-    def as_metrics(self, prefix: str) -> dict[str, float]:
-        out = {f"{prefix}/received": float(self.received), f"{prefix}/sent": float(self.sent)}
-        out[f"{prefix}/rejected"] = float(self.rejected_total)
-        for reason, n in self.rejected.items():
-            out[f"{prefix}/rejected/{reason}"] = float(n)
-        if self.secured:
-            out.update(auth_counter_metrics(self.auth_counts(), f"{prefix}/auth"))
-        return out
-
-
-def advertised(address: str, advertise_host: str = "") -> str:
-    """The address peers should dial for a socket bound to ``address`` (wildcards replaced)."""
-    import socket
-
-    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
-        if address.startswith(wildcard):
-            return f"tcp://{advertise_host or socket.gethostname()}:{address[len(wildcard):]}"
-    return address
-
-
-_CONTEXT_LOCK = threading.Lock()
-
-
-def shared_context() -> zmq.Context:
-    """The process-wide context (thread-safe; sockets are not, each stays in one thread)."""
-    with _CONTEXT_LOCK:
-        return zmq.Context.instance()
-
-
-def private_context() -> zmq.Context:
-    """A context for channels whose last messages must leave before the process ends: close those
-    channels with ``linger_s`` > 0, then ``end_context`` waits until the messages have left."""
-    return zmq.Context()
-
-
-def end_context(context: zmq.Context) -> None:
-    """Terminate a private context once all its channels are closed.
-
-    Returns when every message its channels had sent has left (``zmq_ctx_term``: the real flush), or
-    when the longest ``linger_s`` they were closed with has passed (a peer that is gone). A channel
-    still open would make this wait forever, so close them all first. Stops the context's ZAP thread
-    first (its sockets belong to the context too).
-    """
-    if context is shared_context():
-        raise ValueError("end_context ends a private_context(); the shared context lives as long as the process")
-    shutdown_security(context)
-    context.term()
 
 
 class ZmqChannel:
@@ -446,17 +362,4 @@ class ChannelPoller:
         return [ch for sock, ch in self._channels.items() if sock in ready]
 
 
-__all__ = [
-    "end_context",
-    "private_context",
-    "ChannelClosed",
-    "ChannelPoller",
-    "ChannelStats",
-    "ChannelTimeout",
-    "Envelope",
-    "ZmqChannel",
-    "advertised",
-    "encode",
-    "is_loopback",
-    "shared_context",
-]
+__all__ = ["ChannelClosed", "ChannelPoller", "ChannelTimeout", "Envelope", "ZmqChannel"]

@@ -1,7 +1,6 @@
 """Two generation worker processes (fp32 and int8) driven by a controller stand-in on real sockets.
 
-The stand-in speaks the real protocol as a 1.2 controller would (a string ``Welcome.config``, which 1.3
-workers still read: old-peer compatibility), with the model architecture, assignments on
+The stand-in speaks the real protocol (a typed ``Welcome.setup`` with the model architecture), assignments on
 WorkRequest, samples on PULL, weights from a real WeightServer. A new version is published while the
 workers are generating; every sample must arrive exactly once, with per-token versions that only go
 forward, and the quantization format of the worker that made it.
@@ -9,7 +8,6 @@ forward, and the quantization format of the worker that made it.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 
@@ -28,10 +26,6 @@ GROUP, N_GROUPS, MAX_NEW = 4, 8, 48
 def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(procs, tmp_path):
     with worker_standin(tmp_path, worker_slots=16, formats=("fp32", "int8")) as stand:
         ctl, pull, server, model = stand.ctl, stand.pull, stand.server, stand.model
-        # written out by hand as a 1.2 controller wrote it (not WorkerSetup.to_legacy: that is what is tested)
-        config = {"samples_address": pull.address, "weights_announce": server.announce_address,
-                  "weights_fetch": server.fetch_address, "worker_slots": "16", "heartbeat_s": "0.5",
-                  "model_config": stand.setup.model_config, "eos_token_ids": json.dumps([2]), "quant_format": "fp32"}
         for wid, fmt in (("w-fp32", "fp32"), ("w-int8", "int8")):
             procs.python("-m", "workers.generator", f"controller={ctl.address}", f"quant.fmt={fmt}",
                          f"worker_id={wid}")
@@ -47,9 +41,8 @@ def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(p
                 m = env.msg
                 if isinstance(m, P.Hello):
                     joined[m.peer_id] = m.capabilities["quant_format"]
-                    # a 1.2 controller's Welcome (string config, no typed setup): the workers still join
-                    ctl.send(P.Welcome(protocol_version="1.2", server_id="stand-in",
-                                       latest_version=server.latest_version, config=config), to=env.peer)
+                    ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in",
+                                       latest_version=server.latest_version, setup=stand.setup), to=env.peer)
                 elif isinstance(m, P.WorkRequest):
                     # half the groups for each worker, however late one of them starts
                     n = min(m.credits // GROUP, len(todo), N_GROUPS // 2 - given.get(m.worker_id, 0))
@@ -146,3 +139,20 @@ def test_a_worker_too_small_for_a_group_leaves_at_once_naming_the_fix(procs, tmp
         text = err.decode(errors="replace")
         assert worker.returncode == 1, text[-2000:]
         assert "cannot hold a group of 8" in text and "slots=8 or more" in text, text[-2000:]
+
+
+def test_a_worker_welcomed_by_a_controller_older_than_the_floor_leaves_naming_the_upgrade(procs, tmp_path):
+    with worker_standin(tmp_path, worker_slots=6) as stand:
+        worker = procs.python("-m", "workers.generator", f"controller={stand.ctl.address}", "worker_id=w",
+                              stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while worker.poll() is None and time.monotonic() < deadline:
+            env = stand.ctl.recv(0.05)
+            if env is not None and isinstance(env.msg, P.Hello):
+                stand.ctl.send(P.Welcome(protocol_version="1.3", server_id="stand-in", setup=stand.setup), to=env.peer)
+            elif env is not None and isinstance(env.msg, P.WorkRequest):
+                pytest.fail("a worker welcomed by a 1.3 controller asked for work")
+        _, err = worker.communicate(timeout=60)
+        text = err.decode(errors="replace")
+        assert worker.returncode == 1, text[-2000:]
+        assert "speaks protocol 1.3, older than 1.4" in text and "upgrade asyncrl" in text, text[-2000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.controller.core import read_state
+from asyncrl.controller.state import read_state
 from asyncrl.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]

@@ -253,7 +253,7 @@ def test_ctrl_c_stops_everything_and_leaves_a_resumable_checkpoint(tmp_path, pro
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     version = json.loads((run_dir / "checkpoints" / latest / "learner.json").read_text())["version"]
     assert version >= 6  # the learner checkpointed where it stopped, with the controller's matching state
-    from asyncrl.controller.core import read_state  # checksummed: verified as it is read
+    from asyncrl.controller.state import read_state  # checksummed: verified as it is read
 
     state = read_state(run_dir / "checkpoints" / f"controller-{version:08d}.json")
     res = asyncrl(procs, "train", f"resume={run_dir}")

@@ -56,8 +56,6 @@ def test_worked_example_batch_waits_for_groups_whose_deadline_is_now():
     version.set(2)
     b2 = asm.try_assemble()
     assert [g.group_id for g in b2.groups] == ["g4", "g5"] and b2.max_staleness == 1
-    assert asm.consumed_step("g0/1") == 1 and asm.consumed_step("g5/0") == 2
-    assert asm.consumed_step("g9/0") is None
 
 
 def test_a_later_group_overtakes_a_slow_one_when_the_slack_allows():
@@ -132,20 +130,6 @@ def test_filtering_stops_for_the_step_once_the_budget_is_spent():
     buf.assign("w", worker_version=1)
     _finish(buf, "g3", "w", min_version=1)
     assert asm.try_assemble() is None  # the budget is per step: filtering is back on
-
-
-def test_drain_filtered_hands_over_dropped_groups_once_and_keeps_the_step_budget():
-    asm, buf, _, _ = _setup(eta=0, B=1, G=1, keep=lambda g: False, max_filtered=1)
-    admit(buf, "x")
-    buf.assign("w", worker_version=0)
-    _finish(buf, "g0", "w")
-    assert [g.group_id for g in asm.drain_filtered()] == ["g0"]
-    assert asm.drain_filtered() == []
-    admit(buf, "y")
-    buf.assign("w", worker_version=0)
-    _finish(buf, "g1", "w")
-    batch = asm.try_assemble()  # draining did not refill the budget: g1 is kept unfiltered
-    assert [g.group_id for g in batch.groups] == ["g1"] and batch.unfiltered == 1 and batch.filtered == ()
 
 
 def test_negative_staleness_is_an_internal_error():
@@ -223,7 +207,6 @@ def test_batch_is_retained_until_the_learner_passes_it_and_survives_a_checkpoint
         obj.load_state_dict(st)
     again = asm2.retained_batch(0)
     assert again.sample_ids == b0.sample_ids == ("g0/0", "g0/1") and asm2.next_step == 1
-    assert asm2.consumed_step("g0/1") == 0
     asm2.release_through(1)
     with pytest.raises(ValueError, match="not retained"):
         asm2.retained_batch(0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import protocols as P
-from asyncrl.controller.core import response_metrics
+from asyncrl.controller.scored import response_metrics
 
 
 def arr(ids):

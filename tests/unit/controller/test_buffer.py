@@ -64,7 +64,7 @@ def test_admission_numbers_groups_in_order_and_draws_metas_only_for_admitted_gro
     assert buf.admit(next_problem, 3) == ["g0", "g1"]
     assert buf.admit(next_problem, 1) == []
     assert drawn == ["p0", "p1"]  # a dataset cursor advances exactly as far as admission
-    assert buf.next_seq == 2 and gate.counts().issued == 2
+    assert buf.state_dict()["next_seq"] == 2 and gate.counts().issued == 2
     assert [a.meta for a in buf.assign("w", worker_version=0, max_groups=2)] == ["p0", "p1"]
 
 
@@ -104,7 +104,7 @@ def test_late_result_from_a_worker_whose_group_was_reissued_is_dropped():
     buf.assign("dead", worker_version=0)
     _send(buf, "g0/0", "dead")
     assert buf.reassign_from("dead") == ["g0/1", "g0/2"]  # finished member is kept
-    assert buf.group_state("g0") is GroupState.PENDING
+    assert buf.live() == [("g0", 0, GroupState.PENDING)]
     assert _send(buf, "g0/1", "dead") is ResultStatus.LATE  # pending: nobody may answer
     (again,) = buf.assign("alive", worker_version=0)
     assert again.sample_ids == ("g0/1", "g0/2")
@@ -182,16 +182,6 @@ def test_deadlines_run_from_the_assignment_and_partial_results_do_not_extend_the
     assert buf.assignments("w1")[0].sample_ids == ("g0/1",)
     clock.t += 5
     assert sorted(a.group_id for a in buf.overdue()) == ["g0", "g1"]
-
-
-def test_cancel_frees_the_gate_slot():
-    buf, gate, _, _ = _setup(eta=0, B=2)
-    admit(buf, "a", "b")
-    buf.assign("w", worker_version=0)
-    buf.cancel_group("g0")
-    buf.cancel_group("g1")
-    assert gate.capacity() == 2 and buf.live() == []
-    assert _send(buf, "g0/0", "w") is ResultStatus.RETIRED
 
 
 def test_reissuing_a_group_that_is_not_assigned_is_refused():

@@ -15,9 +15,9 @@ from asyncrl.controller.core import (
     ControllerCore,
     ModelInfo,
     no_work_retry_s,
-    read_state,
 )
 from asyncrl.controller.scoring import build_scorer
+from asyncrl.controller.state import read_state
 from asyncrl.log import BatchRecord, SampleRecord, read_log, truncate_log
 from asyncrl.models import ensure_tiny_model
 

@@ -1,17 +1,15 @@
-"""ControllerCore's side of protocol 1.3: typed worker setup, learner versions, checkpoint flags, worker
-versions, and the 1.2 forms it still reads from (and writes to) 1.2 peers only."""
+"""ControllerCore's side of the protocol: typed worker setup, learner versions, checkpoint flags, worker
+versions, and the refusal of a peer older than the protocol floor (1.4)."""
 
 from __future__ import annotations
 
 import json
 
-import msgspec
 import pytest
 
 import protocols as P
 from asyncrl.config import load_train_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
-from asyncrl.controller.membership import learner_version
 from asyncrl.controller.scoring import build_scorer
 from asyncrl.models import ensure_tiny_model
 
@@ -35,18 +33,18 @@ def core(tmp_path, model_dir):
     c.close()
 
 
-def learner(proto="1.3", **kw):
+def learner(proto=P.PROTOCOL_VERSION, **kw):
     return P.Hello(protocol_version=proto, role="learner", peer_id="learner", **kw)
 
 
-def worker(proto="1.3", fmt="int8", peer_id="w"):
+def worker(proto=P.PROTOCOL_VERSION, fmt="int8", peer_id="w"):
     return P.Hello(protocol_version=proto, role="generator", peer_id=peer_id, capabilities={"quant_format": fmt})
 
 
 def test_a_worker_is_welcomed_with_one_typed_setup_filled_from_the_run(core, model_dir):
     assert isinstance(core.handle(b"L", learner(version=0, capabilities=WEIGHTS))[0][1], P.Welcome)
     (_, w), = core.handle(b"W", worker(fmt="fp32"))
-    assert isinstance(w, P.Welcome) and w.config == {}  # a 1.3 worker gets no string config
+    assert isinstance(w, P.Welcome) and w.config == {}  # unused since 1.4
     s = w.worker_setup()
     assert (s.samples_address, s.weights_announce, s.weights_fetch) == ("tcp://c:9", "tcp://l:1", "tcp://l:2")
     assert (s.worker_slots, s.heartbeat_s, s.quant_format, s.eos_token_ids) == (8, 0.25, "fp32", [2])
@@ -54,16 +52,17 @@ def test_a_worker_is_welcomed_with_one_typed_setup_filled_from_the_run(core, mod
     assert s == core.worker_setup("fp32")
 
 
-def test_a_1_2_worker_gets_the_string_config_it_reads_and_its_float_version_is_used(core):
+@pytest.mark.parametrize("proto", ["1.0", "1.2", "1.3"])
+def test_a_peer_older_than_the_floor_is_refused_at_hello_naming_the_upgrade(core, proto):
+    (_, r), = core.handle(b"O", learner(proto=proto, version=0, capabilities=WEIGHTS))
+    assert isinstance(r, P.Reject) and core.learner_peer is None
+    assert f"speaks protocol {proto}, older than 1.4" in r.reason and "upgrade asyncrl" in r.reason
     core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
-    (_, w), = core.handle(b"O", worker(proto="1.2", peer_id="old"))
-    assert w.config == core.worker_setup("int8").to_legacy() and w.config["worker_slots"] == "8"
-    # everything but group_size (1.4), which no 1.2 worker reads
-    assert P.WorkerSetup.from_legacy(w.config) == msgspec.structs.replace(w.setup, group_size=0)
-    core.handle(b"O", P.Heartbeat(peer_id="old", time=0.0, stats={"version": 3.0}))
-    assert core.workers["old"].version == 3
-    core.handle(b"O", P.Heartbeat(peer_id="old", time=0.0, stats={"version": float("nan")}))
-    assert core.workers["old"].version == 3  # a NaN from the peer never reaches int()
+    (_, r), = core.handle(b"O", worker(proto=proto, peer_id="old"))
+    assert isinstance(r, P.Reject) and "upgrade asyncrl" in r.reason and "old" not in core.workers
+    assert core.counters["control/rejected_hello"] == 2
+    (_, r), = core.handle(b"W", worker(proto=f"1.{P.PROTOCOL_MINOR + 3}"))  # a newer minor still joins
+    assert isinstance(r, P.Welcome) and "w" in core.workers
 
 
 def test_a_workers_version_arrives_as_an_int_field_of_its_heartbeat(core):
@@ -75,31 +74,20 @@ def test_a_workers_version_arrives_as_an_int_field_of_its_heartbeat(core):
     assert core.workers["w"].version == 5
 
 
-def test_the_learners_version_is_an_int_and_a_1_2_learners_string_is_still_read(core, tmp_path):
-    (_, r), = core.handle(b"L", learner(capabilities=WEIGHTS))  # a 1.3 learner must name its version
+def test_the_learners_version_is_an_int_field_it_must_name(core, tmp_path):
+    (_, r), = core.handle(b"L", learner(capabilities=WEIGHTS | {"version": "0"}))  # a string is not read
     assert isinstance(r, P.Reject) and "names no version (Hello.version)" in r.reason
     (_, r), = core.handle(b"L", learner(version=0, capabilities={"weights_announce": "tcp://l:1"}))
     assert isinstance(r, P.Reject) and "weights_announce and weights_fetch" in r.reason
     (_, r), = core.handle(b"L", learner(version=4, capabilities=WEIGHTS))  # batch 4 is not this controller's next
     assert isinstance(r, P.Reject) and "the learner is at version 4" in r.reason and core.learner_peer is None
-    assert learner_version(learner(version=4)) == 4
     (_, r), = core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
-    assert isinstance(r, P.Welcome) and core.version.version == 0 and core.learner_typed
-
-
-@pytest.mark.parametrize("cap,ok", [("6", True), ("x", False), ("-3", False), ("²", False)])
-def test_a_1_2_learners_string_version_is_parsed_or_refused(core, cap, ok):
-    hello = learner(proto="1.2", capabilities=WEIGHTS | {"version": cap})
-    assert learner_version(hello) == (6 if ok else None)
-    (_, r), = core.handle(b"L", hello)
-    assert isinstance(r, P.Reject)  # a version it cannot read, or 6 where this controller serves batch 0
-    (_, r), = core.handle(b"L", learner(proto="1.2", capabilities=WEIGHTS | {"version": "0"}))
-    assert isinstance(r, P.Welcome) and not core.learner_typed
+    assert isinstance(r, P.Welcome) and core.version.version == 0 and core.learner_peer == b"L"
 
 
 def test_checkpoint_request_ack_and_done_are_typed_fields(core):
     core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
-    # a metric that happens to be named like a 1.2 flag is a metric for a 1.3 learner
+    # a metric that happens to be named like a flag is a metric, never a flag
     assert core.handle(b"L", P.VersionUpdate(version=1, metrics={"checkpoint": 1.0, "done": 1.0})) == []
     assert not core.done and not core.checkpoint_path(1).exists()
     (peer, ack), = core.handle(b"L", P.VersionUpdate(version=2, checkpoint=True))
@@ -107,11 +95,3 @@ def test_checkpoint_request_ack_and_done_are_typed_fields(core):
     assert core.checkpoint_path(2).exists()
     core.handle(b"L", P.VersionUpdate(version=3, done=True))
     assert core.done and core.version.version == 3
-
-
-def test_a_1_2_learners_flags_in_metrics_are_honoured_and_acknowledged_in_its_form(core):
-    core.handle(b"L", learner(proto="1.2", capabilities=WEIGHTS | {"version": "0"}))
-    (_, ack), = core.handle(b"L", P.VersionUpdate(version=1, metrics={"checkpoint": 1.0, "loss": 0.5}))
-    assert ack.checkpointed and ack.metrics == {"checkpointed": 1.0} and core.checkpoint_path(1).exists()
-    core.handle(b"L", P.VersionUpdate(version=2, metrics={"done": 1.0}))
-    assert core.done

@@ -15,8 +15,8 @@ def _gate(eta: int = 1, B: int = 2, **kw) -> tuple[StalenessGate, ManualVersion]
 def test_worked_example_from_the_docstring():
     gate, v = _gate(eta=1, B=2)
     assert gate.limit() == 4
-    assert gate.try_admit(4) == 4  # g0..g3
-    assert gate.try_admit() == 0  # a fifth request waits
+    assert gate.admit(4)[0] == 4  # g0..g3
+    assert gate.admit()[0] == 0  # a fifth request waits
     gate.on_started(4)
     gate.on_group_finished(2)  # g1, g3
     gate.on_consumed(2)  # batch 0
@@ -40,62 +40,53 @@ def test_worked_example_from_the_docstring():
 def test_eta_zero_admits_exactly_one_batch_per_version():
     gate, v = _gate(eta=0, B=3)
     for version in range(4):
-        assert gate.try_admit(10) == 3
-        assert gate.try_admit() == 0
+        assert gate.admit(10)[0] == 3
+        assert gate.admit()[0] == 0
         gate.on_started(3)
         gate.on_group_finished(3)
         gate.on_consumed(3)
-        assert gate.try_admit() == 0  # workers idle while the learner trains
+        assert gate.admit()[0] == 0  # workers idle while the learner trains
         v.set(version + 1)
 
 
 def test_each_version_opens_groups_per_step_slots():
     gate, v = _gate(eta=2, B=4)
-    assert gate.try_admit(100) == 12
+    assert gate.admit(100)[0] == 12
     for version in range(1, 5):
         gate.on_started(4)
         gate.on_group_finished(4)
         gate.on_consumed(4)
         v.set(version)
-        assert gate.try_admit(100) == 4
+        assert gate.admit(100)[0] == 4
     assert gate.counts().admitted == 12 + 4 * 4
 
 
 def test_consumption_alone_frees_no_slot():
     gate, _ = _gate(eta=1, B=1)
-    assert gate.try_admit(5) == 2
+    assert gate.admit(5)[0] == 2
     gate.on_started(2)
     gate.on_group_finished(2)
     gate.on_consumed(1)
     assert gate.capacity() == 0
 
 
-def test_cancelled_groups_leave_the_count_whether_issued_or_running():
-    gate, _ = _gate(eta=0, B=2)
-    assert gate.try_admit(2) == 2
-    gate.on_started()
-    gate.on_cancelled(running=True)
-    gate.on_cancelled(running=False)
-    assert gate.capacity() == 2 and gate.counts().cancelled == 2
-
-
 def test_max_inflight_groups_caps_issued_plus_running():
     gate, _ = _gate(eta=3, B=4, max_inflight_groups=3)
-    assert gate.try_admit(10) == 3
+    assert gate.admit(10)[0] == 3
     gate.on_started(3)
     gate.on_group_finished(2)
-    assert gate.try_admit(10) == 2
+    assert gate.admit(10)[0] == 2
 
 
 def test_callable_version_source_is_accepted():
     box = {"v": 0}
     gate = StalenessGate(lambda: box["v"], eta=0, groups_per_step=1)
-    assert gate.try_admit(3) == 1
+    assert gate.admit(3)[0] == 1
     gate.on_started()
     gate.on_group_finished()
     gate.on_consumed(1)
     box["v"] = 1
-    assert gate.version == 1 and gate.try_admit(3) == 1
+    assert gate.version == 1 and gate.admit(3)[0] == 1
 
 
 @pytest.mark.parametrize("eta", [-1, 1.5, True, "2"])
@@ -130,12 +121,12 @@ def test_transition_out_of_an_empty_state_is_an_internal_error():
 
 def test_state_round_trip_returns_running_groups_to_issued():
     gate, v = _gate(eta=1, B=2)
-    gate.try_admit(4)
+    gate.admit(4)[0]
     gate.on_started(3)
     gate.on_group_finished(2)
     gate.on_consumed(2)
     v.set(1)
-    gate.try_admit(1)
+    gate.admit(1)[0]
     state = gate.state_dict()
     fresh = StalenessGate(ManualVersion(1), eta=1, groups_per_step=2)
     fresh.load_state_dict(state)

@@ -44,7 +44,7 @@ def test_smollm2_chat_ids_equal_apply_chat_template(smol_tokenizer):
     expected = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                        return_dict=True)["input_ids"]
     assert enc.encode(prompt) == list(expected)
-    assert enc.text(prompt).endswith("<|im_start|>assistant\n")
+    assert tok.decode(enc.encode(prompt)).endswith("<|im_start|>assistant\n")
     with_system = PromptEncoder(tok, "chat", system_prompt="Answer with a number.")
     ids = with_system.encode(prompt)
     assert ids == list(tok.apply_chat_template(
@@ -69,7 +69,7 @@ def test_a_tokenizer_with_a_template_gets_chat_by_default():
     tok.chat_template = CHATML
     enc = PromptEncoder(tok, "auto", system_prompt="sys")
     assert enc.format == "chat"
-    assert enc.text("3+5=") == "<bos>system\nsys<eos>\n<bos>user\n3+5=<eos>\n<bos>assistant\n"
+    assert tok.decode(enc.encode("3+5=")) == "<bos>system\nsys<eos>\n<bos>user\n3+5=<eos>\n<bos>assistant\n"
 
 
 def test_stop_tokens_union_config_generation_config_and_tokenizer(tmp_path):

@@ -4,6 +4,7 @@ checkpoint, a live learner after the controller restarted, a second process unde
 from __future__ import annotations
 
 import protocols as P
+from asyncrl.controller.state import read_state
 from tests.unit.controller.test_core import (
     LEARNER_CAPS,
     answer,
@@ -51,7 +52,7 @@ def test_a_resumed_controller_takes_back_the_live_learner_at_the_same_version(tm
     register(first)
     fill_first_batch(first)
     first.handle(b"L", P.VersionUpdate(version=1, checkpoint=True))
-    state = first.state_dict()
+    state = read_state(first.checkpoint_path(1))  # what a resumed controller reads
     first.close()
     resumed = make_core(tmp_path / "b", model_dir)  # another controller process, from the checkpoint of version 1
     resumed.version.set(1)

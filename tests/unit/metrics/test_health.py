@@ -24,7 +24,7 @@ import pytest
 
 import protocols as P
 from asyncrl.config.loader import load_train_config
-from asyncrl.controller.core import response_metrics
+from asyncrl.controller.scored import response_metrics
 from asyncrl.metrics import Progress
 from asyncrl.metrics.health import ALARMS, HealthConfig, HealthMonitor, check_health, replay
 from asyncrl.metrics.health_log import HealthWatch, alarms_report, format_alarm, read_alarms, summarize_alarms

@@ -51,7 +51,7 @@ def test_the_controller_prunes_its_states_as_the_learner_checkpoints(tmp_path):
     try:
         ckpts = RunDir(run).checkpoints
         core.save(core.checkpoint_path(0))  # as workers/controller.py does when a run starts
-        core.handle(b"L", P.Hello(protocol_version="1.3", role="learner", peer_id="learner", version=0,
+        core.handle(b"L", P.Hello(protocol_version=P.PROTOCOL_VERSION, role="learner", peer_id="learner", version=0,
                                   capabilities={"weights_announce": "tcp://l:1", "weights_fetch": "tcp://l:2"}))
         for v in range(2, 22, 2):
             core.handle(b"L", P.VersionUpdate(version=v, checkpoint=True))

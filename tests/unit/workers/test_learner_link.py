@@ -83,3 +83,27 @@ def test_a_silent_controller_is_asked_again_and_then_given_up_with_the_fix(link,
     while (env := ctl.recv(0.5)) is not None:
         seen.append(type(env.msg))
     assert seen[0] is P.BatchRequest and seen.count(P.Hello) >= 2  # it said Hello while it waited
+
+
+def test_a_learner_welcomed_by_a_controller_older_than_the_floor_stops_naming_the_upgrade():
+    ctl = ZmqChannel.bind(zmq.ROUTER, "tcp://127.0.0.1:0")
+    server = WeightServer()
+    out: dict = {}
+
+    def start() -> None:
+        try:
+            ControllerSource(ctl.address, server, 0, threading.Event(), load_train_config([]).transport)
+        except SystemExit as e:
+            out["exit"] = str(e)
+
+    t = threading.Thread(target=start)
+    t.start()
+    try:
+        env = ctl.recv(30.0)
+        assert isinstance(env.msg, P.Hello) and "version" not in env.msg.capabilities  # only the int field
+        ctl.send(P.Welcome(protocol_version="1.3", server_id="stand-in", latest_version=0), to=env.peer)
+        t.join(30.0)
+        assert "speaks protocol 1.3, older than 1.4" in out["exit"] and "upgrade asyncrl" in out["exit"]
+    finally:
+        server.close()
+        ctl.close()
