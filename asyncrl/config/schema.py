@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.algo.config import AlgoConfig
+from asyncrl.config.health import HealthConfig, check_health
 from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.controller.prompts import PROMPT_FORMATS
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
@@ -22,7 +23,6 @@ from asyncrl.engine.factory import ENGINES as ROLLOUT_ENGINES
 from asyncrl.engine.factory import SGLANG_SERVING
 from asyncrl.learner.options import LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
-from asyncrl.metrics.health import HealthConfig, check_health
 from asyncrl.tasks.answers import ANSWER_FORMATS
 from asyncrl.tasks.registry import TASKS
 from protocols.values import AQN_RESAMPLE, require_choice
