@@ -124,8 +124,22 @@ def test_earlier_bench_scripts_write_well_formed_json(procs, tmp_path, name, arg
         check_rows(rows, [k for k, v in rows[0].items() if isinstance(v, float)])
 
 
+def test_bench_kernels_smoke_times_every_chosen_path_against_its_alternative(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "bench_kernels", "--smoke")
+    pairs = data["tables"]["pairs"]
+    assert [r["row"] for r in pairs] == ["fp4_block_amax", "fp4_zero_to_inf", "all_finite", "int8_row_absmax",
+                                         "int8_row_absmax", "int8_act_amax", "fp8_gemm", "int8_weight_only",
+                                         "sample_batch64"]
+    check_rows(pairs, ["chosen_us", "alternative_us", "alt_over_chosen", "ratio_min", "ratio_max", "load_median"],
+               text=("row", "shape", "chosen", "alternative"))
+    chunks = data["tables"]["chunks"]
+    assert [(r["format"], r["chunk_log2"]) for r in chunks] == [(f, c) for f in ("nvfp4", "int8") for c in range(14, 20)]
+    check_rows(chunks, ["best_ms", "vs_chosen", "ratio_min", "ratio_max"], text=("format",))
+    assert [r["vs_chosen"] for r in chunks if r["chunk_log2"] == 18] == [1.0, 1.0]  # the chosen size against itself
+
+
 def test_bench_scripts_explain_themselves_with_help(procs):
-    for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos"):
+    for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos", "bench_kernels"):
         proc = procs.python(os.path.join(SCRIPTS, f"{name}.py"), "--help", stdout=subprocess.PIPE, text=True)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, name
