@@ -28,8 +28,8 @@ Every other row bounds glibc's retention and the kernel caches as the learner pr
 
 ``--vary``: every step after the first trains a batch of other prompt and response lengths, as a
 rollout stream does, and ``rss_growth_gb`` reports how far the process's resident memory rose from
-the first step's end to the last's (measured 2026-12-02: bf16 autocast grows with every new shape,
-fp32 does not; docs/benchmarks.md §8).
+the first step's end to the last's (bf16 autocast grew with every new shape, fp32 did not:
+docs/benchmarks.md §6, "The two allocator bounds").
 
 ``--device cuda``: the same steps on the GPU, reported as trained tokens per second, peak GPU memory
 (``torch.cuda.max_memory_allocated``: weights, gradients, AdamW state, activations) and MFU: model FLOPs
