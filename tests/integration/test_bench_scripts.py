@@ -151,7 +151,7 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
                      "--new-tokens", "8", timeout_s=600)
     rows = data["tables"]["rows"]
     names = [r["row"] for r in rows]
-    assert names == ["fsdp-ws1-mb64", "full", "full-bf16", "full-bf16-uncapped", "lora", "lora-bf16",
+    assert names == ["fsdp-ws1-mb64", "full", "full-fsdp-ws1", "full-bf16", "full-bf16-uncapped", "lora", "lora-bf16",
                      "lora-glibc-default"]
     check_rows(rows, ["peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "cpu_s_per_1k_tokens", "cpu_ratio",
                       "prox_s", "trainable_params", "trained_tokens"], text=("row",))
@@ -160,6 +160,7 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
     # the same LoRA under bf16 and with default malloc; the same full model with default kernel caches
     assert by["lora-bf16"]["trainable_params"] == by["lora-glibc-default"]["trainable_params"] == by["lora"]["trainable_params"]
     assert by["full-bf16-uncapped"]["trainable_params"] == by["full"]["trainable_params"]
+    assert by["full-fsdp-ws1"]["trainable_params"] == by["full"]["trainable_params"]  # the same model, wrapped
 
 
 def test_bench_learner_vary_reports_memory_after_every_step(procs, tmp_path):
