@@ -15,6 +15,8 @@ Rows:
   full            full fine-tuning as the learner now runs it: no wrapper at world size 1,
                   activation checkpointing, micro-batches of <= --token-budget padded tokens,
                   proximal log-probs reused from the first forward
+  full-fsdp-ws1   ``full`` with the FSDP2 wrapper added at world size 1 (what the learner skips there):
+                  its time and RSS against ``full``'s are the wrapper's cost alone
   full-bf16       the same under bf16 autocast (fp32 master weights)
   full-bf16-uncapped  ``full-bf16`` with oneDNN's and ideep's per-shape caches at their default 1024
                   entries: its RSS minus ``full-bf16``'s is what those caches keep (with ``--vary``)
@@ -28,8 +30,8 @@ Every other row bounds glibc's retention and the kernel caches as the learner pr
 
 ``--vary``: every step after the first trains a batch of other prompt and response lengths, as a
 rollout stream does, and ``rss_growth_gb`` reports how far the process's resident memory rose from
-the first step's end to the last's (measured 2026-12-02: bf16 autocast grows with every new shape,
-fp32 does not; docs/benchmarks.md §8).
+the first step's end to the last's (bf16 autocast grew with every new shape, fp32 did not:
+docs/benchmarks.md §6, "The two allocator bounds").
 
 ``--device cuda``: the same steps on the GPU, reported as trained tokens per second, peak GPU memory
 (``torch.cuda.max_memory_allocated``: weights, gradients, AdamW state, activations) and MFU: model FLOPs
@@ -68,6 +70,7 @@ from scripts.benchlib import parser, print_table, write_json  # noqa: E402
 ROWS = {
     "fsdp-ws1-mb64": dict(fsdp=True, micro=64, budget=0, ac=False, reuse=False, autocast="", lora=0),
     "full": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=0),
+    "full-fsdp-ws1": dict(fsdp=True, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=0),
     "full-bf16": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="bf16", lora=0),
     "full-bf16-uncapped": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="bf16", lora=0,
                                uncapped_kernel_caches=True),
@@ -204,7 +207,7 @@ def child(spec: dict) -> dict:
     n_matmul = matmul_params(model)
     config = model.config
     vocab = int(model.config.vocab_size)
-    if row["fsdp"]:
+    if row["fsdp"] and not row["ac"]:  # the earlier knobs: the wrapper, nothing else
         model = shard_model(model, info)
     else:
         lora = None
@@ -212,6 +215,8 @@ def child(spec: dict) -> dict:
             lora = LoraSpec(rank=row["lora"], alpha=2.0 * row["lora"], target_modules=(
                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
         model = prepare_policy(model, info, lora=lora, activation_checkpointing=row["ac"])
+        if row["fsdp"] and info.world_size == 1:  # the wrapper prepare_policy leaves out at world size 1
+            model = shard_model(model, info)
     opt = build_optimizer(model, lr=1e-6)
     state = TrainState(model, opt, build_scheduler(opt, LRSchedule()))
     batch = synthetic_batch(vocab, spec["samples"], spec["prompt_len"], spec["new_tokens"])

@@ -91,7 +91,8 @@ def decode(model, prompt, steps: int, gen):
         c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(steps):
             logp = torch.log_softmax(logits.float(), dim=-1)
-            # inverse-CDF sampling (torch.multinomial costs ~5 ms per step at batch 64 on CPU)
+            # inverse-CDF sampling (torch.multinomial costs several times more at batch 64 on CPU:
+            # docs/benchmarks.md §5, kernel choices)
             cdf = logp.exp().cumsum_(dim=-1)
             u = torch.rand(cdf.shape[0], 1, generator=gen) * cdf[:, -1:]
             tok = torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1)

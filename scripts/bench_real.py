@@ -50,15 +50,13 @@ from asyncrl.rundir import RunDir  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
 # The task (--preset). signed_sums (configs/experiment/smollm2_signed_sums.yaml, the default): two
-# signed single-digit terms, base greedy accuracy 0.17 on the 200 held-out problems, 721 questions, so
-# training and held-out problems come from one space without overlapping, and no constant answer
-# scores over 9% of the held-out problems. letter_counting: base 0.30, but 75% of its answers are
-# "1" (a policy that learns to say "1" gains 40 points; the rows report majority_answer_share
-# beside accuracy). chain_sum: the
-# chain_sum preset widened to two or three unsigned terms because the two-term space has only 200
-# questions; its held-out set is then mostly three-term problems (base 0.08) while training repeats
-# the two-term ones (base 0.44), which is why its first recorded run (2026-12-01, in the history of
-# docs/benchmarks.md) moved the sampled reward, not held-out accuracy.
+# signed single-digit terms; training and held-out problems come from one space without overlapping,
+# and no constant answer scores well on the held-out problems. letter_counting: a higher base accuracy,
+# but most of its answers are "1" (the rows report majority_answer_share beside accuracy). chain_sum:
+# the preset widened to two or three unsigned terms because the two-term space is small; its held-out
+# set is then mostly three-term problems while training repeats the two-term ones, so a run moves the
+# sampled reward, not held-out accuracy. The base accuracies behind each choice: docs/tasks.md,
+# "Choosing a task for SmolLM2"; the benchmark's own: docs/benchmarks.md §8.
 PRESETS = {
     "chain_sum": ["+experiment=smollm2_chain_sum", "task.rg_config={min_terms:2,max_terms:3,min_digits:1,max_digits:1}",
                   "task.size=400"],
@@ -69,9 +67,10 @@ PRESETS = {
 # and half the answer length of the full run (its first step alone, generation included, is the budget)
 QUICK = ["rollout.groups_per_step=2", "rollout.max_new_tokens=32"]
 SMOKE = ["model=tiny", "task=addition"]  # --smoke: every code path in a minute or two; figures meaningless
-# int8 W8A8 workers (torch._int_mm): on a CPU with AVX-512 VNNI 1.4-1.9x the fp32 engine on SmolLM2
-# (docs/benchmarks.md, bench_engine); on one without, _int_mm is 9-28x slower than an fp32 GEMM once a
-# forward has 32 rows, and --quant int8_wo (int8 codes decoded to fp32 once per version) is the choice.
+# int8 W8A8 workers (torch._int_mm) beat the fp32 engine on SmolLM2 only on a CPU with AVX-512 VNNI; on
+# one without, _int_mm is many times slower than an fp32 GEMM once a forward has 32 rows (docs/benchmarks.md
+# §4, "The CPU decides whether int8 pays"), and --quant int8_wo (int8 codes decoded to fp32 once per
+# version) is the choice.
 COMMON = ["rollout.eta=2", "algo=acr", "learner.eval_every=0", "learner.ckpt_every=0",
           "learner.total_steps=100000", "learner.lr_schedule=constant"]
 ROWS: dict[str, list[str] | None] = {

@@ -58,8 +58,8 @@ SECTIONS = ("native", "quant", "bench_engine", "sglang", "gpu_tests", "train", "
 PROMPT = "Compute 17+25 and explain step by step. "
 LOGITS_REL_TOL = 5e-2
 """Device vs reference logits (max |diff| / max |ref|): GEMMs of another summation order move an activation
-past a rounding boundary now and then, and a flipped fp8 code moves a logit by 1-2% of the largest on the
-2-layer random model (measured on CPU, 2026-12-04); a wrong kernel (scales, layout) is off by O(1)."""
+past a rounding boundary now and then, and a flipped fp8 code moves a logit by a few percent of the largest on
+the 2-layer random model (docs/benchmarks.md §13); a wrong kernel (scales, layout) is off by O(1)."""
 
 
 def environment(device: str) -> dict:

@@ -16,12 +16,12 @@ from typing import Any
 
 from asyncrl.algo.config import AlgoConfig
 from asyncrl.config.devices import parse_device
+from asyncrl.config.health import HealthConfig, check_health
 from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.controller.prompts import PROMPT_FORMATS
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
 from asyncrl.learner.options import LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
-from asyncrl.metrics.health import HealthConfig, check_health
 from asyncrl.tasks.answers import ANSWER_FORMATS
 from asyncrl.tasks.registry import TASKS
 from protocols.values import AQN_RESAMPLE, require_choice

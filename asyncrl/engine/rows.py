@@ -119,9 +119,9 @@ def own_memory(model: torch.nn.Module) -> None:
     """Give every parameter and buffer its own memory (``NativeEngine.from_pretrained``; an engine
     built around given tensors, like the learner's evaluation, uses them in place). ``from_pretrained``
     maps the safetensors file, and quantization reads every page of it; while one tensor still views
-    the mapping (the embedding, the norms) all those pages stay resident: SmolLM2-135M's int8 engine
-    held 0.5 GB of file pages beside 0.2 GB of its own tensors. Tied weights stay tied (one parameter
-    object, copied once)."""
+    the mapping (the embedding, the norms) all those pages stay resident, more than the engine's own
+    tensors (docs/benchmarks.md §8, "Where the job's memory goes"). Tied weights stay tied (one
+    parameter object, copied once)."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             t.data = t.data.clone()

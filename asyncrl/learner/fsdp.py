@@ -7,8 +7,9 @@ and the few collectives the learner needs (batch broadcast, sums, the full state
 
 Never does: DDP. ``shard_model`` always shards (tests use it at world size 1 too); the learner
 process shards only at world size > 1 (``policy.prepare_policy``): at world size 1 the FSDP2
-wrapper cost ~15% time and ~0.7 GB for nothing, and plain modules go through the same step,
-clipping, state-dict and DCP code (DCP reshards plain tensors <-> DTensors).
+wrapper shards nothing and still adds a little time and memory (docs/benchmarks.md §6), and plain
+modules go through the same step, clipping, state-dict and DCP code (DCP reshards plain tensors <->
+DTensors).
 
 Invariants:
 * Master weights are fp32 (``shard_model`` casts them); an optional ``param_dtype`` only changes

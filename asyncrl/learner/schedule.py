@@ -51,7 +51,7 @@ def build_optimizer(
 
     ``foreach=False`` (default) updates one tensor at a time: the multi-tensor path allocates
     temporaries as large as all parameters together (e.g. the square roots of every second
-    moment), about 0.5 GB more peak memory for SmolLM2-135M, for no gain on CPU."""
+    moment), for SmolLM2-135M's 135M fp32 parameters 0.54 GB more peak memory."""
     if not lr > 0:
         raise ValueError(f"learning rate must be > 0, got {lr}")
     params = [p for p in model.parameters() if p.requires_grad]

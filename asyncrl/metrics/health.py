@@ -1,13 +1,16 @@
 """Training-health alarms: a run that stopped learning says so, with the likely cause and the knob to turn.
 
-Owns: ``HealthConfig`` (the ``health`` section of the run configuration: every threshold), the alarm
-catalogue ``ALARMS`` (name -> what it means, its likely cause, what to try), and ``HealthMonitor``, which
-reads the run's ``metrics.jsonl`` records one at a time (as the controller writes them, or replayed from
-the file afterwards) and returns the alarms that fire at each step.
+Owns: the alarm catalogue ``ALARMS`` (name -> what it means, its likely cause, what to try), and
+``HealthMonitor``, which reads the run's ``metrics.jsonl`` records one at a time (as the controller writes
+them, or replayed from the file afterwards) and returns the alarms that fire at each step. The ``health``
+section itself (``HealthConfig``, every threshold) and the ``learner.stop_on`` check live with every other
+config section, in ``asyncrl.config.health``.
 Never: reads or writes files, logs, or talks to a process (``health_log`` owns ``health.jsonl``, the
-controller decides what a ``learner.stop_on`` alarm stops); imports anything beyond the standard library.
+controller decides what a ``learner.stop_on`` alarm stops); imports anything beyond the standard library
+and ``asyncrl.config.health``.
 
 Invariants:
+- ``ALARMS`` has exactly the names of ``asyncrl.config.health.ALARM_NAMES``, in that order.
 - Deterministic: the same records in the same order give the same alarms at the same steps, so a replay
   of a run's metrics (``asyncrl log show``, a resumed controller) reproduces what the live run raised.
 - Only metrics the run already logs are read (docs/metrics.md); a metric a record lacks is skipped, never
@@ -26,6 +29,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from asyncrl.config.health import HealthConfig
 
 
 @dataclass(frozen=True)
@@ -91,55 +96,6 @@ ALARMS: dict[str, AlarmSpec] = {
 
 # Metrics that count non-finite values in a training step (docs/metrics.md).
 NONFINITE_COUNTS = ("learner/skipped_nonfinite_minibatches", "actor/nonfinite_loss", "actor/nonfinite_logp_theta")
-
-
-@dataclass(kw_only=True)
-class HealthConfig:
-    """The ``health`` section: training-health alarms (docs/operations.md, "Training health")."""
-
-    enabled: bool = True
-    """Watch the run's metrics and raise alarms (console line + ``health.jsonl``)."""
-    window: int = 10
-    """Training steps each windowed alarm averages over."""
-    early_steps: int = 5
-    """The first training steps whose mean is the "early value" of length and entropy."""
-    repeat_every: int = 50
-    """An alarm that keeps holding is raised again at most every this many steps."""
-    solved_reward: float = 0.9
-    """Collapse alarms stay quiet while the windowed train reward is at least this (a solved task)."""
-    length_ratio: float = 0.5
-    """length_collapse: windowed mean response length below this fraction of the early mean."""
-    entropy_ratio: float = 0.3
-    """entropy_collapse: windowed mean token entropy below this fraction of the early mean."""
-    zero_variance_share: float = 0.75
-    """zero_variance: windowed share of groups whose rewards are all equal above this."""
-    flat_after_steps: int = 50
-    """reward_flat: judged from this step on."""
-    flat_min_gain: float = 0.02
-    """reward_flat: an evaluation less than this above the step-0 evaluation (without evaluations: the
-    windowed train reward against its early mean) is flat."""
-    majority_share: float = 0.6
-    """answer_takeover: windowed share of the batch that is its most common response above this."""
-    nonfinite: bool = True
-    """nonfinite: raise on any step that skipped non-finite updates or logged a null metric."""
-    learner_busy_min: float = 0.2
-    """rollout_bound: windowed share of the learner's step time spent training below this."""
-    learner_busy_max: float = 0.95
-    """learner_bound: windowed share of the learner's step time spent training at least this ..."""
-    workers_idle_max: float = 0.9
-    """... and the windowed share of the workers' time they were told to wait for work (NoWork back-offs
-    per worker and second, an upper bound: a worker also asks again when new weights arrive) above this."""
-
-
-def check_health(h: HealthConfig, stop_on: Sequence[str]) -> None:
-    """ValueError naming the fix for an unknown ``stop_on`` name or ``stop_on`` with the alarms off.
-
-    The thresholds' ranges are checked with every other numeric key (``asyncrl.config.ranges``)."""
-    unknown = [n for n in stop_on if n not in ALARMS]
-    if unknown:
-        raise ValueError(f"learner.stop_on names unknown alarm(s) {unknown}; choose from {', '.join(ALARMS)}")
-    if stop_on and not h.enabled:
-        raise ValueError(f"learner.stop_on={list(stop_on)} needs the alarms on; drop health.enabled=false")
 
 
 @dataclass(frozen=True)

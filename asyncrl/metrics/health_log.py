@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.metrics.health import Alarm, HealthConfig, HealthMonitor, health_config, replay
+from asyncrl.config.health import HealthConfig
+from asyncrl.metrics.health import Alarm, HealthMonitor, health_config, replay
 from asyncrl.metrics.writer import parse_line, purge_records, read_metrics
 from asyncrl.rundir import RunDir
 

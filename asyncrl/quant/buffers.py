@@ -34,12 +34,12 @@ class Blocks:
 
     Why blocks: published one by one, a SmolLM2-135M int8 publication is ~270 tensors under 1 MiB:
     they stayed in glibc's heap, and with a publication every step between the step's own
-    allocations the heap kept growing (measured: +0.21 GB over 8 LoRA steps). Why huge pages: a
+    allocations the heap kept growing (docs/benchmarks.md §9, "Publication buffers"). Why huge pages: a
     publication is written into fresh memory every version (its buffers are sent zero-copy and must
     not change), and touching fresh 4 KiB pages one by one is a fault each; with 2 MiB pages
     (``MADV_HUGEPAGE``, honoured where the kernel's THP mode is ``madvise`` or ``always``) an int8
-    publication took 0.60x the time (22M Qwen2) and 0.54x (SmolLM2-135M) in the learner's malloc
-    settings (2026-12-03, docs/benchmarks.md, weight sync). Where mmap or madvise is missing, plain ``torch.empty``."""
+    publication takes about half the time (docs/benchmarks.md §9, "Publication buffers"). Where mmap
+    or madvise is missing, plain ``torch.empty``."""
 
     BLOCK = 64 << 20
     SMALL = 4 << 20

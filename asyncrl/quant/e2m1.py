@@ -45,7 +45,7 @@ _TIE_UP = torch.tensor([False, True, False, True, False, True, False])
 BOUNDARIES = torch.where(_TIE_UP, torch.nextafter(_MIDPOINTS, torch.zeros(7)), _MIDPOINTS)
 _BOUNDARY_VALUES = tuple(float(b) for b in BOUNDARIES)  # exact: fp32 values are exact Python floats
 
-CHUNK_ELEMENTS = 1 << 18  # elements per chunk (measured best of 2**14..2**19 here, on the 22M model)
+CHUNK_ELEMENTS = 1 << 18  # elements per chunk (2**14..2**19 on the 22M model: docs/benchmarks.md §5, kernel choices)
 
 
 def e2m1_encode_compare(v: Tensor) -> Tensor:

@@ -98,7 +98,7 @@ def _block_amax(blocks: Tensor) -> Tensor:
     integer order of the bit patterns is the numeric order, so the max of the patterns with the sign
     bit cleared is the pattern of the max |w| (+0 for an all-zero block, never -0); a NaN pattern is
     larger than inf's and stays a NaN, so `check_finite_amax` still sees it. An integer max over
-    16-element blocks is ~4x faster than `aminmax(dim=2)` of the floats."""
+    16-element blocks is faster than `aminmax(dim=2)` of the floats (docs/benchmarks.md §5, kernel choices)."""
     n, nb, block = blocks.shape
     bits = blocks.view(torch.int32)
     out = torch.empty((n, nb), dtype=torch.int32, device=blocks.device)
@@ -130,7 +130,7 @@ def _zero_to_inf(s: Tensor) -> Tensor:
     """In place: +0 -> +inf in a tensor of fp32 values >= +0 (a flushed block divides by inf, so its
     codes are signed zeros). On the bit patterns: p == 0 exactly when (p - 1) >> 31 is all ones, and
     then or-ing in inf's exponent makes +inf; four integer passes instead of a bool mask, which torch
-    does not vectorise (3x the cost)."""
+    does not vectorise (docs/benchmarks.md §5, kernel choices)."""
     bits = s.view(torch.int32)
     bits.bitwise_or_(torch.sub(bits, 1).bitwise_right_shift_(31).bitwise_and_(0x7F800000))
     return s

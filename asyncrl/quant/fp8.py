@@ -15,7 +15,7 @@ Compute rule of a real FP8 kernel, and therefore of `fp8_linear` (x [M, K], code
     acc = sum_k fp32(qx[m, k]) * fp32(qw[n, k])     products are exact in fp32 (4x4-bit significands)
     y   = fp32(fp32(acc * sx[m]) * sw[n]) (+ bias)
 The CPU path runs this as an fp32 GEMM over the decoded codes (torch has no fast CPU FP8 GEMM;
-`torch._scaled_mm` on CPU is a correct but ~50x slower reference, used in the tests). Results equal a
+`torch._scaled_mm` on CPU is a correct but many times slower reference, used in the tests; docs/benchmarks.md §5). Results equal a
 real kernel up to fp32 summation order, which no two GEMM implementations share. On CUDA sm_89+ the
 real kernel runs (kernels.py, `scaled_mm`) on the codes of `quantize_act_fp8_codes`, the same codes. Weight-only mode
 (activations not quantised): acc = sum_k x[m, k] * fp32(qw[n, k]), y = acc * sw[n].

@@ -67,8 +67,8 @@ def stacked_names(m: QuantLinear) -> tuple[str, ...]:
 
 UNFUSED_KERNELS = ("wo_fp32",)
 """Kernels whose siblings stay separate: on CPU each weight-only member's own `addmm` (bias fused into the
-GEMM) beat one stacked GEMM plus a bias add per member (0.90-0.97x fused on the projections of the tiny
-Qwen2 of asyncrl.models, M = 1 and 16, CPU time, 2026-12-04); int8, bf16 and fp8 gained 1.09-1.23x there."""
+GEMM) beat one stacked GEMM plus a bias add per member, while int8, bf16 and fp8 gain from fusing
+(docs/benchmarks.md §5, kernel choices)."""
 
 
 def fusable(m: object) -> bool:

@@ -73,7 +73,7 @@ _AMINMAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def all_finite(t: Tensor) -> bool:
     """Whether every element of a floating tensor is finite. Exact: NaN and inf propagate through
     min and max, and one vectorised `aminmax` reduction reads the tensor once without writing
-    anything (`isfinite(t).all()` writes a bool per element and is tens of times slower on CPU)."""
+    anything (`isfinite(t).all()` writes a bool per element and is many times slower on CPU; docs/benchmarks.md §5)."""
     if t.numel() == 0:
         return True
     if t.dtype == torch.float8_e4m3fn:  # codes and block scales: read the bytes (no aminmax kernel)
@@ -112,7 +112,7 @@ def quantize_int8_rows(x: Tensor, *, name: str | None = None,
     check_matrix(x, name, max_k=None, finite=False)
     xf = x.float()
     # max |x| per row without an |x| temporary: separate amax and amin row reductions are
-    # vectorised along the row (several times faster than aminmax(dim=1) or abs().amax(dim=1))
+    # vectorised along the row, faster than aminmax(dim=1) or abs().amax(dim=1) (docs/benchmarks.md §5)
     amax = torch.maximum(xf.amax(dim=1), xf.amin(dim=1).neg_()).abs_()  # abs_: +0 for a zero row
     check_finite_amax(x, amax, name)
     scale = (amax / INT8_QMAX).clamp_(min=MIN_SCALE)
@@ -125,7 +125,7 @@ def quantize_int8_rows(x: Tensor, *, name: str | None = None,
     return codes, scale
 
 
-CHUNK_ELEMENTS = 1 << 18  # 1 MiB of fp32 (measured on the 22M model: faster than 2**16, fewer Python round trips)
+CHUNK_ELEMENTS = 1 << 18  # 1 MiB of fp32, few Python round trips (chunk sizes: docs/benchmarks.md §5, kernel choices)
 
 
 def row_chunks(x: Tensor, elements: int = CHUNK_ELEMENTS):
@@ -148,7 +148,7 @@ def dequantize_int8(codes: Tensor, scale: Tensor) -> Tensor:
 
 def row_amax(x2: Tensor) -> Tensor:
     """max_k |x2[m, k]| as [M, 1] fp32, exact on every device. CUDA: one reduction kernel (the inf-norm);
-    CPU: abs then amax, ~9x faster there at M=64 than torch's inf-norm (measured, torch 2.13)."""
+    CPU: abs then amax, many times faster there than torch's inf-norm (docs/benchmarks.md §5, kernel choices)."""
     if x2.is_cuda:
         return torch.linalg.vector_norm(x2, float("inf"), dim=1, keepdim=True)
     return x2.abs().amax(dim=1, keepdim=True)
@@ -168,8 +168,8 @@ def int_mm(a: Tensor, b_t: Tensor) -> Tensor:
     """Exact int8 x int8 -> int32 matmul. a: [M, K] int8, b_t: [K, N] int8 (a transposed [N, K]
     weight view) -> [M, N] int32.
 
-    CPU (measured, torch 2.13): `torch._int_mm` accepts any M, and M=1 with the transposed-view
-    weight is the fastest layout, so nothing is padded. CUDA kernels need M > 16 (and K, N multiples
+    CPU: `torch._int_mm` accepts any M, and M=1 with the transposed-view weight is the fastest layout
+    (docs/benchmarks.md §5, the int8 batch-1 layout), so nothing is padded. CUDA kernels need M > 16 (and K, N multiples
     of 8): rows are zero-padded to 17 there and the extra rows dropped, which is exact.
     """
     if a.is_cuda and a.shape[0] <= 16:

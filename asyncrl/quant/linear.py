@@ -19,7 +19,7 @@ and shape by `kernels.select_kernel` (module attribute `kernel`; kernels.py has 
                    (siblings fuse, fused.py, as do the weight-only formats')
     DecodedLinear  int8_wo / nvfp4 / mxfp4, weight-only: decoded once per load into the compute dtype
                    (fp32 on CPU, bf16 on CUDA), y = linear(x, W) + bias. This CPU build has no fast
-                   kernel for them (`_weight_int8pack_mm` measured ~15x slower than an fp32 GEMM).
+                   kernel for them (`_weight_int8pack_mm` is many times slower than an fp32 GEMM; docs/benchmarks.md §5).
 
 Invariant (CUDA graphs, and references an engine holds): every buffer, cache included, keeps its
 storage across `refresh()` and publication loads of the same model; only a move or cast (`.to()`)

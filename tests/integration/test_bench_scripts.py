@@ -124,8 +124,22 @@ def test_earlier_bench_scripts_write_well_formed_json(procs, tmp_path, name, arg
         check_rows(rows, [k for k, v in rows[0].items() if isinstance(v, float)])
 
 
+def test_bench_kernels_smoke_times_every_chosen_path_against_its_alternative(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "bench_kernels", "--smoke")
+    pairs = data["tables"]["pairs"]
+    assert [r["row"] for r in pairs] == ["fp4_block_amax", "fp4_zero_to_inf", "all_finite", "int8_row_absmax",
+                                         "int8_row_absmax", "int8_act_amax", "fp8_gemm", "int8_weight_only",
+                                         "sample_batch64"]
+    check_rows(pairs, ["chosen_us", "alternative_us", "alt_over_chosen", "ratio_min", "ratio_max", "load_median"],
+               text=("row", "shape", "chosen", "alternative"))
+    chunks = data["tables"]["chunks"]
+    assert [(r["format"], r["chunk_log2"]) for r in chunks] == [(f, c) for f in ("nvfp4", "int8") for c in range(14, 20)]
+    check_rows(chunks, ["best_ms", "vs_chosen", "ratio_min", "ratio_max"], text=("format",))
+    assert [r["vs_chosen"] for r in chunks if r["chunk_log2"] == 18] == [1.0, 1.0]  # the chosen size against itself
+
+
 def test_bench_scripts_explain_themselves_with_help(procs):
-    for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos"):
+    for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos", "bench_kernels"):
         proc = procs.python(os.path.join(SCRIPTS, f"{name}.py"), "--help", stdout=subprocess.PIPE, text=True)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, name
@@ -137,7 +151,7 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
                      "--new-tokens", "8", timeout_s=600)
     rows = data["tables"]["rows"]
     names = [r["row"] for r in rows]
-    assert names == ["fsdp-ws1-mb64", "full", "full-bf16", "full-bf16-uncapped", "lora", "lora-bf16",
+    assert names == ["fsdp-ws1-mb64", "full", "full-fsdp-ws1", "full-bf16", "full-bf16-uncapped", "lora", "lora-bf16",
                      "lora-glibc-default"]
     check_rows(rows, ["peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "cpu_s_per_1k_tokens", "cpu_ratio",
                       "prox_s", "trainable_params", "trained_tokens"], text=("row",))
@@ -146,6 +160,7 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
     # the same LoRA under bf16 and with default malloc; the same full model with default kernel caches
     assert by["lora-bf16"]["trainable_params"] == by["lora-glibc-default"]["trainable_params"] == by["lora"]["trainable_params"]
     assert by["full-bf16-uncapped"]["trainable_params"] == by["full"]["trainable_params"]
+    assert by["full-fsdp-ws1"]["trainable_params"] == by["full"]["trainable_params"]  # the same model, wrapped
 
 
 def test_bench_learner_vary_reports_memory_after_every_step(procs, tmp_path):

@@ -10,13 +10,14 @@ torchrun-style env vars set by the test (none for world size 1) and writes ``OUT
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+from tests.integration.fsdp_ranks import launch_ranks, wait_ranks
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900), pytest.mark.usefixtures("no_inherited_torchrun_env")]
 
 STEPS = 3
 
@@ -79,31 +80,8 @@ def worker_main(out: Path) -> None:
     close_distributed()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(procs, out: Path, world_size: int) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    children = []
-    for rank in range(world_size):
-        env = {"OMP_NUM_THREADS": "1"}
-        if world_size > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
-        children.append(procs.python(__file__, str(out), env=env))
-    for child in children:
-        assert child.wait(timeout=600) == 0, f"worker pid {child.pid} failed"
-    return json.loads((out / "result.json").read_text())
-
-
-@pytest.fixture(autouse=True)
-def _no_inherited_torchrun_env(monkeypatch):
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
+    return wait_ranks(launch_ranks(procs, __file__, out, world_size), out, timeout_s=600)
 
 
 def test_moe_trains_alike_sharded_over_two_ranks_and_on_one(procs, tmp_path):

@@ -9,13 +9,14 @@ hashes) and ``OUT/final.pt`` (the full state dict, rank 0).
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.fsdp_ranks import launch_ranks, wait_ranks
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_inherited_torchrun_env")]
 
 STEPS = 5
 SAVE_AT = 2  # version after which the run saves a DCP checkpoint
@@ -120,43 +121,6 @@ def worker_main(out: Path, resume: Path | None, max_grad_norm: float, lean: bool
 # ----------------------------------------------------------------------------- test side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(procs, out: Path, world_size: int, *extra: str):
-    """Start ``world_size`` worker processes (torchrun-style env; none at all for world size 1)."""
-    out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    children = []
-    for rank in range(world_size):
-        env = {"OMP_NUM_THREADS": "1"}
-        if world_size > 1:
-            env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-            )
-        children.append(procs.python(__file__, str(out), *extra, env=env))
-    return children
-
-
-def _wait(children, out: Path, timeout_s: float = 240) -> dict:
-    for child in children:
-        assert child.wait(timeout=timeout_s) == 0, f"worker pid {child.pid} failed"
-    return json.loads((out / "result.json").read_text())
-
-
-@pytest.fixture(autouse=True)
-def _no_inherited_torchrun_env(monkeypatch):
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def _max_weight_diff(a: Path, b: Path) -> float:
     import torch
 
@@ -171,9 +135,9 @@ def test_world_size_two_matches_world_size_one_bit_for_bit_and_its_checkpoint_re
     # partial plus the zero of a filler micro-batch in SHORT_STEP), and the global norm is summed
     # in float64, so the two runs are expected to be bit-identical.
     clip = ("--max-grad-norm", "0.05")
-    one = _launch(procs, tmp_path / "ws1", 1, *clip)
-    two = _launch(procs, tmp_path / "ws2", 2, *clip)
-    r1, r2 = _wait(one, tmp_path / "ws1"), _wait(two, tmp_path / "ws2")
+    one = launch_ranks(procs, __file__, tmp_path / "ws1", 1, *clip)
+    two = launch_ranks(procs, __file__, tmp_path / "ws2", 2, *clip)
+    r1, r2 = wait_ranks(one, tmp_path / "ws1", 240), wait_ranks(two, tmp_path / "ws2", 240)
     assert r1["world_size"] == 1 and r2["world_size"] == 2
     assert len(r1["losses"]) == STEPS and r2["final_version"] == STEPS
     assert min(r1["grad_norms"]) > 0.05, "clipping must be active for this test to mean anything"
@@ -188,11 +152,11 @@ def test_world_size_two_matches_world_size_one_bit_for_bit_and_its_checkpoint_re
     # same weights as when saved, next version, extra state; finishing gives the same final weights.
     ckpt = str(tmp_path / "ws2" / "ckpt")
     runs = {
-        "resume2": _launch(procs, tmp_path / "resume2", 2, *clip, "--resume", ckpt),
-        "resume1": _launch(procs, tmp_path / "resume1", 1, *clip, "--resume", ckpt),
+        "resume2": launch_ranks(procs, __file__, tmp_path / "resume2", 2, *clip, "--resume", ckpt),
+        "resume1": launch_ranks(procs, __file__, tmp_path / "resume1", 1, *clip, "--resume", ckpt),
     }
     for name, children in runs.items():
-        r = _wait(children, tmp_path / name)
+        r = wait_ranks(children, tmp_path / name, 240)
         assert r["loaded_version"] == SAVE_AT and r["extra"] == {"cursor": SAVE_AT}
         assert r["loaded_sha"] == r2["saved_sha"]
         assert r["losses"] == r2["losses"][SAVE_AT:]
@@ -202,15 +166,16 @@ def test_world_size_two_matches_world_size_one_bit_for_bit_and_its_checkpoint_re
 @pytest.mark.timeout(1500)  # three launches of real process groups on a shared 2-core machine
 def test_lora_with_activation_checkpointing_trains_alike_at_world_size_two_and_one(procs, tmp_path):
     """PEFT LoRA + per-layer checkpointing + a token budget: plain modules at world size 1, FSDP2 at 2."""
-    one = _launch(procs, tmp_path / "ws1", 1, "--lean")
-    two = _launch(procs, tmp_path / "ws2", 2, "--lean")
-    r1, r2 = _wait(one, tmp_path / "ws1", 600), _wait(two, tmp_path / "ws2", 600)
+    one = launch_ranks(procs, __file__, tmp_path / "ws1", 1, "--lean")
+    two = launch_ranks(procs, __file__, tmp_path / "ws2", 2, "--lean")
+    r1, r2 = wait_ranks(one, tmp_path / "ws1", 600), wait_ranks(two, tmp_path / "ws2", 600)
     assert r1["world_size"] == 1 and r2["world_size"] == 2 and r2["final_version"] == STEPS
     assert r2["losses"] == pytest.approx(r1["losses"], rel=1e-5, abs=1e-7)
     assert r2["tokens"] == r1["tokens"]
     assert _max_weight_diff(tmp_path / "ws1", tmp_path / "ws2") < 1e-5
     ckpt = str(tmp_path / "ws2" / "ckpt")  # an adapter checkpoint of two ranks resumes at one
-    r = _wait(_launch(procs, tmp_path / "resume1", 1, "--lean", "--resume", ckpt), tmp_path / "resume1", 600)
+    resumed = launch_ranks(procs, __file__, tmp_path / "resume1", 1, "--lean", "--resume", ckpt)
+    r = wait_ranks(resumed, tmp_path / "resume1", 600)
     assert r["loaded_version"] == SAVE_AT and r["final_version"] == STEPS
     assert r["losses"] == pytest.approx(r2["losses"][SAVE_AT:], rel=1e-5, abs=1e-7)
 

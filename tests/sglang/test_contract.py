@@ -10,13 +10,10 @@ finishes while paused; late joiners come back; log-probs equal the HF forward of
 from __future__ import annotations
 
 import importlib.util
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from asyncrl.engine import GenRequest, SamplingParams
 
 pytestmark = pytest.mark.sglang
 
@@ -33,7 +30,7 @@ SEEDED_ONLY = (
 for _name in dir(contract):
     if _name.startswith("test_") and _name not in SEEDED_ONLY:
         globals()[_name] = getattr(contract, _name)
-req, by_id, PROMPTS = contract.req, contract.by_id, contract.PROMPTS
+req = contract.req
 
 
 def _needs_seed(engine) -> None:
@@ -59,25 +56,8 @@ def test_requests_joining_mid_batch_match_their_solo_runs(make_engine, ref_v0, r
 
 
 def test_pause_holds_generation_and_keeps_logps_exact(make_engine, ref_v0, reference, logp_atol):
-    engine = make_engine()
     reqs = [req(0, n=2, seed=9), req(1, n=24, seed=9), req(2, n=24, seed=9)]
-    results, during_pause = [], []
-
-    def resume_later() -> None:
-        engine.submit([req(3, n=4, seed=9)])
-        threading.Event().wait(0.3)
-        during_pause.append(len(results))
-        engine.resume()
-
-    thread = None
-    for res in engine.generate(reqs):
-        results.append(res)
-        if res.sample_id == "s0":
-            engine.pause()
-            thread = threading.Thread(target=resume_later)
-            thread.start()
-    thread.join()
-    got = by_id(results)
+    got, during_pause = contract.generate_pausing_after_s0(make_engine(), reqs, pause_s=0.3)
     assert during_pause == [1], "no sample may finish while paused"
     assert set(got) == {"s0", "s1", "s2", "s3"} and got["s3"].finish_reason == "length"
     for res in got.values():
@@ -86,19 +66,7 @@ def test_pause_holds_generation_and_keeps_logps_exact(make_engine, ref_v0, refer
 
 
 def test_requests_joining_mid_batch_come_back_with_exact_logps(make_engine, ref_v0, reference, logp_atol):
-    engine = make_engine(max_batch_size=8)
-    from_thread = GenRequest(
-        "from-thread", PROMPTS[0], SamplingParams(max_new_tokens=6, seed=4, stop_token_ids=())
-    )
-    results = []
-    for res in engine.generate([req(0, n=3, seed=4), req(1, n=30, seed=4)]):
-        results.append(res)
-        if res.sample_id == "s0":
-            engine.submit([req(2, n=10, seed=4)])
-            t = threading.Thread(target=engine.submit, args=([from_thread],))
-            t.start()
-            t.join()
-    got = by_id(results)
+    got = contract.generate_with_joiners(make_engine(max_batch_size=8))
     assert set(got) == {"s0", "s1", "s2", "from-thread"}
     for res in got.values():
         ref = reference.plain(ref_v0, res.prompt_ids, res.response_ids, 1.0).numpy()

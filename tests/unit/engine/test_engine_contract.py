@@ -157,16 +157,17 @@ def test_abort_of_a_queued_request_yields_it_empty(make_engine):
     assert got["s1"].finish_reason == "abort" and got["s1"].response_ids == []
 
 
-def test_pause_holds_generation_and_resume_continues_unchanged(make_engine):
-    reqs = [req(0, n=2, seed=9), req(1, n=24, seed=9), req(2, n=24, seed=9)]
-    baseline = {r.sample_id: r.response_ids for r in make_engine().generate(reqs)}
-    engine = make_engine()
+def generate_pausing_after_s0(engine: RolloutEngine, reqs: list[GenRequest], *,
+                              pause_s: float) -> tuple[dict[str, GenResult], list[int]]:
+    """Generate ``reqs`` (``s0`` first to finish); when ``s0`` comes back, pause the engine, and from another
+    thread queue ``s3`` (4 new tokens, seed 9), hold the pause ``pause_s``, note how many results had come
+    back by then, and resume. Returns the results by id and that count (a list of one)."""
     results: list[GenResult] = []
     during_pause: list[int] = []
 
     def resume_later() -> None:
         engine.submit([req(3, n=4, seed=9)])  # queued while paused, joins after resume
-        threading.Event().wait(0.05)
+        threading.Event().wait(pause_s)
         during_pause.append(len(results))
         engine.resume()
 
@@ -177,8 +178,15 @@ def test_pause_holds_generation_and_resume_continues_unchanged(make_engine):
             engine.pause()
             thread = threading.Thread(target=resume_later)
             thread.start()
+    assert thread is not None, "s0 never came back"
     thread.join()
-    got = by_id(results)
+    return by_id(results), during_pause
+
+
+def test_pause_holds_generation_and_resume_continues_unchanged(make_engine):
+    reqs = [req(0, n=2, seed=9), req(1, n=24, seed=9), req(2, n=24, seed=9)]
+    baseline = {r.sample_id: r.response_ids for r in make_engine().generate(reqs)}
+    got, during_pause = generate_pausing_after_s0(make_engine(), reqs, pause_s=0.05)
     assert during_pause == [1], "no sample may finish while paused"
     assert {k: got[k].response_ids for k in baseline} == baseline
     assert got["s3"].finish_reason == "length"
@@ -223,10 +231,10 @@ def test_length_limit_is_respected_exactly(make_engine):
     assert all(r.finish_reason == "length" for r in results.values())
 
 
-def test_requests_joining_mid_batch_match_their_solo_runs(make_engine, ref_v0, reference, logp_atol):
-    solo = {r.sample_id: r.response_ids for r in make_engine().generate([req(2, n=10, seed=4)])}
-    engine = make_engine(max_batch_size=8)
-    late = req(2, n=10, seed=4)
+def generate_with_joiners(engine: RolloutEngine) -> dict[str, GenResult]:
+    """``s0`` (3 new tokens) and ``s1`` (30) start; when ``s0`` comes back, ``s2`` (10) is submitted from the
+    generating thread and ``from-thread`` (6) from another, both joining while ``s1`` is mid-generation
+    (seed 4 throughout). Returns every result by id."""
     from_thread = GenRequest(
         "from-thread", PROMPTS[0], SamplingParams(max_new_tokens=6, seed=4, stop_token_ids=())
     )
@@ -234,11 +242,16 @@ def test_requests_joining_mid_batch_match_their_solo_runs(make_engine, ref_v0, r
     for res in engine.generate([req(0, n=3, seed=4), req(1, n=30, seed=4)]):
         results.append(res)
         if res.sample_id == "s0":
-            engine.submit([late])  # joins while s1 is mid-generation
+            engine.submit([req(2, n=10, seed=4)])
             t = threading.Thread(target=engine.submit, args=([from_thread],))
             t.start()
             t.join()
-    got = by_id(results)
+    return by_id(results)
+
+
+def test_requests_joining_mid_batch_match_their_solo_runs(make_engine, ref_v0, reference, logp_atol):
+    solo = {r.sample_id: r.response_ids for r in make_engine().generate([req(2, n=10, seed=4)])}
+    got = generate_with_joiners(make_engine(max_batch_size=8))
     assert set(got) == {"s0", "s1", "s2", "from-thread"}
     assert got["s2"].response_ids == solo["s2"]
     for res in got.values():

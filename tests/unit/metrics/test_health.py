@@ -23,10 +23,12 @@ import numpy as np
 import pytest
 
 import protocols as P
+from asyncrl.config.health import ALARM_NAMES, HealthConfig, check_health
 from asyncrl.config.loader import load_train_config
+from asyncrl.config.schema import TrainConfig
 from asyncrl.controller.scored import response_metrics
 from asyncrl.metrics import Progress
-from asyncrl.metrics.health import ALARMS, HealthConfig, HealthMonitor, check_health, replay
+from asyncrl.metrics.health import ALARMS, HealthMonitor, replay
 from asyncrl.metrics.health_log import HealthWatch, alarms_report, format_alarm, read_alarms, summarize_alarms
 from asyncrl.metrics.writer import MetricsWriter
 
@@ -141,6 +143,12 @@ def test_disabled_monitor_raises_nothing():
 def test_every_alarm_names_a_threshold_key_of_the_health_section():
     keys = {f"health.{k}" for k in HealthConfig.__dataclass_fields__}
     assert {s.threshold_key for s in ALARMS.values()} <= keys
+
+
+def test_the_config_names_exactly_the_alarms_the_monitor_raises():
+    # learner.stop_on is checked against the config's names; the monitor's catalogue must hold the same ones
+    assert tuple(ALARMS) == ALARM_NAMES
+    assert TrainConfig().health == HealthConfig()
 
 
 # ------------------------------------------------------------------------------ configuration

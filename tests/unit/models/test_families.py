@@ -51,6 +51,17 @@ def max_error(results, model) -> float:
     return max(float(np.abs(hf_logps(model, r) - r.behav_logp).max()) for r in results)
 
 
+def assert_the_fallback_runs_it_exactly(model) -> None:
+    """A native engine over a copy of ``model`` picks the HF fallback runner and its log-probs equal the HF
+    forward of ``model`` (1e-5)."""
+    engine = NativeEngine(copy.deepcopy(model), max_batch_size=3)
+    try:
+        assert isinstance(engine._runner, HFRunner)
+        assert max_error(engine.generate(requests()), model) <= 1e-5
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     return request.param, build_family_model(request.param, seed=3)
@@ -103,12 +114,7 @@ def test_fallback_runner_applies_a_sliding_window_beyond_the_window():
     model = init_weights(AutoModelForCausalLM.from_config(config, dtype=torch.float32), 7).eval()
     runner = make_runner(copy.deepcopy(model), 3, 64)
     assert isinstance(runner, HFRunner), "the native decoder has no sliding window; the fallback must run it"
-    engine = NativeEngine(copy.deepcopy(model), max_batch_size=3)
-    try:
-        assert isinstance(engine._runner, HFRunner)
-        assert max_error(engine.generate(requests()), model) <= 1e-5
-    finally:
-        engine.close()
+    assert_the_fallback_runs_it_exactly(model)
 
 
 def test_native_families_stay_native_and_the_fallback_is_announced_once(caplog):
@@ -161,12 +167,7 @@ def test_fallback_is_exact_on_architectures_the_native_decoder_lacks(model_type)
     common = {k: v for k, v in _TINY_COMMON.items() if k != "rope_parameters"}
     config = AutoConfig.for_model(model_type, **common, **OTHER_ARCHITECTURES[model_type])
     model = init_weights(AutoModelForCausalLM.from_config(config, dtype=torch.float32), 0).eval()
-    engine = NativeEngine(copy.deepcopy(model), max_batch_size=3)
-    try:
-        assert isinstance(engine._runner, HFRunner)
-        assert max_error(engine.generate(requests()), model) <= 1e-5
-    finally:
-        engine.close()
+    assert_the_fallback_runs_it_exactly(model)
 
 
 @pytest.mark.gpu
