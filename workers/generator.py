@@ -201,7 +201,7 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         t0 = time.perf_counter()
         # The previous version's frames (and, at the first fetch, the fp32 skeleton the engine was quantized
         # from) are free by now but mostly stay in glibc's heap: give them back before the next arrives
-        # (SmolLM2-135M int8: 0.15 GB after the build, 0.2 GB after each swap).
+        # (docs/benchmarks.md §8, where the job's memory goes).
         malloc_trim()
         ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt, cancel=cancel)
         if ann.version <= self.weights_version:

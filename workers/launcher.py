@@ -57,7 +57,7 @@ CONTROLLER_EXIT_TIMEOUT_S = 60.0
 def learner_command(world_size: int, args: list[str]) -> list[str]:
     """The learner's command line: its ranks under a torchrun agent, or at world size 1 the one rank
     itself (a one-rank group on an in-process store, ``init_distributed``), which saves the agent's
-    process and its copy of torch (about 0.2 GB) beside a small run."""
+    process and its copy of torch beside a small run (docs/benchmarks.md §8)."""
     script = [str(ROOT / "workers" / "learner.py"), *args]
     if world_size == 1:
         return [sys.executable, "-u", *script]
@@ -130,7 +130,7 @@ def visible_gpus() -> list[str]:
     """The GPU ids this launcher may hand out (honours an inherited ``CUDA_VISIBLE_DEVICES``).
 
     Counted by the driver's NVML library, not by torch: the launcher supervises the run for its whole
-    length and never loads torch (about 0.2 GB resident), nor creates a CUDA context. No NVML (no
+    length and never loads torch (docs/benchmarks.md §8), nor creates a CUDA context. No NVML (no
     NVIDIA driver): no GPUs."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:

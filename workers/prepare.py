@@ -104,8 +104,8 @@ def _preflight_checks(cfg: TrainConfig, command: str) -> tuple[Path, str]:
 def preflight(cfg: TrainConfig, command: str) -> tuple[Path, str]:
     """The checks that need the task, the model folder and its tokenizer (building the folder if it is
     missing), in a child process that ends with them: torch and transformers never load into the
-    command's own process, which for ``asyncrl train`` then supervises the run for hours (about 0.4 GB
-    less resident beside the run). The child's ``ValueError`` (a bad dataset, a prompt too long, ...)
+    command's own process, which for ``asyncrl train`` then supervises the run for hours (docs/benchmarks.md
+    §8 says what that saves). The child's ``ValueError`` (a bad dataset, a prompt too long, ...)
     is raised here as is. Returns the model folder and its tokenizer class (``PreparedRun``)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor

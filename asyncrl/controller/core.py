@@ -49,8 +49,8 @@ NO_WORK_RETRY_MAX_S = 1.0
 """The longest: a worker also asks at once when new weights arrive (they are what opens the gate)."""
 NO_WORK_POLLS_PER_S = 200.0
 """The empty requests per second the whole fleet may send: the back-off grows with the number of
-workers to keep them under this, ~14% of the ~1.5k messages/s this controller handles (docs/benchmarks.md,
-controller throughput). With 192 workers polling every 50 ms they were 3.8k/s, more than all of it."""
+workers to keep them under this, a small share of what the controller handles (docs/benchmarks.md §11).
+192 workers polling every 50 ms would send 3,840 a second, more than all of it."""
 
 
 def no_work_retry_s(n_workers: int) -> float:
