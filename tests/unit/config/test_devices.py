@@ -9,7 +9,7 @@ from asyncrl.config import load_train_config
 from asyncrl.config.devices import Device, parse_device
 from asyncrl.config.roles import WorkerRoleConfig, parse_role
 from asyncrl.engine.factory import resolve_device
-from workers.launcher import gpu_plan
+from workers.gpus import gpu_plan
 
 
 @pytest.mark.parametrize("text, device, may_use_gpu", [

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_train_config
-from workers.launcher import Launcher, gpu_plan
+from workers.gpus import gpu_plan
+from workers.launcher import Launcher
 from workers.prepare import publish_formats
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from workers.launcher import ROOT, learner_command, visible_gpus
+from workers.gpus import visible_gpus
+from workers.launcher import ROOT, learner_command
 
 
 def test_one_rank_runs_alone_and_several_under_torchrun():
