@@ -135,7 +135,7 @@ def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
             "spread": (q3 - q1) / med if med else float("nan"), "rounds": len(ratios)}
 
 
-def load_stats(load: Sequence[float]) -> dict[str, float]:
+def load_average_stats(load: Sequence[float]) -> dict[str, float]:
     """The 1-min load average seen across the rounds (median, max) and the machine's core count."""
     return {"load_median": statistics.median(load) if load else float("nan"),
             "load_max": max(load) if load else float("nan"), "cpus": float(os.cpu_count() or 0)}

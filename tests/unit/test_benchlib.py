@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from scripts.benchlib import interleaved, load_stats, ratio_stats
+from scripts.benchlib import interleaved, load_average_stats, ratio_stats
 
 
 def test_interleaved_runs_every_path_once_per_round_in_shuffled_order_and_drops_warmup():
@@ -40,4 +40,4 @@ def test_ratio_stats_takes_the_ratio_per_round_before_summarising():
     assert s["ratio_median"] == 1.0 and s["ratio_max"] == 3.0
     with pytest.raises(ValueError, match="same"):
         ratio_stats([1.0], [1.0, 2.0])
-    assert load_stats([1.0, 3.0, 2.0])["load_median"] == 2.0
+    assert load_average_stats([1.0, 3.0, 2.0])["load_median"] == 2.0
