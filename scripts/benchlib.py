@@ -213,6 +213,20 @@ def step_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ resident memory of a process tree
+def run_role(cmdline: str) -> str | None:
+    """The run's role a process plays, from its command line (``workers/launcher.py`` starts them)."""
+    if "workers.controller" in cmdline:
+        return "controller"
+    if "workers/learner.py" in cmdline and "torch.distributed.run" not in cmdline:
+        return "learner"
+    if "workers.generator" in cmdline:
+        ids = [w.split("=", 1)[1] for w in cmdline.split() if w.startswith("worker_id=")]
+        return ids[0] if ids else "worker"
+    if " asyncrl train " in f" {cmdline} ":
+        return "launcher"
+    return None
+
+
 def run_measured(cmd: list[str], log_path: Path, label, what: str, env: dict, *, interval_s: float = 0.5,
                  timeline: bool = False) -> TreeMemory:
     """Run ``cmd`` to its end (in the repository root) with its output in ``log_path`` and its process

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from scripts.benchlib import interleaved, load_average_stats, ratio_stats
+from scripts.benchlib import interleaved, load_average_stats, ratio_stats, run_role
 
 
 def test_interleaved_runs_every_path_once_per_round_in_shuffled_order_and_drops_warmup():
@@ -41,3 +41,14 @@ def test_ratio_stats_takes_the_ratio_per_round_before_summarising():
     with pytest.raises(ValueError, match="same"):
         ratio_stats([1.0], [1.0, 2.0])
     assert load_average_stats([1.0, 3.0, 2.0])["load_median"] == 2.0
+
+
+def test_run_role_names_each_process_of_a_run_from_its_command_line():
+    py = "/usr/bin/python3"
+    assert run_role(f"{py} -m workers.controller --run-dir /r --model-dir /m") == "controller"
+    assert run_role(f"{py} /repo/workers/learner.py --run-dir /r") == "learner"
+    assert run_role(f"{py} -m torch.distributed.run --standalone /repo/workers/learner.py") is None  # torchrun
+    assert run_role(f"{py} -m workers.generator controller=tcp://x:1 worker_id=w3") == "w3"
+    assert run_role(f"{py} -m workers.generator controller=tcp://x:1") == "worker"
+    assert run_role(f"{py} -m asyncrl train runs_dir=/t run_name=timeline") == "launcher"
+    assert run_role(f"{py} -c pass") is None
