@@ -25,6 +25,7 @@ from collections import Counter
 from typing import Any
 
 from asyncrl.engine.sglang_weights import FULL_PRECISION_PUBLICATIONS
+from scripts import benchlib
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -68,19 +69,12 @@ def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats + 1):  # the first copy warms up
-        _sync(device)
+        benchlib.device_sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        benchlib.device_sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _nbytes(t) -> int:
@@ -126,10 +120,10 @@ def native_rate(engine, prompts, new_tokens: int, tag: str, device: str) -> floa
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=(), seed=0)
     reqs = [GenRequest(f"{tag}-{i}", row.tolist(), params) for i, row in enumerate(prompts)]
-    _sync(device)
+    benchlib.device_sync(device)
     t0 = time.perf_counter()
     out = list(engine.generate(reqs))
-    _sync(device)
+    benchlib.device_sync(device)
     return sum(len(r.response_ids) for r in out) / (time.perf_counter() - t0)
 
 
@@ -139,12 +133,12 @@ def hf_rate(model, prompts, new_tokens: int, device: str) -> float:
 
     ids = prompts.to(device)
     torch.manual_seed(ids.shape[0])
-    _sync(device)
+    benchlib.device_sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
                              top_p=1.0, top_k=0, max_new_tokens=new_tokens, use_cache=True, pad_token_id=0)
-    _sync(device)
+    benchlib.device_sync(device)
     return out.shape[0] * (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
 
@@ -153,7 +147,6 @@ def run_shapes(args) -> int:
 
     from asyncrl.engine.native import NativeEngine
     from protocols.values import FORMATS
-    from scripts import benchlib
 
     torch.set_num_threads(args.threads)
     device = args.device

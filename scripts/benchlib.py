@@ -151,6 +151,16 @@ def print_ratio(label: str, stats: Mapping[str, float], load: Mapping[str, float
 
 
 # ------------------------------------------------------------------ training runs as subprocesses
+def device_sync(device: Any) -> None:
+    """Wait for the work queued on ``device`` (a ``torch.device`` or its name) before a clock is read: a
+    CUDA synchronize; nothing on the CPU, which runs ops as they are called."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def train_env() -> dict[str, str]:
     """Environment of an ``asyncrl train`` child: one thread per process, offline, repo on the path."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
