@@ -63,7 +63,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.benchlib import device_sync, parser, print_table, write_json  # noqa: E402
+from scripts.benchlib import device_sync, parser, print_table, proc_status_bytes, write_json  # noqa: E402
 
 ROWS = {
     "fsdp-ws1-mb64": dict(fsdp=True, micro=64, budget=0, ac=False, reuse=False, autocast="", lora=0),
@@ -248,9 +248,7 @@ def child(spec: dict) -> dict:
 
 def _rss_now_gb() -> float:
     """This process's resident memory now (``VmRSS``), GB."""
-    with open("/proc/self/status") as f:
-        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return kb / 2**20
+    return proc_status_bytes("self", "VmRSS") / 2**30
 
 
 def main() -> int:

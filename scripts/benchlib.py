@@ -256,12 +256,13 @@ def run_measured(cmd: list[str], log_path: Path, label, what: str, env: dict, *,
     return mem
 
 
-def _hwm_bytes(pid: int) -> int:
-    """Peak resident set size (``VmHWM``) of ``pid`` so far, in bytes; 0 when it is gone."""
+def proc_status_bytes(pid: int | str, field: str) -> int:
+    """A memory field of ``/proc/PID/status`` in bytes (``VmRSS``: resident now, ``VmHWM``: peak resident so
+    far); ``pid`` may be ``"self"``. 0 when the process is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -317,7 +318,7 @@ class TreeMemory:
             total += rss
             by_label[name or "other"] = by_label.get(name or "other", 0) + rss
             if name is not None:
-                self.peak_by_label[name] = max(self.peak_by_label.get(name, 0), _hwm_bytes(p.pid))
+                self.peak_by_label[name] = max(self.peak_by_label.get(name, 0), proc_status_bytes(p.pid, "VmHWM"))
         self.peak_total_bytes = max(self.peak_total_bytes, total)
         if self.timeline is not None:
             self.timeline.append((time.monotonic() - self._t0, by_label))

@@ -1,12 +1,15 @@
-"""The interleaving and ratio summary every ratio-headline benchmark uses (scripts/benchlib.py)."""
+"""The interleaving and ratio summary every ratio-headline benchmark uses, and the process helpers of
+scripts/benchlib.py (roles by command line, memory from /proc)."""
 
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 
-from scripts.benchlib import interleaved, load_average_stats, ratio_stats, run_role
+from scripts.benchlib import interleaved, load_average_stats, proc_status_bytes, ratio_stats, run_role
 
 
 def test_interleaved_runs_every_path_once_per_round_in_shuffled_order_and_drops_warmup():
@@ -52,3 +55,11 @@ def test_run_role_names_each_process_of_a_run_from_its_command_line():
     assert run_role(f"{py} -m workers.generator controller=tcp://x:1") == "worker"
     assert run_role(f"{py} -m asyncrl train runs_dir=/t run_name=timeline") == "launcher"
     assert run_role(f"{py} -c pass") is None
+
+
+def test_proc_status_bytes_reads_resident_memory_and_gives_0_for_a_process_that_is_gone():
+    rss, peak = proc_status_bytes("self", "VmRSS"), proc_status_bytes("self", "VmHWM")
+    assert 0 < rss <= peak
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)  # reaped: its /proc entry is gone
+    assert proc_status_bytes(child.pid, "VmRSS") == 0
