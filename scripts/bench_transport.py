@@ -99,7 +99,6 @@ class SamplePath:
         self.proc = mp.get_context("spawn").Process(target=_sender, args=(child, address, mode), daemon=True)
         self.proc.start()
         self.cpu_us: list[float] = []
-        self.wall_cpu_us: list[float] = []
 
     def run(self, n: int) -> float:
         self.conn.send(n)

@@ -99,7 +99,6 @@ class TrajectoryLogWriter:
         self.repaired: list[Corruption] = []
         self.salvaged: list[Corruption] = []
         self._since_sync = 0
-        self.records_written = 0
         existing = segment_paths(self.dir)
         if existing:
             self._check_closed_segments(existing[:-1], salvage)
@@ -172,7 +171,6 @@ class TrajectoryLogWriter:
             self._rotate()
         self._f.write(data)
         self._size += len(data)
-        self.records_written += 1
         self._since_sync += 1
         if self.fsync == "always" or (self.fsync == "every_n" and self._since_sync >= self.fsync_every):
             self._sync(force=True)
