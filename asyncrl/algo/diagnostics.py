@@ -67,7 +67,7 @@ def add_mismatch_stats(
             b.mean(f"mismatch/by_staleness/eta={j}/kl_k1", -mu64, where)
             b.total(f"mismatch/by_staleness/eta={j}/tokens", where.sum())
 
-    # the TIS weight's log: per token (x, clamped mu) or per sequence (clamped sum of mu); mu or sum_mu unclamped
+    # per token or per sequence (is_level): log_w = the clamped log IS weight, log_r = the same unclamped
     log_w, log_r, where = (x, mu, mask) if is_level == "token" else (clamp_log(sum_mu), sum_mu, has)
     b.ess("is/ess_raw", torch.exp(log_w), where)
     if is_cap is not None:
