@@ -54,6 +54,7 @@ NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
 NVFP4_GLOBAL_DIV = E2M1_MAX * E4M3_MAX  # 2688.0
 E8M0_DTYPE = torch.float8_e8m0fnu
+E8M0_NAN = 255  # the one E8M0 byte that is not a power of two: never produced, refused on load
 _ABS_BITS = 0x7FFFFFFF  # an fp32 pattern without its sign bit
 
 
