@@ -179,17 +179,6 @@ def _worker(control: str, worker_id: str, response_tokens: int, vocab: int, out)
 
 
 # ------------------------------------------------------------------------------------ one measurement
-def rss_bytes(pid: int) -> int:
-    """Resident set size of ``pid`` from /proc (0 once the process is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, model_dir: Path, tmp: Path) -> dict:
     from asyncrl.config import load_train_config, save_config
     from asyncrl.metrics import read_metrics
@@ -217,7 +206,7 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
                 raise RuntimeError(f"controller did not start: {(run_dir / 'controller.log').read_text()[-2000:]}")
             time.sleep(0.05)
         time.sleep(0.5)
-        rss_idle = rss_bytes(ctrl.pid)
+        rss_idle = benchlib.proc_status_bytes(ctrl.pid, "VmRSS")
         control = json.loads(paths.controller_address.read_text())["control"]
         vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         procs.append(ctx.Process(target=_learner, args=(control, warmup_s + duration_s, out)))
@@ -228,7 +217,7 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
         rss_peak, results = rss_idle, []
         t_stop = time.monotonic() + warmup_s + duration_s + 120
         while len(results) < len(procs) and time.monotonic() < t_stop:
-            rss_peak = max(rss_peak, rss_bytes(ctrl.pid))
+            rss_peak = max(rss_peak, benchlib.proc_status_bytes(ctrl.pid, "VmRSS"))
             try:
                 results.append(out.get(timeout=0.2))
             except queue.Empty:

@@ -54,16 +54,8 @@ from collections import deque
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from protocols.values import FORMATS  # noqa: E402
+from scripts import benchlib  # noqa: E402
 from scripts.bench_engine_shapes import SHAPES  # noqa: E402
-from scripts.benchlib import (  # noqa: E402
-    interleaved,
-    load_stats,
-    parser,
-    print_ratio,
-    print_table,
-    ratio_stats,
-    write_json,
-)
 
 HF_FORMATS = ("fp32", "int8")
 PROMPTS = ("What is 12+30? ", "Compute 7*8 and explain. ", "The sum of 101 and 99 is ", "Q: 5-9=? A: ")
@@ -217,7 +209,7 @@ def run_hf(model, tok, batch: int, new_tokens: int, seed: int) -> tuple[int, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser("bench_engine", __doc__.split("\n\n")[0])
+    p = benchlib.parser("bench_engine", __doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="tiny (default), smollm2, or an HF folder")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma list (default: all)")
     p.add_argument("--head-formats", default="int8",
@@ -293,13 +285,13 @@ def main(argv: list[str] | None = None) -> int:
             paths |= {f"hf-{f}": (lambda m=m, b=batch, run=hf_run: run(m, b)) for f, m in hf.items()}
             counts: dict[str, list[int]] = {name: [] for name in paths}
             paths = {name: (lambda fn=fn, c=counts[name]: _rate(*_counted(c, fn()))) for name, fn in paths.items()}
-            res = interleaved(paths, rounds, warmup=0, seed=batch)
+            res = benchlib.interleaved(paths, rounds, warmup=0, seed=batch)
             label = f"{workload} batch {batch}" if workload != "fixed" else f"batch {batch}"
             per_round[label] = res
             v = res["values"]
-            load = load_stats(res["load"])
+            load = benchlib.load_average_stats(res["load"])
             for name in paths:
-                st = ratio_stats(v[name], v["fp32"])
+                st = benchlib.ratio_stats(v[name], v["fp32"])
                 row = {"workload": workload, "path": name if name.startswith("hf-") else f"native-{name}",
                        "batch": batch, "tok_per_s": statistics.median(v[name]), "vs_native_fp32": st["ratio_median"],
                        "vs_min": st["ratio_min"], "vs_max": st["ratio_max"], "spread": st["spread"],
@@ -309,21 +301,21 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
             for f in hf:
                 if f in engines:
-                    st = ratio_stats(v[f], v[f"hf-{f}"])
+                    st = benchlib.ratio_stats(v[f], v[f"hf-{f}"])
                     ratios[f"{label}: native {f} / HF generate {f}"] = st
-                    print_ratio(f"{label}: native {f} / HF generate {f}", st, load)
+                    benchlib.print_ratio(f"{label}: native {f} / HF generate {f}", st, load)
             for f in engines:
                 if f != "fp32":
-                    st = ratio_stats(v[f], v["fp32"])
+                    st = benchlib.ratio_stats(v[f], v["fp32"])
                     ratios[f"{label}: native {f} / native fp32"] = st
-                    print_ratio(f"{label}: native {f} / native fp32", st, load)
+                    benchlib.print_ratio(f"{label}: native {f} / native fp32", st, load)
     for engine in engines.values():
         engine.close()
     title = (f"generated tokens/s, model={args.model}, {new_tokens} new tokens/sample, median of {rounds} "
              f"interleaved rounds, threads={args.threads}, {args.device}")
-    print_table(title, rows, ["workload", "path", "batch", "tok_per_s", "tokens_per_request", "vs_native_fp32", "vs_min", "vs_max", "spread",
+    benchlib.print_table(title, rows, ["workload", "path", "batch", "tok_per_s", "tokens_per_request", "vs_native_fp32", "vs_min", "vs_max", "spread",
                               "load_avg"])
-    write_json(args.json, "bench_engine", {"throughput": rows}, args, model=folder, new_tokens=new_tokens,
+    benchlib.write_json(args.json, "bench_engine", {"throughput": rows}, args, model=folder, new_tokens=new_tokens,
                threads=args.threads, rounds=rounds, device=args.device, ratios=ratios, per_round=per_round,
                workloads=workloads, rollout_prompt_format=rp.format if rp else None,
                rollout_requests_per_slot=ROLLOUT_REQUESTS_PER_SLOT)

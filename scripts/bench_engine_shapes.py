@@ -25,6 +25,7 @@ from collections import Counter
 from typing import Any
 
 from asyncrl.engine.sglang_weights import FULL_PRECISION_PUBLICATIONS
+from scripts import benchlib
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -68,19 +69,12 @@ def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats + 1):  # the first copy warms up
-        _sync(device)
+        benchlib.device_sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        benchlib.device_sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _nbytes(t) -> int:
@@ -126,10 +120,10 @@ def native_rate(engine, prompts, new_tokens: int, tag: str, device: str) -> floa
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=(), seed=0)
     reqs = [GenRequest(f"{tag}-{i}", row.tolist(), params) for i, row in enumerate(prompts)]
-    _sync(device)
+    benchlib.device_sync(device)
     t0 = time.perf_counter()
     out = list(engine.generate(reqs))
-    _sync(device)
+    benchlib.device_sync(device)
     return sum(len(r.response_ids) for r in out) / (time.perf_counter() - t0)
 
 
@@ -139,12 +133,12 @@ def hf_rate(model, prompts, new_tokens: int, device: str) -> float:
 
     ids = prompts.to(device)
     torch.manual_seed(ids.shape[0])
-    _sync(device)
+    benchlib.device_sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
                              top_p=1.0, top_k=0, max_new_tokens=new_tokens, use_cache=True, pad_token_id=0)
-    _sync(device)
+    benchlib.device_sync(device)
     return out.shape[0] * (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
 
@@ -153,7 +147,6 @@ def run_shapes(args) -> int:
 
     from asyncrl.engine.native import NativeEngine
     from protocols.values import FORMATS
-    from scripts.benchlib import interleaved, load_stats, print_ratio, print_table, ratio_stats, write_json
 
     torch.set_num_threads(args.threads)
     device = args.device
@@ -207,31 +200,31 @@ def run_shapes(args) -> int:
             paths = {f"native-{f}": (lambda e=e, tag=f"{shape}-{f}-{batch}", p=rows_in:
                                      native_rate(e, p, new_tokens, tag, device)) for f, e in engines.items()}
             paths |= {f"hf-{f}": (lambda m=m, p=rows_in: hf_rate(m, p, new_tokens, device)) for f, m in hf.items()}
-            res = interleaved(paths, rounds, warmup=0, seed=batch)
+            res = benchlib.interleaved(paths, rounds, warmup=0, seed=batch)
             label = f"{shape} batch {batch}"
             per_round[label] = res
             v = res["values"]
-            load = load_stats(res["load"])
+            load = benchlib.load_average_stats(res["load"])
             context = args.prompt_len + new_tokens / 2
             for name in paths:
                 total = step_bytes[name] + kv_bytes(cfg, batch, context, kv_item[name])
                 roof = batch * bandwidth / total
                 row: dict[str, Any] = {"shape": shape, "path": name, "batch": batch,
                                        "tok_per_s": statistics.median(v[name]),
-                                       "vs_native_bf16": ratio_stats(v[name], v["native-bf16"])["ratio_median"],
+                                       "vs_native_bf16": benchlib.ratio_stats(v[name], v["native-bf16"])["ratio_median"],
                                        "step_MB": total / 1e6, "roofline_tok_per_s": roof,
                                        "roofline_frac": statistics.median(v[name]) / roof,
-                                       "spread": ratio_stats(v[name], v["native-bf16"])["spread"],
+                                       "spread": benchlib.ratio_stats(v[name], v["native-bf16"])["spread"],
                                        "kernels": kernel_counts(actors[name[7:]]) if name.startswith("native-")
                                        else "hf", "load_avg": load["load_median"]}
                 if "bf16" in hf:
-                    row["vs_hf_bf16"] = ratio_stats(v[name], v["hf-bf16"])["ratio_median"]
+                    row["vs_hf_bf16"] = benchlib.ratio_stats(v[name], v["hf-bf16"])["ratio_median"]
                 rows.append(row)
                 for ref in ("hf-bf16", "native-bf16"):
                     if ref in v and name != ref:
-                        st = ratio_stats(v[name], v[ref])
+                        st = benchlib.ratio_stats(v[name], v[ref])
                         ratios[f"{label}: {name} / {ref}"] = st
-                        print_ratio(f"{label}: {name} / {ref}", st, load)
+                        benchlib.print_ratio(f"{label}: {name} / {ref}", st, load)
         for engine in engines.values():
             engine.close()
         print(f"{shape}: {params / 1e6:.0f}M parameters, {cfg.num_hidden_layers} layers, built and warmed up in "
@@ -243,12 +236,12 @@ def run_shapes(args) -> int:
              f"median of {rounds} interleaved rounds, {device}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     cols = ["shape", "path", "batch", "tok_per_s", "vs_hf_bf16", "vs_native_bf16", "roofline_frac", "step_MB",
             "spread", "kernels"]
-    print_table(title, rows, cols)
+    benchlib.print_table(title, rows, cols)
     env = {"torch": torch.__version__}
     if cuda:
         env |= {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
                 "cuda": torch.version.cuda}
-    write_json(args.json, "bench_engine", {"shapes": rows}, args, device=device, new_tokens=new_tokens,
+    benchlib.write_json(args.json, "bench_engine", {"shapes": rows}, args, device=device, new_tokens=new_tokens,
                prompt_len=args.prompt_len, rounds=rounds, layers=args.layers, copy_bandwidth_Bps=bandwidth,
                ratios=ratios, per_round=per_round, env=env, shapes=args.shapes.split(","))
     return 0

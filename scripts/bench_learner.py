@@ -65,7 +65,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.benchlib import parser, print_table, write_json  # noqa: E402
+from scripts.benchlib import device_sync, parser, print_table, proc_status_bytes, write_json  # noqa: E402
 
 ROWS = {
     "fsdp-ws1-mb64": dict(fsdp=True, micro=64, budget=0, ac=False, reuse=False, autocast="", lora=0),
@@ -142,19 +142,12 @@ def matrix_rate(device) -> float:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    _sync(device)
+    device_sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
-    _sync(device)
+    device_sync(device)
     return 2.0 * n**3 * reps / (time.perf_counter() - t0)
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def synthetic_batch(vocab: int, samples: int, prompt_len: int, new_tokens: int, seed: int = 0):
@@ -229,10 +222,10 @@ def child(spec: dict) -> dict:
         if spec.get("vary") and i:  # a rollout stream's batches: other prompt and response lengths each step
             batch = synthetic_batch(vocab, spec["samples"], spec["prompt_len"] + i % 7,
                                     max(1, spec["new_tokens"] - (i * 13) % 45), seed=i)
-        _sync(info.device)
+        device_sync(info.device)
         t0, c0 = time.perf_counter(), time.process_time()
         m = train_step(state, batch, ObjectiveConfig(objective="acr"), cfg, info)
-        _sync(info.device)
+        device_sync(info.device)
         times.append(time.perf_counter() - t0)
         lengths = batch.attention_mask.sum(dim=1).tolist()
         flops.append(step_model_flops(config, n_matmul, lengths))
@@ -260,9 +253,7 @@ def child(spec: dict) -> dict:
 
 def _rss_now_gb() -> float:
     """This process's resident memory now (``VmRSS``), GB."""
-    with open("/proc/self/status") as f:
-        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return kb / 2**20
+    return proc_status_bytes("self", "VmRSS") / 2**30
 
 
 def main() -> int:

@@ -83,9 +83,7 @@ TRL_VENV = benchlib.ROOT / ".cache" / "trl-venv"
 
 def learner_label(cmdline: str) -> str | None:
     """The learner rank (torchrun's child), not torchrun itself."""
-    if "workers/learner.py" in cmdline and "torch.distributed.run" not in cmdline:
-        return "learner"
-    return None
+    return "learner" if benchlib.run_role(cmdline) == "learner" else None
 
 
 def evaluate(model_dir: Path, overrides: list[str], out: Path, threads: int) -> dict:

@@ -29,15 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import protocols as P  # noqa: E402
 from asyncrl.transport import WeightClient, WeightServer, ZmqChannel  # noqa: E402
-from scripts.benchlib import (  # noqa: E402
-    interleaved,
-    load_stats,
-    parser,
-    print_ratio,
-    print_table,
-    ratio_stats,
-    write_json,
-)
+from scripts import benchlib  # noqa: E402
 
 RESPONSE_TOKENS = 512
 
@@ -107,7 +99,6 @@ class SamplePath:
         self.proc = mp.get_context("spawn").Process(target=_sender, args=(child, address, mode), daemon=True)
         self.proc.start()
         self.cpu_us: list[float] = []
-        self.wall_cpu_us: list[float] = []
 
     def run(self, n: int) -> float:
         self.conn.send(n)
@@ -245,16 +236,16 @@ def run_samples(n: int, rounds: int) -> tuple[list[dict], dict]:
     msg_bytes = len(P.encode(make_sample(0)))
     sp = {"raw": SamplePath("raw"), "ours": SamplePath("ours")}
     try:
-        s = interleaved({k: (lambda path=path: path.run(n)) for k, path in sp.items()}, rounds)
+        s = benchlib.interleaved({k: (lambda path=path: path.run(n)) for k, path in sp.items()}, rounds)
     finally:
         for path in sp.values():
             path.close()
     raw_v, ours_v = s["values"]["raw"], s["values"]["ours"]
-    framing = ratio_stats(ours_v, raw_v)
+    framing = benchlib.ratio_stats(ours_v, raw_v)
     cpu = {k: path.cpu_us[1:] for k, path in sp.items()}  # the first entry is the warm-up round
-    framing_cpu = ratio_stats(cpu["raw"], cpu["ours"])  # cost ratio as a speed: raw us / our us
+    framing_cpu = benchlib.ratio_stats(cpu["raw"], cpu["ours"])  # cost ratio as a speed: raw us / our us
     s["cpu_us"] = cpu
-    s_load = load_stats(s["load"])
+    s_load = benchlib.load_average_stats(s["load"])
     sample_rows = [
         {"path": "raw pyzmq (pre-encoded bytes)", "msgs_per_s": statistics.median(raw_v),
          "MB_per_s": statistics.median(raw_v) * msg_bytes / 2**20, "ratio_vs_raw": 1.0,
@@ -264,12 +255,12 @@ def run_samples(n: int, rounds: int) -> tuple[list[dict], dict]:
          "ratio_min": framing["ratio_min"], "ratio_max": framing["ratio_max"], "spread": framing["spread"],
          "cpu_us_per_msg": statistics.median(cpu["ours"]), "cpu_ratio": framing_cpu["ratio_median"]},
     ]
-    print_table(f"finished samples ({RESPONSE_TOKENS}-token responses, {msg_bytes} B each, {n} msgs, tcp loopback; "
+    benchlib.print_table(f"finished samples ({RESPONSE_TOKENS}-token responses, {msg_bytes} B each, {n} msgs, tcp loopback; "
                 f"median msgs/s of {rounds} interleaved rounds)",
                 sample_rows, ["path", "msgs_per_s", "MB_per_s", "ratio_vs_raw", "ratio_min", "ratio_max", "spread",
                               "cpu_us_per_msg", "cpu_ratio"])
-    print_ratio("framing asyncrl / raw pyzmq, msgs/s (aim >= 0.8)", framing, s_load)
-    print_ratio("framing raw / asyncrl, CPU us per message (both processes, all threads)", framing_cpu)
+    benchlib.print_ratio("framing asyncrl / raw pyzmq, msgs/s (aim >= 0.8)", framing, s_load)
+    benchlib.print_ratio("framing raw / asyncrl, CPU us per message (both processes, all threads)", framing_cpu)
     return sample_rows, {"framing_vs_raw": framing, "framing_cpu_vs_raw": framing_cpu, "load": s_load,
                          "per_round": s}
 
@@ -281,14 +272,14 @@ def run_weights(total_mb: int, rounds: int) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory() as tmp:
         paths = WeightPaths(total_mb, tmp)
         try:
-            w = interleaved({"memcpy": paths.memcpy, "raw": paths.raw, "ours": paths.ours}, rounds)
+            w = benchlib.interleaved({"memcpy": paths.memcpy, "raw": paths.raw, "ours": paths.ours}, rounds)
         finally:
             paths.close()
     wv = w["values"]
-    w_load = load_stats(w["load"])
-    fetch = ratio_stats(wv["raw"], wv["ours"])  # speed ratio = time(raw) / time(ours)
-    vs_mem = ratio_stats(wv["memcpy"], wv["ours"])
-    raw_mem = ratio_stats(wv["memcpy"], wv["raw"])
+    w_load = benchlib.load_average_stats(w["load"])
+    fetch = benchlib.ratio_stats(wv["raw"], wv["ours"])  # speed ratio = time(raw) / time(ours)
+    vs_mem = benchlib.ratio_stats(wv["memcpy"], wv["ours"])
+    raw_mem = benchlib.ratio_stats(wv["memcpy"], wv["raw"])
     gb = paths.nbytes / 2**30
     med = {k: statistics.median(v) for k, v in wv.items()}
     weight_rows = [
@@ -300,16 +291,16 @@ def run_weights(total_mb: int, rounds: int) -> tuple[list[dict], dict]:
          "speed_vs_memcpy": vs_mem["ratio_median"], "speed_vs_raw": fetch["ratio_median"],
          "ratio_min": fetch["ratio_min"], "ratio_max": fetch["ratio_max"], "spread": fetch["spread"]},
     ]
-    print_table(f"weight publication ({paths.nbytes / 2**20:.0f} MB fp32 state, ipc, median of {rounds} interleaved "
+    benchlib.print_table(f"weight publication ({paths.nbytes / 2**20:.0f} MB fp32 state, ipc, median of {rounds} interleaved "
                 "rounds; speed ratios are per-round time ratios)",
                 weight_rows, ["path", "seconds", "GB_per_s", "speed_vs_memcpy", "speed_vs_raw", "ratio_min",
                               "ratio_max", "spread"])
-    print_ratio("weight fetch asyncrl / raw pyzmq speed (aim >= 0.8)", fetch, w_load)
+    benchlib.print_ratio("weight fetch asyncrl / raw pyzmq speed (aim >= 0.8)", fetch, w_load)
     return weight_rows, {"fetch_vs_raw": fetch, "fetch_vs_memcpy": vs_mem, "load": w_load, "per_round": w}
 
 
 def main() -> int:
-    p = parser("bench_transport", __doc__.splitlines()[0])
+    p = benchlib.parser("bench_transport", __doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 21; --quick 11; min 5)")
     p.add_argument("--parts", default="samples,weights", help="which parts to run (default: %(default)s)")
     args = p.parse_args()
@@ -324,7 +315,7 @@ def main() -> int:
         tables["samples"], ratios["samples"] = run_samples(n, rounds)
     if "weights" in parts:
         tables["weights"], ratios["weights"] = run_weights(100, rounds)
-    write_json(args.json, "bench_transport", tables, args, rounds=rounds, messages_per_round=n, ratios=ratios)
+    benchlib.write_json(args.json, "bench_transport", tables, args, rounds=rounds, messages_per_round=n, ratios=ratios)
     return 0
 
 

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
          "send_vs_memcpy"])
     for (m, label), (st, aim) in ratios.items():
         benchlib.print_ratio(f"{m}: {label} (aim {aim})", st)
-    load = benchlib.load_stats([r["load_avg"] for r in raw if "load_avg" in r])
+    load = benchlib.load_average_stats([r["load_avg"] for r in raw if "load_avg" in r])
     print(f"load average during the rounds: {load['load_median']:.2f} (max {load['load_max']:.2f}) on "
           f"{int(load['cpus'])} cpus", flush=True)
     benchlib.write_json(args.json, "bench_weightsync", {"sync": rows, "raw": raw}, args, repeats=repeats,

@@ -135,7 +135,7 @@ def ratio_stats(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
             "spread": (q3 - q1) / med if med else float("nan"), "rounds": len(ratios)}
 
 
-def load_stats(load: Sequence[float]) -> dict[str, float]:
+def load_average_stats(load: Sequence[float]) -> dict[str, float]:
     """The 1-min load average seen across the rounds (median, max) and the machine's core count."""
     return {"load_median": statistics.median(load) if load else float("nan"),
             "load_max": max(load) if load else float("nan"), "cpus": float(os.cpu_count() or 0)}
@@ -151,6 +151,16 @@ def print_ratio(label: str, stats: Mapping[str, float], load: Mapping[str, float
 
 
 # ------------------------------------------------------------------ training runs as subprocesses
+def device_sync(device: Any) -> None:
+    """Wait for the work queued on ``device`` (a ``torch.device`` or its name) before a clock is read: a
+    CUDA synchronize; nothing on the CPU, which runs ops as they are called."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def train_env() -> dict[str, str]:
     """Environment of an ``asyncrl train`` child: one thread per process, offline, repo on the path."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
@@ -213,6 +223,20 @@ def step_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ resident memory of a process tree
+def run_role(cmdline: str) -> str | None:
+    """The run's role a process plays, from its command line (``workers/launcher.py`` starts them)."""
+    if "workers.controller" in cmdline:
+        return "controller"
+    if "workers/learner.py" in cmdline and "torch.distributed.run" not in cmdline:
+        return "learner"
+    if "workers.generator" in cmdline:
+        ids = [w.split("=", 1)[1] for w in cmdline.split() if w.startswith("worker_id=")]
+        return ids[0] if ids else "worker"
+    if " asyncrl train " in f" {cmdline} ":
+        return "launcher"
+    return None
+
+
 def run_measured(cmd: list[str], log_path: Path, label, what: str, env: dict, *, interval_s: float = 0.5,
                  timeline: bool = False) -> TreeMemory:
     """Run ``cmd`` to its end (in the repository root) with its output in ``log_path`` and its process
@@ -232,12 +256,13 @@ def run_measured(cmd: list[str], log_path: Path, label, what: str, env: dict, *,
     return mem
 
 
-def _hwm_bytes(pid: int) -> int:
-    """Peak resident set size (``VmHWM``) of ``pid`` so far, in bytes; 0 when it is gone."""
+def proc_status_bytes(pid: int | str, field: str) -> int:
+    """A memory field of ``/proc/PID/status`` in bytes (``VmRSS``: resident now, ``VmHWM``: peak resident so
+    far); ``pid`` may be ``"self"``. 0 when the process is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -293,7 +318,7 @@ class TreeMemory:
             total += rss
             by_label[name or "other"] = by_label.get(name or "other", 0) + rss
             if name is not None:
-                self.peak_by_label[name] = max(self.peak_by_label.get(name, 0), _hwm_bytes(p.pid))
+                self.peak_by_label[name] = max(self.peak_by_label.get(name, 0), proc_status_bytes(p.pid, "VmHWM"))
         self.peak_total_bytes = max(self.peak_total_bytes, total)
         if self.timeline is not None:
             self.timeline.append((time.monotonic() - self._t0, by_label))

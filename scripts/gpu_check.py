@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.rundir import RunDir  # noqa: E402
+from scripts import benchlib  # noqa: E402
 
 SECTIONS = ("native", "quant", "bench_engine", "sglang", "gpu_tests", "train", "train_2gpu", "train_sglang",
             "bench_learner")
@@ -107,10 +108,10 @@ def check_native(model_dir: Path, device: str, batch: int, new_tokens: int) -> d
         engine = NativeEngine(model, quant_format=fmt, device=device, max_batch_size=batch, num_threads=None)
         try:
             list(engine.generate([GenRequest(f"warm-{i}", prompt, params) for i in range(batch)]))  # warm-up
-            _sync(device)
+            benchlib.device_sync(device)
             t0 = time.perf_counter()
             results = list(engine.generate([GenRequest(f"{fmt}-{i}", prompt, params) for i in range(batch)]))
-            _sync(device)
+            benchlib.device_sync(device)
             dt = time.perf_counter() - t0
             diffs = np.concatenate([np.abs(r.behav_logp - reference_logp(ref, prompt, r.response_ids))
                                     for r in results[:8]])
@@ -126,13 +127,6 @@ def check_native(model_dir: Path, device: str, batch: int, new_tokens: int) -> d
         row["ratio_to_fp32"] = row["tokens_per_s"] / base
     out["passed"] = out["formats"]["fp32"]["logp_max_abs_diff"] < 1e-2
     return out
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _empty_cache(device: str) -> None:

@@ -25,20 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts import benchlib  # noqa: E402
 
 
-def role_of(cmdline: str) -> str | None:
-    """The run's role a process plays, from its command line (``workers/launcher.py`` starts them)."""
-    if "workers.controller" in cmdline:
-        return "controller"
-    if "workers/learner.py" in cmdline and "torch.distributed.run" not in cmdline:
-        return "learner"
-    if "workers.generator" in cmdline:
-        ids = [w.split("=", 1)[1] for w in cmdline.split() if w.startswith("worker_id=")]
-        return ids[0] if ids else "worker"
-    if " asyncrl train " in f" {cmdline} ":
-        return "launcher"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = benchlib.parser("memory_timeline", __doc__.split("\n")[0])
     p.add_argument("--interval", type=float, default=0.2, help="seconds between samples (default %(default)s)")
@@ -50,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json = args.json.replace(".json", ".quick.json")
     runs = Path(tempfile.mkdtemp(prefix="memory_timeline-"))
     cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs}", "run_name=timeline", *overrides]
-    mem = benchlib.run_measured(cmd, runs / "train.log", role_of, "asyncrl train", benchlib.train_env(),
+    mem = benchlib.run_measured(cmd, runs / "train.log", benchlib.run_role, "asyncrl train", benchlib.train_env(),
                                 interval_s=args.interval, timeline=True)
     samples = mem.timeline or []
     gb = 2**30

@@ -3,7 +3,7 @@
 Owns the tensor interface of the group estimators (their arithmetic, without torch, is
 ``asyncrl.algo.outcome``: GRPO with unbiased std and epsilon 1e-6, Dr. GRPO without std, RLOO,
 the singleton and zero-variance rules), DAPO overlong shaping, the truncation policy, and the
-vectorised DAPO dynamic-sampling filter.
+tensor interface of the DAPO dynamic-sampling filter (``is_informative_group`` per group).
 
 Never: sees log-probs or versions; decides *when* a group is complete (the controller releases a
 group only when all its members have finished).
@@ -14,8 +14,6 @@ deliberately not copied); rewards must be finite (a NaN reward is a verifier bug
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -129,15 +127,16 @@ def apply_truncation_policy(
 def filter_groups(
     values: torch.Tensor, group_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, MetricDict]:
-    """Vectorised ``is_informative_group``: values [N] (filter metric per response), group_ids [N].
+    """``is_informative_group`` for tensors: values [N] (filter metric per response), group_ids [N].
 
     Returns (keep [N] bool per response, metrics with ``data/filtered_group_frac``).
     """
     v = values.detach().to(torch.float64).reshape(-1)
     inv, k = _groups(v.shape[0], group_ids, v.device)
-    vmax = torch.full((k,), -math.inf, dtype=torch.float64, device=v.device).scatter_reduce(0, inv, v, "amax")
-    vmin = torch.full((k,), math.inf, dtype=torch.float64, device=v.device).scatter_reduce(0, inv, v, "amin")
-    keep_group = vmax != vmin
+    members: list[list[float]] = [[] for _ in range(k)]
+    for g, x in zip(inv.tolist(), v.tolist(), strict=True):
+        members[g].append(x)
+    keep_group = torch.tensor([is_informative_group(m) for m in members], dtype=torch.bool, device=v.device)
     dropped = int((~keep_group).sum())
     metrics = MetricDict(
         {

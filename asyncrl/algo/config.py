@@ -15,7 +15,7 @@ loss reads the values in effect from ``clip_low``, ``clip_high`` and ``aggregati
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -303,7 +303,3 @@ class AlgoConfig(ObjectiveConfig):
             raise ValueError(f"group_size={self.group_size!r}: GRPO needs groups of >= 2 responses")
         if not isinstance(self.dynamic_sampling, bool):
             raise ValueError("dynamic_sampling must be true or false")
-
-    def objective_config(self) -> ObjectiveConfig:
-        """The objective alone (the group settings dropped), e.g. to compare two runs' objectives."""
-        return ObjectiveConfig(**{f.name: getattr(self, f.name) for f in fields(ObjectiveConfig)})

@@ -67,21 +67,14 @@ def add_mismatch_stats(
             b.mean(f"mismatch/by_staleness/eta={j}/kl_k1", -mu64, where)
             b.total(f"mismatch/by_staleness/eta={j}/tokens", where.sum())
 
-    if is_level == "token":
-        b.ess("is/ess_raw", torch.exp(x), mask)
-        if is_cap is not None:
-            log_c = math.log(is_cap)
-            b.frac("is/trunc_frac", mu > log_c, mask)
-            b.frac("is/low_frac", mu < -log_c, mask)
-            b.ess("is/ess_trunc", torch.exp(x.clamp(max=log_c)), mask)
-    else:
-        sx = clamp_log(sum_mu)
-        b.ess("is/ess_raw", torch.exp(sx), has)
-        if is_cap is not None:
-            log_c = math.log(is_cap)
-            b.frac("is/trunc_frac", sum_mu > log_c, has)
-            b.frac("is/low_frac", sum_mu < -log_c, has)
-            b.ess("is/ess_trunc", torch.exp(sx.clamp(max=log_c)), has)
+    # per token or per sequence (is_level): log_w = the clamped log IS weight, log_r = the same unclamped
+    log_w, log_r, where = (x, mu, mask) if is_level == "token" else (clamp_log(sum_mu), sum_mu, has)
+    b.ess("is/ess_raw", torch.exp(log_w), where)
+    if is_cap is not None:
+        log_c = math.log(is_cap)
+        b.frac("is/trunc_frac", log_r > log_c, where)
+        b.frac("is/low_frac", log_r < -log_c, where)
+        b.ess("is/ess_trunc", torch.exp(log_w.clamp(max=log_c)), where)
 
 
 def mismatch_metrics(

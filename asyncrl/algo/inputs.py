@@ -34,6 +34,7 @@ class Prepared:
     behav: torch.Tensor | None
     adv: torch.Tensor
     ref: torch.Tensor | None
+    """Reference log-probs; None unless ``ref_logp`` was given and ``kl_coef > 0``."""
     mu: torch.Tensor | None
     """l_prox - l_behav on clean tokens (None for coupled PPO)."""
     valid: torch.Tensor
@@ -108,6 +109,7 @@ def prepare(
     """
     if not isinstance(cfg, ObjectiveConfig):
         raise ValueError(f"cfg must be an asyncrl.algo.ObjectiveConfig, got {type(cfg).__name__}")
+    ref_logp = ref_logp if cfg.kl_coef > 0 else None  # only the KL-to-reference term reads it (§6.8)
     valid = _as_mask(mask)
     shape = valid.shape
     if advantages.dim() == 1 and advantages.shape[0] == shape[0]:

@@ -61,7 +61,7 @@ def loss_denominators(
         cfg,
         versions=versions,
         learner_version=learner_version,
-        ref_logp=ref_logp if cfg.kl_coef > 0 else None,
+        ref_logp=ref_logp,
         compute_dtype=compute_dtype,
     )
     return count_denominators(prep.den)
@@ -122,7 +122,7 @@ def policy_loss(
         cfg,
         versions=versions,
         learner_version=learner_version,
-        ref_logp=ref_logp if cfg.kl_coef > 0 else None,
+        ref_logp=ref_logp,
         compute_dtype=compute_dtype,
     )
     den = resolve_denominators(prep.den, num_tokens, num_seqs)

@@ -3,7 +3,7 @@
 Owns: the eager forward pass the native engine runs (``DecoderRunner``: prefill of joining rows, and the
 reference decode step the static step of ``asyncrl.engine.static_step`` is tested against and that forward
 AQN runs on), the per-layer maths both paths share (``qkv``: projections, Qwen3's per-head q/k norm, RoPE),
-and which HF configs it runs exactly (``native_supported``). Row ``r`` of the cache
+and which HF configs it runs exactly (``native_unsupported_reason`` says why not). Row ``r`` of the cache
 (``asyncrl.engine.kv_cache.StaticKVCache``) belongs to one live sequence; sequences join by being prefilled
 into fresh rows and leave by ``move_row`` (the last row is moved into the hole), so the live batch is always
 rows ``[0, B)`` and requests can join and leave between decode steps.
@@ -39,7 +39,7 @@ before RoPE; Mistral: Llama's layer, with a sliding window that must cover the s
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def native_supported(config, max_seq_len: int | None = None) -> str | None:
+def native_unsupported_reason(config, max_seq_len: int | None = None) -> str | None:
     """``None`` when the native decoder runs ``config`` exactly, else the reason it does not (with the fix).
 
     ``max_seq_len``: the engine's sequence limit (default: the model's ``max_position_embeddings``); a
@@ -66,7 +66,7 @@ def native_supported(config, max_seq_len: int | None = None) -> str | None:
 
 def check_supported(config, max_seq_len: int | None = None) -> None:
     """Raise ``ValueError`` (naming the fix) unless the native engine's forward is exact for this HF config."""
-    reason = native_supported(config, max_seq_len)
+    reason = native_unsupported_reason(config, max_seq_len)
     if reason is not None:
         raise ValueError(reason)
 

@@ -214,7 +214,7 @@ def native_gaps(model: torch.nn.Module) -> list[str]:
     calls them all): one two-token prefill of a one-row probe runner, with forward hooks on every module
     that owns parameters or buffers. A skipped module (a router, an extra norm) means the native forward is
     not the model's forward. Call it on the model as loaded (before ``quantize_actor`` rewrites its linears)
-    and only for a config ``native_supported`` accepts."""
+    and only for a config whose ``native_unsupported_reason`` is None."""
     from asyncrl.engine.decoder import DecoderRunner
 
     owners = [name for name, m in model.named_modules() if _holds_tensors(m)]
@@ -236,12 +236,12 @@ def _holds_tensors(module: torch.nn.Module) -> bool:
 
 
 def fallback_reason(model: torch.nn.Module, max_len: int) -> str | None:
-    """``None`` when the native decoder is exact for ``model`` (``native_supported`` accepts its config
+    """``None`` when the native decoder is exact for ``model`` (``native_unsupported_reason`` is None for its config
     at ``max_len`` and its forward calls every module that holds weights), else why the model needs the HF
     fallback."""
-    from asyncrl.engine.decoder import native_supported
+    from asyncrl.engine.decoder import native_unsupported_reason
 
-    reason = native_supported(model.config, max_len)
+    reason = native_unsupported_reason(model.config, max_len)
     if reason is None:
         gaps = native_gaps(model)
         reason = f"the native decoder does not call {', '.join(gaps[:4])}" if gaps else None

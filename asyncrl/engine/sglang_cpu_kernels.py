@@ -24,8 +24,6 @@ import ctypes
 import torch
 
 __version__ = "0.4.10+asyncrl-cpu-shim"
-SHIM = True
-"""Marker read by ``scripts/sglang_cpu_server.py`` to check the stand-in (not the CUDA wheel) was imported."""
 
 
 def copy_all_layer_kv_cache_cpu(

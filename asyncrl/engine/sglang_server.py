@@ -46,7 +46,7 @@ SERVING_FLAGS: dict[str, tuple[str, ...]] = {
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule")
 _SHIM_INIT = '''"""sgl_kernel stand-in written by asyncrl (asyncrl/engine/sglang_server.py); see sglang_cpu_kernels."""
 from asyncrl.engine.sglang_cpu_kernels import *  # noqa: F401,F403
-from asyncrl.engine.sglang_cpu_kernels import SHIM, __getattr__, __version__  # noqa: F401
+from asyncrl.engine.sglang_cpu_kernels import __getattr__, __version__  # noqa: F401
 '''
 
 

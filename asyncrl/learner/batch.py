@@ -2,8 +2,8 @@
 
 Owns the tensor layout every learner function agrees on, the constructor that builds it from
 per-sample lists (what the controller sends), and the deterministic ways of cutting it up:
-minibatches (one optimiser update each), rank shards (data parallel) and micro-batches (one
-forward/backward each).
+minibatches (one optimiser update each), rank shards (data parallel), and the row selection and
+padding trim ``plan.py`` builds micro-batches (one forward/backward each) from.
 
 Never does: any model call, any torch.distributed call, any randomness. Cutting a batch is a pure
 function of its shape, so every rank computes the same cuts from the same batch.
@@ -229,13 +229,6 @@ class LearnerBatch:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         return self.select(_contiguous_slices(self.batch_size, world_size)[rank])
 
-    def micro_batches(self, size: int) -> list[LearnerBatch]:
-        """Consecutive groups of at most ``size`` rows, each trimmed of trailing padding.
-        An empty batch gives an empty list."""
-        if size < 1:
-            raise ValueError(f"micro-batch size must be >= 1, got {size}")
-        return [self.select(slice(i, i + size)).trim() for i in range(0, self.batch_size, size)]
-
     def to(self, device: torch.device | str) -> LearnerBatch:
         return replace(self, **{name: getattr(self, name).to(device) for name in _TENSOR_FIELDS})
 
@@ -252,10 +245,3 @@ def _contiguous_slices(n: int, parts: int) -> list[slice]:
         out.append(slice(start, stop))
         start = stop
     return out
-
-
-def micro_batch_count(n_rows: int, world_size: int, size: int) -> int:
-    """Micro-batches the busiest rank needs for ``n_rows`` rows sharded over ``world_size``:
-    every rank runs this many forward passes (padding with ``LearnerBatch.filler``)."""
-    per_rank = -(-n_rows // world_size)
-    return -(-per_rank // size)

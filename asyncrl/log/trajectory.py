@@ -99,7 +99,6 @@ class TrajectoryLogWriter:
         self.repaired: list[Corruption] = []
         self.salvaged: list[Corruption] = []
         self._since_sync = 0
-        self.records_written = 0
         existing = segment_paths(self.dir)
         if existing:
             self._check_closed_segments(existing[:-1], salvage)
@@ -119,7 +118,10 @@ class TrajectoryLogWriter:
         self._size = self._f.tell()
 
     def _check_closed_segments(self, paths: list[Path], salvage: bool) -> None:
-        damage = [c for p in paths for c in scan_segment(p.read_bytes(), str(p))[3]]
+        self._salvage([c for p in paths for c in scan_segment(p.read_bytes(), str(p))[3]], salvage)
+
+    def _salvage(self, damage: list[Corruption], salvage: bool) -> None:
+        """Damage a reader would skip: refused (``LogCorruptionError``) unless ``salvage``, else logged and kept."""
         if damage and not salvage:
             raise LogCorruptionError(self.dir, damage)
         for c in damage:
@@ -132,12 +134,7 @@ class TrajectoryLogWriter:
         if self._model and header.model and header.model != self._model:
             raise LogFormatError(f"{path} was written for model {header.model!r}, not {self._model!r}; "
                                  "start a new run folder or resume with the original model")
-        interior = interior_damage(corruptions, last_segment=str(path))
-        if interior and not salvage:
-            raise LogCorruptionError(self.dir, interior)
-        for c in interior:
-            log.warning("log.salvage: skipping damaged bytes: %s", c)
-        self.salvaged.extend(interior)
+        self._salvage(interior_damage(corruptions, last_segment=str(path)), salvage)
         end = len(data)
         if corruptions and corruptions[-1].torn_tail:
             torn = corruptions[-1]
@@ -174,7 +171,6 @@ class TrajectoryLogWriter:
             self._rotate()
         self._f.write(data)
         self._size += len(data)
-        self.records_written += 1
         self._since_sync += 1
         if self.fsync == "always" or (self.fsync == "every_n" and self._since_sync >= self.fsync_every):
             self._sync(force=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.models.tiny import INIT_STD, SPECIAL_TOKENS, build_tiny_tokenizer
+from asyncrl.models.tiny import SPECIAL_TOKENS, build_tiny_tokenizer, init_weights
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 """Tiny test families (HF ``model_type``): four dense, two mixture-of-experts."""
@@ -106,20 +106,6 @@ def preset_config(name: str):
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     model_type, values = PRESETS[name]
     return AutoConfig.for_model(model_type, **values)
-
-
-@torch.no_grad()
-def init_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Seeded init in place: norms 1, biases 0, every other tensor N(0, 0.02) (tied tensors drawn once)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():  # named_parameters yields a tied tensor once
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32).to(param.dtype) * INIT_STD)
-    return model
 
 
 def build_family_model(family: str, seed: int = 0):

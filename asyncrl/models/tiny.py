@@ -102,20 +102,24 @@ def tiny_config():
 
 
 @torch.no_grad()
-def build_tiny_model(seed: int = 0):
-    """A freshly initialised ``Qwen2ForCausalLM`` (fp32): N(0, 0.02) matrices, zero biases, unit norms."""
-    from transformers import Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM(tiny_config()).float()
+def init_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Seeded init in place: norms 1, biases 0, every other tensor N(0, 0.02) (tied tensors drawn once)."""
     gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters():  # named_parameters yields a tied tensor once
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
         else:
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * INIT_STD)
-    return model.eval()
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32).to(param.dtype) * INIT_STD)
+    return model
+
+
+def build_tiny_model(seed: int = 0):
+    """A freshly initialised ``Qwen2ForCausalLM`` (fp32): N(0, 0.02) matrices, zero biases, unit norms."""
+    from transformers import Qwen2ForCausalLM
+
+    return init_weights(Qwen2ForCausalLM(tiny_config()).float(), seed).eval()
 
 
 def make_tiny_model(out: str | Path, seed: int = 0) -> Path:

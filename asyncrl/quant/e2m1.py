@@ -88,12 +88,15 @@ def table_index(v: Tensor, out: Tensor) -> Tensor:
     return out.add_((1 << _SHIFT) - 1).bitwise_right_shift_(_SHIFT).bitwise_and_(0x7FF)
 
 
-def e2m1_encode(v: Tensor) -> Tensor:
+def e2m1_encode(v: Tensor, scratch: Scratch | None = None) -> Tensor:
     """v: fp32 (already divided by its scale) -> uint8 codes 0..15, same shape. NaN is not allowed
-    (the callers validate weights first)."""
+    (the callers validate weights first). With ``scratch`` (v contiguous and at most its size) the
+    indices and codes live in its buffers (the codes are a view of ``scratch.u8``)."""
     flat = v.reshape(-1)
-    idx = table_index(flat, torch.empty(flat.shape, dtype=torch.int32, device=v.device))
-    return torch.index_select(CODE_TABLE.to(v.device), 0, idx).view(v.shape)
+    n = flat.numel()
+    idx = table_index(flat, torch.empty(n, dtype=torch.int32, device=v.device) if scratch is None else scratch.i32[:n])
+    codes = None if scratch is None else scratch.u8[:n]
+    return torch.index_select(CODE_TABLE.to(v.device), 0, idx, out=codes).view(v.shape)
 
 
 def pack_codes(codes: Tensor, out: Tensor) -> Tensor:
@@ -133,10 +136,7 @@ def chunk_rows(k: int, elements: int = CHUNK_ELEMENTS) -> int:
 
 def encode_packed(q: Tensor, out: Tensor, scratch: Scratch) -> Tensor:
     """fp32 q [r, K] (K even, contiguous; scratch-sized) -> packed codes written into `out` [r, K/2]."""
-    n = q.numel()
-    idx = table_index(q, scratch.i32[:n].view(q.shape))
-    codes = torch.index_select(CODE_TABLE.to(q.device), 0, idx.view(-1), out=scratch.u8[:n])
-    return pack_codes(codes.view(q.shape), out)
+    return pack_codes(e2m1_encode(q, scratch), out)
 
 
 def decode_pairs(packed: Tensor, scratch: Scratch) -> Tensor:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .e2m1 import E2M1_VALUES, Scratch, decode_pairs, e2m1_encode, encode_packed, pack_codes
+from .e2m1 import E2M1_VALUES, Scratch, decode_pairs, e2m1_encode, encode_packed
 from .fp8 import E4M3_MAX, FP8_DTYPE, e4m3_to_fp32
 from .int8 import Alloc, check_finite_amax, check_matrix, empty_on
 
@@ -54,25 +54,8 @@ NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
 NVFP4_GLOBAL_DIV = E2M1_MAX * E4M3_MAX  # 2688.0
 E8M0_DTYPE = torch.float8_e8m0fnu
-E8M0_NAN = 255
+E8M0_NAN = 255  # the one E8M0 byte that is not a power of two: never produced, refused on load
 _ABS_BITS = 0x7FFFFFFF  # an fp32 pattern without its sign bit
-
-
-def e2m1_decode(codes: Tensor) -> Tensor:
-    """codes: uint8 0..15 -> fp32 values."""
-    idx = codes.reshape(-1).to(torch.int32)
-    return torch.index_select(E2M1_VALUES.to(codes.device), 0, idx).view(codes.shape)
-
-
-def pack_fp4(codes: Tensor) -> Tensor:
-    """codes [..., K] uint8 (0..15, K even) -> [..., K/2] uint8, element 2j in the low nibble
-    (e2m1.pack_codes, the packing the quantisers use, on a contiguous copy)."""
-    assert codes.shape[-1] % 2 == 0, "fp4 packing needs an even number of codes"
-    out = torch.empty((*codes.shape[:-1], codes.shape[-1] // 2), dtype=torch.uint8, device=codes.device)
-    c = codes.to(torch.uint8).contiguous()
-    if c.storage_offset() % 2:  # pack_codes reads byte pairs as int16: they must start 2-byte aligned
-        c = c.clone()
-    return pack_codes(c, out)
 
 
 def unpack_fp4(packed: Tensor) -> Tensor:

@@ -63,6 +63,7 @@ from .formats import (
     check_format,
     weight_suffixes,
 )
+from .fp4 import E8M0_DTYPE, E8M0_NAN
 from .int8 import all_finite
 from .linear import QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, HEAD, is_target_weight, model_format
@@ -198,9 +199,9 @@ def _tensors_of(raw: Sequence[RawTensor | tuple], *, copy: bool) -> dict[str, Te
 
 
 def _check_values(e: TensorSpec, t: Tensor) -> None:
-    if t.dtype == torch.float8_e8m0fnu:
-        if bool((t.view(torch.uint8) == 255).any()):
-            raise NonFiniteWeightError("E8M0 scale byte 255 (NaN)", tensor_name=e.name)
+    if t.dtype == E8M0_DTYPE:
+        if bool((t.view(torch.uint8) == E8M0_NAN).any()):
+            raise NonFiniteWeightError(f"E8M0 scale byte {E8M0_NAN} (NaN)", tensor_name=e.name)
         return
     if t.is_floating_point() and not all_finite(t):
         raise NonFiniteWeightError("non-finite value(s) in a published tensor", tensor_name=e.name)

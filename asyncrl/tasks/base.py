@@ -2,7 +2,8 @@
 
 Owns: ``Problem`` (what the controller sends to a worker and logs), the ``Task`` protocol every
 task implements, ``EpochOrder`` (the deterministic order in which a finite training set is
-visited) and ``PromptCursor`` (the controller's position in that order, saved in checkpoints).
+visited) and ``PromptCursor`` (a position in that order with a checkpointable state; the controller
+keeps its position as a plain int, ``ControllerCore.cursor``).
 
 Must never: import torch or a tokenizer (prompts are plain text; the controller tokenizes them in the
 model's prompt format, ``asyncrl/controller/prompts.py``), touch the
@@ -122,7 +123,7 @@ class EpochStreamMixin:
 
 
 class PromptCursor:
-    """The controller's position in a task's training stream; checkpointed with the controller."""
+    """A position in a task's training stream, checkpointable (refuses a state saved for another task or seed)."""
 
     def __init__(self, task: Task, position: int = 0) -> None:
         if position < 0:

@@ -116,22 +116,22 @@ class ChildProcess:
         with self._lock:
             if generation != self._generation or self._pool is None:
                 return  # another thread already replaced it
-            self._pool.terminate()
-            self._pool.join()
-            if self._finalizer is not None:
-                self._finalizer.detach()
-            self._pool = None
+            self._stop_locked()
             self._generation += 1
             self.restarts += 1
 
     def close(self) -> None:
         with self._lock:
-            if self._pool is not None:
-                self._pool.terminate()
-                self._pool.join()
-                if self._finalizer is not None:
-                    self._finalizer.detach()
-                self._pool = None
+            self._stop_locked()
+
+    def _stop_locked(self) -> None:
+        """Under ``_lock``: end the child process, if there is one (the next call starts a new one)."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._pool = None
 
 
 class MathVerifyGrader:

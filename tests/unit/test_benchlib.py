@@ -1,12 +1,15 @@
-"""The interleaving and ratio summary every ratio-headline benchmark uses (scripts/benchlib.py)."""
+"""The interleaving and ratio summary every ratio-headline benchmark uses, and the process helpers of
+scripts/benchlib.py (roles by command line, memory from /proc)."""
 
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 
-from scripts.benchlib import interleaved, load_stats, ratio_stats
+from scripts.benchlib import interleaved, load_average_stats, proc_status_bytes, ratio_stats, run_role
 
 
 def test_interleaved_runs_every_path_once_per_round_in_shuffled_order_and_drops_warmup():
@@ -40,4 +43,23 @@ def test_ratio_stats_takes_the_ratio_per_round_before_summarising():
     assert s["ratio_median"] == 1.0 and s["ratio_max"] == 3.0
     with pytest.raises(ValueError, match="same"):
         ratio_stats([1.0], [1.0, 2.0])
-    assert load_stats([1.0, 3.0, 2.0])["load_median"] == 2.0
+    assert load_average_stats([1.0, 3.0, 2.0])["load_median"] == 2.0
+
+
+def test_run_role_names_each_process_of_a_run_from_its_command_line():
+    py = "/usr/bin/python3"
+    assert run_role(f"{py} -m workers.controller --run-dir /r --model-dir /m") == "controller"
+    assert run_role(f"{py} /repo/workers/learner.py --run-dir /r") == "learner"
+    assert run_role(f"{py} -m torch.distributed.run --standalone /repo/workers/learner.py") is None  # torchrun
+    assert run_role(f"{py} -m workers.generator controller=tcp://x:1 worker_id=w3") == "w3"
+    assert run_role(f"{py} -m workers.generator controller=tcp://x:1") == "worker"
+    assert run_role(f"{py} -m asyncrl train runs_dir=/t run_name=timeline") == "launcher"
+    assert run_role(f"{py} -c pass") is None
+
+
+def test_proc_status_bytes_reads_resident_memory_and_gives_0_for_a_process_that_is_gone():
+    rss, peak = proc_status_bytes("self", "VmRSS"), proc_status_bytes("self", "VmHWM")
+    assert 0 < rss <= peak
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)  # reaped: its /proc entry is gone
+    assert proc_status_bytes(child.pid, "VmRSS") == 0

@@ -25,7 +25,7 @@ BEFORE = json.loads((Path(__file__).parent / "data" / "algo_groups_at_886df6d.js
 def in_effect(cfg) -> dict:
     """The objective a run trains with, in the recorded form (the kind's defaults filled in)."""
     a = cfg.algo
-    out = dataclasses.asdict(a.objective_config())
+    out = {f.name: getattr(a, f.name) for f in dataclasses.fields(ObjectiveConfig)}
     out["kind"] = out.pop("objective")
     out |= {"eps_low": a.clip_low, "eps_high": a.clip_high, "agg": a.aggregation,
             "rs_modes": list(a.rs_modes), "rs_thresholds": list(a.rs_thresholds)}

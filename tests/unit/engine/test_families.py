@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.decoder import NATIVE_MODEL_TYPES, check_supported, native_supported
+from asyncrl.engine.decoder import NATIVE_MODEL_TYPES, check_supported, native_unsupported_reason
 from asyncrl.engine.native import NativeEngine
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -62,7 +62,7 @@ def test_mistral_sliding_window_shorter_than_the_sequence_limit_is_refused_with_
     fallback = NativeEngine(model)  # auto: the model's own HF forward, which slides the window
     assert fallback.capabilities()["decode_step"] == "eager"
     fallback.close()
-    assert native_supported(model.config, 32) is None
+    assert native_unsupported_reason(model.config, 32) is None
     engine = NativeEngine(model, max_seq_len=32)  # a window that covers every position never slides
     (res,) = engine.generate([GenRequest("a", [1, 2, 3], SamplingParams(max_new_tokens=40, stop_token_ids=()))])
     assert res.finish_reason == "length" and len(res.response_ids) == 29
@@ -74,7 +74,7 @@ def test_mistral_sliding_window_shorter_than_the_sequence_limit_is_refused_with_
 def test_unsupported_configs_name_the_reason():
     from transformers import AutoConfig
 
-    assert "model_type" in native_supported(AutoConfig.for_model("gpt2"))
+    assert "model_type" in native_unsupported_reason(AutoConfig.for_model("gpt2"))
     qwen3 = AutoConfig.for_model("qwen3", **COMMON, layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValueError, match="use_sliding_window=False"):
         check_supported(qwen3)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.learner import LearnerBatch
-from asyncrl.learner.batch import micro_batch_count
+from asyncrl.learner.plan import plan_step
 
 
 def _two_samples() -> LearnerBatch:
@@ -91,8 +91,6 @@ def test_shard_gives_each_rank_a_contiguous_chunk_and_can_be_empty(tiny):
     shards = [b.shard(r, 2) for r in range(2)]
     assert torch.equal(torch.cat([s.input_ids for s in shards]), b.input_ids)
     assert b.select([0]).shard(1, 2).batch_size == 0
-    assert b.shard(0, 2).micro_batches(4)[0].batch_size == 2
-    assert b.select([0]).shard(1, 2).micro_batches(2) == []
 
 
 def test_micro_batches_trim_trailing_padding(tiny):
@@ -103,15 +101,10 @@ def test_micro_batches_trim_trailing_padding(tiny):
         [np.zeros(4, np.int32), np.zeros(1, np.int32), np.zeros(2, np.int32)],
         [1.0, 1.0, 1.0],
     )
-    micro = b.micro_batches(2)
+    (plan,) = plan_step(b, n_minibatches=1, rank=0, world_size=1, micro_batch_size=2)
+    micro = plan.micros
     assert [m.seq_len for m in micro] == [5, 3]
     assert micro[1].input_ids.tolist() == [[1, 2, 3]]
-
-
-def test_micro_batch_count_is_the_busiest_ranks_count():
-    assert micro_batch_count(5, 2, 2) == 2  # ranks hold 3 and 2 rows
-    assert micro_batch_count(1, 2, 4) == 1  # rank 1 holds nothing but still runs one filler
-    assert micro_batch_count(8, 1, 3) == 3
 
 
 def test_filler_has_no_loss_tokens_and_real_attention():

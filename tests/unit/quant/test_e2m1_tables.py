@@ -45,18 +45,16 @@ def test_code_table_matches_the_comparison_rule_at_every_interval_edge_tie_and_s
     assert torch.equal(got, E.e2m1_encode_compare(v))
     assert torch.equal(got, L.e2m1_encode(v))
     # round half to even at the seven ties: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
-    assert fp4.e2m1_decode(fp4.e2m1_encode(ties)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
-    assert fp4.e2m1_decode(fp4.e2m1_encode(-ties)).tolist() == [-0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
+    assert L.VALUES[fp4.e2m1_encode(ties).long()].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert L.VALUES[fp4.e2m1_encode(-ties).long()].tolist() == [-0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
 
 
 def test_pack_and_pair_decode_match_the_nibble_rule():
     codes = torch.randint(0, 16, (37, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     out = torch.empty(37, 32, dtype=torch.uint8)
     assert torch.equal(E.pack_codes(codes, out), L.pack(codes))
-    assert torch.equal(fp4.pack_fp4(codes), L.pack(codes))
     vals = E.decode_pairs(out, E.Scratch(64, out.device))
     assert _same(vals, L.VALUES[codes.long()])
-    assert _same(fp4.e2m1_decode(codes), L.VALUES[codes.long()])
 
 
 def _weights():

@@ -294,6 +294,17 @@ def test_non_finite_value_in_a_received_publication_is_refused_and_model_kept():
     _assert_unchanged(worker, snapshot)
 
 
+def test_an_e8m0_nan_scale_byte_in_a_received_publication_is_refused_and_model_kept():
+    pub, worker = _published_and_worker("mxfp4")
+    snapshot = {k: v.clone() for k, v in worker.state_dict().items()}
+    name = next(e.name for e in pub.manifest if pub.tensors[e.name].dtype == torch.float8_e8m0fnu)
+    t = pub.tensors[name].clone()
+    t.view(torch.uint8)[0, 0] = 255  # the NaN byte of E8M0 (fp4.E8M0_NAN), which no quantiser writes
+    with pytest.raises(NonFiniteWeightError, match="E8M0 scale byte 255"):
+        load_published(worker, _reseal(pub, {**pub.tensors, name: t}))
+    _assert_unchanged(worker, snapshot)
+
+
 def _reseal(pub: PublishedWeights, tensors: dict) -> PublishedWeights:
     from asyncrl.quant.wire import checksum_of, digest, header_dict
 
