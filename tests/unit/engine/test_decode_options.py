@@ -47,12 +47,14 @@ def _serve_one_group(procs, stand, err_path, *worker_args: str) -> subprocess.Po
     params = P.SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
     got: dict[str, P.FinishedSample] = {}
     assigned = False
+    peer = None  # this worker's; a request still queued from an earlier worker (gone now) is not answered
     deadline = time.monotonic() + 120
     while worker.poll() is None and len(got) < GROUP and time.monotonic() < deadline:
         env = stand.ctl.recv(0.02)
         if env is not None and isinstance(env.msg, P.Hello):
+            peer = env.peer
             stand.welcome(env)
-        elif env is not None and isinstance(env.msg, P.WorkRequest):
+        elif env is not None and isinstance(env.msg, P.WorkRequest) and env.peer == peer:
             if not assigned:
                 stand.ctl.send(P.RolloutAssignment(group_id="g", sample_ids=[f"g/{i}" for i in range(GROUP)],
                                                    prompt_ids=prompt, params=params, n_samples=GROUP), to=env.peer)
