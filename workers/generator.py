@@ -331,7 +331,11 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    role = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        role = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:  # as `asyncrl worker` says it, also for `python -m workers.generator`
+        print(f"asyncrl worker: {e}", file=sys.stderr)
+        return 2
     bound_kernel_caches()  # before the engine's first oneDNN matmul (asyncrl/learner/memory.py)
     logging.basicConfig(level=role.log_level, format="%(asctime)s %(name)s %(message)s")
     keys = role.transport

@@ -6,7 +6,7 @@ OmegaConf dotlist and ``asyncrl.config.loader``'s unknown-key check with its "di
 ``role_dotlist`` (its inverse: the ``key=value`` list that parses back to the same config),
 ``worker_role_for_run`` (the worker a launcher starts for a ``TrainConfig``) and ``settings_help``
 (the one line per key of ``--help``, from the field docstrings here).
-Never: parses argv with argparse (``--help`` is workers/cli.py's), imports torch or zmq, or keeps a second
+Never: parses argv with argparse (``--help`` is workers/role_cli.py's), imports torch or zmq, or keeps a second
 copy of a run setting: the worker's ``sglang`` section is the run's ``SGLangConfig`` plus ``model_path``.
 
 Invariant: ``parse_role(type(c), role_dotlist(c))`` equals ``c`` for every valid role config ``c``, so a

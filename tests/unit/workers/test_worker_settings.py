@@ -170,12 +170,14 @@ def test_help_lists_every_key_with_its_meaning(command, schema, capsys):
         assert len(line.split(None, 1)) == 2, line  # key=FORM, then its meaning
 
 
-@pytest.mark.parametrize("command, settings, message", [
-    ("worker", ["controller=tcp://127.0.0.1:9", "slotz=4"], "did you mean slots?"),
-    ("learner", ["controller=tcp://127.0.0.1:9", "rundir=/r"], "did you mean run_dir?"),
+@pytest.mark.parametrize("entry, command, settings, message", [
+    (["-m", "asyncrl", "worker"], "worker", ["controller=tcp://127.0.0.1:9", "slotz=4"], "did you mean slots?"),
+    (["-m", "workers.generator"], "worker", ["controller=tcp://127.0.0.1:9", "slotz=4"], "did you mean slots?"),
+    (["-m", "asyncrl", "learner"], "learner", ["controller=tcp://127.0.0.1:9", "rundir=/r"], "did you mean run_dir?"),
 ])
-def test_a_role_command_with_a_bad_key_exits_2_saying_the_fix(procs, command, settings, message):
-    proc = procs.python("-m", "asyncrl", command, *settings, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def test_a_role_command_with_a_bad_key_exits_2_saying_the_fix(procs, entry, command, settings, message):
+    # `python -m workers.generator` is how `asyncrl train` starts its workers: the same one line
+    proc = procs.python(*entry, *settings, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=120)
     text = err.decode()
     assert proc.returncode == 2, text
