@@ -124,35 +124,32 @@ def test_a_worker_asks_only_with_a_groups_worth_of_free_slots(procs, tmp_path):
         assert [p.wait(timeout=60) for p in procs.children] == [0]
 
 
+def _welcomed_worker_leaves(procs, stand, welcome) -> str:
+    """Start a worker, answer its Hello with ``welcome(env)``: it must leave with status 1 without asking for
+    work. Returns what it wrote to stderr."""
+    worker = procs.python("-m", "workers.generator", f"controller={stand.ctl.address}", "worker_id=w",
+                          stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while worker.poll() is None and time.monotonic() < deadline:
+        env = stand.ctl.recv(0.05)
+        if env is not None and isinstance(env.msg, P.Hello):
+            welcome(env)
+        elif env is not None and isinstance(env.msg, P.WorkRequest):
+            pytest.fail("a worker that cannot serve this run asked for work")
+    _, err = worker.communicate(timeout=60)
+    text = err.decode(errors="replace")
+    assert worker.returncode == 1, text[-2000:]
+    return text
+
+
 def test_a_worker_too_small_for_a_group_leaves_at_once_naming_the_fix(procs, tmp_path):
     with worker_standin(tmp_path, worker_slots=6, group_size=8) as stand:
-        worker = procs.python("-m", "workers.generator", f"controller={stand.ctl.address}", "worker_id=w",
-                              stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while worker.poll() is None and time.monotonic() < deadline:
-            env = stand.ctl.recv(0.05)
-            if env is not None and isinstance(env.msg, P.Hello):
-                stand.welcome(env)
-            elif env is not None and isinstance(env.msg, P.WorkRequest):
-                pytest.fail("a worker that can never hold a group asked for work")
-        _, err = worker.communicate(timeout=60)
-        text = err.decode(errors="replace")
-        assert worker.returncode == 1, text[-2000:]
-        assert "cannot hold a group of 8" in text and "slots=8 or more" in text, text[-2000:]
+        text = _welcomed_worker_leaves(procs, stand, stand.welcome)
+    assert "cannot hold a group of 8" in text and "slots=8 or more" in text, text[-2000:]
 
 
 def test_a_worker_welcomed_by_a_controller_older_than_the_floor_leaves_naming_the_upgrade(procs, tmp_path):
     with worker_standin(tmp_path, worker_slots=6) as stand:
-        worker = procs.python("-m", "workers.generator", f"controller={stand.ctl.address}", "worker_id=w",
-                              stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while worker.poll() is None and time.monotonic() < deadline:
-            env = stand.ctl.recv(0.05)
-            if env is not None and isinstance(env.msg, P.Hello):
-                stand.ctl.send(P.Welcome(protocol_version="1.3", server_id="stand-in", setup=stand.setup), to=env.peer)
-            elif env is not None and isinstance(env.msg, P.WorkRequest):
-                pytest.fail("a worker welcomed by a 1.3 controller asked for work")
-        _, err = worker.communicate(timeout=60)
-        text = err.decode(errors="replace")
-        assert worker.returncode == 1, text[-2000:]
-        assert "speaks protocol 1.3, older than 1.4" in text and "upgrade asyncrl" in text, text[-2000:]
+        text = _welcomed_worker_leaves(procs, stand, lambda env: stand.ctl.send(
+            P.Welcome(protocol_version="1.3", server_id="stand-in", setup=stand.setup), to=env.peer))
+    assert "speaks protocol 1.3, older than 1.4" in text and "upgrade asyncrl" in text, text[-2000:]
