@@ -156,7 +156,7 @@ def bench_pairs(rounds: int, smoke: bool) -> list[dict]:
         rows.append({"row": row, "shape": shape, "chosen": chosen_name, "alternative": alt_name,
                      "chosen_us": min(got["values"]["chosen"]) * 1e6, "alternative_us": min(got["values"]["alternative"]) * 1e6,
                      "alt_over_chosen": st["ratio_median"], "ratio_min": st["ratio_min"], "ratio_max": st["ratio_max"],
-                     "spread": st["spread"], **benchlib.load_stats(got["load"])})
+                     "spread": st["spread"], **benchlib.load_average_stats(got["load"])})
         print(f"{row:18s} {alt_name} / {chosen_name}: {st['ratio_median']:.2f}x "
               f"[{st['ratio_min']:.2f}, {st['ratio_max']:.2f}]", flush=True)
     return rows
@@ -198,7 +198,7 @@ def bench_chunks(rounds: int, smoke: bool) -> list[dict]:
             st = benchlib.ratio_stats(got["values"][log2], chosen)
             rows.append({"format": fmt, "chunk_log2": log2, "best_ms": min(got["values"][log2]) * 1e3,
                          "vs_chosen": st["ratio_median"], "ratio_min": st["ratio_min"], "ratio_max": st["ratio_max"],
-                         **benchlib.load_stats(got["load"])})
+                         **benchlib.load_average_stats(got["load"])})
         print(f"{fmt} chunks: " + ", ".join(f"2**{r['chunk_log2']} {r['vs_chosen']:.2f}x" for r in rows
                                              if r["format"] == fmt), flush=True)
     return rows
