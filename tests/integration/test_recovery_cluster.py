@@ -21,7 +21,9 @@ from tests.integration.test_train_e2e import asyncrl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
 
-STEPS = 9
+STEPS = 24
+"""Long enough that every stop, kill and restart below lands mid-run, also on a fast machine (the tiny model
+trains a step in a fraction of a second; with 9 steps a run could end between a check and a kill)."""
 RUN = [f"learner.total_steps={STEPS}", "learner.ckpt_every=3", "learner.eval_every=0", "rollout.eta=1",
        "rollout.groups_per_step=2", "rollout.num_workers=0", "rollout.dead_after_s=120"]
 
@@ -111,16 +113,15 @@ def test_a_learner_stopped_and_started_again_at_two_ranks_resumes_and_a_second_w
     first = learner(procs, tmp_path, "learner1", address)
     w0 = worker(procs, tmp_path, "worker", address)
     wait_for_step(run_dir, 2, ctl, first, w0)
+    first.proc.send_signal(signal.SIGTERM)  # it writes a checkpoint of the version it reached
+    assert first.wait() == 0, first.text()[-3000:]
+    stopped_at = int((run_dir / "checkpoints" / "latest").read_text().strip().rsplit("_", 1)[-1])
+    assert 2 <= stopped_at < STEPS
 
     # a second process under the live worker's id: refused at once, by name
     dup = worker(procs, tmp_path, "duplicate", address)
     assert dup.wait(300) == 1
     assert "worker id 'w0' is already taken by a live worker" in dup.text() and "worker_id=NAME" in dup.text()
-
-    first.proc.send_signal(signal.SIGTERM)  # it writes a checkpoint of the version it reached
-    assert first.wait() == 0, first.text()[-3000:]
-    stopped_at = int((run_dir / "checkpoints" / "latest").read_text().strip().rsplit("_", 1)[-1])
-    assert 2 <= stopped_at < STEPS
 
     # started again, without resume=, at another world size: it resumes from that checkpoint (DCP reshards)
     second = learner(procs, tmp_path, "learner2", address, ranks=2)
@@ -164,6 +165,7 @@ def test_a_controller_killed_under_a_live_learner_and_worker_is_rejoined_and_a_r
     lrn = learner(procs, tmp_path, "learner1", address)
     wrk = worker(procs, tmp_path, "worker1", address)
     wait_for_step(run_dir, 4, ctl, lrn, wrk)
+    assert lrn.proc.poll() is None, "the run ended before the controller was killed; raise STEPS"
     # The learner rejoins at its version, or, ahead of the resumed controller's checkpoint, stops at once
     # naming the command to start it again (which then resumes); a worker whose weights are newer than those
     # of the learner that came back leaves, saying so.

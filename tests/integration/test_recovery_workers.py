@@ -19,9 +19,12 @@ pytestmark = pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_an_overdue_group_that_comes_back_to_its_worker_keeps_running_there(procs, tmp_path):
-    # every group is overdue at once (10 ms), and with one worker every reissued group comes back to it
+    # every group is overdue at once (10 ms), and with one worker every reissued group comes back to it; its
+    # samples (64 tokens at temperature 2, so rarely an early stop) still run when the controller's timer, every
+    # 0.2 s, hands the group back (with 8 tokens they had finished by then on a quiet machine)
     run = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=overdue", "learner.total_steps=4",
                        "learner.eval_every=0", "rollout.num_workers=1", "rollout.assignment_timeout_s=0.01",
+                       "rollout.max_new_tokens=64", "rollout.temperature=2.0",
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out = run.communicate(timeout=800)[0].decode(errors="replace")
     assert run.returncode == 0, out[-4000:]

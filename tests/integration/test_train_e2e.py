@@ -135,9 +135,15 @@ def test_replay_refuses_a_log_of_another_model(short_run, procs):
 
 
 def _learner_rank_pids(root_pid: int) -> list[int]:
-    kids = psutil.Process(root_pid).children(recursive=True)
-    return [p.pid for p in kids if "workers/learner.py" in " ".join(p.cmdline()) and
-            "torch.distributed.run" not in " ".join(p.cmdline())]
+    pids = []
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:  # a child that has just exited (a zombie until reaped, or gone) has no command line to read
+            cmd = " ".join(p.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+        if "workers/learner.py" in cmd and "torch.distributed.run" not in cmd:
+            pids.append(p.pid)
+    return pids
 
 
 def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 300) -> None:
