@@ -3,8 +3,9 @@ while its engine starts.
 
 Owns: the worker's ``Hello`` (engine, the format it fetches, slots, pid, host), saying it until the
 controller answers (a controller still starting answers ``not_ready``; one that restarted never saw the
-first), the control socket and its context, the check that the worker's slots can hold a group, and
-the heartbeats a second thread sends while the engine is built and its first weights load.
+first), the control socket and its context, the checks of the Welcome (a controller at protocol 1.4 or
+later, this worker's slots can hold a group), and the heartbeats a second thread sends while the engine
+is built and its first weights load.
 Never: builds the engine, fetches weights or speaks the work protocol (``workers/generator.py``); follows
 a controller or learner that restarted under a joined worker (``workers/worker_rejoin.py``).
 
