@@ -20,6 +20,7 @@ from asyncrl.config.health import HealthConfig, check_health
 from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.controller.prompts import PROMPT_FORMATS
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
+from asyncrl.engine.sglang_server import STARTUP_TIMEOUT_S
 from asyncrl.learner.options import LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
 from asyncrl.tasks.answers import ANSWER_FORMATS
@@ -250,7 +251,7 @@ class SGLangConfig:
     ``.cache/sglang-venv``."""
     max_total_tokens: int = 0
     """``N``: KV-cache size of a started server in tokens (0: SGLang's default; on a CPU 16384 is used)."""
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
     """``S``: how long a worker waits for the server it started to generate its first token."""
     extra_args: list[str] = field(default_factory=list)
     """``[--flag,value]``: more ``sglang.launch_server`` flags for a started server (e.g.

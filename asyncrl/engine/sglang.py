@@ -42,7 +42,7 @@ from asyncrl.engine.sglang_requests import (
     request_rid,
     stop_set,
 )
-from asyncrl.engine.sglang_server import SGLangServerProcess, start_server
+from asyncrl.engine.sglang_server import STARTUP_TIMEOUT_S, SGLangServerProcess, start_server
 from asyncrl.engine.sglang_weights import BroadcastWeights, prepare_update
 
 
@@ -123,7 +123,7 @@ class SGLangEngine(ControlChannel):
         host: str = "127.0.0.1",
         port: int | None = None,
         log_path: str | Path | None = None,
-        startup_timeout_s: float = 600.0,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         server_args: dict[str, Any] | None = None,
         **engine_kwargs: Any,
     ) -> SGLangEngine:

@@ -31,6 +31,11 @@ from typing import Any
 
 from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangUnavailableError
 
+STARTUP_TIMEOUT_S = 600.0
+"""How long a started server may take to generate its first token: the default of ``sglang.startup_timeout_s``
+(``SGLangConfig`` reads it from here; this module imports nothing of the configuration, because
+``scripts/sglang_cpu_server.py`` imports it under SGLang's own interpreter)."""
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON_ENV = "ASYNCRL_SGLANG_PYTHON"
 """Interpreter with SGLang installed (e.g. ``.cache/sglang-venv/bin/python``); default: this one."""
@@ -153,7 +158,7 @@ class SGLangServerProcess:
         except OSError:
             return "(no log)"
 
-    def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S, poll_s: float = 0.5) -> None:
         """Block until the server generates (``/health_generate`` 200); raise ``SGLangError`` otherwise."""
         client = SGLangHTTP(self.url, timeout_s=30.0)
         deadline = time.monotonic() + timeout_s
@@ -216,7 +221,7 @@ def start_server(
     host: str = "127.0.0.1",
     port: int | None = None,
     log_path: str | Path | None = None,
-    startup_timeout_s: float = 600.0,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
     server_args: dict[str, Any] | None = None,
 ) -> SGLangServerProcess:
     """Start a server for one worker (``device="cpu"`` adds the CPU environment, ``cpu_env``) and wait
