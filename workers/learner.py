@@ -261,14 +261,14 @@ class Learner:
         v = self.state.version
         eval_due = bool(L.eval_every) and v % L.eval_every == 0 and v < L.total_steps
         ckpt = bool(L.ckpt_every) and v % L.ckpt_every == 0 and v < L.total_steps
-        acked = self.publish_and_report(msg, metrics, eval_due=eval_due, ckpt=ckpt,
-                                        times={"t0": t0, "wait": t_wait, "train": t_train})
+        acked = self.publish_and_report(msg, metrics, eval_due=eval_due, ckpt=ckpt, t0=t0, t_wait=t_wait,
+                                        t_train=t_train)
         if ckpt and _agree(info.is_main and acked, info):
             save_checkpoint(RunDir(self.run_dir).checkpoints, self.state, info, keep_last=KEEP_CHECKPOINTS)
         return True
 
     def publish_and_report(self, msg: P.TrainBatch | None, metrics: dict[str, float], *, eval_due: bool,
-                           ckpt: bool, times: dict[str, float]) -> bool:
+                           ckpt: bool, t0: float, t_wait: float, t_train: float) -> bool:
         """The new version published, evaluated when due and reported to the controller (rank 0; the state
         dict is gathered on every rank). True when the controller saved its state for a checkpoint."""
         sd = self.state_dict(not self.replay or eval_due)
@@ -281,8 +281,7 @@ class Learner:
         if self.server is not None:  # the weight server's received/rejected counters reach metrics.jsonl
             metrics |= self.server.as_metrics()
         metrics |= msg.metrics
-        t0, t_train = times["t0"], times["train"]
-        metrics |= {"time/learner_wait_s": times["wait"], "time/learner_train_s": t_train,
+        metrics |= {"time/learner_wait_s": t_wait, "time/learner_train_s": t_train,
                     "time/learner_busy_frac": t_train / max(1e-9, time.perf_counter() - t0),
                     "learner/lr": float(self.state.optimizer.param_groups[0]["lr"])}
         if eval_due:
