@@ -162,11 +162,11 @@ def device_sync(device: Any) -> None:
 
 
 def train_env() -> dict[str, str]:
-    """Environment of an ``asyncrl train`` child: one thread per process, offline, repo on the path."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+    """Environment of an ``asyncrl train`` started by a benchmark: the launcher's own for its children (one
+    thread per process, offline, the repository on the path)."""
+    from workers.launcher import child_env
+
+    return child_env()
 
 
 def run_train(overrides: list[str], *, runs_dir: Path, run_name: str, log_path: Path,
