@@ -66,12 +66,6 @@ AGG_TAGS = {"tm": "token-mean", "smtm": "seq-mean-token-mean"}
 BASELINE = "sync-fp32"
 NAME = re.compile(r"^(?P<obj>[a-z_]+)-(?P<fmt>[a-z0-9]+)-eta(?P<eta>\d+)(?:-(?P<agg>tm|smtm))?$")
 STALE_KL = re.compile(r"^mismatch/by_staleness/eta=(\d+)/kl_k3$")
-# two-sided 97.5% Student t quantiles for 1..30 degrees of freedom
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-        2.045, 2.042]
-
-
 def config_overrides(name: str, agg: str) -> list[str]:
     """The overrides of one named cell (raises SystemExit naming the grammar for a bad name)."""
     if name == BASELINE:
@@ -86,17 +80,6 @@ def config_overrides(name: str, agg: str) -> list[str]:
 
 def grid(objectives: list[str], etas: list[int], formats: list[str]) -> list[str]:
     return [BASELINE] + [f"{o}-{f}-eta{e}" for e in etas for f in formats for o in objectives]
-
-
-def ci95(xs: list[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% CI from Student's t); half-width nan for fewer than 2 values."""
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return float("nan"), float("nan")
-    if len(xs) < 2:
-        return xs[0], float("nan")
-    t = T975[len(xs) - 2] if len(xs) - 1 <= len(T975) else 1.96
-    return statistics.fmean(xs), t * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
 def run_curves(run_dir: Path) -> dict:
@@ -140,23 +123,23 @@ def tail_reward(r: dict, k: int = 10) -> float:
 
 def aggregate(runs: dict[str, list[dict]], collapse_reward: float) -> list[dict]:
     rows = []
-    base_eval = ci95([r["eval_acc"] for r in runs.get(BASELINE, [])])[0]
+    base_eval = benchlib.ci95([r["eval_acc"] for r in runs.get(BASELINE, [])])[0]
     for name, rs in runs.items():
         if not rs:
             continue
         evals = [r["eval_acc"] for r in rs if r["eval_acc"] is not None]
-        ev, ev_ci = ci95(evals)
-        auc, auc_ci = ci95([statistics.fmean(v for _, v in r["reward"]) for r in rs if r["reward"]])
-        fr, fr_ci = ci95([tail_reward(r) for r in rs])
+        ev, ev_ci = benchlib.ci95(evals)
+        auc, auc_ci = benchlib.ci95([statistics.fmean(v for _, v in r["reward"]) for r in rs if r["reward"]])
+        fr, fr_ci = benchlib.ci95([tail_reward(r) for r in rs])
         row = {"config": name, "runs": len(rs), "eval_acc": ev, "eval_ci95": ev_ci,
                "eval_min": min(evals) if evals else float("nan"), "eval_max": max(evals) if evals else float("nan"),
                "eval_vs_sync": ev / base_eval if base_eval else float("nan"),
                "collapsed": sum(tail_reward(r) < collapse_reward for r in rs),
                "final_reward": fr, "final_reward_ci95": fr_ci, "reward_auc": auc, "reward_auc_ci95": auc_ci,
-               "kl_k3": ci95([weighted_mean(r["kl"]) for r in rs if r["kl"]])[0],
-               "w_out_pos": ci95([statistics.fmean(r["w_out"]["pos"]) for r in rs if r["w_out"]["pos"]])[0],
-               "w_out_neg": ci95([statistics.fmean(r["w_out"]["neg"]) for r in rs if r["w_out"]["neg"]])[0],
-               "entropy": ci95([statistics.fmean(r["entropy"]) for r in rs if r.get("entropy")])[0],
+               "kl_k3": benchlib.ci95([weighted_mean(r["kl"]) for r in rs if r["kl"]])[0],
+               "w_out_pos": benchlib.ci95([statistics.fmean(r["w_out"]["pos"]) for r in rs if r["w_out"]["pos"]])[0],
+               "w_out_neg": benchlib.ci95([statistics.fmean(r["w_out"]["neg"]) for r in rs if r["w_out"]["neg"]])[0],
+               "entropy": benchlib.ci95([statistics.fmean(r["entropy"]) for r in rs if r.get("entropy")])[0],
                "wall_s": statistics.fmean(r["wall_s"] for r in rs if r["wall_s"] is not None)
                if any(r["wall_s"] is not None for r in rs) else float("nan")}
         rows.append(row)
@@ -186,7 +169,7 @@ def make_plots(runs: dict[str, list[dict]], out_dir: Path, prefix: str) -> list[
             steps = sorted(s for s, v in by_step.items() if len(v) == len(runs[name]))
             if not steps:
                 continue
-            stats = [ci95(by_step[s]) for s in steps]
+            stats = [benchlib.ci95(by_step[s]) for s in steps]
             mean = [m for m, _ in stats]
             half = [0.0 if math.isnan(h) else h for _, h in stats]
             style = {"color": "black", "linewidth": 2.2} if name == BASELINE else {}

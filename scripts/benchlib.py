@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -20,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 _LOADAVG_AT_START = list(os.getloadavg())  # the machine is shared: record how busy it was
@@ -85,6 +86,35 @@ def write_json(path: str, name: str, tables: dict[str, list[dict[str, Any]]], ar
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {path}")
+
+
+# ------------------------------------------------------------------ confidence intervals
+# two-sided 97.5% Student t quantiles for 1..30 degrees of freedom
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042]
+
+
+def ci95(xs: Sequence[float | None]) -> tuple[float, float]:
+    """(mean, half-width of the 95% CI from Student's t) over the finite values of ``xs``; half-width nan
+    for fewer than 2 values, both nan for none."""
+    vals = [x for x in xs if x is not None and math.isfinite(x)]
+    if not vals:
+        return math.nan, math.nan
+    if len(vals) < 2:
+        return vals[0], math.nan
+    t = T975[len(vals) - 2] if len(vals) - 1 <= len(T975) else 1.96
+    return statistics.fmean(vals), t * statistics.stdev(vals) / math.sqrt(len(vals))
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a proportion ``k/n`` (95% for the default ``z``); ``(nan, nan)`` if n=0."""
+    if n <= 0:
+        return (math.nan, math.nan)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 # ------------------------------------------------------------------ ratios that hold still
@@ -169,27 +199,17 @@ def train_env() -> dict[str, str]:
     return child_env()
 
 
-def run_train(overrides: list[str], *, runs_dir: Path, run_name: str, log_path: Path,
-              timeout_s: float = 3600.0) -> Path:
-    """Run ``asyncrl train runs_dir=RUNS run_name=NAME *overrides`` to completion; return the run folder.
-
-    The launcher's output goes to ``log_path``. On ``timeout_s`` the launcher gets SIGTERM (it stops its
-    own children by PID and writes a checkpoint), then SIGKILL after two minutes. A failed run raises
-    ``RuntimeError`` with the tail of its log. The working directory is the repository root, so the
-    tiny model and its warm starts are cached in ``.cache/models`` across runs.
-    """
+def start_train(overrides: list[str], *, runs_dir: Path, run_name: str, log: IO[bytes]) -> subprocess.Popen:
+    """Start ``asyncrl train runs_dir=RUNS run_name=NAME *overrides`` with its output going to ``log``; the
+    caller waits for it and, on any exit of its own, stops it with ``stop_train`` (by PID). The working
+    directory is the repository root, so the models and warm starts are cached in ``.cache/models``."""
     cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs_dir}", f"run_name={run_name}", *overrides]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=train_env(), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            rc = -1
-        except BaseException:  # Ctrl-C or SIGTERM (exit_on_sigterm): stop the run we started, then leave
-            _stop(proc)
-            raise
+    return subprocess.Popen(cmd, cwd=ROOT, env=train_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def train_result(rc: int, overrides: list[str], *, runs_dir: Path, run_name: str, log_path: Path) -> Path:
+    """The run folder of a finished ``start_train`` (the launcher prints it); ``RuntimeError`` with the tail
+    of the log for a failed run."""
     text = log_path.read_text(errors="replace")
     if rc != 0:
         tail = "\n".join(text.splitlines()[-25:])
@@ -200,7 +220,29 @@ def run_train(overrides: list[str], *, runs_dir: Path, run_name: str, log_path: 
     return Path(runs_dir) / run_name
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def run_train(overrides: list[str], *, runs_dir: Path, run_name: str, log_path: Path,
+              timeout_s: float = 3600.0) -> Path:
+    """Run ``asyncrl train runs_dir=RUNS run_name=NAME *overrides`` to completion; return the run folder.
+
+    The launcher's output goes to ``log_path``. On ``timeout_s`` the launcher gets SIGTERM (it stops its
+    own children by PID and writes a checkpoint), then SIGKILL after two minutes. A failed run raises
+    ``RuntimeError`` with the tail of its log.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = start_train(overrides, runs_dir=runs_dir, run_name=run_name, log=log)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop_train(proc)
+            rc = -1
+        except BaseException:  # Ctrl-C or SIGTERM (exit_on_sigterm): stop the run we started, then leave
+            stop_train(proc)
+            raise
+    return train_result(rc, overrides, runs_dir=runs_dir, run_name=run_name, log_path=log_path)
+
+
+def stop_train(proc: subprocess.Popen) -> None:
     """SIGTERM the launcher (it stops its own children by PID), SIGKILL after two minutes."""
     proc.terminate()
     try:
@@ -248,7 +290,7 @@ def run_measured(cmd: list[str], log_path: Path, label, what: str, env: dict, *,
             with TreeMemory(proc.pid, label, interval_s, timeline=timeline) as mem:
                 rc = proc.wait()
         except BaseException:
-            _stop(proc)
+            stop_train(proc)
             raise
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])

@@ -31,15 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score interval of a proportion ``k/n`` (95% for the default ``z``); ``(nan, nan)`` if n=0."""
-    if n <= 0:
-        return (math.nan, math.nan)
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
+from scripts.benchlib import wilson  # noqa: E402  (scripts/ runs as a package or from the repository root)
 
 
 def evaluate(model_dir: str | Path, overrides: list[str], *, threads: int = 1, max_batch_size: int = 64,

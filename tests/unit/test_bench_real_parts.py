@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from scripts.benchlib import TreeMemory
-from scripts.eval_greedy import wilson
+from scripts.benchlib import wilson
 
 
 def test_wilson_interval_matches_the_closed_form_values():
