@@ -37,6 +37,9 @@ class HealthConfig:
     """An alarm that keeps holding is raised again at most every this many steps."""
     solved_reward: float = 0.9
     """Collapse alarms stay quiet while the windowed train reward is at least this (a solved task)."""
+    learning_gain: float = 0.05
+    """length_collapse, entropy_collapse and zero_variance stay quiet while the windowed train reward is at
+    least this above its early mean (the run learns: shorter answers or a hard start are not a collapse)."""
     length_ratio: float = 0.5
     """length_collapse: windowed mean response length below this fraction of the early mean."""
     entropy_ratio: float = 0.3

@@ -107,6 +107,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "health.early_steps": ("[1, inf)", "first steps whose mean is the early value"),
     "health.repeat_every": ("[1, inf)", "steps between repeats of a standing alarm"),
     "health.solved_reward": ("[0, 1]", "a train reward fraction"),
+    "health.learning_gain": ("(-inf, inf)", "a reward difference, e.g. 0.05"),
     "health.length_ratio": ("[0, 1]", "a fraction of the early mean response length"),
     "health.entropy_ratio": ("[0, 1]", "a fraction of the early mean entropy"),
     "health.zero_variance_share": ("[0, 1]", "a share of groups"),

@@ -19,6 +19,11 @@ Invariants:
   steps while it keeps holding.
 - Collapse alarms (length, entropy, zero variance, one answer) stay quiet while the windowed train reward
   is at least ``health.solved_reward``: a solved task has every group right and the policy sure of itself.
+- Length, entropy and zero variance are judged only once the train reward's early mean and a full window
+  after it are known, and stay quiet while that window is at least ``health.learning_gain`` above the
+  early mean: a policy that learns to answer briefly, or that learns from the few informative groups of a
+  hard start, is not collapsing. One answer taking over is raised either way (a reward loophole raises
+  the reward too).
 """
 
 from __future__ import annotations
@@ -217,7 +222,7 @@ class HealthMonitor:
         reward = self.series["reward"]
         solved = bool(reward.recent) and reward.mean() >= c.solved_reward
         if not solved:
-            out += self._collapse(step)
+            out += self._collapse(step, stalled=reward.ready() and reward.mean() < reward.early_mean() + c.learning_gain)
         out += self._reward_trend(step)
         out += self._throughput(step)
         return out
@@ -231,12 +236,14 @@ class HealthMonitor:
         return Alarm(step, "nonfinite", float(len(nulls) + sum(counts.values())), 0.0,
                      f"non-finite values at step {step}: {'; '.join(parts)}")
 
-    def _collapse(self, step: int) -> list[Alarm]:
+    def _collapse(self, step: int, *, stalled: bool) -> list[Alarm]:
+        """Length, entropy and zero variance when the reward has ``stalled`` (not ``health.learning_gain``
+        above its early mean); one answer taking over either way."""
         c, out = self.cfg, []
         for name, alarm, ratio, what in (("len", "length_collapse", c.length_ratio, "mean response length"),
                                           ("entropy", "entropy_collapse", c.entropy_ratio, "token entropy")):
             s = self.series[name]
-            if s.ready() and s.early_mean() > 0 and s.mean() < ratio * s.early_mean():
+            if stalled and s.ready() and s.early_mean() > 0 and s.mean() < ratio * s.early_mean():
                 key = ALARMS[alarm].threshold_key
                 out.append(Alarm(step, alarm, s.mean() / s.early_mean(), ratio,
                                  f"{what} {s.mean():.3g} over the last {len(s.recent)} steps is "
@@ -248,6 +255,8 @@ class HealthMonitor:
                 ("majority", "answer_takeover", c.majority_share, "of each batch was its most common response",
                  "majority_share")):
             w = self.windows[name]
+            if alarm == "zero_variance" and not stalled:
+                continue
             if len(w) == w.maxlen and (m := sum(w) / len(w)) > limit:
                 reward = self.series["reward"]
                 r = f", train reward {reward.mean():.3f}" if reward.recent else ""

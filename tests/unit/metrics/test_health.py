@@ -65,15 +65,17 @@ def test_the_recorded_length_collapse_raises_its_alarms_within_the_window():
     assert onset == 52
     assert alarms["length_collapse"] and onset <= alarms["length_collapse"][0] <= onset + cfg.window
     assert alarms["answer_takeover"] and onset <= alarms["answer_takeover"][0] <= onset + cfg.window
-    # every group had zero variance from step 1: raised once the first window is full, then every 50 steps
-    assert alarms["zero_variance"] == [cfg.window, cfg.window + cfg.repeat_every]
+    # every group had zero variance from step 1: raised once the reward's early mean and a full window
+    # after it show no gain (step 15), not again within the 60 steps (repeat_every 50)
+    assert alarms["zero_variance"] == [cfg.early_steps + cfg.window]
     assert alarms["reward_flat"] == [60]  # the evaluation at step 60, the first at or after flat_after_steps
     assert "nonfinite" not in alarms and "entropy_collapse" not in alarms
 
 
 def test_the_recorded_divergence_raises_zero_variance_one_answer_and_flat_reward():
     alarms = fired(recorded("diverged_addition_lr1e-2.jsonl"))
-    assert alarms["zero_variance"][0] == 10  # every reward 0 from step 4: 7 of the first 10 steps
+    # every reward 0 from step 4: raised once the window after the early steps shows no gain (step 15)
+    assert alarms["zero_variance"][0] == 15
     assert alarms["answer_takeover"][0] <= 15
     assert alarms["reward_flat"] == [60]  # greedy 0.000 at step 60 against 0.750 at step 0
 
@@ -82,9 +84,31 @@ def test_the_recorded_healthy_run_raises_nothing():
     assert fired(recorded("healthy_default.jsonl")) == {}
 
 
+def test_the_recorded_smollm2_runs_alarm_on_the_three_term_run_and_not_on_the_two_term_run():
+    """SmolLM2-135M-Instruct, the README's LoRA recipe, on three signed terms (no learning) and on the
+    preset's two signed terms (learning), recorded side by side (module docstring)."""
+    dead = recorded("stalled_smollm2_signed3_lora.jsonl")
+    alarms = fired(dead)
+    # most groups carry no gradient from the start and the reward never rises: raised as soon as the
+    # reward's early mean and a window after it are known, then every repeat_every steps
+    assert alarms["zero_variance"][0] == HealthConfig().early_steps + HealthConfig().window
+    assert 50 in alarms["reward_flat"]  # greedy accuracy at step 50 no better than at step 0
+    learning = recorded("learning_smollm2_signed2_lora.jsonl")
+    # the same recipe on the two-term task halves its responses and has as many zero-variance groups
+    # early on, but its reward climbs: nothing is raised
+    lengths = [r["train/response_len_mean"] for r in learning if "train/response_len_mean" in r]
+    assert np.mean(lengths[-10:]) < 0.5 * np.mean(lengths[:5])
+    zero_var = [r["train/zero_variance_groups"] for r in learning if "train/zero_variance_groups" in r]
+    assert np.mean(zero_var[:10]) > HealthConfig().zero_variance_share
+    assert fired(learning) == {}
+    # what the rules raised before the learning gate (health.learning_gain) existed
+    assert {"zero_variance", "length_collapse"} <= set(fired(learning, HealthConfig(learning_gain=1.0)))
+
+
 def test_tighter_thresholds_make_the_healthy_run_raise_the_matching_alarm():
     records = recorded("healthy_default.jsonl")
-    assert "zero_variance" in fired(records, HealthConfig(zero_variance_share=0.0))
+    assert "zero_variance" not in fired(records, HealthConfig(zero_variance_share=0.0))  # it learns: quiet
+    assert "zero_variance" in fired(records, HealthConfig(zero_variance_share=0.0, learning_gain=1.0))
     assert "learner_bound" in fired(records, HealthConfig(learner_busy_max=0.5, workers_idle_max=0.5))
     assert "rollout_bound" in fired(records, HealthConfig(learner_busy_min=1.0))
 
@@ -121,8 +145,8 @@ def test_reward_flat_from_the_train_reward_without_evaluations():
 
 def test_rate_limit_repeats_a_standing_alarm_every_repeat_every_steps():
     records = [train_record(s, **{"train/zero_variance_groups": 1.0}) for s in range(1, 121)]
-    assert fired(records)["zero_variance"] == [10, 60, 110]
-    assert fired(records, HealthConfig(repeat_every=30))["zero_variance"] == [10, 40, 70, 100]
+    assert fired(records)["zero_variance"] == [15, 65, 115]
+    assert fired(records, HealthConfig(repeat_every=30))["zero_variance"] == [15, 45, 75, 105]
 
 
 def test_learner_bound_needs_a_busy_learner_and_waiting_workers():
@@ -183,19 +207,19 @@ def test_watch_writes_health_jsonl_names_the_stop_and_resumes_without_raising_ag
     watch = HealthWatch(tmp_path, HealthConfig(), ["zero_variance"])
     raised = [a for r in records for a in watch.observe(r["step"], r)]
     watch.close()
-    assert [(a["step"], a["alarm"], a["stop"]) for a in raised] == [(10, "zero_variance", True)]
-    assert watch.stop_reason.startswith("health alarm zero_variance at step 10 (learner.stop_on)")
+    assert [(a["step"], a["alarm"], a["stop"]) for a in raised] == [(15, "zero_variance", True)]
+    assert watch.stop_reason.startswith("health alarm zero_variance at step 15 (learner.stop_on)")
     assert read_alarms(tmp_path) == raised
     assert "-> stopping (learner.stop_on)" in format_alarm(raised[0])
-    # resumed at step 5: the alarm at step 10 is dropped, and raised again when the run gets there
+    # resumed at step 5: the alarm at step 15 is dropped, and raised again when the run gets there
     resumed = HealthWatch(tmp_path, HealthConfig(), resume_step=5)
     assert read_alarms(tmp_path) == []
     again = [a for r in records[5:] for a in resumed.observe(r["step"], r)]
-    assert [a["step"] for a in again] == [10]
+    assert [a["step"] for a in again] == [15]
     # resumed at step 20: the replay restores the rate limit, so nothing is raised twice
     resumed = HealthWatch(tmp_path, HealthConfig(), resume_step=20)
     assert [a for r in records[20:] for a in resumed.observe(r["step"], r)] == []
-    assert summarize_alarms(tmp_path) == {"health_alarms": 1, "health_alarm_list": "zero_variance@10"}
+    assert summarize_alarms(tmp_path) == {"health_alarms": 1, "health_alarm_list": "zero_variance@15"}
 
 
 def test_alarms_report_reads_health_jsonl_or_replays_metrics(tmp_path):
@@ -204,7 +228,7 @@ def test_alarms_report_reads_health_jsonl_or_replays_metrics(tmp_path):
         for r in recorded("diverged_addition_lr1e-2.jsonl"):
             w.log(r["step"], {k: v for k, v in r.items() if k != "step"})
     text = alarms_report(tmp_path)
-    assert text.startswith("health alarms: 4 (replayed from metrics.jsonl)")
+    assert text.startswith("health alarms: 3 (replayed from metrics.jsonl)")
     assert "step    60  reward_flat" in text and "try algo.dynamic_sampling=true" in text
     (tmp_path / "health.jsonl").write_text("")
     assert alarms_report(tmp_path) == "health alarms: none (health.jsonl)"
@@ -235,5 +259,5 @@ def test_plots_mark_where_an_alarm_fired(tmp_path):
     axes = Figure().subplots(2, 1, squeeze=False)[:, 0]
     mark_alarms(axes, read_alarms(tmp_path))
     steps = sorted({int(line.get_xdata()[0]) for line in axes[1].lines})
-    assert steps == sorted({a["step"] for a in read_alarms(tmp_path)}) == [10, 11, 60]
+    assert steps == sorted({a["step"] for a in read_alarms(tmp_path)}) == [11, 15, 60]
     assert {t.get_text() for t in axes[0].texts} == {"zero_variance", "answer_takeover", "reward_flat"}
