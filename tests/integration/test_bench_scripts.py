@@ -139,7 +139,7 @@ def test_bench_kernels_smoke_times_every_chosen_path_against_its_alternative(pro
 
 
 def test_bench_scripts_explain_themselves_with_help(procs):
-    for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos", "bench_kernels"):
+    for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos", "bench_kernels", "bench_recipes"):
         proc = procs.python(os.path.join(SCRIPTS, f"{name}.py"), "--help", stdout=subprocess.PIPE, text=True)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, name
@@ -184,3 +184,19 @@ def test_memory_timeline_names_every_process_of_a_real_run(procs, tmp_path):
     rows = data["tables"]["rows"]
     assert rows and any("learner_max_gb" in r for r in rows)
     assert all(r.get("learner_min_gb", 0) <= r.get("learner_max_gb", 0) for r in rows)
+
+
+@pytest.mark.timeout(600)
+def test_bench_recipes_smoke_runs_a_row_and_the_two_stage_curriculum(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "bench_recipes", "--smoke", "--rows", "lora-2e-4,curriculum", "--seeds", "0",
+                     "--parallel", "2", "--keep", str(tmp_path / "runs"), timeout_s=540)
+    runs = data["tables"]["runs"]
+    assert [r["run"] for r in runs] == ["lora-2e-4-s0", "curriculum-s0"]
+    check_rows(runs, ["steps", "eval_n", "eval_step0", "eval_final", "reward_first20", "len_first5"], text=("alarms",))
+    assert all(r["steps"] > 0 for r in runs)
+    # the curriculum's second stage trained the model its first stage exported
+    cfg = json.loads((tmp_path / "runs" / "curriculum-s0" / "config.json").read_text())
+    assert cfg["model"]["name"] == "path"
+    assert cfg["model"]["path"] == str(tmp_path / "runs" / "curriculum-s0-a" / "model")
+    check_rows(data["tables"]["rows"], ["seeds", "eval_step0", "eval_final_mean", "gain"], text=("row",))
+    assert all(isinstance(r["learns"], bool) for r in data["tables"]["rows"])
