@@ -24,7 +24,8 @@ DIR`` only reads the run folders an earlier call left in DIR.
 
 Reported per run: learner steps, greedy accuracy at step 0 and at the end with its Wilson 95% interval,
 the sampled reward over the first and the last 20 steps, the mean response length over the first 5 and
-the last 20 steps, and the training-health alarms it raised (name@first step). Per row: the mean final
+the last 20 steps, and the training-health alarms the run's metrics raise under the current rules
+(name@first step). Per row: the mean final
 accuracy over seeds with its 95% interval (Student's t) and the mean gain over step 0. A row learns when
 the lower end of its interval (of one seed: its Wilson interval) is above the step-0 accuracy; the
 closing lines say which rows do.
@@ -124,7 +125,7 @@ def _start(stages, runs_dir: Path, model: Path | None):
 def summarize_run(run_dir: Path) -> dict:
     """One run's figures from its metrics.jsonl, summary.json and health.jsonl."""
     from asyncrl.metrics import read_metrics
-    from asyncrl.metrics.health_log import read_alarms
+    from asyncrl.metrics.health import health_config, replay
 
     recs = read_metrics(run_dir)
     steps = [r for r in recs if r.get("train/reward_mean") is not None]
@@ -133,9 +134,12 @@ def summarize_run(run_dir: Path) -> dict:
     n = int(evals[0].get("eval/n") or 0) if evals else 0
     # the final evaluation; a run stopped early (SIGTERM) has none: its last periodic one
     final = summary.get("eval_accuracy", evals[-1]["eval/accuracy"] if evals else None)
+    # the alarms by the current rules (a replay of the metrics, as `asyncrl log show` does for a run
+    # without health.jsonl), so that runs recorded under older rules compare
+    config = json.loads(RunDir(run_dir).config.read_text())
     first_alarm: dict[str, int] = {}
-    for a in read_alarms(run_dir):
-        first_alarm.setdefault(a["alarm"], int(a["step"]))
+    for a in replay(recs, health_config(config.get("health"))):
+        first_alarm.setdefault(a.name, a.step)
 
     def mean(key: str, lo: int, hi: int | None) -> float:
         vals = [r[key] for r in steps[lo:hi] if r.get(key) is not None]

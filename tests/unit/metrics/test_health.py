@@ -9,6 +9,17 @@ The recorded runs under ``data/`` are the ``metrics.jsonl`` of real ``asyncrl tr
 - ``diverged_addition_lr1e-2.jsonl``: the default task at ``learner.lr=1e-2`` (constant, no warm-up):
   greedy accuracy 0.75 at step 0, every reward 0 from step 4 on, one response taking ~90% of each batch.
 - ``healthy_default.jsonl``: the default run, ``learner.total_steps=80 learner.eval_every=20``.
+
+Two SmolLM2-135M-Instruct runs of the README's LoRA recipe (``+experiment=smollm2_signed_sums quant.fmt=int8
+rollout.eta=2 algo=acr learner.lora.rank=16 learner.lora.alpha=32 learner.lr=2e-4 learner.lr_schedule=constant
+learner.eval_every=50``; 2026-12-04, side by side on the 2-core CPU, at 82ee4ed), trimmed the same way:
+- ``stalled_smollm2_signed3_lora.jsonl``: three signed terms (``task.rg_config={min_terms:3,max_terms:3,
+  min_digits:1,max_digits:1,allow_negation:true}``), stopped after 152 steps: greedy 0.065 at steps 0,
+  50 and 150 (0.070 at 100), sampled reward 0.02-0.04 throughout, 75-90% of groups without variance,
+  responses 21 -> 10 tokens from step 60 on.
+- ``learning_smollm2_signed2_lora.jsonl``: the preset's two signed terms, 240 steps: greedy 0.17 -> 0.315
+  by step 50, sampled reward 0.05 -> 0.2-0.4, responses 22 -> 7 tokens (the preamble dropped) and
+  70-100% of groups without variance (the policy is sure of most answers).
 The workers' NoWork back-off counter is stored as ``controller/workers/told_to_wait_ms`` (it was recorded in
 seconds; the values are the same).
 """
@@ -92,7 +103,13 @@ def test_the_recorded_smollm2_runs_alarm_on_the_three_term_run_and_not_on_the_tw
     # most groups carry no gradient from the start and the reward never rises: raised as soon as the
     # reward's early mean and a window after it are known, then every repeat_every steps
     assert alarms["zero_variance"][0] == HealthConfig().early_steps + HealthConfig().window
-    assert 50 in alarms["reward_flat"]  # greedy accuracy at step 50 no better than at step 0
+    assert alarms["reward_flat"] == [50, 100, 150]  # greedy 0.065, 0.070, 0.065 against 0.065 at step 0
+    # the responses halve (21 -> 10 tokens) while the reward stays where it started: raised within the
+    # window of the step where the windowed length first falls below half the early mean
+    lengths = [(r["step"], r["train/response_len_mean"]) for r in dead if "train/response_len_mean" in r]
+    early = np.mean([v for _, v in lengths[:5]])
+    onset = next(s for s, _ in lengths[15:] if np.mean([v for t, v in lengths if s - 10 < t <= s]) < 0.5 * early)
+    assert alarms["length_collapse"][0] == onset
     learning = recorded("learning_smollm2_signed2_lora.jsonl")
     # the same recipe on the two-term task halves its responses and has as many zero-variance groups
     # early on, but its reward climbs: nothing is raised
