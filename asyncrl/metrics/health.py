@@ -50,19 +50,20 @@ class AlarmSpec:
 
 ALARMS: dict[str, AlarmSpec] = {
     "length_collapse": AlarmSpec(
-        "the mean response length fell below a fraction of its early value",
+        "the mean response length fell below a fraction of its early value while the reward has not risen",
         "health.length_ratio",
         "the policy learned to stop early (answering with a bare number or an end-of-turn token), which "
         "usually follows groups with no reward signal",
         "a lower learner.lr, algo.kl_coef>0 to hold it near the start, a larger algo.group_size, or an "
         "easier task"),
     "entropy_collapse": AlarmSpec(
-        "the token entropy fell below a fraction of its early value while the reward stays low",
+        "the token entropy fell below a fraction of its early value while the reward has not risen",
         "health.entropy_ratio",
         "the policy became near-deterministic before it learned the task: it stops exploring",
         "a lower learner.lr, algo.kl_coef>0, algo.entropy_coef>0, a higher rollout.temperature"),
     "zero_variance": AlarmSpec(
-        "most groups have the same reward for every sample, so they carry no gradient",
+        "most groups have the same reward for every sample, so they carry no gradient, and the reward has not "
+        "risen",
         "health.zero_variance_share",
         "the task is too hard (every sample wrong) or the group too small to contain a right answer",
         "algo.dynamic_sampling=true (train only on informative groups), a larger algo.group_size, or an "
