@@ -1,18 +1,18 @@
 #!/usr/bin/env python
-"""A recipe search: named settings of a SmolLM2 task, several seeds each, at one budget of machine time.
+"""A recipe search: named settings of a SmolLM2 task, several seeds each, at one budget per run.
 
 Every point is a real ``asyncrl train`` run of SmolLM2-135M-Instruct (one int8 W8A8 worker, eta 2, ACR,
 constant learning rate, greedy evaluation of the preset's 200 held-out problems at step 0, every 50
-steps and at the end), stopped by ``learner.time_budget_s``. A row is a named setting:
+steps and at the end), stopped by ``learner.time_budget_s`` or after ``--steps``. A row is a named setting:
 
   lora-2e-4      LoRA r=16, alpha 32, lr 2e-4: the README's SmolLM2 recipe
   lora-5e-5      the same at a quarter of the learning rate
   lora-2e-4-ds   the recipe with the zero-variance alarm's advice: dynamic sampling (DAPO's filter) and
                  groups of 16 (2 groups per step, the same 32 samples)
-  lora-2e-4-kl   the recipe with a KL-to-reference term (algo.kl_coef=0.05), the collapse alarms' advice
   full-2e-5      full fine-tuning at the preset's lr 2e-5
   curriculum     the recipe on the two-term signed sums for the first half of the budget, then on the
-                 preset task from the model that run exported (model.name=path model.path=...)
+                 preset task from the model that run exported (model.name=path model.path=...);
+                 ``--curriculum-first RUN`` starts every seed's second stage from one finished first stage
 
 ``--seeds`` varies ``rollout.seed`` and ``learner.seed`` (sampling and LoRA initialisation); the training
 and held-out problems stay the same. ``--parallel K`` runs K at a time and gives each K x ``--budget-s`` of
@@ -25,10 +25,9 @@ DIR`` only reads the run folders an earlier call left in DIR.
 Reported per run: learner steps, greedy accuracy at step 0 and at the end with its Wilson 95% interval,
 the sampled reward over the first and the last 20 steps, the mean response length over the first 5 and
 the last 20 steps, and the training-health alarms the run's metrics raise under the current rules
-(name@first step). Per row: the mean final
-accuracy over seeds with its 95% interval (Student's t) and the mean gain over step 0. A row learns when
-the lower end of its interval (of one seed: its Wilson interval) is above the step-0 accuracy; the
-closing lines say which rows do.
+(name@first step). Per row: the mean final accuracy over seeds with its 95% interval (Student's t) and
+the mean gain over step 0. A row learns when the lower end of its interval (of one seed: its Wilson
+interval) is above the step-0 accuracy; the closing lines say which rows do.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ ROWS: dict[str, list[str]] = {
     "lora-2e-4": LORA,
     "lora-5e-5": [*LORA, "learner.lr=5e-5"],
     "lora-2e-4-ds": [*LORA, "algo.dynamic_sampling=true", "algo.group_size=16", "rollout.groups_per_step=2"],
-    "lora-2e-4-kl": [*LORA, "algo.kl_coef=0.05"],
     "full-2e-5": [],
     "curriculum": LORA,
 }
@@ -115,7 +113,7 @@ def run_all(jobs: list[list[tuple[str, list[str]]]], runs_dir: Path, parallel: i
 def _start(stages, runs_dir: Path, model: Path | None):
     name, overrides = stages[0]
     if model is not None:
-        overrides += ["model.name=path", f"model.path={model}"]
+        overrides = [*overrides, "model.name=path", f"model.path={model}"]
     log = open(runs_dir / f"{name}.log", "wb")  # noqa: SIM115  (closed when the run ends or is stopped)
     print(f"  {name}: started", flush=True)
     proc = benchlib.start_train(overrides, runs_dir=runs_dir, run_name=name, log=log)
@@ -123,7 +121,7 @@ def _start(stages, runs_dir: Path, model: Path | None):
 
 
 def summarize_run(run_dir: Path) -> dict:
-    """One run's figures from its metrics.jsonl, summary.json and health.jsonl."""
+    """One run's figures from its metrics.jsonl, summary.json and config.json."""
     from asyncrl.metrics import read_metrics
     from asyncrl.metrics.health import health_config, replay
 
