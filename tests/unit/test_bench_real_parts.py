@@ -1,4 +1,4 @@
-"""The measuring parts of scripts/bench_real.py: the Wilson interval and the process-tree memory sampler."""
+"""The measuring parts of scripts/bench_real.py: the Wilson interval (scripts/benchlib.py) and the process-tree memory sampler."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from scripts.benchlib import TreeMemory
-from scripts.benchlib import wilson
+from scripts.benchlib import TreeMemory, wilson
 
 
 def test_wilson_interval_matches_the_closed_form_values():
