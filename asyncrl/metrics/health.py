@@ -250,15 +250,13 @@ class HealthMonitor:
                                  f"{what} {s.mean():.3g} over the last {len(s.recent)} steps is "
                                  f"{s.mean() / s.early_mean():.2f}x its early {s.early_mean():.3g} "
                                  f"(< {key}={ratio:g})"))
-        for name, alarm, limit, what, key in (
-                ("zero_var", "zero_variance", c.zero_variance_share, "of groups had zero reward variance",
+        for name, alarm, judged, limit, what, key in (
+                ("zero_var", "zero_variance", stalled, c.zero_variance_share, "of groups had zero reward variance",
                  "zero_variance_share"),
-                ("majority", "answer_takeover", c.majority_share, "of each batch was its most common response",
+                ("majority", "answer_takeover", True, c.majority_share, "of each batch was its most common response",
                  "majority_share")):
             w = self.windows[name]
-            if alarm == "zero_variance" and not stalled:
-                continue
-            if len(w) == w.maxlen and (m := sum(w) / len(w)) > limit:
+            if judged and len(w) == w.maxlen and (m := sum(w) / len(w)) > limit:
                 reward = self.series["reward"]
                 r = f", train reward {reward.mean():.3f}" if reward.recent else ""
                 out.append(Alarm(step, alarm, m, limit, f"{m:.0%} {what} over the last {len(w)} steps "
