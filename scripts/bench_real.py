@@ -99,7 +99,7 @@ def evaluate(model_dir: Path, overrides: list[str], out: Path, threads: int) -> 
 
 def run_asyncrl(name: str, overrides: list[str], tmp: Path) -> tuple[Path, dict]:
     """One ``asyncrl train`` run, its process tree's memory sampled; returns the run folder and memory."""
-    cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={tmp}", f"run_name={name}", *overrides]
+    cmd = benchlib.train_cmd(overrides, runs_dir=tmp, run_name=name)
     mem = benchlib.run_measured(cmd, tmp / f"{name}.log", learner_label, f"asyncrl train ({name})", benchlib.train_env())
     return tmp / name, {"learner": mem.peak_by_label.get("learner", 0), "job": mem.peak_total_bytes}
 

@@ -68,13 +68,12 @@ def plan(row: str, seed: int, preset: list[str], first: list[str], budget: list[
     stage; a later stage's model is the previous stage's export (added when it starts); ``first`` is the
     curriculum's first task, ``first_model`` a finished first stage's exported model to start from instead."""
     name = f"{row}-s{seed}"
-    seeds = [f"rollout.seed={seed}", f"learner.seed={seed}"]
+    setting = [*COMMON, *ROWS[row], f"rollout.seed={seed}", f"learner.seed={seed}", *budget]
     if row == "curriculum" and first_model:
-        return [(name, [*preset, *COMMON, *ROWS[row], *seeds, *budget, "model.name=path", f"model.path={first_model}"])]
+        return [(name, [*preset, *setting, "model.name=path", f"model.path={first_model}"])]
     if row == "curriculum":
-        return [(f"{name}-a", [*first, *COMMON, *ROWS[row], *seeds, *budget]),
-                (name, [*preset, *COMMON, *ROWS[row], *seeds, *budget])]
-    return [(name, [*preset, *COMMON, *ROWS[row], *seeds, *budget])]
+        return [(f"{name}-a", [*first, *setting]), (name, [*preset, *setting])]
+    return [(name, [*preset, *setting])]
 
 
 def budget_overrides(steps: int, budget_s: float, parallel: int, stages: int) -> list[str]:
@@ -163,8 +162,7 @@ def summarize(runs_dir: Path, rows: list[str], seeds: list[int]) -> tuple[list[d
         if not runs:
             continue
         acc, acc_ci = benchlib.ci95([r["eval_final"] for r in runs])
-        base = statistics.fmean(r["eval_step0"] for r in runs if math.isfinite(r["eval_step0"])) if any(
-            math.isfinite(r["eval_step0"]) for r in runs) else math.nan
+        base = benchlib.ci95([r["eval_step0"] for r in runs])[0]
         # several seeds: the Student-t interval over seeds; one seed: its own Wilson interval
         low = acc - acc_ci if len(runs) > 1 else runs[0]["eval_final_ci95"][0]
         per_row.append({"row": row, "seeds": len(runs), "eval_step0": base, "eval_final_mean": acc,

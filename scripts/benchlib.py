@@ -199,11 +199,16 @@ def train_env() -> dict[str, str]:
     return child_env()
 
 
+def train_cmd(overrides: list[str], *, runs_dir: Path | str, run_name: str) -> list[str]:
+    """The command line of ``asyncrl train runs_dir=RUNS run_name=NAME *overrides`` under this interpreter."""
+    return [sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs_dir}", f"run_name={run_name}", *overrides]
+
+
 def start_train(overrides: list[str], *, runs_dir: Path, run_name: str, log: IO[bytes]) -> subprocess.Popen:
-    """Start ``asyncrl train runs_dir=RUNS run_name=NAME *overrides`` with its output going to ``log``; the
-    caller waits for it and, on any exit of its own, stops it with ``stop_train`` (by PID). The working
-    directory is the repository root, so the models and warm starts are cached in ``.cache/models``."""
-    cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs_dir}", f"run_name={run_name}", *overrides]
+    """Start ``train_cmd`` with its output going to ``log``; the caller waits for it and, on any exit of its
+    own, stops it with ``stop_train`` (by PID). The working directory is the repository root, so the models
+    and warm starts are cached in ``.cache/models``."""
+    cmd = train_cmd(overrides, runs_dir=runs_dir, run_name=run_name)
     return subprocess.Popen(cmd, cwd=ROOT, env=train_env(), stdout=log, stderr=subprocess.STDOUT)
 
 

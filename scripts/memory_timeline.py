@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.json == p.get_default("json"):  # never over a full run's record
         args.json = args.json.replace(".json", ".quick.json")
     runs = Path(tempfile.mkdtemp(prefix="memory_timeline-"))
-    cmd = [sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs}", "run_name=timeline", *overrides]
+    cmd = benchlib.train_cmd(overrides, runs_dir=runs, run_name="timeline")
     mem = benchlib.run_measured(cmd, runs / "train.log", benchlib.run_role, "asyncrl train", benchlib.train_env(),
                                 interval_s=args.interval, timeline=True)
     samples = mem.timeline or []
