@@ -17,12 +17,16 @@ import psutil
 import pytest
 
 from asyncrl.log import BatchRecord, EventRecord, SampleRecord, read_log
-from tests.integration.test_train_e2e import _wait_for_step, asyncrl
+from tests.integration.runs import asyncrl, wait_for_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 G = 8
-RUN = ["learner.total_steps=16", "learner.ckpt_every=4", "learner.eval_every=0", "rollout.eta=2",
+STEPS = 48
+"""Far past the last step a test acts at (10), so every kill lands mid-run and every replacement worker
+(a few seconds to start) joins and every killed one is declared dead before the run ends (see
+``tests.integration.runs``)."""
+RUN = [f"learner.total_steps={STEPS}", "learner.ckpt_every=4", "learner.eval_every=0", "rollout.eta=2",
        "rollout.groups_per_step=4", "rollout.heartbeat_s=0.5",
        "rollout.dead_after_s=3"]
 
@@ -35,6 +39,22 @@ def _children(root: int, marker: str) -> list[psutil.Process]:
                 out.append(p)
         except psutil.NoSuchProcess:
             continue
+    return out
+
+
+def _serving_workers(root: int, run_dir: Path) -> list[psutil.Process]:
+    """The launcher's worker processes the controller counts as members: joined (its log says so) and not yet
+    gone. A worker the launcher is still starting again is left out: killed before it joins, no heartbeat of
+    it is ever missed."""
+    text = (run_dir / "logs" / "controller.log").read_text()
+    out = []
+    for p in _children(root, "workers.generator"):
+        try:
+            worker_id = next(a.split("=", 1)[1] for a in p.cmdline() if a.startswith("worker_id="))
+        except (psutil.NoSuchProcess, StopIteration):
+            continue
+        if f"worker {worker_id} joined" in text and f"worker {worker_id} missed" not in text:
+            out.append(p)
     return out
 
 
@@ -58,20 +78,20 @@ def test_workers_killed_and_replaced_at_run_time_lose_and_duplicate_nothing(tmp_
     proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=chaos", *RUN,
                         "rollout.num_workers=3", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_dir = tmp_path / "chaos"
-    _wait_for_step(run_dir, 2, proc)
+    wait_for_step(run_dir, 2, proc)
     address = json.loads((run_dir / "controller.json").read_text())["control"]
     killed = 0
     for i in range(3):
-        workers = _children(proc.pid, "workers.generator")
-        assert workers, "no worker alive"
+        workers = _serving_workers(proc.pid, run_dir)
+        assert workers, "no joined worker alive"
         victim = rng.choice(workers)
         victim.send_signal(signal.SIGKILL)  # dies mid-generation: no Goodbye, no heartbeat
         killed += 1
         procs.python("-m", "asyncrl", "worker", f"controller={address}", f"worker_id=replacement-{i}")
-        _wait_for_step(run_dir, 4 + 3 * i, proc)
+        wait_for_step(run_dir, 4 + 3 * i, proc)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
-    records = _check_log_exactly_once(run_dir, 16)
+    records = _check_log_exactly_once(run_dir, STEPS)
     left = [r for r in records if isinstance(r, EventRecord) and r.event == "worker_left"]
     assert sum("missed heartbeats" in r.data["reason"] for r in left) >= killed
     joined = {r.data["worker"] for r in records if isinstance(r, EventRecord) and r.event == "worker_joined"}
@@ -84,14 +104,14 @@ def test_killed_controller_resumes_and_the_log_continues_without_loss_or_duplica
     proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=ctlcrash", *RUN,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_dir = tmp_path / "ctlcrash"
-    _wait_for_step(run_dir, 6, proc)
+    wait_for_step(run_dir, 6, proc)
     (controller,) = _children(proc.pid, "workers.controller")
     controller.send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode != 0 and b"controller failed (exit -9): killed by SIGKILL  [log: " in out
     res = asyncrl(procs, "train", f"resume={run_dir}")
     assert res.returncode == 0, res.stdout[-4000:]
-    records = _check_log_exactly_once(run_dir, 16)
+    records = _check_log_exactly_once(run_dir, STEPS)
     resumes = [r for r in records if isinstance(r, EventRecord) and r.event == "resume"]
-    assert len(resumes) == 1 and int(resumes[0].data["version"]) in (4, 8)
-    assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == 16
+    assert len(resumes) == 1 and int(resumes[0].data["version"]) in range(4, STEPS, 4)
+    assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == STEPS

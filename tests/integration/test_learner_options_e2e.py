@@ -11,21 +11,16 @@ workers and learner processes, then ``asyncrl replay`` of the trajectory log.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.integration.runs import asyncrl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1800)]
 
 SHORT = ["learner.total_steps=3", "learner.ckpt_every=0", "learner.eval_every=0", "rollout.eta=1",
          "rollout.groups_per_step=4", "rollout.dead_after_s=60"]
-
-
-def asyncrl(procs, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    proc = procs.python("-m", "asyncrl", *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(errors="replace"), "")
 
 
 def _metrics(run_dir: Path) -> list[dict]:

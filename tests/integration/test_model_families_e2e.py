@@ -9,23 +9,17 @@ template. The MoE has no native decoder: its workers announce the HF fallback pa
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from asyncrl.log import SampleRecord, read_log
 from asyncrl.models.families import make_family_model
+from tests.integration.runs import asyncrl
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 RUN = ["learner.total_steps=3", "learner.ckpt_every=0", "learner.eval_every=0"]
-
-
-def asyncrl(procs, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = procs.python("-m", "asyncrl", *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(errors="replace"), "")
 
 
 def _train(procs, tmp_path: Path, family: str, *extra: str) -> tuple[Path, str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.log import BatchRecord, SampleRecord, read_log
-from tests.integration.test_train_e2e import asyncrl
+from tests.integration.runs import asyncrl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -8,36 +8,19 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from asyncrl.controller.state import read_state
 from asyncrl.rundir import RunDir
+from tests.integration.runs import asyncrl, wait_for_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 STEPS = 24  # far past the step the test interrupts at, so the Ctrl-C always lands mid-run
 RUN = [f"learner.total_steps={STEPS}", "learner.ckpt_every=2", "learner.eval_every=0", "rollout.eta=1",
        "rollout.groups_per_step=2", "rollout.num_workers=1", "rollout.dead_after_s=60"]
-
-
-def asyncrl(procs, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = procs.python("-m", "asyncrl", *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(errors="replace"), "")
-
-
-def wait_for_step(run_dir: Path, step: int, proc, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before the step was reached"
-        path = RunDir(run_dir).metrics
-        if path.exists() and any(json.loads(x)["step"] >= step for x in path.read_text().splitlines() if x):
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"step {step} not reached")
 
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:

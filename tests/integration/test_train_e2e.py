@@ -10,7 +10,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -19,18 +18,18 @@ import psutil
 import pytest
 
 from asyncrl.log import BatchRecord, SampleRecord, read_log
+from tests.integration.runs import asyncrl, wait_for_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 ETA = 1
-SHORT = ["learner.total_steps=12", "learner.ckpt_every=4", "learner.eval_every=0", f"rollout.eta={ETA}",
-         "rollout.groups_per_step=4", "rollout.dead_after_s=60"]
-
-
-def asyncrl(procs, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = procs.python("-m", "asyncrl", *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(errors="replace"), "")
+STEPS = 12
+COMMON = ["learner.ckpt_every=4", "learner.eval_every=0", f"rollout.eta={ETA}", "rollout.groups_per_step=4",
+          "rollout.dead_after_s=60"]
+SHORT = [f"learner.total_steps={STEPS}", *COMMON]
+INTERRUPTED_STEPS = 40
+"""A run the test stops at step 6: far past it, so the stop always lands mid-run (see ``tests.integration.runs``)."""
+INTERRUPTED = [f"learner.total_steps={INTERRUPTED_STEPS}", *COMMON]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,7 @@ def test_run_folder_holds_every_artifact(short_run):
     for key in ("final_train_reward", "eval_accuracy", "learner_steps", "wall_seconds", "max_consumed_staleness",
                 "samples_logged", "state_dict_sha256"):
         assert key in summary
-    assert summary["learner_steps"] == 12 and summary["state_dict_sha256"] in out
+    assert summary["learner_steps"] == STEPS and summary["state_dict_sha256"] in out
 
 
 def test_no_consumed_token_is_staler_than_eta_and_every_sample_is_logged_once(short_run):
@@ -77,7 +76,7 @@ def test_no_consumed_token_is_staler_than_eta_and_every_sample_is_logged_once(sh
     samples, batches = _log(run_dir)
     ids = Counter(r.sample.sample_id for r in samples)
     assert ids and max(ids.values()) == 1, [k for k, v in ids.items() if v > 1][:5]
-    assert [b.step for b in batches] == list(range(12))
+    assert [b.step for b in batches] == list(range(STEPS))
     consumed = Counter(sid for b in batches for sid in b.sample_ids)
     assert max(consumed.values()) == 1 and set(consumed) <= set(ids)
     by_id = {r.sample.sample_id: r for r in samples}
@@ -111,7 +110,7 @@ def test_replay_at_world_size_two_gives_the_same_loss_curve(short_run, procs):
         assert res.returncode == 0, res.stdout[-4000:]
         lines = [json.loads(x) for x in (run_dir.parent / name / "metrics.jsonl").read_text().splitlines()]
         curves[ws] = [(r["step"], r["actor/pg_loss"]) for r in lines if r.get("actor/pg_loss") is not None]
-    assert len(curves[1]) == 12
+    assert len(curves[1]) == STEPS
     assert [s for s, _ in curves[1]] == [s for s, _ in curves[2]]
     for (_, a), (_, b) in zip(curves[1], curves[2], strict=True):
         assert a == pytest.approx(b, abs=1e-6)
@@ -146,33 +145,22 @@ def _learner_rank_pids(root_pid: int) -> list[int]:
     return pids
 
 
-def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before the step was reached"
-        path = run_dir / "metrics.jsonl"
-        if path.exists() and any(json.loads(x)["step"] >= step for x in path.read_text().splitlines() if x):
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"step {step} not reached")
-
-
 def test_killed_learner_resumes_with_the_next_version_and_loses_no_group(tmp_path, procs):
-    proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=crash", *SHORT,
+    proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=crash", *INTERRUPTED,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_dir = tmp_path / "crash"
-    _wait_for_step(run_dir, 6, proc)
+    wait_for_step(run_dir, 6, proc)
     for pid in _learner_rank_pids(proc.pid):  # fault injection: the learner dies without warning
         psutil.Process(pid).send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0 and b"learner failed" in out
     ckpt = json.loads((run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text() /
                        "learner.json").read_text())["version"]
-    assert ckpt in (4, 8)
+    assert ckpt % 4 == 0 and 4 <= ckpt < INTERRUPTED_STEPS  # the newest checkpoint before the kill
     res = asyncrl(procs, "train", f"resume={run_dir}")
     assert res.returncode == 0, res.stdout[-4000:]
     samples, batches = _log(run_dir)
-    assert [b.step for b in batches] == list(range(12))  # continued at the next version, nothing twice
+    assert [b.step for b in batches] == list(range(INTERRUPTED_STEPS))  # continued at the next version, nothing twice
     ids = Counter(r.sample.sample_id for r in samples)
     assert max(ids.values()) == 1
     consumed = Counter(sid for b in batches for sid in b.sample_ids)
@@ -181,7 +169,7 @@ def test_killed_learner_resumes_with_the_next_version_and_loses_no_group(tmp_pat
     assert set(groups.values()) == {8}  # every consumed group is whole
     events = [r for r in read_log(run_dir / "trajectories").records if getattr(r, "event", "") == "resume"]
     assert events and events[0].data["version"] == str(ckpt)
-    assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == 12
+    assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == INTERRUPTED_STEPS
 
 
 def test_aqn_resampled_at_every_forward_trains_end_to_end(tmp_path, procs):
@@ -245,10 +233,10 @@ def test_bad_configuration_fails_before_any_process_starts(tmp_path):
 
 
 def test_ctrl_c_stops_everything_and_leaves_a_resumable_checkpoint(tmp_path, procs):
-    proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=ctrlc", *SHORT,
+    proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=ctrlc", *INTERRUPTED,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_dir = tmp_path / "ctrlc"
-    _wait_for_step(run_dir, 6, proc)
+    wait_for_step(run_dir, 6, proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 130, out.decode(errors="replace")[-2000:]
@@ -258,7 +246,7 @@ def test_ctrl_c_stops_everything_and_leaves_a_resumable_checkpoint(tmp_path, pro
     assert not alive, f"still running after Ctrl-C: {alive}"
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     version = json.loads((run_dir / "checkpoints" / latest / "learner.json").read_text())["version"]
-    assert version >= 6  # the learner checkpointed where it stopped, with the controller's matching state
+    assert 6 <= version < INTERRUPTED_STEPS  # the learner checkpointed where it stopped, with the controller's state
     from asyncrl.controller.state import read_state  # checksummed: verified as it is read
 
     state = read_state(run_dir / "checkpoints" / f"controller-{version:08d}.json")
@@ -267,5 +255,5 @@ def test_ctrl_c_stops_everything_and_leaves_a_resumable_checkpoint(tmp_path, pro
     events = [r for r in read_log(run_dir / "trajectories").records if getattr(r, "event", "") == "resume"]
     assert events[0].data == {"version": str(version), "cursor": str(state["cursor"])}  # same dataset position
     samples, batches = _log(run_dir)
-    assert [b.step for b in batches] == list(range(12))
+    assert [b.step for b in batches] == list(range(INTERRUPTED_STEPS))
     assert max(Counter(r.sample.sample_id for r in samples).values()) == 1
