@@ -8,12 +8,11 @@ finished run instead of an interrupted one.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
 
-from asyncrl.rundir import RunDir
+from asyncrl.metrics import read_metrics
 
 POLL_S = 0.1
 
@@ -26,17 +25,9 @@ def asyncrl(procs, *args: str, timeout: float = 900) -> subprocess.CompletedProc
 
 
 def reached_step(run_dir: Path) -> int:
-    """The newest step in the run's ``metrics.jsonl`` (-1 before the first whole row)."""
-    path = RunDir(run_dir).metrics
-    if not path.exists():
-        return -1
-    steps = [-1]
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(int(json.loads(line)["step"]))
-        except (ValueError, KeyError):  # a row being written as it is read
-            continue
-    return max(steps)
+    """The newest step in the run's ``metrics.jsonl`` (-1 before the first whole row; a row still being
+    written is skipped by ``read_metrics``)."""
+    return max((r["step"] for r in read_metrics(run_dir)), default=-1)
 
 
 def wait_for_step(run_dir: Path, step: int, proc, timeout: float = 600) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.log import BatchRecord, SampleRecord, read_log
+from asyncrl.metrics import read_metrics
 from tests.integration.runs import asyncrl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
@@ -74,11 +75,7 @@ def worker(procs, tmp_path: Path, name: str, address: str, worker_id: str = "w0"
 
 def steps_done(run_dir: Path) -> int:
     """The newest version the learner reported (metrics.jsonl rows with a loss)."""
-    try:
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    except (OSError, ValueError):
-        return 0
-    return max((r["step"] for r in rows if "actor/pg_loss" in r), default=0)
+    return max((r["step"] for r in read_metrics(run_dir) if "actor/pg_loss" in r), default=0)
 
 
 def wait_for_step(run_dir: Path, step: int, *roles: Role, timeout: float = 300) -> None:

@@ -102,21 +102,23 @@ def test_the_recorded_smollm2_runs_alarm_on_the_three_term_run_and_not_on_the_tw
     alarms = fired(dead)
     # most groups carry no gradient from the start and the reward never rises: raised as soon as the
     # reward's early mean and a window after it are known, then every repeat_every steps
-    assert alarms["zero_variance"][0] == HealthConfig().early_steps + HealthConfig().window
+    c = HealthConfig()
+    assert alarms["zero_variance"][0] == c.early_steps + c.window
     assert alarms["reward_flat"] == [50, 100, 150]  # greedy 0.065, 0.070, 0.065 against 0.065 at step 0
     # the responses halve (21 -> 10 tokens) while the reward stays where it started: raised within the
     # window of the step where the windowed length first falls below half the early mean
     lengths = [(r["step"], r["train/response_len_mean"]) for r in dead if "train/response_len_mean" in r]
-    early = np.mean([v for _, v in lengths[:5]])
-    onset = next(s for s, _ in lengths[15:] if np.mean([v for t, v in lengths if s - 10 < t <= s]) < 0.5 * early)
+    early = np.mean([v for _, v in lengths[:c.early_steps]])
+    onset = next(s for s, _ in lengths[c.early_steps + c.window:]
+                 if np.mean([v for t, v in lengths if s - c.window < t <= s]) < c.length_ratio * early)
     assert alarms["length_collapse"][0] == onset
     learning = recorded("learning_smollm2_signed2_lora.jsonl")
     # the same recipe on the two-term task halves its responses and has as many zero-variance groups
     # early on, but its reward climbs: nothing is raised
     lengths = [r["train/response_len_mean"] for r in learning if "train/response_len_mean" in r]
-    assert np.mean(lengths[-10:]) < 0.5 * np.mean(lengths[:5])
+    assert np.mean(lengths[-c.window:]) < c.length_ratio * np.mean(lengths[:c.early_steps])
     zero_var = [r["train/zero_variance_groups"] for r in learning if "train/zero_variance_groups" in r]
-    assert np.mean(zero_var[:10]) > HealthConfig().zero_variance_share
+    assert np.mean(zero_var[:c.window]) > c.zero_variance_share
     assert fired(learning) == {}
     # what the rules raised before the learning gate (health.learning_gain) existed
     assert {"zero_variance", "length_collapse"} <= set(fired(learning, HealthConfig(learning_gain=1.0)))
