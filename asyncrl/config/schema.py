@@ -209,9 +209,12 @@ class LearnerConfig(StepConfig):
     """Greedy evaluation on the held-out set every N steps (0: only at the end)."""
     time_budget_s: float = 0.0
     """Stop training after this many seconds (0: no limit), counted from the learner's first batch
-    request. The controller answers the first batch request past the budget with ``Shutdown``; the
-    learner then ends as at ``total_steps`` (final checkpoint, export, final evaluation). A step that
-    started inside the budget finishes. A resumed run continues with what is left of it."""
+    request. The budget is checked when the learner asks for a new step: the controller answers the first
+    request for a step past the budget with ``Shutdown``, and the learner ends as at ``total_steps`` (final
+    checkpoint, export, final evaluation). A step asked for inside the budget is trained however long its
+    batch takes (the same request sent again while it waits is not checked again), so a fresh run trains at
+    least one step whatever the machine's speed, and a spent budget of a microsecond trains exactly one. A
+    resumed run continues with what is left of it."""
     seed: int = 0
     num_threads: int = 0
     """Torch intra-op threads per learner rank; 0 = the CPUs left beside one per generation

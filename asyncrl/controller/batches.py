@@ -64,6 +64,11 @@ def request_batch(core: LearnerSide, peer: bytes, msg: P.BatchRequest, now: floa
     if core.stop_reason is not None:  # learner.stop_on: finish as at the time budget
         core.pending_batch = None
         return [(peer, P.Shutdown(reason=core.stop_reason))]
+    if msg.step == core.pending_batch:
+        # The same request again (the learner's probe got a Welcome, or it re-sent while waiting): the step
+        # was asked for inside the budget, so it is served however long its batch takes. Checking the
+        # budget again here would make a slow first batch end a run with no step, on a slow machine only.
+        return try_batch(core)
     if core.budget_spent(now):
         core.pending_batch = None
         budget = core.cfg.learner.time_budget_s

@@ -2,8 +2,9 @@
 
 It also checks, on that real run, that the launcher and the controller never load torch and that
 the learner at world size 1 runs without a torchrun agent. A budget of one microsecond is spent by the time the learner asks for its second batch (the clock
-starts at the first request, and a training step takes far longer), so the run trains exactly one
-step whatever the machine's speed; it must still write its final checkpoint, the exported model,
+starts at the first request, and a training step takes far longer), and the first step, asked for inside
+the budget, is served however long its batch takes (the learner's re-sent request for it is not checked
+again), so the run trains exactly one step whatever the machine's speed; it must still write its final checkpoint, the exported model,
 the final evaluation and the summary, like a run that reached ``learner.total_steps``.
 """
 

@@ -57,8 +57,8 @@ def hello(role, peer_id, fmt="int8", version=0):
                    capabilities={"quant_format": fmt} if role == "generator" else LEARNER_CAPS)
 
 
-def register(core):
-    assert isinstance(core.handle(b"L", hello("learner", "learner"))[0][1], P.Welcome)
+def register(core, version=0):
+    assert isinstance(core.handle(b"L", hello("learner", "learner", version=version))[0][1], P.Welcome)
     assert isinstance(core.handle(b"W", hello("generator", "w"))[0][1], P.Welcome)
     core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, version=0))
 
@@ -67,12 +67,14 @@ def answer(core, assignment, worker="w", version=0, correct=(True, False, False,
     prompt = core.scorer.decode(assignment.prompt_ids.to_numpy().tolist())  # "a+b="
     a, b = prompt.rstrip("=").split("+")
     right = [4 + c for c in str(int(a) + int(b)).encode()] + [2]  # byte ids + <eos>
+    replies = []  # what the controller answered (the learner's batch, when a sample completed it)
     for sid, ok in zip(assignment.sample_ids, correct, strict=False):
         ids = np.array(right if ok else [4 + ord("x"), 2], np.int32)
-        core.on_sample(P.FinishedSample(
+        replies += core.on_sample(P.FinishedSample(
             sample_id=sid, group_id=assignment.group_id, prompt_ids=assignment.prompt_ids,
             response_ids=P.Array.from_numpy(ids), behav_logp=P.Array.from_numpy(np.full(len(ids), -0.5, np.float32)),
             versions=P.Array.from_numpy(np.full(len(ids), version, np.int32)), finish_reason="stop", worker_id=worker))
+    return replies
 
 
 def test_generators_wait_for_the_learner_and_unknown_formats_are_refused(tmp_path, model_dir):
@@ -146,26 +148,30 @@ def test_state_round_trips_and_the_log_is_cut_back_to_it(tmp_path, model_dir):
     assert ids == list(assignments[0].sample_ids)
 
 
-def test_time_budget_answers_the_first_batch_request_past_it_with_shutdown_and_survives_resume(tmp_path, model_dir):
+def test_time_budget_answers_the_first_request_for_a_new_step_past_it_with_shutdown_and_survives_resume(
+        tmp_path, model_dir):
     now = [100.0]
     core = make_core(tmp_path, model_dir, extra=["learner.time_budget_s=10"], clock=lambda: now[0])
     register(core)
     now[0] = 500.0  # time before the first batch request does not count
     assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0  # no batch ready yet
-    now[0] = 509.5
-    assert core.handle(b"L", P.BatchRequest(step=0)) == []
-    now[0] = 510.0
-    (peer, reply), = core.handle(b"L", P.BatchRequest(step=0))
+    now[0] = 520.0  # past the budget while step 0 waits for its groups: the step was asked for inside it
+    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0  # the learner's re-send
+    sent = [m for _, a in core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
+            if isinstance(a, P.RolloutAssignment) for m in answer(core, a)]
+    assert [m.step for _, m in sent if isinstance(m, P.TrainBatch)] == [0]  # trained, however late
+    core.handle(b"L", P.VersionUpdate(version=1, metrics={}))
+    (peer, reply), = core.handle(b"L", P.BatchRequest(step=1))  # a new step past the budget
     assert peer == b"L" and isinstance(reply, P.Shutdown) and "learner.time_budget_s=10" in reply.reason
-    assert core.pending_batch is None
+    assert "before step 1" in reply.reason and core.pending_batch is None
     core.save(tmp_path / "state.json")
     core.close()
     state = read_state(tmp_path / "state.json")
-    assert state["budget_used_s"] == 10.0
+    assert state["budget_used_s"] == 20.0
     resumed = make_core(tmp_path / "resumed", model_dir, extra=["learner.time_budget_s=10"], clock=lambda: now[0])
     resumed.load_state(state)
-    register(resumed)
-    (_, reply), = resumed.handle(b"L", P.BatchRequest(step=0))  # nothing is left of the budget
+    register(resumed, version=1)
+    (_, reply), = resumed.handle(b"L", P.BatchRequest(step=1))  # nothing is left of the budget
     assert isinstance(reply, P.Shutdown)
 
 
