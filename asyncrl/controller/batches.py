@@ -48,6 +48,7 @@ class LearnerSide(Protocol):
     counters: Counter
     learner_peer: bytes | None
     pending_batch: int | None
+    budget_admitted_step: int | None
     stop_reason: str | None
     max_consumed_staleness: int
 
@@ -64,16 +65,17 @@ def request_batch(core: LearnerSide, peer: bytes, msg: P.BatchRequest, now: floa
     if core.stop_reason is not None:  # learner.stop_on: finish as at the time budget
         core.pending_batch = None
         return [(peer, P.Shutdown(reason=core.stop_reason))]
-    if msg.step == core.pending_batch:
-        # The same request again (the learner's probe got a Welcome, or it re-sent while waiting): the step
-        # was asked for inside the budget, so it is served however long its batch takes. Checking the
-        # budget again here would make a slow first batch end a run with no step, on a slow machine only.
-        return try_batch(core)
-    if core.budget_spent(now):
-        core.pending_batch = None
-        budget = core.cfg.learner.time_budget_s
-        log.info("learner.time_budget_s=%g spent (%.1f s): no batch %d", budget, core.budget_elapsed(now), msg.step)
-        return [(peer, P.Shutdown(reason=f"learner.time_budget_s={budget:g} spent before step {msg.step}"))]
+    # A step asked for inside the budget is served however long its batch takes: the same request again (the
+    # learner re-sends it after each Welcome its 5 s probe gets) is not checked again. Checking it again would
+    # make a slow first batch end a run with no step, on a slow machine only.
+    if msg.step != core.budget_admitted_step:
+        if core.budget_spent(now):
+            core.pending_batch = None
+            budget = core.cfg.learner.time_budget_s
+            log.info("learner.time_budget_s=%g spent (%.1f s): no batch %d", budget, core.budget_elapsed(now),
+                     msg.step)
+            return [(peer, P.Shutdown(reason=f"learner.time_budget_s={budget:g} spent before step {msg.step}"))]
+        core.budget_admitted_step = msg.step
     core.pending_batch = msg.step
     return try_batch(core)
 

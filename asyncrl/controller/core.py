@@ -101,6 +101,7 @@ class ControllerCore:
         # clock at this process's first batch request
         self.budget_used_s = 0.0
         self.budget_t0: float | None = None
+        self.budget_admitted_step: int | None = None  # the step last asked for inside the budget (served however late)
         self.stop_reason: str | None = None  # set (learner.stop_on): the next batch request gets Shutdown
         self.counters: Counter = Counter()
         self.max_consumed_staleness = 0

@@ -156,7 +156,9 @@ def test_time_budget_answers_the_first_request_for_a_new_step_past_it_with_shutd
     now[0] = 500.0  # time before the first batch request does not count
     assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0  # no batch ready yet
     now[0] = 520.0  # past the budget while step 0 waits for its groups: the step was asked for inside it
-    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0  # the learner's re-send
+    (_, welcome), = core.handle(b"L", hello("learner", "learner"))  # the waiting learner's probe
+    assert isinstance(welcome, P.Welcome) and core.pending_batch is None
+    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0  # its re-send: no Shutdown
     sent = [m for _, a in core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
             if isinstance(a, P.RolloutAssignment) for m in answer(core, a)]
     assert [m.step for _, m in sent if isinstance(m, P.TrainBatch)] == [0]  # trained, however late
