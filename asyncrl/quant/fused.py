@@ -3,9 +3,10 @@
 Owns: `SiblingGroup`, which makes the linears that read the same input (the q/k/v projections of one
 attention block, the gate/up projections of one MLP) share one input conversion and one matmul, and
 `fuse_siblings(model)`, which forms the groups.
-    Int8Linear  one activation quantisation, one `torch._int_mm` over the stacked codes, then each
-                member's own fp32 epilogue: bit-identical to the unfused modules (same codes, same
-                per-token scales, exact int32 sums, same fp32 ops per column)
+    Int8Linear  one activation quantisation, one `torch._int_mm` (or `int_mm_fp32` over the stacked fp32
+                copy of the codes) over the stacked codes, then each member's own fp32 epilogue:
+                bit-identical to the unfused modules (same codes, same per-token scales, exact int32
+                sums, same fp32 ops per column)
     Bf16Linear  one cast of x to bf16, one bf16 GEMM over the stacked weights, then each member's
                 cast to fp32 and bias add: equal to the unfused modules up to the GEMM's summation
                 order (every output element is the same K-term sum, rounded to bf16 once)
@@ -42,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from .fp8 import quantize_act_fp8, quantize_act_fp8_codes
-from .int8 import int8_epilogue, int_mm, quantize_act_int8
+from .int8 import int8_epilogue, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
 from .kernels import act_quant_int8_compiled, int8_epilogue_compiled, linear_bf16, scaled_mm_fp8
 from .linear import Bf16Linear, DecodedLinear, Fp8Linear, Int8Linear, QuantLinear
 
@@ -60,7 +61,7 @@ def stacked_names(m: QuantLinear) -> tuple[str, ...]:
     if isinstance(m, DecodedLinear):
         return ("_w_decoded",)
     names = FUSED_BUFFERS[type(m)]
-    if isinstance(m, Fp8Linear) and m.kernel == "fp8_emul":
+    if m.kernel in ("fp8_emul", "int_mm_fp32"):
         names = (*names, "_w_codes")
     return names
 
@@ -146,7 +147,7 @@ class SiblingGroup:
     def _compute(self, x2: Tensor) -> list[Tensor]:
         """x2 [M, K] fp32 -> every member's output, contiguous [M, N_i] fp32, by the group's kernel."""
         k = self.kernel
-        if k in ("int_mm", "int_mm_compiled"):
+        if k in ("int_mm", "int_mm_compiled", "int_mm_fp32"):
             return self._int8(x2)
         if k in ("bf16", "wo_bf16"):
             return self._bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
@@ -180,8 +181,12 @@ class SiblingGroup:
 
     def _int8(self, x2: Tensor) -> list[Tensor]:
         compiled = self.kernel == "int_mm_compiled"
-        qx, sx = (act_quant_int8_compiled if compiled else quantize_act_int8)(x2)
-        acc = int_mm(qx, self.codes.t())  # [M, sum N] int32, exact
+        if self.kernel == "int_mm_fp32":
+            qf, sx = quantize_act_int8_f32(x2)
+            acc = int_mm_fp32(qf, self.fused["_w_codes"].t())  # [M, sum N] the same exact sums
+        else:
+            qx, sx = (act_quant_int8_compiled if compiled else quantize_act_int8)(x2)
+            acc = int_mm(qx, self.codes.t())  # [M, sum N] int32, exact
         scales = self.fused["weight_scale"]
         # Per-member epilogue (the fp32 ops of int8_linear) writing contiguous outputs: downstream
         # kernels (attention) may round differently on strided inputs, and no copy is needed.

@@ -1,7 +1,8 @@
 """INT8: symmetric row-wise quantisation and the W8A8 integer matmul.
 
 Owns: the int8 rounding rule (shared by weights, per-output-channel, and activations, per-token),
-its inverse, and `int8_linear`, the real integer matmul (`torch._int_mm`, int32 accumulation).
+its inverse, and `int8_linear`, the real integer matmul (`torch._int_mm`, int32 accumulation), with
+`int_mm_fp32`, the same int32 sums from fp32 GEMMs over the codes (CPUs without an int8 dot product).
 
 Rounding rule, exact (rows are the last-dim vectors of a 2-D tensor):
     amax_r  = max_k |x[r, k]|                         (exact)
@@ -160,8 +161,39 @@ def quantize_act_int8(x2: Tensor) -> tuple[Tensor, Tensor]:
     garbage codes, as any kernel would), fp32 input expected.
     x2: [M, K] fp32 -> codes [M, K] int8, scale [M, 1] fp32
     """
+    codes, scale = quantize_act_int8_f32(x2)
+    return codes.to(torch.int8), scale
+
+
+def quantize_act_int8_f32(x2: Tensor) -> tuple[Tensor, Tensor]:
+    """`quantize_act_int8` with the codes left in fp32 (the same integers in [-127, 127], exactly), for
+    `int_mm_fp32`. x2: [M, K] fp32 -> codes [M, K] fp32, scale [M, 1] fp32."""
     scale = row_amax(x2).div_(INT8_QMAX).clamp_(min=MIN_SCALE)
-    return torch.div(x2, scale).round_().to(torch.int8), scale
+    return torch.div(x2, scale).round_(), scale
+
+
+FP32_EXACT_K = 1024
+"""Longest K whose int8 code products sum exactly in fp32: 1024 * 127**2 = 16,516,096 < 2**24, so every
+partial sum, in any order, is an integer fp32 holds exactly."""
+
+
+def int_mm_fp32(a: Tensor, b_t: Tensor) -> Tensor:
+    """The int32 sums of `int_mm`, computed by fp32 GEMMs over int8 codes held as fp32 (for CPUs without an
+    int8 dot-product instruction, where `torch._int_mm` runs 10-75x slower than an fp32 GEMM).
+    a: [M, K] fp32 codes, b_t: [K, N] fp32 codes (a transposed [N, K] weight view) -> [M, N].
+
+    K is cut into `FP32_EXACT_K` slices: each slice's fp32 GEMM is exact (every partial sum an integer below
+    2**24), and the slices add in int32. K <= 1024 returns the fp32 sums themselves (exact integers, the same
+    values `fp32(acc)` takes in `int8_epilogue`); a longer K returns int32. Either way ``.to(torch.int32)``
+    equals `int_mm` on the int8 codes bit for bit (tests/unit/quant/test_int8_fp32_kernel.py)."""
+    k = a.shape[1]
+    if k <= FP32_EXACT_K:
+        return torch.mm(a, b_t)
+    acc = torch.mm(a[:, :FP32_EXACT_K], b_t[:FP32_EXACT_K]).to(torch.int32)
+    for k0 in range(FP32_EXACT_K, k, FP32_EXACT_K):
+        k1 = min(k, k0 + FP32_EXACT_K)
+        acc += torch.mm(a[:, k0:k1], b_t[k0:k1]).to(torch.int32)
+    return acc
 
 
 def int_mm(a: Tensor, b_t: Tensor) -> Tensor:
@@ -187,7 +219,8 @@ def int8_linear(qx: Tensor, sx: Tensor, qw: Tensor, sw: Tensor, bias: Tensor | N
 
 
 def int8_epilogue(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None) -> Tensor:
-    """acc [M, N] int32 (any strides), sx [M, 1], sw [N], bias [N] or None -> contiguous [M, N] fp32
+    """acc [M, N] int32, or fp32 holding integers below 2**24 (`int_mm_fp32`; any strides), sx [M, 1],
+    sw [N], bias [N] or None -> contiguous [M, N] fp32
     fp32(fp32(fp32(acc) * sx) * sw) + bias: three correctly rounded ops, never contracted into an FMA."""
     y = acc * sx
     y.mul_(sw)

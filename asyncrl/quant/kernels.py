@@ -6,8 +6,13 @@ kernels that are not the CPU reference rules of int8.py / fp8.py:
 
     kernel       formats                  what runs (x2 [M, K] fp32 -> y [M, N] fp32)
     bf16         bf16                     y = fp32(linear(bf16(x), W_bf16)) + bias
-    int_mm       int8 (CPU; CUDA without   int8.py: per-token int8 codes, `torch._int_mm`, exact int32 sums
-                 Triton)
+    int_mm       int8 (CPU with an int8    int8.py: per-token int8 codes, `torch._int_mm`, exact int32 sums
+                 dot product; CUDA
+                 without Triton)
+    int_mm_fp32  int8 on a CPU without     int8.py: the same codes held as fp32 (the weight's refreshed in place
+                 an int8 dot product       on each load), fp32 GEMMs over K slices of <= 1024 (every partial sum
+                 (no VNNI, AMX-INT8)       an exact integer), slices added in int32: the int32 sums of int_mm,
+                                          bit for bit, at about the fp32 GEMM's speed instead of 0.01-0.1x it
     int_mm_compiled  int8 on CUDA with     the same, with the activation quantisation and the epilogue each
                  Triton                   one `torch.compile`d kernel under Inductor's eager-numerics options
                                           (correctly rounded division, no FMA contraction, no flush to zero)
@@ -19,6 +24,7 @@ kernels that are not the CPU reference rules of int8.py / fp8.py:
     wo_bf16      int8_wo/nvfp4/mxfp4 CUDA W decoded once per load to bf16 (W_bf16 = bf16_rne(dequant W));
                                           y = fp32(linear(bf16(x), W_bf16)) + bias (a W·A16 rule)
 
+Which CPU kernel int8 runs is read from the processor's flags (asyncrl/machine.py: `int8_dot_native`).
 The CPU path of every format is the reference the CUDA path must match: the same activation codes
 (torch's elementwise ops are correctly rounded on both devices), the same int32 sums for int8, the fp8
 sums up to fp32 summation order and the epilogue up to the order of its two scale products (at most one
@@ -40,11 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from asyncrl.machine import bf16_native, int8_dot_native
+
 from .int8 import int8_epilogue, quantize_act_int8
 
 KERNELS: dict[str, tuple[str, ...]] = {
     "bf16": ("bf16",),
-    "int8": ("int_mm", "int_mm_compiled"),
+    "int8": ("int_mm", "int_mm_compiled", "int_mm_fp32"),
     "fp8": ("fp8_emul", "scaled_mm"),
     "int8_wo": ("wo_fp32", "wo_bf16"),
     "nvfp4": ("wo_fp32", "wo_bf16"),
@@ -69,15 +77,17 @@ def triton_available() -> bool:
 
 
 def select_kernel(fmt: str, device: torch.device, out_features: int, in_features: int,
-                  capability: tuple[int, int] | None = None, compiler: bool | None = None) -> str:
+                  capability: tuple[int, int] | None = None, compiler: bool | None = None,
+                  cpu_flags: frozenset[str] | None = None) -> str:
     """The kernel a linear of `fmt` with an [out_features, in_features] weight runs on `device`.
-    ``capability`` defaults to the device's own, ``compiler`` to `triton_available()` (pass them to ask
-    about a device that is not here)."""
+    ``capability`` defaults to the device's own, ``compiler`` to `triton_available()`, ``cpu_flags`` to this
+    CPU's (asyncrl/machine.py; pass them to ask about a device that is not here)."""
     if fmt not in KERNELS:
         raise ValueError(f"no quantised kernel for format {fmt!r}; choose one of {sorted(KERNELS)}")
     if fmt == "int8":
-        fused = device.type == "cuda" and (triton_available() if compiler is None else compiler)
-        return "int_mm_compiled" if fused else "int_mm"
+        if device.type != "cuda":
+            return "int_mm" if int8_dot_native(cpu_flags) else "int_mm_fp32"
+        return "int_mm_compiled" if (triton_available() if compiler is None else compiler) else "int_mm"
     cap = capability if capability is not None else cuda_capability(device)
     if fmt == "fp8":
         aligned = out_features % SCALED_MM_ALIGN == 0 and in_features % SCALED_MM_ALIGN == 0
@@ -85,6 +95,33 @@ def select_kernel(fmt: str, device: torch.device, out_features: int, in_features
     if fmt in ("int8_wo", "nvfp4", "mxfp4"):
         return "wo_bf16" if device.type == "cuda" else "wo_fp32"
     return KERNELS[fmt][0]
+
+
+KERNEL_NOTES: dict[str, str] = {
+    "bf16": "bf16 GEMMs",
+    "int_mm": "torch._int_mm on the int8 codes",
+    "int_mm_compiled": "torch._int_mm with compiled activation quantisation and epilogue",
+    "int_mm_fp32": ("exact int8 sums from fp32 GEMMs over the codes (this CPU has no int8 dot product, where "
+                    "torch._int_mm runs 10-75x slower than fp32; the same bits)"),
+    "fp8_emul": "an fp32 GEMM over the decoded E4M3 codes",
+    "scaled_mm": "torch._scaled_mm on the E4M3 codes",
+    "wo_fp32": "weights decoded to fp32 once per load",
+    "wo_bf16": "weights decoded to bf16 once per load",
+}
+"""What each kernel runs, in words (the rollout worker's start line)."""
+
+
+def explain_kernels(fmt: str, kernels: set[str] | frozenset[str], device_type: str,
+                    cpu_flags: frozenset[str] | None = None) -> str:
+    """One phrase naming what a ``fmt`` actor with linears on ``kernels`` runs on a ``device_type`` device, and
+    the format to use instead where this one cannot pay here (bf16 on a CPU without bf16 matmul instructions)."""
+    if fmt == "fp32" or not kernels:
+        return f"{fmt}: full-precision GEMMs"
+    text = f"{fmt} on {', '.join(sorted(kernels))}: " + "; ".join(KERNEL_NOTES[k] for k in sorted(kernels))
+    if device_type == "cpu" and "bf16" in kernels and not bf16_native(cpu_flags):
+        text += " (this CPU has no bf16 matmul instructions, so bf16 runs many times slower than fp32: use quant=fp32"
+        text += " or int8 here)"
+    return text
 
 
 def check_kernel(fmt: str, kernel: str, out_features: int, in_features: int) -> str:

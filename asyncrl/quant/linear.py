@@ -13,7 +13,9 @@ and shape by `kernels.select_kernel` (module attribute `kernel`; kernels.py has 
                    one cast and one GEMM (fused.py), equal to the unfused modules up to summation order
     Int8Linear     W8A8: per-token int8 activations, `torch._int_mm`, int32 accumulation (int8.py);
                    siblings share one activation quantisation and one matmul (fused.py), bit-identical;
-                   on CUDA with Triton the quantisation and the epilogue are compiled kernels (same bits)
+                   on CUDA with Triton the quantisation and the epilogue are compiled kernels (same bits);
+                   on a CPU without an int8 dot product the same sums from fp32 GEMMs over an fp32 copy
+                   of the codes (`int_mm_fp32`, same bits)
     Fp8Linear      E4M3 weights, optional per-token E4M3 activations: `torch._scaled_mm` on CUDA sm_89+,
                    elsewhere the emulated scaled-GEMM rule (fp8.py) over an fp32 copy of the codes
                    (siblings fuse, fused.py, as do the weight-only formats')
@@ -39,7 +41,7 @@ from torch import Tensor, nn
 
 from .formats import dequantize_weight, quantize_weight, weight_suffixes
 from .fp8 import fp8_linear, quantize_act_fp8_codes
-from .int8 import int8_linear, int_mm, quantize_act_int8
+from .int8 import int8_epilogue, int8_linear, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
 from .kernels import (
     KERNELS,
     act_quant_int8_compiled,
@@ -161,18 +163,44 @@ class Bf16Linear(QuantLinear):
 
 
 class Int8Linear(QuantLinear):
-    """W8A8 with a real integer matmul. Siblings reading one input may be fused (fused.py)."""
+    """W8A8 with exact integer sums. Siblings reading one input may be fused (fused.py).
+
+    Kernels: ``int_mm`` and ``int_mm_compiled`` multiply the int8 codes themselves (`torch._int_mm`);
+    ``int_mm_fp32`` (a CPU without an int8 dot product) holds `_w_codes`, the codes as fp32 (exact),
+    refreshed in place on every load, and computes the same int32 sums with fp32 GEMMs (int8.int_mm_fp32)."""
 
     fmt = "int8"
     qweight: Tensor
     weight_scale: Tensor
+    _w_codes: Tensor | None
+
+    def _refresh_caches(self) -> None:
+        if self.kernel != "int_mm_fp32":
+            self.register_buffer("_w_codes", None, persistent=False)
+            return
+        refresh_codes_f32(self)
 
     def _compute(self, x2: Tensor) -> Tensor:
+        if self.kernel == "int_mm_fp32":
+            assert self._w_codes is not None
+            qf, sx = quantize_act_int8_f32(x2)
+            return int8_epilogue(int_mm_fp32(qf, self._w_codes.t()), sx, self.weight_scale, self.bias)
         if self.kernel == "int_mm_compiled":
             qx, sx = act_quant_int8_compiled(x2)
             return int8_epilogue_compiled(int_mm(qx, self.qweight.t()), sx, self.weight_scale, self.bias)
         qx, sx = quantize_act_int8(x2)
         return int8_linear(qx, sx, self.qweight, self.weight_scale, self.bias)
+
+
+def refresh_codes_f32(m: QuantLinear) -> None:
+    """`m._w_codes` = its ``qweight`` codes as fp32 (int8 and E4M3 codes convert exactly), copied into the
+    existing cache when it fits, so the cache's storage (and a sibling group's view of it) survives a load."""
+    old, codes = m._buffers.get("_w_codes"), m._buffers["qweight"]
+    assert codes is not None
+    if old is not None and old.shape == codes.shape and old.device == codes.device and old.is_contiguous():
+        old.copy_(codes)
+    else:
+        m.register_buffer("_w_codes", codes.float(), persistent=False)
 
 
 class Fp8Linear(QuantLinear):
@@ -212,12 +240,7 @@ class Fp8Linear(QuantLinear):
             self.register_buffer("_w_codes", None, persistent=False)
             rowwise_fp32_supported(self.device)  # probe now, never inside a captured step
             return
-        old = self._buffers.get("_w_codes")
-        codes = self.qweight
-        if old is not None and old.shape == codes.shape and old.device == codes.device and old.is_contiguous():
-            old.copy_(codes)  # float8 -> fp32 is exact
-        else:
-            self.register_buffer("_w_codes", codes.float(), persistent=False)
+        refresh_codes_f32(self)
 
     def _compute(self, x2: Tensor) -> Tensor:
         if self.kernel == "scaled_mm":

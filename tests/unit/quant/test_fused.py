@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from asyncrl.quant import publish, quantize_model
+from asyncrl import machine
+from asyncrl.quant import fused, publish, quantize_model
 from asyncrl.quant.fused import fuse_siblings
 from asyncrl.quant.publish import load_published
 from tests.unit.quant.conftest import make_tiny_qwen2
@@ -22,9 +23,13 @@ def _unfused_copy(model):
     return out
 
 
-@pytest.fixture
-def int8_model():
-    return quantize_model(make_tiny_qwen2(seed=11), "int8")
+@pytest.fixture(params=["int_mm", "int_mm_fp32"])
+def int8_model(request, monkeypatch):
+    """The int8 model on each CPU kernel, chosen as a CPU with (VNNI) and without an int8 dot product would."""
+    monkeypatch.setenv(machine.FLAGS_ENV, "avx2 avx512_vnni" if request.param == "int_mm" else "avx2")
+    model = quantize_model(make_tiny_qwen2(seed=11), "int8")
+    assert model.model.layers[0].self_attn.q_proj.kernel == request.param
+    return model
 
 
 def test_quantize_model_fuses_qkv_and_gate_up_of_every_block(int8_model):
@@ -47,9 +52,10 @@ def test_fused_model_is_bit_identical_to_unfused(int8_model, probe_ids):
 
 def test_one_integer_matmul_per_group_and_kept_slices_are_used_once(int8_model, monkeypatch):
     calls = []
-    real = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(tuple(b.shape)) or real(a, b))
     attn = int8_model.model.layers[0].self_attn
+    name = "int_mm_fp32" if attn.q_proj.kernel == "int_mm_fp32" else "int_mm"
+    real = getattr(fused, name)
+    monkeypatch.setattr(fused, name, lambda a, b: calls.append(tuple(b.shape)) or real(a, b))
     plain = _unfused_copy(int8_model).model.layers[0].self_attn
     x = torch.randn(2, 3, 48)
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
