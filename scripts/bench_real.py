@@ -46,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncrl.learner.options import resolve_autocast  # noqa: E402
 from asyncrl.rundir import RunDir  # noqa: E402
 from scripts import benchlib  # noqa: E402
 
@@ -67,10 +68,9 @@ PRESETS = {
 # and half the answer length of the full run (its first step alone, generation included, is the budget)
 QUICK = ["rollout.groups_per_step=2", "rollout.max_new_tokens=32"]
 SMOKE = ["model=tiny", "task=addition"]  # --smoke: every code path in a minute or two; figures meaningless
-# int8 W8A8 workers (torch._int_mm) beat the fp32 engine on SmolLM2 only on a CPU with AVX-512 VNNI; on
-# one without, _int_mm is many times slower than an fp32 GEMM once a forward has 32 rows (docs/benchmarks.md
-# §4, "The CPU decides whether int8 pays"), and --quant int8_wo (int8 codes decoded to fp32 once per
-# version) is the choice.
+# int8 W8A8 workers run torch._int_mm on a CPU with an int8 dot product (AVX-512 VNNI, AVX-VNNI, AMX) and
+# the same sums as fp32 GEMMs on one without (kernel int_mm_fp32; docs/benchmarks.md §15), so --quant int8
+# never costs many times fp32 on either.
 COMMON = ["rollout.eta=2", "algo=acr", "learner.eval_every=0", "learner.ckpt_every=0",
           "learner.total_steps=100000", "learner.lr_schedule=constant"]
 ROWS: dict[str, list[str] | None] = {
@@ -153,7 +153,7 @@ def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) 
             "weight_decay": L.weight_decay, "eps_low": a.clip_low, "eps_high": a.clip_high, "seed": cfg.seed,
             "time_budget_s": budget_s, "threads": threads,
             "gradient_checkpointing": bool(getattr(L, "activation_checkpointing", False)),
-            "bf16": getattr(L, "autocast", "") == "bf16",
+            "bf16": resolve_autocast(L.autocast, "cpu")[0] == "bf16",  # what the asyncrl learner runs here
             # the controller's own prompt ids of the first problems: the runner checks TRL's are equal
             "check_prompt_ids": [encoder.encode(task.problem_at(i).prompt) for i in range(4)]}
     spec_path = tmp / "trl-spec.json"

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from asyncrl.machine import cpu_model, describe, int8_dot_native, machine_record
+
 ROOT = Path(__file__).resolve().parent.parent
 _LOADAVG_AT_START = list(os.getloadavg())  # the machine is shared: record how busy it was
 
@@ -42,10 +44,11 @@ def parser(name: str, description: str, *, smoke: bool = False) -> argparse.Argu
 
 
 def machine() -> dict[str, Any]:
-    """Where the numbers come from. ``commit`` is HEAD of the checkout the script runs from, with
-    ``dirty`` true when tracked files differ from it; a snapshot exported with ``git archive`` (no
-    ``.git``; used to benchmark a fixed commit while others edit the shared checkout) names its commit
-    in ``$ASYNCRL_BENCH_COMMIT``."""
+    """Where the numbers come from: the CPU's model, cores and the ISA flags the numerics choose by
+    (asyncrl/machine.py), and the commit. ``commit`` is HEAD of the checkout the script runs from, with
+    ``dirty`` true when tracked files differ from it; a snapshot exported with ``git archive`` (no ``.git``;
+    used to benchmark a fixed commit while others edit the shared checkout) names its commit in
+    ``$ASYNCRL_BENCH_COMMIT``."""
     def git(*args: str) -> str:
         try:
             out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
@@ -58,7 +61,7 @@ def machine() -> dict[str, Any]:
     if not commit:
         commit = os.environ.get("ASYNCRL_BENCH_COMMIT", "")
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "processor": platform.processor(), "commit": commit, "dirty": dirty,
+            "processor": cpu_model(), **machine_record(), "commit": commit, "dirty": dirty,
             "loadavg_at_start": _LOADAVG_AT_START, "loadavg_at_write": list(os.getloadavg())}
 
 
@@ -86,6 +89,8 @@ def write_json(path: str, name: str, tables: dict[str, list[dict[str, Any]]], ar
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {path}")
+    print(f"measured on {describe()}; the CPU int8 kernel here: "
+          f"{'int_mm (torch._int_mm)' if int8_dot_native() else 'int_mm_fp32 (no int8 dot product)'}")
 
 
 # ------------------------------------------------------------------ confidence intervals

@@ -49,6 +49,7 @@ from asyncrl.config.roles import WorkerRoleConfig, check_worker_role
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.factory import EngineSpec, build_engine
 from asyncrl.learner.memory import bound_kernel_caches, malloc_trim
+from asyncrl.machine import describe
 from asyncrl.transport import (
     ChannelTimeout,
     WeightClient,
@@ -155,6 +156,13 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
                 return 0
             log.info("worker %s ready: %s engine, %s actor, weights v%d, %d slots", self.worker_id,
                      self.engine_kind, self.fmt, self.weights_version, self.slots)
+            caps = self.engine.capabilities()
+            if self.engine_kind == "native":  # which kernels the actor runs, and why (asyncrl/machine.py)
+                from asyncrl.quant.kernels import explain_kernels
+
+                log.info("worker %s precision: %s, on %s", self.worker_id,
+                         explain_kernels(self.fmt, set(caps.get("kernels", ())), caps["device"].split(":")[0]),
+                         describe() if caps["device"] == "cpu" else caps["device"])
             comms = threading.Thread(target=self._comms_main, name="worker-comms", daemon=True)
             comms.start()
             while comms.is_alive() and self.fatal is None:  # also while draining: in-flight samples finish

@@ -29,6 +29,7 @@ from asyncrl.learner import (
 )
 from asyncrl.learner.fsdp import DistInfo
 from asyncrl.learner.memory import bound_kernel_caches, bound_malloc_retention
+from asyncrl.learner.options import resolve_autocast
 from asyncrl.learner.policy import (
     LoraSpec,
     default_num_threads,
@@ -36,6 +37,7 @@ from asyncrl.learner.policy import (
     prepare_policy,
     reference_policy,
 )
+from asyncrl.machine import describe
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -96,6 +98,9 @@ def load_policy(cfg: TrainConfig, model_dir: Path, rank: Rank) -> Policy:
     model = prepare_policy(model, info, lora=lora, activation_checkpointing=L.activation_checkpointing)
     ref_model = reference_policy(model, initial, info) if cfg.algo.kl_coef > 0 else None
     del initial
+    autocast, why = resolve_autocast(L.autocast, info.device.type)
+    log.info("learner: forwards in %s (learner.autocast=%s: %s) on %s", "bf16 autocast" if autocast else "fp32",
+             L.autocast or "''", why, describe() if info.device.type == "cpu" else info.device)
     log.info("learner: %d threads, %s, %s, world size %d%s%s, oneDNN/ideep caches %s", rank.threads,
              f"LoRA r={lora.rank}" if lora else "full fine-tuning",
              "activation checkpointing" if L.activation_checkpointing else "no activation checkpointing",

@@ -51,6 +51,7 @@ from asyncrl.engine.static_step import StaticStep
 from asyncrl.engine.step_graphs import resolve_cuda_graphs
 from asyncrl.engine.swap_state import SwapState
 from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
+from asyncrl.quant import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +244,8 @@ class NativeEngine:
             "sampling": ("temperature", "top_p", "top_k", "stop_token_ids", "max_new_tokens"),
             "behav_logp": "processed",
             "decode_step": "eager" if self._static is None else "static",
+            "kernels": sorted({m.kernel for m in self._model.modules() if isinstance(m, QuantLinear)}
+                              if self._model is not None else ()),
             "cuda_graphs": self._static is not None and self._static.graphs.use_graphs,
         }
 

@@ -5,19 +5,37 @@ Owns: every training-step option, its default and its validation (messages name 
 schema (``asyncrl.config.schema.LearnerConfig``) extends ``StepConfig`` as is, so every field here is
 a ``learner.<field>=...`` key of ``asyncrl train`` and the learner process hands ``cfg.learner`` to
 ``train_step`` unchanged.
-Never: imports torch (``asyncrl.config`` imports this module at launch), or holds state.
+Never: imports torch (``asyncrl.config`` imports this module at launch), or holds state. What ``auto``
+becomes is read from the device (``resolve_autocast``; asyncrl/machine.py for the CPU's flags).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AUTOCAST", "LR_SCHEDULES", "LRSchedule", "StepConfig"]
+from asyncrl.machine import BF16_FLAGS, bf16_native
+
+__all__ = ["AUTOCAST", "LR_SCHEDULES", "LRSchedule", "StepConfig", "resolve_autocast"]
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """``LRSchedule.kind`` (``learner.lr_schedule``)."""
-AUTOCAST = ("", "bf16")
-"""``StepConfig.autocast``: "" = fp32, ``bf16`` = bfloat16 autocast forwards."""
+AUTOCAST = ("", "bf16", "auto")
+"""``StepConfig.autocast``: "" = fp32, ``bf16`` = bfloat16 autocast forwards, ``auto`` = bf16 where the device
+computes it natively (`resolve_autocast`), else fp32."""
+
+
+def resolve_autocast(autocast: str, device_type: str, cpu_flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """(the autocast a learner on ``device_type`` runs for the setting ``autocast``, why): ``auto`` is bf16 on
+    CUDA and on a CPU with bf16 matmul instructions (``cpu_flags``, default this CPU's: asyncrl/machine.py),
+    fp32 ("") on any other CPU, where a bf16 GEMM at the learner's shapes takes 35-38x the fp32 one
+    (docs/benchmarks.md §15)."""
+    if autocast != "auto":
+        return autocast, "as set"
+    if device_type == "cuda":
+        return "bf16", "a CUDA device"
+    if bf16_native(cpu_flags):
+        return "bf16", f"this CPU has bf16 matmul instructions ({' or '.join(BF16_FLAGS)})"
+    return "", f"this CPU has none of {', '.join(BF16_FLAGS)}, where bf16 autocast is many times slower than fp32"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,7 +66,8 @@ class StepConfig:
     exactly 0; they stay in the denominators); only when the objective has no KL or entropy term."""
     autocast: str = ""
     """``bf16``: forwards under bfloat16 autocast (weights, gradients and optimiser stay fp32; log-probs
-    and the loss in fp32); empty = plain fp32."""
+    and the loss in fp32); empty = plain fp32; ``auto``: bf16 on CUDA and on a CPU with bf16 matmul
+    instructions, else fp32 (`resolve_autocast`; the learner's start line says which and why)."""
     train_dropout: bool = False
     """The training forward runs in train mode (dropout on, e.g. LoRA dropout); the proximal and
     reference passes stay in eval mode, so ``reuse_prox`` must be off. A run sets it from
@@ -65,7 +84,7 @@ class StepConfig:
         if self.train_dropout and self.reuse_prox:
             raise ValueError("train_dropout needs reuse_prox=False: a dropout forward is not the proximal policy")
         if self.autocast not in AUTOCAST:
-            raise ValueError(f"autocast={self.autocast!r}: use '' (fp32) or bf16")
+            raise ValueError(f"autocast={self.autocast!r}: use '' (fp32), bf16 or auto (bf16 where the device has it)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -51,7 +51,7 @@ from asyncrl.algo import MetricDict, ObjectiveConfig, Stat, loss_denominators, m
 from asyncrl.learner.batch import LearnerBatch
 from asyncrl.learner.fsdp import DistInfo, all_reduce_sum
 from asyncrl.learner.logprobs import token_logprobs
-from asyncrl.learner.options import StepConfig
+from asyncrl.learner.options import StepConfig, resolve_autocast
 from asyncrl.learner.plan import plan_step
 
 __all__ = ["StepConfig", "TrainState", "LossFn", "train_step", "clip_grad_norm", "reference_context"]
@@ -83,7 +83,7 @@ class _LossContext(TypedDict):
 
 
 def _autocast(cfg: StepConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.autocast == "bf16":
+    if resolve_autocast(cfg.autocast, device.type)[0] == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

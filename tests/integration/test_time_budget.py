@@ -1,6 +1,8 @@
 """``learner.time_budget_s`` ends a real run early, and the run ends as a finished one (marker ``slow``).
 
-It also checks, on that real run, that the launcher and the controller never load torch and that
+The run fakes a CPU without an int8 dot product or bf16 matmul instructions (``ASYNCRL_CPU_FLAGS``): the
+worker's int8 actor runs ``int_mm_fp32`` and ``learner.autocast=auto`` trains in fp32, and their start lines say
+so and why. It also checks, on that real run, that the launcher and the controller never load torch and that
 the learner at world size 1 runs without a torchrun agent. A budget of one microsecond is spent by the time the learner asks for its second batch (the clock
 starts at the first request, and a training step takes far longer), and the first step, asked for inside
 the budget, is served however long its batch takes (the learner's re-sent request for it is not checked
@@ -18,14 +20,17 @@ from pathlib import Path
 import psutil
 import pytest
 
+from asyncrl.machine import FLAGS_ENV
+
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 def test_a_spent_time_budget_ends_the_run_with_checkpoint_export_and_final_eval(procs, tmp_path):
+    # on a CPU without an int8 dot product or bf16 matmul (flags faked): every role says what it picked
     proc = procs.python("-m", "asyncrl", "train", f"runs_dir={tmp_path}", "run_name=budget",
                         "learner.total_steps=50", "learner.time_budget_s=0.000001", "learner.eval_every=0",
-                        "rollout.groups_per_step=2", "rollout.num_workers=1",
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                        "rollout.groups_per_step=2", "rollout.num_workers=1", "learner.autocast=auto",
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={FLAGS_ENV: "avx2 fma"})
     pids_file, launched = tmp_path / "budget" / "pids.json", {}
     deadline = time.monotonic() + 600
     while "learner" not in launched and proc.poll() is None and time.monotonic() < deadline:
@@ -64,4 +69,9 @@ def test_a_spent_time_budget_ends_the_run_with_checkpoint_export_and_final_eval(
     assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == 1
     assert (run_dir / "model" / "config.json").is_file()
     assert (run_dir / "checkpoints" / "controller-00000001.json").is_file()
-    assert "learner.time_budget_s=1e-06 spent before step 1" in (run_dir / "logs" / "learner.log").read_text()
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "learner.time_budget_s=1e-06 spent before step 1" in learner_log
+    assert "learner: forwards in fp32 (learner.autocast=auto: this CPU has none of avx512_bf16" in learner_log
+    assert f"flags avx2 [{FLAGS_ENV}] (no int8 dot product, no bf16 matmul)" in learner_log
+    assert "precision: int8 on int_mm_fp32: exact int8 sums from fp32 GEMMs" in (
+        run_dir / "logs" / "worker-0.log").read_text()

@@ -63,3 +63,17 @@ def test_proc_status_bytes_reads_resident_memory_and_gives_0_for_a_process_that_
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(timeout=60)  # reaped: its /proc entry is gone
     assert proc_status_bytes(child.pid, "VmRSS") == 0
+
+
+def test_the_machine_block_names_the_cpu_and_the_flags_the_numerics_choose_by(monkeypatch):
+    from asyncrl import machine as cpu
+    from scripts.benchlib import machine
+
+    monkeypatch.setenv(cpu.FLAGS_ENV, "avx2 fma")
+    block = machine()
+    assert block["processor"] == cpu.cpu_model() != "" and block["cpu_count"] >= 1
+    assert block["cpu_flags"] == ["avx2"] and block["cpu_flags_forced"] is True
+    assert block["int8_dot_native"] is False and block["bf16_native"] is False
+    monkeypatch.delenv(cpu.FLAGS_ENV)
+    block = machine()
+    assert block["cpu_flags_forced"] is False and block["int8_dot_native"] == cpu.int8_dot_native()

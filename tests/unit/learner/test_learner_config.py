@@ -34,6 +34,19 @@ def test_bad_learner_settings_are_refused_with_the_key(override, match):
         load_train_config([override])
 
 
+def test_autocast_auto_is_bf16_on_cuda_and_on_a_cpu_with_bf16_matmul_and_fp32_elsewhere():
+    from asyncrl.learner.options import resolve_autocast
+
+    assert load_train_config(["learner.autocast=auto"]).learner.autocast == "auto"
+    avx2, bf16 = frozenset({"avx2", "fma"}), frozenset({"avx2", "avx512f", "avx512_bf16"})
+    assert resolve_autocast("auto", "cpu", avx2)[0] == "" and "avx512_bf16" in resolve_autocast("auto", "cpu", avx2)[1]
+    assert resolve_autocast("auto", "cpu", bf16)[0] == "bf16"
+    assert resolve_autocast("auto", "cpu", frozenset({"amx_bf16"}))[0] == "bf16"
+    assert resolve_autocast("auto", "cuda", avx2)[0] == "bf16"  # the CPU's flags do not matter on a GPU
+    assert resolve_autocast("bf16", "cpu", avx2) == ("bf16", "as set")  # an explicit choice is kept
+    assert resolve_autocast("", "cuda", bf16) == ("", "as set")
+
+
 def test_lora_on_the_lm_head_is_refused_before_start():
     with pytest.raises(ValueError, match="lm_head"):
         load_train_config(["learner.lora.rank=4", "learner.lora.target_modules=[q_proj,lm_head]"])
