@@ -153,11 +153,11 @@ class ReplaySource:
     """Batches from a trajectory log (``asyncrl replay``); metrics go to this run's own metrics.jsonl."""
 
     def __init__(self, log_dir: Path, run_dir: Path, model_id: str, stop: threading.Event,
-                 salvage: bool = False) -> None:
+                 salvage: bool = False, steps: int | None = None) -> None:
         from asyncrl.log.replay import load_replay_batches
         from asyncrl.metrics import MetricsWriter
 
-        self.batches = load_replay_batches(log_dir, model_id=model_id, salvage=salvage)
+        self.batches = load_replay_batches(log_dir, model_id=model_id, salvage=salvage, steps=steps)
         self.writer = MetricsWriter(run_dir)
         self.stop = stop
 
@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--controller", default="", help="controller address (training)")
     ap.add_argument("--replay-log", default="", help="a trajectory log to replay instead of a controller")
+    ap.add_argument("--replay-steps", type=int, default=None,
+                    help="replay only the log's first N steps (a prefix of a run still training)")
     ap.add_argument("--publish-formats", default="")
     args = ap.parse_args(argv)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: never outlive a killed agent
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     learner = build(Path(args.run_dir), Path(args.model_dir), controller=args.controller, replay_log=args.replay_log,
-                    publish_formats=[f for f in args.publish_formats.split(",") if f])
+                    replay_steps=args.replay_steps, publish_formats=[f for f in args.publish_formats.split(",") if f])
     return learner.train()
 
 
@@ -309,11 +311,12 @@ class Learner:
 
 
 def build(run_dir: Path, model_dir: Path, *, controller: str = "", replay_log: str = "",
-          publish_formats: Sequence[str] = ()) -> Learner:
+          replay_steps: int | None = None, publish_formats: Sequence[str] = ()) -> Learner:
     """This rank's training job: configuration (the run folder's), process group, policy, optimizer,
     resumed state, and on rank 0 the batch source, the weight server with the first publication, and
     the evaluator with the step-0 baseline. ``replay_log``: train from a trajectory log instead of a
-    controller; ``publish_formats``: the formats rank 0 publishes (default: the run's ``quant.fmt``)."""
+    controller (``replay_steps``: only its first N steps); ``publish_formats``: the formats rank 0 publishes
+    (default: the run's ``quant.fmt``)."""
     cfg = read_run_config(run_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -328,20 +331,20 @@ def build(run_dir: Path, model_dir: Path, *, controller: str = "", replay_log: s
     # the learner process holds no full copy of the policy between steps.
     sd = learner.state_dict(not replay or (state.version == 0 and bool(cfg.learner.eval_every)))
     if rank.info.is_main:
-        open_rank0(learner, sd, controller=controller, replay_log=replay_log,
+        open_rank0(learner, sd, controller=controller, replay_log=replay_log, replay_steps=replay_steps,
                    formats=list(publish_formats) or [cfg.quant.fmt])
     return learner
 
 
 def open_rank0(learner: Learner, sd: Mapping[str, torch.Tensor], *, controller: str, replay_log: str,
-               formats: list[str]) -> None:
+               formats: list[str], replay_steps: int | None = None) -> None:
     """Rank 0's parts: the evaluator, the batch source (the controller, with a weight server holding the
     first publication, or a trajectory log), and the step-0 evaluation every later one is read against."""
     cfg, version = learner.cfg, learner.state.version
     learner.evaluator = Evaluator(cfg, learner.model_dir)
     if learner.replay:
         learner.source = ReplaySource(Path(replay_log), learner.run_dir, model_id(cfg, learner.model_dir),
-                                      learner.stop, salvage=cfg.log.salvage)
+                                      learner.stop, salvage=cfg.log.salvage, steps=replay_steps)
     else:
         host = cfg.transport.host
         curve = server_curve(cfg.transport)

@@ -4,8 +4,9 @@ the first role process starts.
 Owns: the run's configuration (a new one from the overrides, a resumed run's own with ``resume=RUN``,
 a replay's from its source run), its paths made absolute against the caller's folder, the transport
 checks (keys load, the bind address is allowed), the task, model-folder and prompt checks (in a
-short-lived child process, ``preflight``), the new run folder with its ``config.json``, and the list of
-weight formats the learner publishes.
+short-lived child process, ``preflight``), the new run folder with its ``config.json``, the list of
+weight formats the learner publishes, and a replay's own options (``replay.allow_prefix``) with its
+refusal of a run still training.
 Never: starts or supervises a role process (``workers/launcher.py`` and ``workers/roles.py`` do), nor
 loads torch or transformers into the calling process (the launcher supervises the run for hours).
 
@@ -122,12 +123,67 @@ class PreparedReplay(NamedTuple):
     """Its trajectory log, which the learner trains from."""
     run_dir: Path
     model_dir: Path
+    prefix_steps: int | None = None
+    """With ``replay.allow_prefix=true`` on a run still training: the steps its log held when the replay
+    started, which are all the learner replays (the live run goes on logging); ``None``: the whole log."""
+
+
+REPLAY_OPTIONS = {"replay.allow_prefix": "replay the steps logged so far of a run still training"}
+"""``asyncrl replay``'s own options (besides ``run=``): not configuration keys, so never in a ``config.json``."""
+
+
+def replay_options(overrides: Sequence[str]) -> tuple[dict[str, bool], list[str]]:
+    """``replay.*`` options (true/false) out of ``overrides``, and the rest: ``ValueError`` for an unknown
+    option, naming the nearest one, or a value that is not true/false."""
+    from asyncrl.config.loader import nearest_key, parse_bool
+
+    options = dict.fromkeys(REPLAY_OPTIONS, False)
+    rest = []
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        if not key.startswith("replay."):
+            rest.append(ov)
+            continue
+        if key not in REPLAY_OPTIONS:
+            near = nearest_key(key, list(REPLAY_OPTIONS))
+            hint = f"did you mean {near}?" if near else f"the replay options are {', '.join(REPLAY_OPTIONS)}."
+            takes = ", ".join(f"{k}=true|false" for k in REPLAY_OPTIONS)
+            raise ValueError(f"unknown replay option {key!r}; {hint} (replay takes run=RUN, {takes} and "
+                             "configuration overrides)")
+        options[key] = parse_bool(key, value)
+    return options, rest
+
+
+def check_not_training(src: Path, src_log: Path, *, allow_prefix: bool, log: Callable[[str], None]) -> int | None:
+    """``None`` when no live job holds ``src`` (the run has ended: replay its whole log). While one does (an
+    ``asyncrl train`` or controller still writing the log) replay refuses, unless ``allow_prefix``: then the
+    steps logged so far, which is what it replays, and it says so."""
+    from asyncrl.log.replay import logged_steps
+    from asyncrl.rundir.lock import run_lock_holder
+
+    holder = run_lock_holder(src)
+    if holder is None:
+        return None
+    by = "a live process" if holder == "unknown" else f"PID {holder}"
+    steps = logged_steps(src_log)
+    if not allow_prefix:
+        logged = f"the {steps} steps it has logged so far" if steps else "the steps it has logged so far (none yet)"
+        raise ValueError(f"{src} is still training (its run folder is held by {by}); wait for it to finish and "
+                         f"replay it then, or pass replay.allow_prefix=true to replay {logged}")
+    if steps == 0:
+        raise ValueError(f"{src} is still training (its run folder is held by {by}) and has logged no step yet; "
+                         "nothing to replay: wait for its first steps")
+    log(f"asyncrl replay: replaying a prefix of {steps} steps of a run still training ({src}, {by}); "
+        "steps it logs from now on are not replayed")
+    return steps
 
 
 def prepare_replay(overrides: Sequence[str], log: Callable[[str], None] = print) -> PreparedReplay:
     """``asyncrl replay run=runs/<name> [overrides]``: the source run's configuration with the overrides
     (``run_name`` defaults to ``<name>-replay``, beside the source run), the task and model checked, the log
-    checked to be replayable on this model, and a new run folder holding the configuration."""
+    checked to be replayable on this model, and a new run folder holding the configuration. A run still
+    training (a live job holds its folder) is refused, or with ``replay.allow_prefix=true`` replayed up to
+    the steps logged so far (``check_not_training``)."""
     from asyncrl.config.loader import apply_overrides, read_run_config
     from asyncrl.log.replay import check_replayable
     from asyncrl.models.prepare import check_task, model_id, prepare_model
@@ -135,10 +191,11 @@ def prepare_replay(overrides: Sequence[str], log: Callable[[str], None] = print)
     runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
     if not runs:
         raise ValueError("replay needs run=runs/<name> (a run folder with a trajectory log)")
+    options, rest = replay_options([o for o in overrides if not o.startswith("run=")])
     src = Path(runs[0]).resolve()
     src_log = RunDir(src).trajectories
     base = read_run_config(src)
-    rest = [o for o in overrides if not o.startswith("run=")]
+    prefix_steps = check_not_training(src, src_log, allow_prefix=options["replay.allow_prefix"], log=log)
     if not any(o.startswith("run_name=") for o in rest):
         rest.append(f"run_name={src.name}-replay")
     cfg = apply_overrides(base, rest)
@@ -151,4 +208,4 @@ def prepare_replay(overrides: Sequence[str], log: Callable[[str], None] = print)
         log(f"asyncrl replay: {note}")
     run_dir = new_run_dir(cfg)
     save_config(cfg, RunDir(run_dir).config)
-    return PreparedReplay(cfg, src, src_log, run_dir, model_dir)
+    return PreparedReplay(cfg, src, src_log, run_dir, model_dir, prefix_steps)

@@ -4,6 +4,8 @@ no workers.
 Owns: the replay's one child, the learner reading the source run's log (``--replay-log``), and the
 replay's ``summary.json`` (``replay_of`` names the source run; staleness and sample counts come from
 the log). Its run folder, configuration and checks are ``workers/prepare.py`` (``prepare_replay``).
+With ``replay.allow_prefix=true`` on a run still training, the learner replays only the steps counted when
+the replay started (``--replay-steps``).
 Never: writes into the source run's folder.
 """
 
@@ -26,13 +28,14 @@ def run_replay(overrides: Sequence[str]) -> int:
     """
     from asyncrl.metrics import format_summary, make_plots, write_summary
 
-    cfg, src, src_log, run_dir, model_dir = prepare_replay(overrides)
+    cfg, src, src_log, run_dir, model_dir, prefix_steps = prepare_replay(overrides)
     print(f"asyncrl replay: {src_log} -> {run_dir}")
     launcher = Launcher(cfg, run_dir, model_dir)
+    prefix = [] if prefix_steps is None else ["--replay-steps", str(prefix_steps)]
     t0 = time.monotonic()
     try:
         learner = launcher.spawn("learner", learner_command(cfg.learner.world_size, [
-            "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--replay-log", str(src_log)]))
+            "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--replay-log", str(src_log), *prefix]))
         rc = learner.proc.wait()
     except KeyboardInterrupt:
         launcher.stop()
@@ -57,4 +60,6 @@ def run_replay(overrides: Sequence[str]) -> int:
     make_plots(run_dir)
     write_summary(run_dir, summary)
     print(format_summary(summary))
+    if prefix_steps is not None:
+        print(f"asyncrl replay: replayed a prefix of {prefix_steps} steps of {src}, a run still training")
     return 0

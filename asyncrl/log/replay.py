@@ -4,7 +4,8 @@ Owns: reading a run's log into ``TrainBatch`` messages identical (field for fiel
 controller sent, and refusing logs that cannot be replayed (other schema version, other model,
 interior corruption, a batch that names a sample the log does not hold). With ``salvage`` a log with
 interior corruption is replayed without the batches whose samples were lost (the rest renumbered in
-order), and every skipped byte range and batch is reported.
+order), and every skipped byte range and batch is reported. A replay of a run still training replays the
+``steps`` it counted (``logged_steps``) when it started, however far the live log has grown since.
 Never: samples, scores or re-computes advantages; the logged ones are the data.
 """
 
@@ -45,13 +46,23 @@ def check_replayable(log_dir: str | Path, *, model_id: str, salvage: bool = Fals
     return notes
 
 
+def logged_steps(log_dir: str | Path) -> int:
+    """How many learner steps the log holds now (its last batch record's step + 1); 0 without a log."""
+    if not segment_paths(log_dir):
+        return 0
+    return 1 + max((rec.step for rec in read_log(log_dir).records if isinstance(rec, BatchRecord)), default=-1)
+
+
 def _check_model(log_dir, logged_model: str, model_id: str) -> None:
     if model_id and logged_model and logged_model != model_id:
         raise ReplayError(f"{log_dir} was written for model {logged_model!r}, this replay builds {model_id!r}; "
                           "replay with the run's own model settings")
 
 
-def load_replay_batches(log_dir: str | Path, *, model_id: str = "", salvage: bool = False) -> list[P.TrainBatch]:
+def load_replay_batches(log_dir: str | Path, *, model_id: str = "", salvage: bool = False,
+                        steps: int | None = None) -> list[P.TrainBatch]:
+    """The batches of the log in the order they were consumed; with ``steps``, those of the first ``steps``
+    logged steps only (a prefix of a run still training)."""
     scan = read_log(log_dir)  # LogFormatError (a ValueError) names a schema mismatch
     _check_model(log_dir, scan.header.model, model_id)
     if scan.interior and not salvage:
@@ -65,6 +76,8 @@ def load_replay_batches(log_dir: str | Path, *, model_id: str = "", salvage: boo
         if isinstance(rec, SampleRecord):
             samples[rec.sample.sample_id] = rec
         elif isinstance(rec, BatchRecord):
+            if steps is not None and rec.step >= steps:
+                break
             if rec.step != expected and not (salvage and rec.step > expected):
                 raise ReplayError(f"{log_dir}: batch records jump from step {expected - 1} to {rec.step}; "
                                   "the log is incomplete")
@@ -89,4 +102,4 @@ def load_replay_batches(log_dir: str | Path, *, model_id: str = "", salvage: boo
     return batches
 
 
-__all__ = ["LogFormatError", "ReplayError", "load_replay_batches"]
+__all__ = ["LogFormatError", "ReplayError", "load_replay_batches", "logged_steps"]

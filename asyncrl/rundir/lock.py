@@ -1,7 +1,8 @@
 """One live job per run folder: an advisory ``flock`` on ``RUN/.lock`` that names its holder's PID.
 
-Owns: taking the lock (non-blocking), writing the holder's PID into it, and the refusal message
-("in use by PID n"). The lock belongs to an open file description, so it is released when every
+Owns: taking the lock (non-blocking), writing the holder's PID into it, the refusal message
+("in use by PID n"), and telling whether a live job holds a folder (``run_lock_holder``, for readers
+such as ``asyncrl replay``). The lock belongs to an open file description, so it is released when every
 process holding it exits, however it exits (SIGKILL included); a launcher passes its descriptor to
 the controller it starts (``ASYNCRL_RUN_LOCK_FD``), so the lock stays held while either lives.
 Never: waits for a lock, breaks one, or kills the holder.
@@ -36,6 +37,26 @@ def acquire_run_lock(run_dir: str | Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def run_lock_holder(run_dir: str | Path) -> str | None:
+    """The PID the live job holding ``run_dir``'s lock recorded (``"unknown"`` if it recorded none yet), or
+    ``None`` when no live process holds it. Keeps no lock: the test is a non-blocking shared ``flock`` on a
+    descriptor of its own, dropped at once (a train or resume of the folder starting in that same instant
+    is refused as in use, and can be started again). Creates no lock file."""
+    try:
+        fd = os.open(RunDir(Path(run_dir)).lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def hold_run_lock(run_dir: str | Path) -> int:

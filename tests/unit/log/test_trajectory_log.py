@@ -235,3 +235,19 @@ def test_replay_refuses_interior_corruption_unless_salvage(tmp_path):
     assert len(notes) == 1 and "skipping" in notes[0]
     out = load_replay_batches(tmp_path / "log", salvage=True)
     assert [b.step for b in out] == [0, 1] and [s.sample_id for s in out[1].samples] == ["g2/0", "g2/1"]
+
+
+def test_replay_of_a_prefix_stops_at_the_steps_logged_when_it_was_checked(tmp_path):
+    """A run still training goes on logging after ``asyncrl replay replay.allow_prefix=true`` counted its steps:
+    the learner replays the steps counted, not what was logged since."""
+    from asyncrl.log.replay import load_replay_batches, logged_steps
+
+    recs = [sample(i) for i in range(6)]
+    with TrajectoryLogWriter(tmp_path / "log", fsync="never") as w:
+        for i in range(3):
+            w.append(recs[2 * i])
+            w.append(recs[2 * i + 1])
+            w.append(BatchRecord(step=i, sample_ids=[f"g{i}/0", f"g{i}/1"]))
+    assert logged_steps(tmp_path / "log") == 3 and logged_steps(tmp_path / "none") == 0
+    assert [b.step for b in load_replay_batches(tmp_path / "log", steps=2)] == [0, 1]
+    assert len(load_replay_batches(tmp_path / "log")) == 3

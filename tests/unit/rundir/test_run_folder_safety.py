@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from asyncrl.rundir.lock import RunFolderInUse, acquire_run_lock
+from asyncrl.rundir.lock import RunFolderInUse, acquire_run_lock, run_lock_holder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -55,6 +55,18 @@ def test_a_lock_handed_to_a_child_is_recognised_and_still_excludes_others(tmp_pa
     with pytest.raises(RunFolderInUse, match=f"PID {os.getpid()}"):
         acquire_run_lock(tmp_path)
     os.close(fd)
+
+
+def test_a_reader_sees_a_held_run_folder_and_its_holders_pid_without_keeping_the_lock(tmp_path, procs):
+    assert run_lock_holder(tmp_path) is None and not (tmp_path / ".lock").exists()  # never created by a reader
+    holder = _holder(procs, tmp_path)
+    assert run_lock_holder(tmp_path) == str(holder.pid)
+    with pytest.raises(RunFolderInUse):  # the test kept nothing: the holder still excludes everyone else
+        acquire_run_lock(tmp_path)
+    holder.kill()
+    holder.wait()
+    assert run_lock_holder(tmp_path) is None
+    os.close(acquire_run_lock(tmp_path))
 
 
 FULL_DISK = textwrap.dedent("""

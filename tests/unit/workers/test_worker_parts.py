@@ -3,6 +3,9 @@ request, each on real files and real loopback ZeroMQ sockets."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -10,9 +13,11 @@ import pytest
 import zmq
 
 import protocols as P
-from asyncrl.config import load_train_config
+from asyncrl.config import load_train_config, save_config
 from asyncrl.engine.base import GenResult
+from asyncrl.rundir.lock import acquire_run_lock
 from asyncrl.transport import ZmqChannel
+from tests.conftest import REPO_ROOT
 from workers.prepare import new_run_dir, prepare_replay
 from workers.run_setup import SETUP_REQUEST, ask_run_setup, setup_reply
 from workers.worker_samples import SampleStream
@@ -94,3 +99,35 @@ def test_a_learner_asking_where_the_run_is_gets_the_controllers_folders_and_form
     assert seen[0].role == "client" and seen[0].capabilities == {"request": SETUP_REQUEST}
     assert (setup.run_dir, setup.model_dir) == (str((tmp_path / "run").resolve()), str((tmp_path / "model").resolve()))
     assert setup.publish_formats == ["int8", "fp32"]
+
+
+def _run_folder(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_train_config([f"runs_dir={tmp_path}"]), run / "config.json")
+    return run
+
+
+def test_a_replay_of_a_run_still_training_is_refused_naming_its_pid_and_the_ways_on(tmp_path):
+    run = _run_folder(tmp_path)
+    fd = acquire_run_lock(run)  # as `asyncrl train` holds it while the run trains
+    try:
+        res = subprocess.run([sys.executable, "-m", "asyncrl", "replay", f"run={run}"], capture_output=True,
+                             text=True, timeout=120, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    finally:
+        os.close(fd)
+    assert res.returncode == 2, res.stdout + res.stderr
+    line = res.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in res.stdout + res.stderr, res.stderr
+    assert line.startswith(f"asyncrl replay: {run} is still training (its run folder is held by PID {os.getpid()})")
+    assert "wait for it to finish" in line and "replay.allow_prefix=true" in line, line
+    assert not (tmp_path / "run-replay").exists()
+
+
+@pytest.mark.parametrize("option, message", [
+    ("replay.allow_prefix=maybe", "replay.allow_prefix=maybe is not a bool; allowed: true or false"),
+    ("replay.allow_prefx=true", "unknown replay option 'replay.allow_prefx'; did you mean replay.allow_prefix?"),
+])
+def test_a_bad_replay_option_is_refused_naming_the_fix(tmp_path, option, message):
+    with pytest.raises(ValueError, match=message.replace("?", "\\?")):
+        prepare_replay([f"run={_run_folder(tmp_path)}", option])
