@@ -3,7 +3,8 @@
 Owns: turning ``key=value`` overrides and the YAML groups in ``configs/`` into a validated
 ``TrainConfig``, and writing/reading the resolved config of a run (``config.json`` in its folder).
 Never: returns a ``DictConfig``; lets a Hydra/OmegaConf exception escape without saying which key
-to change (they become ``ValueError``).
+to change (they become ``ValueError``; a value of the wrong type names the key, the type, the value and
+what the key accepts: ``wrong_type_message``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -74,6 +76,78 @@ def check_known_keys(tree: Any, *, source: str = "configuration", schema: type =
                 walk(v, f"{key}.")
 
     walk(tree, "")
+
+
+def leaf_field(key: str, schema: type = TrainConfig) -> tuple[Any, Any] | None:
+    """The annotated type (``X | None`` unwrapped to ``X``) and the default of the dotted leaf ``key`` of
+    ``schema``; ``None`` when ``key`` is not a leaf of it."""
+    node: Any = schema
+    for part in key.split("."):
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return None
+        f, node = fields[part], typing.get_type_hints(node)[part]
+    if isinstance(node, type) and dataclasses.is_dataclass(node):
+        return None
+    args = [a for a in typing.get_args(node) if a is not type(None)]
+    if typing.get_origin(node) in (typing.Union, types.UnionType) and len(args) == 1:
+        node = args[0]
+    default = f.default if f.default is not dataclasses.MISSING else (
+        f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+    return node, default
+
+
+def wrong_type_message(key: str, given: str, kind: Any, default: Any = None,
+                       table: dict[str, tuple[str, str]] | None = None) -> str:
+    """One line for a value of the wrong type: the key, the value as given, the type the key takes and what
+    it accepts (true/false; a whole number; a number), with its range from ``table`` (``RANGES`` of
+    ``asyncrl/config/ranges.py`` unless told) when it has one, in the words of the range errors."""
+    from asyncrl.config.ranges import INTERVALS, RANGES
+
+    table = RANGES if table is None else table
+    allowed = f"; allowed: {INTERVALS[key].describe()} ({table[key][1]})" if key in table else ""
+    example = f", e.g. {key}={default}" if default is not None and not isinstance(default, bool) else ""
+    origin = typing.get_origin(kind) or kind
+    if kind is bool:
+        return f"{key}={given} is not a bool; allowed: true or false"
+    if kind is int:
+        return (f"{key}={given} is not an int; it must be a whole number, written without a decimal point or "
+                f"exponent{example}{allowed}")
+    if kind is float:
+        return f"{key}={given} is not a float; it must be a number{example}{allowed}"
+    if origin in (list, tuple):
+        items = ",".join(map(str, default)) if default else "a,b"
+        return f"{key}={given} is not a list; give one in brackets, e.g. {key}=[{items}] ({key}=[] for none)"
+    if origin is dict:
+        return f"{key}={given} is not a mapping; give one in braces, e.g. {key}={{name: value}}"
+    return f"{key}={given} is not {getattr(kind, '__name__', kind)}"
+
+
+def parse_bool(key: str, value: str) -> bool:
+    """``true``/``false`` (any case) as a bool; anything else is a ``ValueError`` naming ``key`` and both."""
+    word = value.strip().lower()
+    if word not in ("true", "false"):
+        raise ValueError(wrong_type_message(key, value, bool))
+    return word == "true"
+
+
+def type_error(error: BaseException, overrides: Sequence[str] = (), schema: type = TrainConfig,
+               table: dict[str, tuple[str, str]] | None = None) -> str | None:
+    """``wrong_type_message`` for a Hydra/OmegaConf error that is a value of the wrong type for a leaf key of
+    ``schema`` (the error itself, or the cause Hydra wraps as "Error merging override"); the value as the
+    last of ``overrides`` that sets the key wrote it. ``None`` for any other error."""
+    from omegaconf.errors import ValidationError
+
+    cause = error if isinstance(error, ValidationError) else error.__cause__
+    key = getattr(cause, "full_key", None) if isinstance(cause, ValidationError) else None
+    leaf = leaf_field(key, schema) if isinstance(key, str) else None
+    if key is None or leaf is None:
+        return None
+    given = [ov.split("=", 1)[1] for ov in overrides if "=" in ov and ov.split("=", 1)[0].lstrip("+~") == key]
+    value = getattr(cause, "value", None)
+    return wrong_type_message(key, given[-1] if given else str(value), *leaf, table=table)
 
 
 def structured(source: Any = TrainConfig) -> Any:
@@ -153,7 +227,8 @@ def load_train_config(overrides: Sequence[str] = (), *, config_name: str = "trai
         merged = OmegaConf.merge(structured(), composed)
         cfg = to_train_config(merged)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(f"bad configuration: {e}".replace("\n", " ")) from None
+        message = type_error(e, overrides) or f"bad configuration: {e}".replace("\n", " ")
+        raise ValueError(message) from None
     return validate(cfg)
 
 
@@ -213,7 +288,7 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
         out = to_train_config(merged)
     except OmegaConfBaseException as e:
-        raise ValueError(f"bad override: {e}".replace("\n", " ")) from None
+        raise ValueError(type_error(e, overrides) or f"bad override: {e}".replace("\n", " ")) from None
     return validate(out)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from asyncrl.config.devices import parse_device
-from asyncrl.config.loader import check_known_keys, schema_keys, structured
+from asyncrl.config.loader import check_known_keys, schema_keys, structured, type_error
 from asyncrl.config.ranges import WORKER_RANGES, check_ranges
 from asyncrl.config.schema import ENGINES, SGLangConfig, TrainConfig
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
@@ -162,7 +162,8 @@ def parse_role(schema: type[Role], settings: Sequence[str], *, command: str) -> 
         merged = OmegaConf.merge(structured(schema), OmegaConf.from_dotlist(dotlist))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ValueError(f"bad configuration: {e}".replace("\n", " ")) from None
+        wrong = type_error(e, settings, schema, WORKER_RANGES if schema is WorkerRoleConfig else {})
+        raise ValueError(wrong or f"bad configuration: {e}".replace("\n", " ")) from None
     assert isinstance(cfg, schema)
     if isinstance(cfg, WorkerRoleConfig):
         check_worker_role(cfg)

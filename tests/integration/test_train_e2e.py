@@ -133,6 +133,32 @@ def test_replay_refuses_a_log_of_another_model(short_run, procs):
     assert res.returncode == 2 and "was written for model" in res.stdout
 
 
+def test_replay_of_a_run_still_training_is_refused_unless_a_prefix_is_asked_for(short_run, procs):
+    """While a live job holds the run folder (here: this test, as ``asyncrl train`` holds it), replay refuses;
+    ``replay.allow_prefix=true`` replays the steps logged so far and says it is a prefix."""
+    import os
+
+    from asyncrl.rundir.lock import acquire_run_lock
+
+    run_dir, _ = short_run
+    fd = acquire_run_lock(run_dir)
+    try:
+        refused = asyncrl(procs, "replay", f"run={run_dir}", "run_name=short-live")
+        prefix = asyncrl(procs, "replay", f"run={run_dir}", "run_name=short-prefix", "replay.allow_prefix=true")
+    finally:
+        os.close(fd)
+    assert refused.returncode == 2, refused.stdout[-4000:]
+    assert f"{run_dir} is still training (its run folder is held by PID {os.getpid()})" in refused.stdout
+    assert "replay.allow_prefix=true" in refused.stdout and "Traceback" not in refused.stdout
+    assert not (run_dir.parent / "short-live").exists()
+    assert prefix.returncode == 0, prefix.stdout[-4000:]
+    assert (f"replaying a prefix of {STEPS} steps of a run still training ({run_dir}, PID {os.getpid()})"
+            in prefix.stdout), prefix.stdout[-4000:]
+    summary = json.loads((run_dir.parent / "short-prefix" / "summary.json").read_text())
+    assert summary["learner_steps"] == STEPS
+    assert summary["state_dict_sha256"] == json.loads((run_dir / "summary.json").read_text())["state_dict_sha256"]
+
+
 def _learner_rank_pids(root_pid: int) -> list[int]:
     pids = []
     for p in psutil.Process(root_pid).children(recursive=True):
@@ -221,6 +247,8 @@ def test_bad_configuration_fails_before_any_process_starts(tmp_path):
         "algo.tbpo_w_mode=cut": "choose one of: clamp, drop",
         "algo.objective=foo": "choose one of",
         "rollout.eta=-1": "rollout.eta=-1 must be >= 0",
+        "rollout.compile=maybe": "rollout.compile=maybe is not a bool; allowed: true or false",
+        "rollout.groups_per_step=1e9": "rollout.groups_per_step=1e9 is not an int; it must be a whole number",
         f"task.name=jsonl_math task.path={tmp_path}/missing.jsonl": "missing.jsonl",
         f"model.name=path model.path={tmp_path}": "no config.json",
     }
@@ -229,6 +257,7 @@ def test_bad_configuration_fails_before_any_process_starts(tmp_path):
                               *override.split()], capture_output=True, text=True, timeout=120)
         assert res.returncode == 2, (override, res.stdout, res.stderr)
         assert message in res.stderr, (override, res.stderr)
+        assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, (override, res.stderr)
         assert not (tmp_path / "runs").exists(), "a run folder was created"
 
 

@@ -1,5 +1,6 @@
 """Configuration that says no: unknown keys are refused before any process starts (also with '+'),
-naming the nearest valid key; model group files carry model-specific defaults."""
+naming the nearest valid key, and so are values of the wrong type, naming the key, the type and what it
+accepts; model group files carry model-specific defaults."""
 
 from __future__ import annotations
 
@@ -43,6 +44,33 @@ def test_free_form_generator_settings_are_not_checked_as_keys() -> None:
     assert cfg.task.rg_config == {"min_terms": 2, "max_digits": 1}
     cfg = load_train_config(["task=chain_sum", "+task.rg_config.min_terms=3"])
     assert cfg.task.rg_config == {"min_terms": 3}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.compile=maybe", "rollout.compile=maybe is not a bool; allowed: true or false"),
+        ("rollout.groups_per_step=1e9", "rollout.groups_per_step=1e9 is not an int; it must be a whole number, "
+         "written without a decimal point or exponent, e.g. rollout.groups_per_step=8; allowed: in [1, 4096] "
+         "(prompt groups per learner step; the batch is this x group_size)"),
+        ("rollout.eta=2.5", "rollout.eta=2.5 is not an int; it must be a whole number"),
+        ("learner.lr=abc", "learner.lr=abc is not a float; it must be a number, e.g. learner.lr=0.0001; "
+         "allowed: in (0, 1] (a learning rate, e.g. 1e-4)"),
+        ("algo.dual_clip=x", "algo.dual_clip=x is not a float; it must be a number, e.g. algo.dual_clip=3.0"),
+        ("learner.lora.target_modules=3", "learner.lora.target_modules=3 is not a list; give one in brackets, "
+         "e.g. learner.lora.target_modules=[q_proj,k_proj,"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_key_the_type_and_the_allowed_values(override: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        load_train_config([override])
+    assert str(info.value).startswith(message), str(info.value)
+    assert "Error merging override" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_replay_or_resume_override_of_the_wrong_type_says_the_same() -> None:
+    with pytest.raises(ValueError, match=r"^rollout\.compile=maybe is not a bool; allowed: true or false$"):
+        apply_overrides(load_train_config([]), ["rollout.compile=maybe"])
 
 
 def test_nearest_key_prefers_the_same_section() -> None:
