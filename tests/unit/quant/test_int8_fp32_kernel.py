@@ -110,3 +110,15 @@ def test_an_int8_model_on_the_fp32_kernel_gives_the_int_mm_logits_fused_and_acro
     assert {n: b.data_ptr() for n, b in fused.named_buffers() if n.endswith("_w_codes")} == codes
     with torch.no_grad():
         assert torch.equal(fused(probe_ids).logits, reference(probe_ids).logits)
+
+
+def test_the_workers_precision_line_names_the_kernels_and_what_to_use_where_a_format_cannot_pay():
+    avx2, bf16 = frozenset(AVX2.split()), frozenset(VNNI.split())
+    line = K.explain_kernels("int8", {"int_mm_fp32"}, "cpu", avx2)
+    assert line.startswith("int8 on int_mm_fp32: exact int8 sums") and "no int8 dot product" in line
+    assert K.explain_kernels("int8", {"int_mm"}, "cpu", bf16) == "int8 on int_mm: torch._int_mm on the int8 codes"
+    slow = K.explain_kernels("bf16", {"bf16"}, "cpu", avx2)
+    assert "no bf16 matmul instructions" in slow and "use quant=fp32 or int8 here" in slow
+    assert "use quant" not in K.explain_kernels("bf16", {"bf16"}, "cpu", bf16)
+    assert "use quant" not in K.explain_kernels("bf16", {"bf16"}, "cuda", avx2)
+    assert K.explain_kernels("fp32", set(), "cpu") == "fp32: full-precision GEMMs"
