@@ -137,7 +137,9 @@ class SamplingParams(_Base, tag="sampling_params"):
 
 class WorkRequest(_Base, tag="work_request"):
     """A worker asks for up to ``credits`` more samples (its free generation slots). ``version`` is the
-    newest weights version its engine will use for new work (-1: unknown; then heartbeats tell)."""
+    weights version its engine has applied (-1: unknown; then heartbeats tell), never one handed over and
+    not applied yet: the controller assigns only groups admitted at or before it, so every token of the work
+    it gets comes from weights at least as new as its group's admission."""
 
     worker_id: str
     credits: int

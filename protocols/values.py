@@ -2,7 +2,8 @@
 
 Owns: ``FORMATS`` (every published/actor weight format: ``WeightChunk.fmt``, a worker's quant format,
 ``quant.fmt`` of a run), ``QUANTIZED_FORMATS`` (those with codes and scales), ``AQN_RESAMPLE``
-(``quant.aqn_resample``) and ``FINISH_REASONS`` (how a sample ended). The one definition of each:
+(``quant.aqn_resample``), ``FINISH_REASONS`` (how a sample ended) and ``QUARANTINED`` (how a ``Shutdown``
+that quarantines a worker starts). The one definition of each:
 ``protocols.messages``, ``asyncrl.quant``, the engines and the run schema import them from here.
 Never: imports anything beyond the standard library, or says how a format is computed (asyncrl/quant).
 """
@@ -15,6 +16,10 @@ AQN_RESAMPLE: tuple[str, ...] = ("publication", "forward")
 """When AQN noise is drawn: once per published version, or at every rollout forward (QeRL)."""
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 """``stop`` (a stop token was sampled), ``length`` (max_new_tokens reached), ``abort`` (cancelled)."""
+QUARANTINED = "quarantined: "
+"""How ``Shutdown.reason`` starts when the controller gives a worker no more work because its samples kept
+failing validation (``rollout.quarantine_after``); the rest says why. A worker logs it as an error and exits 1
+(a worker that does not know the prefix still stops, as for any ``Shutdown``)."""
 
 
 def require_choice(name: str, value: object, options: tuple[str, ...], error: type[Exception] = ValueError) -> None:

@@ -24,7 +24,8 @@ import protocols as P
 from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
 from asyncrl.controller.outbox import PeerOutbox
-from asyncrl.controller.recovery import bind_first, previous_ports, resume_point
+from asyncrl.controller.recovery import bind_first, lost_log_message, previous_ports, resume_point
+from asyncrl.log import LogLostError
 from asyncrl.models.prepare import model_id
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.files import DiskFullError, atomic_write_text
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     adv = cfg.transport.advertise_host
     formats = [f for f in args.publish_formats.split(",") if f] or [cfg.quant.fmt]
     try:
-        resume_state, resume_version = resume_point(run_dir) if cfg.resume else (None, 0)
+        resume_state, resume_version = resume_point(run_dir, salvage=cfg.log.salvage) if cfg.resume else (None, 0)
     except ValueError as e:  # a log it cannot cut back, corrupt log/state: one line that says what to do
         raise SystemExit(f"controller: {e}") from None
     core = ControllerCore(cfg, run_dir=run_dir, scorer=build_scorer(cfg, model_dir, tokenizer_class=args.tokenizer_class),
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         samples_at_last, t_last = core.samples_logged, now
                         m["time/wall_s"] = now - t0
                         writer.log(env.msg.version, m)
-                        if health.observe(env.msg.version, m) and core.stop_reason is None:
+                        if (health.observe(env.msg.version, m, quarantined=core.quarantine.reasons())
+                                and core.stop_reason is None):
                             core.stop_reason = health.stop_reason  # learner.stop_on: ends like time_budget_s
                     replies += core.handle(peer, env.msg)
             if time.monotonic() - last_poll > TIMERS_EVERY_S:
@@ -197,15 +199,23 @@ def main(argv: list[str] | None = None) -> int:
     except DiskFullError as e:  # the log and the last checkpoint stay intact; resume once there is space
         log.error("%s", e)
         raise SystemExit(f"controller: {e}") from None
+    except LogLostError as e:  # training on would log samples nowhere
+        log.error("%s", lost_log_message(e, run_dir))
+        raise SystemExit(f"controller: {lost_log_message(e, run_dir)}") from None
     finally:
         summary = {"max_consumed_staleness": core.max_consumed_staleness, "samples_logged": core.samples_logged,
                    **core.metrics(), **_transport_metrics(ctl, pull), **weights_counters}
         try:  # atomic: a full disk leaves the old file (or none), never an empty one
-            atomic_write_text(paths.controller_final, json.dumps(summary, indent=2))
-            core.save(paths.controller_final_checkpoint)
+            if core.log.lost is None:  # a lost log: no end-of-run facts that count samples it does not hold
+                core.log.flush()  # LogLostError if it was lost since the last flush
+                atomic_write_text(paths.controller_final, json.dumps(summary, indent=2))
+                core.save(paths.controller_final_checkpoint)
         except DiskFullError as e:
             log.error("%s", e)
             raise SystemExit(f"controller: {e}") from None
+        except LogLostError as e:
+            log.error("%s", lost_log_message(e, run_dir))
+            raise SystemExit(f"controller: {lost_log_message(e, run_dir)}") from None
         finally:
             core.close()
             writer.close()

@@ -23,6 +23,10 @@ a request it refuses, a broken socket) is fatal. The worker then hands its unfin
 ``Goodbye`` (the controller reissues them at once), closes its engine (and a server it started), and
 the process exits with status 1, so a launcher restarts it instead of waiting on a worker that hangs.
 
+A ``Shutdown`` whose reason starts with ``protocols.values.QUARANTINED`` (its samples kept failing the
+controller's validation, ``rollout.quarantine_after``) makes the worker leave at once with that reason as
+an error line and exit 1.
+
 Leaving: on SIGTERM (or ``Shutdown``) the worker stops asking for work, lets in-flight samples finish
 for up to ``drain_s``, aborts the rest and hands them back in a ``Goodbye`` so the controller
 reissues them; aborted partial samples are never sent as results. A worker stopped before its first
@@ -59,6 +63,7 @@ from asyncrl.transport import (
     end_context,
     load_client_keys,
 )
+from protocols.values import QUARANTINED
 from workers.worker_args import built, engine_spec, parse_args
 from workers.worker_join import ERROR_BACKOFF_S, HELLO_TIMEOUT_S, JoinMixin
 from workers.worker_rejoin import RejoinMixin
@@ -107,6 +112,7 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         self.stop = threading.Event()
         self.samples = SampleStream(self.worker_id, role.engine)  # assigned, streamed back, handed back
         self.weights_version = -1  # newest version handed to the engine (applied at its next step)
+        self.asked_version = -1  # the version the last WorkRequest named (the engine's applied one then)
         self.weight_sync_s = 0.0  # seconds spent fetching + unpacking + handing over new versions (comms thread)
         self.weight_syncs = 0
         self.t_start = time.monotonic()
@@ -251,6 +257,8 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
                 last_hb = now
             if self._maybe_update_weights():
                 next_request = 0.0  # new weights: ask for the work they unlock now, not after a back-off
+            if self._engine.version > self.asked_version:
+                next_request = 0.0  # and again once the engine applied them (it asked with the version before)
             self.samples.flush(self._push, self.fmt)
             if draining_since is not None:
                 if not self.samples.outstanding or now - draining_since > self.drain_s:
@@ -259,9 +267,9 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
             elif not request_in_flight and now >= next_request:
                 free = self.slots - len(self.samples.outstanding)
                 if free >= self.min_credits:
-                    self._send_ctl(P.WorkRequest(worker_id=self.worker_id, credits=free,
-                                                 version=self.weights_version))
-                    request_in_flight = True
+                    request = self._work_request(free)
+                    self._send_ctl(request)
+                    self.asked_version, request_in_flight = request.version, True
             env = self.ctl.recv(COMMS_RECV_S)
             if env is None:
                 continue
@@ -273,8 +281,11 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
                 request_in_flight = False
                 next_request = time.monotonic() + msg.retry_after_s
             elif isinstance(msg, P.Shutdown):
-                log.info("controller asked worker %s to stop: %s", self.worker_id, msg.reason)
-                self.stop.set()
+                if msg.reason.startswith(QUARANTINED):  # its samples kept failing validation: no more work here
+                    self._give_up(f"the controller quarantined it: {msg.reason.removeprefix(QUARANTINED)}")
+                else:
+                    log.info("controller asked worker %s to stop: %s", self.worker_id, msg.reason)
+                    self.stop.set()
             elif isinstance(msg, P.Welcome):
                 self.not_ready_since = None
                 self._rejoined(msg)
@@ -291,6 +302,13 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
                     self._not_ready(time.monotonic())
                 else:
                     log.warning("controller error: %s %s", msg.code, msg.message)
+
+    def _work_request(self, free: int) -> P.WorkRequest:
+        """Ask for ``free`` samples with the version the engine has *applied*: the controller hands it only groups
+        admitted at that version or before, and the engine's next tokens come from it or a newer one. Weights
+        handed over but not applied yet (``weights_version``) do not count: the first tokens of work taken on
+        them could still come from the version before, older than the group's admission."""
+        return P.WorkRequest(worker_id=self.worker_id, credits=free, version=max(-1, int(self._engine.version)))
 
     def _accept(self, a: P.RolloutAssignment) -> None:
         if new := self.samples.accept(a):
@@ -351,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
     rc = worker.run()
+    if worker.gave_up:  # the last line of its log: what a launcher shows when it reports the worker's exit
+        print(f"worker {worker.worker_id}: {worker.gave_up}", file=sys.stderr, flush=True)
     if rc != 0:  # fatal: leave now, even if a thread of a library is still blocked somewhere
         for flush in (logging.shutdown, sys.stdout.flush, sys.stderr.flush):
             flush()

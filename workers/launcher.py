@@ -332,6 +332,9 @@ def _run_ended(launcher: Launcher) -> int | None:
             return learner.proc.returncode
         controller.proc.wait(timeout=CONTROLLER_EXIT_TIMEOUT_S) if _alive(controller) else None
         launcher.stop()
+        if controller.proc.returncode not in (None, 0):  # e.g. its log lost at the end: no summary of it
+            print(f"\n{controller.fatal_line()}\n{controller.tail()}")
+            return controller.proc.returncode
         return 0
     if controller.proc.poll() not in (None, 0):  # 0: it finished with the learner
         print(f"\n{controller.fatal_line()}\n{controller.tail()}")

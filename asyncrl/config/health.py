@@ -19,7 +19,7 @@ from dataclasses import dataclass
 __all__ = ["ALARM_NAMES", "HealthConfig", "check_health"]
 
 ALARM_NAMES = ("length_collapse", "entropy_collapse", "zero_variance", "reward_flat", "answer_takeover",
-               "nonfinite", "rollout_bound", "learner_bound")
+               "nonfinite", "rollout_bound", "learner_bound", "worker_quarantined")
 """Every training-health alarm, by name (docs/operations.md, "Training health")."""
 
 

@@ -78,6 +78,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.heartbeat_s": ("(0, inf)", "seconds between worker heartbeats"),
     "rollout.dead_after_s": ("(0, inf)", "seconds of silence before a worker is declared dead"),
     "rollout.assignment_timeout_s": ("(0, inf)", "seconds before an unfinished group is reissued"),
+    "rollout.quarantine_after": ("[0, inf)", "invalid samples in a row before a worker is quarantined; 0 = never"),
     "rollout.seed": ("[0, 4294967295]", "a seed"),
     "learner.n_minibatches": ("[1, inf)", "optimiser updates per step"),
     "learner.micro_batch_size": ("[1, inf)", "sequences per forward/backward"),

@@ -161,6 +161,13 @@ class RolloutConfig:
     assignment_timeout_s: float = 90.0
     """A group not finished this long after it was assigned is reissued (heartbeats do not extend it);
     a result that arrives later is dropped and counted (controller/samples/late)."""
+    quarantine_after: int = 8
+    """A worker whose samples fail validation this many times in a row (NaN or positive behaviour log-probs,
+    token ids outside the vocabulary, another prompt, ...; an accepted sample resets the count, a sample
+    too old for its group does not count) is quarantined: told why in a ``Shutdown``, given no more work,
+    its groups reissued to the other workers (controller/workers/quarantined, health alarm
+    worker_quarantined). Before that, each rejection backs the worker off and its group goes to another
+    worker first. 0: never quarantine (the back-off stays)."""
     seed: int = 0
 
 

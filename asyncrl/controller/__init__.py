@@ -12,7 +12,7 @@ Two layers in one package:
   torch, numpy nor zmq.
 * The controller's logic on top (``core``: messages in, replies out; ``batches``: the learner's batch
   requests and the ``TrainBatch`` with its metrics; ``state``: the checkpointed state, saved and loaded;
-  ``membership``, ``scoring``, ``prompts``, ``validation``, ``outbox``, ``recovery``; ``workers``: the worker registry, stdlib only; ``scored``:
+  ``membership``, ``scoring``, ``prompts``, ``validation``, ``quarantine``, ``outbox``, ``recovery``; ``workers``: the worker registry, stdlib only; ``scored``:
   ``ScoredGroup``, a group with its rewards and advantages), imported by module.
 
 Typical wiring (the controller's loop)::

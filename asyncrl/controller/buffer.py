@@ -21,6 +21,8 @@ Invariants:
   admission version, so every token of a group is at least as new as its admission (the gate's
   staleness guarantee depends on this; a result that breaks it raises ``ValueError``).
 - Members that already returned survive a reissue: only the unfinished ones are regenerated.
+- A group reissued because its worker returned a rejected sample (``reassign_group(avoid_s=...)``) is not
+  handed back to that worker within ``avoid_s``: a bad worker cannot take the same group in a tight loop.
 - Every transition is mirrored on the gate (started, reissued, finished), so the gate's
   issued/running/finished counters equal the number of PENDING/ASSIGNED/COMPLETE groups here.
 - Checkpoints: ``state_dict`` holds groups with their payloads as given (the controller must pass
@@ -98,6 +100,8 @@ class _Group:
     deadline_s: float = 0.0
     completion: int = -1
     extra: dict[str, Any] = field(default_factory=dict)
+    avoid: str | None = None  # the worker that just returned it rejected: not handed back to it ...
+    avoid_until: float = 0.0  # ... before this clock time (another worker may take it meanwhile)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +188,10 @@ class GroupBuffer:
             if len(out) >= max_groups:
                 break
             if group.state is GroupState.PENDING and group.admit_version <= worker_version:
+                if group.avoid == worker_id and self.clock() < group.avoid_until:
+                    continue  # it returned this group rejected a moment ago: another worker first
                 group.state = GroupState.ASSIGNED
+                group.avoid = None
                 group.worker_id = worker_id
                 group.deadline_s = self.clock() + self.assignment_timeout_s
                 self.gate.on_started()
@@ -225,12 +232,17 @@ class GroupBuffer:
                 out.extend(self.reassign_group(g.group_id))
         return out
 
-    def reassign_group(self, group_id: str) -> list[str]:
-        """Put one ASSIGNED group back to PENDING; returns its unfinished sample ids."""
+    def reassign_group(self, group_id: str, *, avoid_s: float = 0.0) -> list[str]:
+        """Put one ASSIGNED group back to PENDING; returns its unfinished sample ids.
+
+        ``avoid_s`` > 0: the worker that held it (it returned a sample that was rejected) is not handed it
+        again for that many seconds, so another worker gets it first."""
         g = self._groups[group_id]
         if g.state is not GroupState.ASSIGNED:
             raise ValueError(f"group {group_id} is {g.state.value}, only an assigned group can be reissued")
         missing = list(self._assignment(g).sample_ids)
+        if avoid_s > 0:
+            g.avoid, g.avoid_until = g.worker_id, self.clock() + avoid_s
         g.state, g.worker_id = GroupState.PENDING, None
         self.gate.on_reissued()
         return missing

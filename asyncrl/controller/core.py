@@ -2,7 +2,8 @@
 
 Owns: the dataset cursor, admission under the staleness gate, group assembly and exactly-once
 accounting (through ``asyncrl.controller``), scoring with the task's verifier, advantages (through
-``asyncrl.algo``), the trajectory log (every scored sample), worker liveness, the training time budget
+``asyncrl.algo``), the trajectory log (every scored sample), worker liveness, the back-off and quarantine of
+workers whose samples fail validation (``asyncrl.controller.quarantine``), the training time budget
 (``learner.time_budget_s``; ``stop_reason``, set by a ``learner.stop_on`` health alarm, ends the run the
 same way), and the fields of its checkpointable state. Learner batches are answered by
 ``asyncrl.controller.batches``, the state is saved and loaded by ``asyncrl.controller.state``.
@@ -32,14 +33,16 @@ from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, Resul
 from asyncrl.controller.admission import admit_and_assign
 from asyncrl.controller.batches import request_batch, try_batch
 from asyncrl.controller.membership import learner_join, worker_conflict
+from asyncrl.controller.quarantine import Quarantine
 from asyncrl.controller.scored import ScoredGroup
 from asyncrl.controller.scoring import GroupScorer
 from asyncrl.controller.state import load_state, save_state
-from asyncrl.controller.validation import check_sample
+from asyncrl.controller.validation import Rejection, check_sample
 from asyncrl.controller.workers import WorkerRegistry
 from asyncrl.log import EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import prune_controller_states
+from protocols.values import QUARANTINED
 
 log = logging.getLogger("asyncrl.controller")
 MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
@@ -51,6 +54,11 @@ NO_WORK_POLLS_PER_S = 200.0
 """The empty requests per second the whole fleet may send: the back-off grows with the number of
 workers to keep them under this, a small share of what the controller handles (docs/benchmarks.md §11).
 192 workers polling every 50 ms would send 3,840 a second, more than all of it."""
+
+
+REISSUE_ELSEWHERE_S = 1.0
+"""A group reissued because its worker returned a sample that was rejected is not handed back to that worker
+for this long: another worker takes it first (a bad worker cannot spin on one group)."""
 
 
 def no_work_retry_s(n_workers: int) -> float:
@@ -93,6 +101,7 @@ class ControllerCore:
         self.cursor = 0  # index of the next problem of the task's prompt stream
         self.vocab_size = _vocab_size(model, scorer)
         self.workers = WorkerRegistry()
+        self.quarantine = Quarantine(cfg.rollout.quarantine_after)  # back-offs after rejections, quarantined workers
         self.learner_peer: bytes | None = None
         self.pending_batch: int | None = None  # step the learner asked for and did not get yet
         self.done = False
@@ -130,6 +139,8 @@ class ControllerCore:
         if isinstance(msg, P.WorkRequest):
             return self._work(peer, msg, now)
         if isinstance(msg, (P.Heartbeat, P.Goodbye)):
+            if (reason := self.quarantine.shutdown_reason(msg.peer_id, peer)) is not None:
+                return [] if isinstance(msg, P.Goodbye) else [(peer, P.Shutdown(reason=reason))]
             w = self.workers.get(msg.peer_id)
             if w is None or w.peer != peer:  # a peer may only speak for itself
                 self.counters["control/unknown_worker"] += 1
@@ -166,6 +177,9 @@ class ControllerCore:
             return P.Reject(reason=f"this run publishes weights as {self.publish_formats}; start the worker with "
                                    f"quant.fmt={self.publish_formats[0]} (or start the run with "
                                    f"quant.extra_formats=[{fmt}])")
+        if msg.peer_id in self.quarantine:
+            self.counters["control/rejected_quarantined"] += 1
+            return P.Reject(reason=self.quarantine.refusal(msg.peer_id))
         r = self.cfg.rollout
         conflict = worker_conflict(msg.peer_id, self.workers.get(msg.peer_id), peer=peer, now=now,
                                    heartbeat_s=r.heartbeat_s, dead_after_s=r.dead_after_s)
@@ -196,6 +210,8 @@ class ControllerCore:
 
     def _work(self, peer: bytes, msg: P.WorkRequest, now: float) -> list[tuple[bytes, Any]]:
         w = self.workers.get(msg.worker_id)
+        if w is None and (reason := self.quarantine.shutdown_reason(msg.worker_id, peer)) is not None:
+            return [(peer, P.Shutdown(reason=reason))]
         if w is None or w.peer != peer:
             self.counters["control/unknown_worker"] += 1
             return [(peer, P.Error(code="not_registered", message="send Hello before asking for work"))]
@@ -203,6 +219,8 @@ class ControllerCore:
         w.version = max(w.version, msg.version)  # fresh weights are usable at once, not at the next heartbeat
         if self.done:
             return [(peer, P.Shutdown(reason="training finished"))]
+        if (wait_s := self.quarantine.backoff_s(msg.worker_id, now)) > 0:  # its last sample was rejected
+            return [(peer, P.NoWork(retry_after_s=wait_s))]
         assigned = admit_and_assign(self.buffer, msg.worker_id, credits=msg.credits, worker_version=w.version,
                                     make_meta=self._next_problem)
         out: list[tuple[bytes, Any]] = [(peer, self._assignment(a)) for a in assigned]
@@ -256,6 +274,7 @@ class ControllerCore:
     def _forget(self, worker_id: str, *, reason: str) -> None:
         if self.workers.pop(worker_id, None) is None:
             return
+        self.quarantine.forget(worker_id)
         reissued = self.buffer.reassign_from(worker_id)
         self.counters["workers/left"] += 1
         self.counters["samples/reissued"] += len(reissued)
@@ -291,11 +310,7 @@ class ControllerCore:
                                served_version=self.version.version, vocab_size=self.vocab_size,
                                max_new_tokens=self.cfg.rollout.max_new_tokens)
             if bad is not None:
-                self.counters["samples/rejected_invalid"] += 1
-                self.counters[f"samples/invalid/{bad[0]}"] += 1
-                log.error("rejected %s from %s: %s; group reissued", msg.sample_id, msg.worker_id, bad[1])
-                self.counters["samples/reissued"] += len(self.buffer.reassign_group(group_id))
-                return []
+                return self._rejected(msg, group_id, bad)
         try:
             status = self.buffer.on_result(msg.sample_id, worker_id=msg.worker_id, payload=msg,
                                            min_version=min_version)
@@ -304,10 +319,42 @@ class ControllerCore:
             log.error("rejected %s from %s: %s", msg.sample_id, msg.worker_id, e)
             return []
         self.counters[f"samples/{status.value}"] += 1
+        if status.accepted:
+            self.quarantine.accepted(msg.worker_id)
         if status is ResultStatus.COMPLETED:
             self._complete(msg.group_id)
             return try_batch(self)  # a waiting learner gets its batch now, not at the next timer tick
         return []
+
+    def _rejected(self, msg: P.FinishedSample, group_id: str, bad: Rejection) -> list[tuple[bytes, Any]]:
+        """A sample of a group its worker holds failed ``check_sample``: counted, never logged; the group is
+        reissued to another worker first. An invalid one also backs the worker off and, after
+        ``rollout.quarantine_after`` in a row, quarantines it (told why in the returned ``Shutdown``); a late
+        one (tokens older than the group's admission) does neither."""
+        self.counters[bad.counter] += 1
+        self.counters["samples/reissued"] += len(self.buffer.reassign_group(group_id, avoid_s=REISSUE_ELSEWHERE_S))
+        wid = msg.worker_id
+        if bad.late:  # honest: never a step towards quarantine
+            log.warning("%s from %s is too old for its group: %s; group reissued to another worker first",
+                        msg.sample_id, wid, bad.reason)
+            return []
+        self.counters["samples/rejected_invalid"] += 1
+        shutdown = self.quarantine.rejected(wid, bad.reason, self.clock())
+        log.error("rejected %s from %s: %s; group reissued to another worker first (%d rejected in a row)",
+                  msg.sample_id, wid, bad.reason, self.quarantine.in_a_row(wid))
+        w = self.workers.get(wid)
+        if shutdown is None or w is None:
+            return []
+        self.workers.pop(wid)
+        self.quarantine.quarantine(wid, w.peer, shutdown)
+        reissued = self.buffer.reassign_from(wid)
+        self.counters["workers/quarantined"] += 1
+        self.counters["samples/reissued"] += len(reissued)
+        self.log.append(EventRecord(event="worker_quarantined", logged_at=time.time(),
+                                    data={"worker": wid, "reason": shutdown, "reissued": str(len(reissued))}))
+        log.error("worker %s quarantined: %s; its other %d samples in flight go to other workers",
+                  wid, shutdown.removeprefix(QUARANTINED), len(reissued))
+        return [(w.peer, P.Shutdown(reason=shutdown))]
 
     def _complete(self, group_id: str) -> None:
         group = self.buffer.get(group_id)

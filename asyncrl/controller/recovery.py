@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from asyncrl.controller.state import jsonable, read_state
-from asyncrl.log import segment_paths, truncate_log
+from asyncrl.log import SampleRecord, read_log, segment_paths, truncate_log
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import choose_resume_point
 from asyncrl.rundir.files import ChecksumError, write_checksummed_json
@@ -25,8 +25,13 @@ from asyncrl.rundir.paths import CONTROLLER_STATES_GLOB
 log = logging.getLogger("asyncrl.controller")
 
 
-def resume_point(run_dir: Path) -> tuple[dict[str, Any] | None, int]:
-    """(controller state, version) to resume ``run_dir`` from, with the log cut back to that state."""
+def resume_point(run_dir: Path, *, salvage: bool = False) -> tuple[dict[str, Any] | None, int]:
+    """(controller state, version) to resume ``run_dir`` from, with the log cut back to that state.
+
+    A log that no longer reaches the state's position (a segment or the whole folder deleted or moved,
+    ``LogLostError``) is refused unless ``salvage`` (``log.salvage=true``): then what is left is cut back,
+    the state carries ``log_lost`` (what is missing), which ``load_state`` records in the log, and counts as
+    logged only the samples the log still holds."""
     paths = RunDir(run_dir)
     point = choose_resume_point(paths.checkpoints)
     for note in point.notes:
@@ -37,10 +42,27 @@ def resume_point(run_dir: Path) -> tuple[dict[str, Any] | None, int]:
                              "to; it cannot be resumed without logging work twice. Start a new run folder")
         return None, 0
     state = read_state(point.controller_state)
-    dropped = truncate_log(paths.trajectories, *state["log_position"])
+    lost: list[str] = []
+    dropped = truncate_log(paths.trajectories, *state["log_position"], salvage=lost.append if salvage else None)
+    for note in lost:
+        log.warning("resume: log.salvage=true: %s", note)
+    if lost:  # the samples the state counts as logged are only those still in the log
+        state["log_lost"] = "; ".join(lost)
+        left = read_log(paths.trajectories).records if segment_paths(paths.trajectories) else []
+        state["samples_logged"] = sum(isinstance(r, SampleRecord) for r in left)
     log.info("resume: version %d; trajectory log cut back to its checkpoint (%d bytes of redone work dropped)",
              point.version, dropped)
     return state, point.version
+
+
+def lost_log_message(err: Exception, run_dir: Path) -> str:
+    """What a controller whose trajectory log was lost under it (``LogLostError``) says as it stops the run."""
+    log_dir = RunDir(run_dir).trajectories
+    return (f"{err}. The run stops here: training on would log samples nowhere. Put the log back (restore {log_dir} "
+            f"from a backup, or move it back) and resume with `asyncrl train resume={run_dir}`: it restarts from the "
+            "newest checkpoint and first checks that the log still reaches that checkpoint's position. Without the "
+            f"log, `asyncrl train resume={run_dir} log.salvage=true` goes on with a new log that lacks the lost "
+            "records; or start a new run")
 
 
 T = TypeVar("T")

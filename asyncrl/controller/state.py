@@ -74,6 +74,9 @@ def load_state(core: Checkpointed, state: dict[str, Any]) -> None:
     core.budget_used_s = float(state.get("budget_used_s", 0.0))  # absent in states of older runs
     core.log.append(EventRecord(event="resume", logged_at=time.time(), data={
         "version": str(core.version.version), "cursor": str(core.cursor)}))
+    if state.get("log_lost"):  # resumed with log.salvage=true over a log that lost records before this state
+        core.counters["log/lost_before_resume"] += 1
+        core.log.append(EventRecord(event="salvaged", logged_at=time.time(), data={"lost": str(state["log_lost"])}))
 
 
 def read_state(path: Path) -> dict[str, Any]:

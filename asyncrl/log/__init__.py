@@ -4,6 +4,7 @@ from asyncrl.log.framing import Corruption, LogFormatError
 from asyncrl.log.records import SCHEMA_VERSION, BatchRecord, EventRecord, LogHeader, Record, SampleRecord
 from asyncrl.log.trajectory import (
     LogCorruptionError,
+    LogLostError,
     LogScan,
     TrajectoryLogWriter,
     read_log,
@@ -18,6 +19,7 @@ __all__ = [
     "EventRecord",
     "LogCorruptionError",
     "LogFormatError",
+    "LogLostError",
     "LogHeader",
     "LogScan",
     "Record",

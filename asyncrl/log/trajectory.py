@@ -8,7 +8,11 @@ Interior corruption (damaged bytes with intact records after them, or a damaged 
 segment) is never repaired implicitly: reopening raises ``LogCorruptionError`` naming the segment and
 offset, unless ``salvage=True``, which leaves the damaged bytes in place (readers skip them), keeps
 every intact record and lists what was skipped in ``salvaged``. ``asyncrl log repair`` removes them.
-Never: rewrites or deletes an intact record; loses a record that precedes or follows a corrupt one.
+Never: rewrites or deletes an intact record; loses a record that precedes or follows a corrupt one;
+writes to a log whose file was deleted, moved or replaced under it: at every flush, every fsync and every
+rotation the writer checks that its path still names the file it appends to (same inode and device), and
+raises ``LogLostError`` naming the path otherwise (and for every later append or flush). Cutting a log back
+to a checkpoint (``truncate_log``) checks that every segment up to the checkpoint's position is there.
 
 fsync policies: ``always`` (every record durable before ``append`` returns), ``every_n`` (every
 ``fsync_every`` records and on close), ``rotation`` (when a segment is closed), ``never`` (the OS
@@ -22,6 +26,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,17 @@ class LogCorruptionError(ValueError):
             f"trajectory log {log_dir} is corrupt inside (not a torn tail): {where}. Every intact record is "
             f"kept. Salvage explicitly with `asyncrl log repair {log_dir}`, or resume/replay with "
             "log.salvage=true (the damaged records are skipped and reported)")
+
+
+class LogLostError(ValueError):
+    """The log's file or folder is not where its writer or a resume needs it: deleted, moved or replaced.
+
+    ``path``: the file or folder that is missing or was replaced. The message says what happened and the
+    way on."""
+
+    def __init__(self, path: str | Path, message: str) -> None:
+        self.path = str(path)
+        super().__init__(message)
 
 
 def interior_damage(corruptions: list[Corruption], *, last_segment: str | None) -> list[Corruption]:
@@ -99,6 +115,7 @@ class TrajectoryLogWriter:
         self.repaired: list[Corruption] = []
         self.salvaged: list[Corruption] = []
         self._since_sync = 0
+        self.lost: LogLostError | None = None  # set once the file was found deleted, moved or replaced
         existing = segment_paths(self.dir)
         if existing:
             self._check_closed_segments(existing[:-1], salvage)
@@ -151,6 +168,7 @@ class TrajectoryLogWriter:
         self._size = end
 
     def _rotate(self) -> None:
+        self._check_in_place()  # a new segment in a folder that replaced the log's would hide the loss
         self._sync(force=self.fsync != "never")
         self._f.close()
         self._open_new(self.segment_index + 1)
@@ -159,6 +177,8 @@ class TrajectoryLogWriter:
     def append(self, record: Any) -> None:
         """Append one record; ``DiskFullError`` ("disk full at PATH") when the device is full (a partial
         frame left behind is a torn tail, repaired on the next open)."""
+        if self.lost is not None:
+            raise self.lost
         try:
             self._append(record)
         except OSError as e:
@@ -173,6 +193,7 @@ class TrajectoryLogWriter:
         self._size += len(data)
         self._since_sync += 1
         if self.fsync == "always" or (self.fsync == "every_n" and self._since_sync >= self.fsync_every):
+            self._check_in_place()
             self._sync(force=True)
 
     def _sync(self, force: bool) -> None:
@@ -182,12 +203,31 @@ class TrajectoryLogWriter:
         self._since_sync = 0
 
     def flush(self) -> None:
-        """Make everything appended so far durable (regardless of policy, except ``never``)."""
+        """Make everything appended so far durable (regardless of policy, except ``never``); ``LogLostError``
+        if the segment was deleted, moved or replaced since it was opened."""
+        self._check_in_place()
         try:
             self._sync(force=True)
         except OSError as e:
             raise_if_disk_full(e, self.path)
             raise
+
+    def _check_in_place(self) -> None:
+        """``LogLostError`` unless ``self.path`` still names the file this writer appends to."""
+        if self.lost is not None:
+            raise self.lost
+        try:
+            on_disk = os.stat(self.path)
+        except FileNotFoundError:
+            where = f"{self.dir} is gone" if not self.dir.exists() else f"{self.dir} no longer holds it"
+            self.lost = LogLostError(self.path, f"trajectory log {self.path} was deleted or moved while it was being "
+                                                f"written ({where}); the records appended to it are not on disk")
+            raise self.lost from None
+        mine = os.fstat(self._f.fileno())
+        if (on_disk.st_ino, on_disk.st_dev) != (mine.st_ino, mine.st_dev):
+            self.lost = LogLostError(self.path, f"trajectory log {self.path} was replaced by another file while it "
+                                                "was being written; the records appended to it are not in that file")
+            raise self.lost
 
     def tell(self) -> tuple[int, int]:
         """(segment index, byte offset) after the last record: a resume point for checkpoints."""
@@ -248,26 +288,52 @@ def read_log(path: str | Path) -> LogScan:
     return LogScan(headers, records, corruptions, last_segment=str(paths[-1]))
 
 
-def truncate_log(log_dir: str | Path, segment: int, offset: int) -> int:
+def truncate_log(log_dir: str | Path, segment: int, offset: int, *,
+                 salvage: Callable[[str], None] | None = None) -> int:
     """Cut a log back to a checkpointed position (``TrajectoryLogWriter.tell()``); returns bytes dropped.
 
     Used on resume: records written after the checkpoint belong to work the resumed run redoes
     (regenerated or re-consumed with the same ids), so keeping them would log them twice.
+    Every segment up to ``segment`` must be there and ``segment`` at least ``offset`` bytes long, else
+    ``LogLostError`` (a missing segment or folder) or ``ValueError`` (a segment shorter than the position)
+    says so; with ``salvage`` (``log.salvage=true``) what is missing is passed to it instead, and what is
+    there is cut back (a resumed run then appends to what is left, or starts a new log).
     """
+    d = Path(log_dir)
+    present = {segment_number(p): p for p in segment_paths(d)}
+    missing = [_segment_name(i) for i in range(segment + 1) if i not in present]
+    if missing:
+        what = f"{d} is missing" if not d.is_dir() else (
+            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} is missing from {d}")
+        if salvage is None:
+            raise LogLostError(d if not d.is_dir() else d / missing[0], _lost_behind(what, segment, offset))
+        salvage(f"{what}: the records before the checkpoint's position ({_segment_name(segment)} byte {offset}) "
+                "in it are lost")
     dropped = 0
-    for p in segment_paths(log_dir):
-        index = segment_number(p)
+    for index, p in present.items():
         if index > segment:
             dropped += p.stat().st_size
             p.unlink()
         elif index == segment:
             size = p.stat().st_size
             if size < offset:
-                raise ValueError(f"{p} has {size} bytes but the checkpoint expects {offset}; the log was "
-                                 "truncated behind the checkpoint and cannot be resumed")
+                what = (f"{p} has {size} bytes but the checkpoint expects {offset}; the log was truncated behind the "
+                        "checkpoint")
+                if salvage is None:
+                    raise ValueError(f"{what} and cannot be resumed as it is; resume with log.salvage=true to go on "
+                                     "with what is left of it, or start a new run folder")
+                salvage(f"{what}: the records after byte {size} of it are lost")
+                continue
             with open(p, "r+b") as f:
                 f.truncate(offset)
                 os.fsync(f.fileno())
             dropped += size - offset
     return dropped
 
+
+def _lost_behind(what: str, segment: int, offset: int) -> str:
+    return (f"trajectory log lost: {what}, but the checkpoint being resumed was taken at {_segment_name(segment)} "
+            f"byte {offset}, so records logged before it are not on disk (the log was deleted or moved after they "
+            "were written). Put the log back where it was (from a backup) and resume again, or resume with "
+            "log.salvage=true to go on with a log that lacks them (`asyncrl log inspect` then reports the gap and "
+            "replay needs log.salvage=true too), or start a new run folder")

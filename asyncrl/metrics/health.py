@@ -16,7 +16,7 @@ Invariants:
 - Only metrics the run already logs are read (docs/metrics.md); a metric a record lacks is skipped, never
   taken as 0 (a step with no loss token logs no ``actor/entropy``).
 - Rate limit: an alarm whose condition holds fires once, then again at most every ``health.repeat_every``
-  steps while it keeps holding.
+  steps while it keeps holding. An event alarm (``EVENT_ALARMS``: a worker quarantined) fires once per event.
 - Collapse alarms (length, entropy, zero variance, one answer) stay quiet while the windowed train reward
   is at least ``health.solved_reward``: a solved task has every group right and the policy sure of itself.
 - Length, entropy and zero variance are judged only once the train reward's early mean and a full window
@@ -98,7 +98,18 @@ ALARMS: dict[str, AlarmSpec] = {
         "the learner is the bottleneck and the staleness gate holds the workers back",
         "a larger rollout.eta, fewer workers (rollout.num_workers), more learner ranks (learner.world_size), "
         "LoRA (learner.lora.rank>0)"),
+    "worker_quarantined": AlarmSpec(
+        "the controller quarantined a generation worker: its samples failed validation rollout.quarantine_after "
+        "times in a row, so it gets no more work and its groups go to the other workers",
+        "rollout.quarantine_after",
+        "the worker's engine or weights produce invalid output (NaN log-probabilities, token ids outside the "
+        "vocabulary), or it runs another model or a broken build",
+        "check that worker's log and host (its device, asyncrl version and quant.fmt); restart it under "
+        "another worker_id once fixed (the launcher restarts its own workers under a new name)"),
 }
+
+EVENT_ALARMS = ("worker_quarantined",)
+"""Alarms raised for an event (once per event) rather than for a condition that holds: no rate limit."""
 
 # Metrics that count non-finite values in a training step (docs/metrics.md).
 NONFINITE_COUNTS = ("learner/skipped_nonfinite_minibatches", "actor/nonfinite_loss", "actor/nonfinite_logp_theta")
@@ -167,19 +178,38 @@ class HealthMonitor:
         self.baseline: float | None = None  # the step-0 greedy evaluation
         self.train_steps = 0
         self.last_fired: dict[str, int] = {}
+        self.quarantined = 0.0  # controller/workers/quarantined at the last record that had it
+        self.named: set[str] = set()  # quarantined workers an alarm has named
 
-    def observe(self, step: int, record: Mapping[str, Any]) -> list[Alarm]:
-        """The alarms raised at ``step`` by ``record`` (one metrics.jsonl record), rate-limited."""
+    def observe(self, step: int, record: Mapping[str, Any], *,
+                quarantined: Mapping[str, str] | None = None) -> list[Alarm]:
+        """The alarms raised at ``step`` by ``record`` (one metrics.jsonl record), rate-limited.
+
+        ``quarantined``: the workers the controller quarantined so far and why (a live run: the alarm names
+        them; a replay of metrics.jsonl has only their count)."""
         if not self.cfg.enabled:
             return []
-        found: list[Alarm] = []
+        found = self._quarantine(step, record, quarantined or {})
         if _num(record, "eval/baseline") is not None:
             self.baseline = _num(record, "eval/accuracy")
         elif (acc := _num(record, "eval/accuracy")) is not None:
             found += self._eval(step, acc)
         if _num(record, "train/reward_mean") is not None:  # a training step's record
             found += self._train(step, record)
-        return [a for a in found if self._due(a)]
+        return [a for a in found if a.name in EVENT_ALARMS or self._due(a)]
+
+    def _quarantine(self, step: int, r: Mapping[str, Any], names: Mapping[str, str]) -> list[Alarm]:
+        """worker_quarantined when ``controller/workers/quarantined`` grew since the last record."""
+        n = _num(r, "controller/workers/quarantined")
+        if n is None or n <= self.quarantined:
+            return []
+        before, self.quarantined = self.quarantined, n
+        new = [w for w in names if w not in self.named]
+        self.named.update(new)
+        who = "; ".join(f"worker {w} quarantined: {names[w]}" for w in new) or (
+            f"{n - before:g} worker(s) quarantined; the controller's log names them")
+        return [Alarm(step, "worker_quarantined", n, before,
+                      f"{who} (controller/workers/quarantined {before:g} -> {n:g})")]
 
     def _due(self, alarm: Alarm) -> bool:
         last = self.last_fired.get(alarm.name)

@@ -81,10 +81,12 @@ class HealthWatch:
         if cfg.enabled:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def observe(self, step: int, record: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Raises (logs and records) the alarms of ``record``; returns their records."""
+    def observe(self, step: int, record: Mapping[str, Any], *,
+                quarantined: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        """Raises (logs and records) the alarms of ``record``; returns their records. ``quarantined``: the
+        workers the controller quarantined so far and why (the worker_quarantined alarm names them)."""
         out = []
-        for alarm in self.monitor.observe(step, record):
+        for alarm in self.monitor.observe(step, record, quarantined=quarantined):
             out.append(self._raise(alarm))
         return out
 

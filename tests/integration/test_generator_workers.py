@@ -97,8 +97,8 @@ def test_a_worker_asks_only_with_a_groups_worth_of_free_slots(procs, tmp_path):
         prompt = P.Array.from_numpy(np.array([1, 55, 47, 56, 65], np.int32))
         params = P.SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=7)
         requests: list[int] = []  # the credits of each WorkRequest
-        received, assigned, back_at = 0, False, None
-        deadline = time.monotonic() + 120
+        received, assigned, back_at, asked_at_back = 0, False, None, 0
+        deadline = time.monotonic() + 240  # a hang guard: the test ends on events, not on this
         while time.monotonic() < deadline:
             env = ctl.recv(0.01)
             if env is not None and isinstance(env.msg, P.Hello):
@@ -113,12 +113,15 @@ def test_a_worker_asks_only_with_a_groups_worth_of_free_slots(procs, tmp_path):
                     ctl.send(P.NoWork(retry_after_s=0.01), to=env.peer)
             while pull.recv(0.0) is not None:
                 received += 1
-                back_at = time.monotonic() if received == GROUP else back_at
-            if back_at is not None and time.monotonic() > back_at + 0.5:
+                if received == GROUP:
+                    back_at, asked_at_back = time.monotonic(), len(requests)
+            # Done once the group is back and the worker asked again after that, at least twice (it asks again
+            # after each NoWork) and for at least 0.5 s: a while in which any request of 2 slots would show.
+            if back_at is not None and len(requests) >= asked_at_back + 2 and time.monotonic() > back_at + 0.5:
                 break
         assert received == GROUP, (received, requests)
         # all 6 slots; nothing while the group was out; all 6 again (and again) once it was back
-        assert requests[0] == 6 and len(requests) >= 2 and set(requests) == {6}, requests
+        assert requests[0] == 6 and len(requests) >= asked_at_back + 2 and set(requests) == {6}, requests
         for p in procs.children:
             p.send_signal(15)
         assert [p.wait(timeout=60) for p in procs.children] == [0]
@@ -153,3 +156,36 @@ def test_a_worker_welcomed_by_a_controller_older_than_the_floor_leaves_naming_th
         text = _welcomed_worker_leaves(procs, stand, lambda env: stand.ctl.send(
             P.Welcome(protocol_version="1.3", server_id="stand-in", setup=stand.setup), to=env.peer))
     assert "speaks protocol 1.3, older than 1.4" in text and "upgrade asyncrl" in text, text[-2000:]
+
+
+def test_a_quarantined_worker_leaves_at_once_naming_the_reason_and_exits_1(procs, tmp_path):
+    """The controller's Shutdown with the quarantine reason (``protocols.values.QUARANTINED``): the worker
+    asks for nothing more, says why as an error, and exits 1 (a launcher shows it and starts another)."""
+    from protocols.values import QUARANTINED
+
+    reason = f"{QUARANTINED}8 invalid samples in a row (rollout.quarantine_after=8), the last: behaviour log-probs"
+    with worker_standin(tmp_path, worker_slots=GROUP, group_size=GROUP) as stand:
+        worker = procs.python("-m", "workers.generator", f"controller={stand.ctl.address}", "worker_id=w",
+                              stderr=subprocess.PIPE)
+        prompt = P.Array.from_numpy(np.array([1, 55, 47, 56, 65], np.int32))
+        params = P.SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=7)
+        peer, assigned, quarantined = None, False, False
+        deadline = time.monotonic() + 120
+        while worker.poll() is None and time.monotonic() < deadline:
+            env = stand.ctl.recv(0.05)
+            if env is not None and isinstance(env.msg, P.Hello):
+                peer = env.peer
+                stand.welcome(env)
+            elif env is not None and isinstance(env.msg, (P.WorkRequest, P.Heartbeat)) and quarantined:
+                stand.ctl.send(P.Shutdown(reason=reason), to=env.peer)  # as the controller answers it
+            elif env is not None and isinstance(env.msg, P.WorkRequest) and not assigned:
+                stand.ctl.send(P.RolloutAssignment(group_id="g", sample_ids=[f"g/{i}" for i in range(GROUP)],
+                                                   prompt_ids=prompt, params=params, n_samples=GROUP), to=env.peer)
+                assigned = True
+            if not quarantined and peer is not None and stand.pull.recv(0.0) is not None:  # the last straw
+                stand.ctl.send(P.Shutdown(reason=reason), to=peer)
+                quarantined = True
+        _, err = worker.communicate(timeout=60)
+    text = err.decode(errors="replace")
+    assert quarantined and worker.returncode == 1, text[-2000:]
+    assert "the controller quarantined it: 8 invalid samples in a row" in text, text[-2000:]

@@ -320,7 +320,8 @@ def _sample(a, *, ids=(5, 6, 2), logp=-0.5, version=0, prompt=None, index=0):
 def test_a_returned_sample_is_validated_field_by_field_and_a_bad_one_is_rejected_counted_and_reissued(
     tmp_path, model_dir
 ):
-    core = make_core(tmp_path, model_dir, extra=["rollout.max_new_tokens=4"])
+    clock = FakeClock()
+    core = make_core(tmp_path, model_dir, extra=["rollout.max_new_tokens=4"], clock=clock)
     register(core)
     (a, *_) = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
     vocab = core.vocab_size
@@ -335,13 +336,16 @@ def test_a_returned_sample_is_validated_field_by_field_and_a_bad_one_is_rejected
     for key, msg in bad.items():
         assert core.on_sample(msg) == []
         assert core.counters[f"samples/invalid/{key}"] == 1, key
-        # the group went back to pending: the worker (or another) gets it again, same ids
+        # the group went back to pending: the worker (or another) gets it again, same ids, once its back-off
+        # (tests/unit/controller/test_quarantine.py) is over
+        clock.t += 60
         (again,) = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
         assert again.sample_ids == a.sample_ids
     positive = _sample(a, logp=0.5)
     core.on_sample(positive)
     assert core.counters["samples/invalid/behav_logp"] == 2
     assert core.counters["samples/rejected_invalid"] == 6 and core.samples_logged == 0
+    clock.t += 60
     (a,) = _assignments(core.handle(b"W", P.WorkRequest(worker_id="w", credits=G)))
     answer(core, a)  # valid answers are accepted as before
     assert core.samples_logged == G

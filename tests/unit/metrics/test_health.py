@@ -185,7 +185,7 @@ def test_disabled_monitor_raises_nothing():
 
 def test_every_alarm_names_a_threshold_key_of_the_health_section():
     keys = {f"health.{k}" for k in HealthConfig.__dataclass_fields__}
-    assert {s.threshold_key for s in ALARMS.values()} <= keys
+    assert {s.threshold_key for s in ALARMS.values()} <= keys | {"rollout.quarantine_after"}  # the one event alarm
 
 
 def test_the_config_names_exactly_the_alarms_the_monitor_raises():
@@ -280,3 +280,22 @@ def test_plots_mark_where_an_alarm_fired(tmp_path):
     steps = sorted({int(line.get_xdata()[0]) for line in axes[1].lines})
     assert steps == sorted({a["step"] for a in read_alarms(tmp_path)}) == [11, 15, 60]
     assert {t.get_text() for t in axes[0].texts} == {"zero_variance", "answer_takeover", "reward_flat"}
+
+
+def test_a_quarantined_worker_raises_worker_quarantined_naming_it_at_once_and_a_replay_counts_it(tmp_path):
+    quarantined = {"gpu-3": "8 invalid samples in a row (rollout.quarantine_after=8), the last: behaviour "
+                            "log-probs must be <= 0 and not NaN"}
+    rows = [train_record(s, **{"controller/workers/quarantined": float(s >= 3) + float(s >= 5)}) for s in range(1, 9)]
+    watch = HealthWatch(tmp_path, HealthConfig())
+    raised = [a for r in rows for a in watch.observe(
+        r["step"], r, quarantined={"gpu-3": quarantined["gpu-3"], **({"gpu-7": "token ids"} if r["step"] >= 5 else {})})]
+    watch.close()
+    # an event, not a standing condition: each new quarantine is raised, however close to the last
+    assert [(a["step"], a["alarm"], a["value"]) for a in raised] == [(3, "worker_quarantined", 1.0),
+                                                                      (5, "worker_quarantined", 2.0)]
+    assert "worker gpu-3 quarantined: 8 invalid samples in a row" in raised[0]["message"]
+    assert "gpu-7" in raised[1]["message"] and "gpu-3" not in raised[1]["message"]
+    assert raised[0]["threshold_key"] == "rollout.quarantine_after" and "restart it" in raised[0]["fix"]
+    # replayed from metrics.jsonl (no names there): the same alarms at the same steps
+    assert fired(rows) == {"worker_quarantined": [3, 5]}
+    assert "controller's log names" in replay(rows, HealthConfig())[0].detail

@@ -73,6 +73,24 @@ def test_a_child_that_dies_is_reported_in_one_line_naming_the_cause_and_its_log(
     assert Path(os.getcwd()) == tmp_path
 
 
+def test_a_controller_that_fails_as_the_learner_finishes_fails_the_run_and_is_reported(tmp_path, monkeypatch, capsys):
+    """The learner exits 0, the controller 1 (its log lost after the last batch): no summary of that run."""
+    from workers.launcher import _run_ended
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.chdir(tmp_path)
+    launcher = Launcher(load_train_config([]), run_dir, tmp_path)
+    launcher.learner = launcher.spawn("learner", [sys.executable, "-c", "pass"])
+    launcher.controller = launcher.spawn("controller", [sys.executable, "-c", (
+        "raise SystemExit('controller: trajectory log /r/trajectories/traj-000000.log was deleted or moved')")])
+    assert launcher.learner.proc.wait(timeout=60) == 0
+    assert _run_ended(launcher) == 1
+    out = capsys.readouterr().out
+    assert "controller failed (exit 1): controller: trajectory log /r/trajectories/traj-000000.log was deleted" in out
+    launcher.close()
+
+
 def _jsonl(path, answers):
     import json
 
