@@ -3,9 +3,12 @@
 Run as ``python tests/integration/curve_peer.py ROLE ...``:
   server KEYS_DIR OUT_JSON        bind a CURVE ROUTER (control), PULL (samples) and a WeightServer on
                                   loopback; print their addresses as one JSON line; echo every control
-                                  message; on SIGTERM write the counters to OUT_JSON and exit 0
-  client ADDRS_JSON [KEYS_DIR NAME]  with keys (or plain without): Hello on control, push one sample,
-                                  fetch the weights; print one JSON line of what worked; exit 0
+                                  message but a Heartbeat, answered with version = the samples received from
+                                  its peer_id; on SIGTERM write the counters to OUT_JSON and exit 0
+  client ADDRS_JSON [KEYS_DIR NAME]  with keys (or plain without): Hello on control, push one sample (a
+                                  served client asks until the server counts it), fetch the weights; print
+                                  one JSON line of what worked; exit 0. A client with keys first waits for
+                                  each socket's handshake outcome, so what it reports never depends on speed
   bind HOST [KEYS_DIR]            apply the bind policy to tcp://HOST:0 and bind; exit 0 if it bound
   weights OUT_JSON                a plain WeightServer (what learner rank 0 runs) serving version 1 of
                                   WEIGHTS, for the fuzz test; prints its addresses; on SIGTERM writes
@@ -54,12 +57,15 @@ def server(keys_dir: str, out_path: str) -> int:
                       "fetch": weights.fetch_address}), flush=True)
     samples = []
     while not stop["flag"]:
-        env = ctl.recv(0.02)
-        if env is not None:
-            ctl.send(env.msg, to=env.peer)
         env = pull.recv(0.0)
         if env is not None:
             samples.append(env.msg.worker_id)
+        env = ctl.recv(0.02)
+        if env is not None and isinstance(env.msg, P.Heartbeat):  # "how many of my samples came?"
+            ctl.send(P.Heartbeat(peer_id=env.msg.peer_id, time=env.msg.time,
+                                 version=samples.count(env.msg.peer_id)), to=env.peer)
+        elif env is not None:
+            ctl.send(env.msg, to=env.peer)
     out = {"samples_from": samples, "fetches_served": weights.fetches_served,
            **ctl.stats.as_metrics("transport/control"), **pull.stats.as_metrics("transport/samples"),
            **weights.as_metrics("transport/weights"), **auth_metrics()}
@@ -88,6 +94,26 @@ def weights(out_path: str) -> int:
     return 0
 
 
+WAIT_S = 60.0
+"""Bounds a wait for what a served client must get (a handshake, an echo, the weights): a hang guard, never a
+speed claim. A client that must get nothing waits ``SILENCE_S``: its silence is what the test checks."""
+SILENCE_S = 3.0
+
+
+def handshake(ch, curve) -> str:
+    """A client with keys: wait until its socket's CURVE handshake was accepted or refused (the monitor's
+    counters); "" for a plain client, whose socket has no monitor (it waits ``SILENCE_S`` for nothing)."""
+    if curve is None:
+        return ""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for outcome in ("accepted", "refused"):
+            if ch.stats.auth_counts().get(outcome, 0):
+                return outcome
+        time.sleep(0.01)
+    raise SystemExit(f"no CURVE handshake outcome within {WAIT_S:.0f} s")
+
+
 def client(addrs_path: str, keys_dir: str = "", name: str = "") -> int:
     addrs = json.loads(open(addrs_path).read())
     curve = load_client_keys(keys_dir, name) if keys_dir else None
@@ -95,24 +121,35 @@ def client(addrs_path: str, keys_dir: str = "", name: str = "") -> int:
     result = {"who": who}
     with ZmqChannel.connect(zmq.DEALER, addrs["control"], curve=curve) as ctl, \
             ZmqChannel.connect(zmq.PUSH, addrs["samples"], curve=curve) as push:
+        served = handshake(ctl, curve) == "accepted"
         hello = P.Hello(protocol_version=P.PROTOCOL_VERSION, role="generator", peer_id=who)
         try:
             ctl.send(hello, timeout_s=1.0)
-            env = ctl.recv(3.0)
+            env = ctl.recv(WAIT_S if served else SILENCE_S)
         except TimeoutError:  # a refused connection leaves zmq no pipe to queue on
             env = None
         result["hello_echoed"] = env is not None and env.msg == hello
         sample = next(m for m in example_messages() if isinstance(m, P.FinishedSample))
+        pushed = handshake(push, curve) == "accepted"
         try:
             push.send(P.FinishedSample(**{f: getattr(sample, f) for f in sample.__struct_fields__} | {"worker_id": who}),
                       timeout_s=1.0)
-            time.sleep(0.3)  # push is fire-and-forget; give it time to leave before linger-0 close
         except TimeoutError:
-            pass
+            pushed = False
+        if served and pushed:  # push is fire-and-forget: ask the server until it counts the sample
+            deadline, got = time.monotonic() + WAIT_S, 0
+            while not got and time.monotonic() < deadline:
+                ctl.send(P.Heartbeat(peer_id=who, time=0.0), timeout_s=WAIT_S)
+                env = ctl.recv(WAIT_S)
+                got = env.msg.version if env is not None and isinstance(env.msg, P.Heartbeat) else 0
+                time.sleep(0.05)
+        else:
+            time.sleep(0.3)  # a sample that must not arrive: the chance it had to leave before the close
         result["refused"] = ctl.stats.auth.get("refused", 0)
     wc = WeightClient(addrs["announce"], addrs["fetch"], curve=curve)
     try:
-        _, buffers = wc.fetch(1, timeout_s=3.0)
+        fetch_served = handshake(wc, curve) == "accepted"  # a refusal is known before the fetch times out
+        _, buffers = wc.fetch(1, timeout_s=WAIT_S if fetch_served else SILENCE_S)
         result["weights"] = bytes(buffers[0]) == WEIGHTS
     except WeightFetchError as e:
         result["weights"] = False

@@ -129,6 +129,7 @@ def _max_weight_diff(a: Path, b: Path) -> float:
     return max(float((sa[k] - sb[k]).abs().max()) for k in sa)
 
 
+@pytest.mark.timeout(900)  # four launches of real process groups (about 25 s on an idle 2-core machine)
 def test_world_size_two_matches_world_size_one_bit_for_bit_and_its_checkpoint_resumes(procs, tmp_path):
     # Gradient clipping is active (norms ~0.2-0.5 > 0.05). Each micro-batch has the same rows and
     # shape on one rank and on two, gradients are the sum of the same two partials (or one

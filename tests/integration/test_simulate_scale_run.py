@@ -15,7 +15,7 @@ import pytest
 
 from scripts import benchlib
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]  # above its two 600 s guards
 
 
 def _wait(proc, log, what: str, timeout_s: float) -> None:

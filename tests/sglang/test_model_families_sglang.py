@@ -55,6 +55,7 @@ def test_runtime_named_update_is_served_exactly(family, sglang_python_path, tmp_
         assert float(np.abs(ref.numpy() - res.behav_logp).max()) <= 1e-4
 
 
+@pytest.mark.timeout(3000)  # above the run's own guards: the server's start (1500 s) and the run (2700 s)
 def test_train_on_a_qwen3_moe_folder_with_an_sglang_worker(procs, sglang_python_path, tmp_path):
     """``asyncrl train model.name=path`` on a Qwen3-MoE folder, one SGLang worker (CPU server it starts):
     every version the learner publishes reaches the server (tokens carry versions 1..3)."""
@@ -69,7 +70,7 @@ def test_train_on_a_qwen3_moe_folder_with_an_sglang_worker(procs, sglang_python_
                         "sglang.startup_timeout_s=1500", "learner.total_steps=3", "learner.eval_every=0",
                         "learner.ckpt_every=0", "rollout.eta=1", "rollout.heartbeat_s=0.05",
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = proc.communicate(timeout=1400)
+    out, _ = proc.communicate(timeout=2700)  # a hang guard above sglang.startup_timeout_s
     assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
     by_id = check_trajectory_log(tmp_path / "runs" / "moe", eta=1, steps=3)
     served = {int(v) for r in by_id.values() for v in r.sample.versions.to_numpy()}

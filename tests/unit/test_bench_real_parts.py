@@ -21,15 +21,24 @@ def test_wilson_interval_matches_the_closed_form_values():
 
 
 def test_tree_memory_sees_a_grandchild_and_its_peak(procs):
-    # parent -> child that holds 200 MB, then frees it and waits: the child's kernel-recorded peak stays
+    # parent -> child that holds 200 MB, then frees it and waits: the child's kernel-recorded peak stays.
+    # The child (it shares its parent's stdin) holds and then frees the memory each until the test has
+    # sampled and writes a line, so a sample lands in each phase however slowly this machine runs.
     code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
-            "\"import time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('held', flush=True); "
-            "time.sleep(1.0); del b; time.sleep(1.0)\"])")
-    proc = procs.python("-c", code, stdout=subprocess.PIPE, text=True)
+            "\"import sys; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('held', flush=True); "
+            "sys.stdin.readline(); del b; print('freed', flush=True); sys.stdin.readline()\"])")
+    proc = procs.python("-c", code, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     mem = TreeMemory(proc.pid, label=lambda cmd: "child" if "bytearray" in cmd else None, interval_s=0.05)
     with mem:
         assert proc.stdout.readline().strip() == "held"
-        mem.sample()
+        mem.sample()  # the 200 MB are resident now
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "freed"
+        mem.peak_by_label.clear()
+        mem.sample()  # freed, still running: its kernel-recorded peak (VmHWM) is what this sample reads
+        assert mem.peak_by_label["child"] >= 200 * 2**20
+        proc.stdin.close()
         proc.wait(timeout=60)
     assert mem.peak_by_label["child"] >= 200 * 2**20
     assert mem.peak_total_bytes >= 200 * 2**20

@@ -27,15 +27,31 @@ from asyncrl.engine.sglang_requests import parse_generate_output, request_seed
 from asyncrl.engine.sglang_server import cpu_env, server_command
 from asyncrl.engine.sglang_weights import BroadcastWeights, chunk_update, prepare_update, tensor_bodies
 
+WAIT_S = 60.0
+"""Bounds a wait for something the adapter's threads do at once (a hang guard, never a speed claim)."""
+RELEASE_GUARD_S = 60.0
+
+
+def wait_until(condition, what: str, timeout_s: float = WAIT_S) -> None:
+    """Poll ``condition()`` until it holds; fail naming ``what`` if it never does within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(0.01)
+
 
 class FaultInjectionStub:
     """Threaded HTTP server answering like SGLang's native API; ``faults[path]`` overrides an answer with
-    ``(status, body_bytes)``, ``"hang"`` (no answer for ``hang_s``) or ``"drop"`` (close the socket)."""
+    ``(status, body_bytes)``, ``"hang"`` (no answer until ``unhang`` is set, or ``hang_s`` passed: a guard) or
+    ``"drop"`` (close the socket). A ``/generate`` waits for ``release`` (set by default; ``RELEASE_GUARD_S``
+    only bounds a test that never sets it again)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict]] = []
         self.faults: dict[str, object] = {}
         self.hang_s = 2.0
+        self.unhang = threading.Event()
+        self.hangs_ended = 0
         self.version = "default"
         self.model_path = "/m"
         self.gen_delay_s = 0.0
@@ -59,7 +75,8 @@ class FaultInjectionStub:
                 stub.calls.append((self.path, payload))
                 fault = stub.faults.get(self.path)
                 if fault == "hang":
-                    time.sleep(stub.hang_s)
+                    stub.unhang.wait(stub.hang_s)
+                    stub.hangs_ended += 1
                     return
                 if fault == "drop":
                     self.close_connection = True
@@ -87,7 +104,7 @@ class FaultInjectionStub:
             self.version = payload["new_version"]
             return {"success": True}
         if path == "/generate":
-            self.release.wait(5)
+            self.release.wait(RELEASE_GUARD_S)
             time.sleep(self.gen_delay_s)
             n = payload["sampling_params"]["max_new_tokens"]
             ids = [(7 * i + len(payload["input_ids"])) % 200 + 4 for i in range(n)]
@@ -111,6 +128,8 @@ class FaultInjectionStub:
         return [p for p, _ in self.calls]
 
     def close(self) -> None:
+        self.unhang.set()  # no handler thread outlives the test waiting on its guard
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -144,12 +163,14 @@ def test_server_down_raises_unavailable_naming_the_fix():
 
 
 def test_timeout_raises_instead_of_hanging(stub):
+    # The server answers nothing until the test lets it (hang_s only guards a broken run): the error can
+    # only come from the client's own 0.2 s timeout, whatever the machine's speed.
     stub.faults["/model_info"] = "hang"
-    stub.hang_s = 1.0
-    t0 = time.monotonic()
+    stub.hang_s = 600.0
     with pytest.raises(SGLangUnavailableError, match="did not answer"):
         SGLangHTTP(stub.url, timeout_s=0.2).get("/model_info")
-    assert time.monotonic() - t0 < 1.0
+    assert stub.hangs_ended == 0, "the client waited for the server instead of its own timeout"
+    stub.unhang.set()
 
 
 @pytest.mark.parametrize("status", [400, 404, 500, 503])
@@ -282,12 +303,9 @@ def test_abort_of_queued_request_is_local_and_inflight_abort_posts_encoded_rid(s
     engine = SGLangEngine(stub.url, max_batch_size=1)
     engine.submit([req(0), req(1)])
     engine.abort(["s1"])
-    deadline = time.monotonic() + 5
-    while "/generate" not in stub.paths() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: "/generate" in stub.paths(), "s0 was never sent")
     engine.abort(["s0", "nope"])
-    while "/abort_request" not in stub.paths() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: "/abort_request" in stub.paths(), "the in-flight abort was never posted")
     stub.release.set()
     got = {r.sample_id: r for r in engine.generate()}
     assert got["s1"].finish_reason == "abort" and got["s1"].response_ids == []
@@ -302,9 +320,7 @@ def test_weight_update_pauses_in_place_and_wraps_tensor_update_in_a_session(stub
     sd = {"a.weight": torch.ones(4, 4), "b.bias": torch.arange(3.0)}
     engine.update_weights(1, sd)
     (res,) = engine.generate([req(0)])
-    deadline = time.monotonic() + 5
-    while "/continue_generation" not in stub.paths() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: "/continue_generation" in stub.paths(), "the update never resumed generation")
     ctl = [
         p
         for p in stub.paths()
@@ -372,8 +388,9 @@ def test_pause_holds_dispatch_until_resume(stub):
     engine = SGLangEngine(stub.url)
     engine.pause()
     engine.submit([req(0)])
-    time.sleep(0.2)
-    assert "/generate" not in stub.paths() and "/pause_generation" in stub.paths()
+    wait_until(lambda: "/pause_generation" in stub.paths(), "the pause was never posted")
+    time.sleep(0.2)  # a window in which a dispatch while paused would show (its absence is the check)
+    assert "/generate" not in stub.paths()
     engine.resume()
     (res,) = engine.generate()
     assert (
@@ -388,9 +405,9 @@ def test_close_aborts_everything_and_refuses_new_work(stub):
     stub.release.clear()
     engine = SGLangEngine(stub.url, max_batch_size=1)
     engine.submit([req(0), req(1)])
-    time.sleep(0.1)
+    wait_until(lambda: "/generate" in stub.paths(), "s0 was never sent")  # s0 in flight, s1 queued behind it
     threading.Timer(0.2, stub.release.set).start()
-    engine.close(timeout_s=5)
+    engine.close(timeout_s=WAIT_S)
     got = {r.sample_id: r.finish_reason for r in engine.generate()}
     assert set(got) == {"s0", "s1"} and got["s1"] == "abort"
     with pytest.raises(EngineClosedError):
@@ -426,9 +443,7 @@ def test_broadcast_update_posts_metadata_and_is_never_coalesced(stub):
     engine.update_weights(2, b)
     stub.release.set()
     list(engine.generate())
-    deadline = time.monotonic() + 5
-    while engine.version != 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: engine.version == 2, "version 2 was never applied")
     bodies = [p for path, p in stub.calls if path == "/update_weights_from_distributed"]
     assert [b["weight_version"] for b in bodies] == ["1", "2"]
     assert bodies[0]["shapes"] == [[2, 3]] and bodies[0]["group_name"] == "weight_update_group"
@@ -489,7 +504,7 @@ def test_poll_raises_a_failed_generate_once_and_yields_its_sample_as_abort(stub)
     stub.faults["/generate"] = (500, b'{"error": "scheduler died"}')
     engine.submit([req(0)])
     got, raised = [], 0
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + WAIT_S
     while not (got and raised) and time.monotonic() < deadline:
         try:
             got += engine.poll(0.2)

@@ -154,11 +154,10 @@ def test_auto_grading_from_a_worker_thread_runs_in_a_child_with_working_timeouts
     grader = MathVerifyGrader(timeout_s=1)
     try:
         good = _run_in_thread(lambda: grader.grade("\\frac{1}{2}", "\\boxed{0.5}"))
-        t0 = time.monotonic()
         hang = _run_in_thread(lambda: grader.grade("5", "9^9^9^9"))  # sympy spins forever unbounded
-        elapsed = time.monotonic() - t0
         assert (good, hang) == (1.0, 0.0)
-        assert elapsed < grader.hard_timeout_s and grader.timeouts == 0  # the child's own alarm fired
+        # the child's own alarm fired: the child answered, the hard deadline (which counts a timeout) never hit
+        assert grader.timeouts == 0 and grader._child.restarts == 0
         assert grader._child.pid() != os.getpid()
     finally:
         grader.close()

@@ -76,7 +76,7 @@ def test_a_silent_controller_is_asked_again_and_then_given_up_with_the_fix(link,
     ctl, src, _ = link
     monkeypatch.setattr(learner_link, "STOP_CHECK_S", 0.1)
     monkeypatch.setattr(learner_link, "PROBE_S", 0.2)
-    monkeypatch.setattr(learner_link, "CONTROLLER_SILENT_S", 2.0)
+    monkeypatch.setattr(learner_link, "CONTROLLER_SILENT_S", 4.0)  # 20 probes' time: two Hellos however loaded
     assert src.next_batch(3) is None and src.stop.is_set()
     assert "no answer from the controller" in src.lost and "asyncrl controller resume=RUN_DIR" in src.lost
     seen = []
