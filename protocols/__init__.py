@@ -21,6 +21,7 @@ from protocols.codec import (
 )
 from protocols.messages import *  # noqa: F403
 from protocols.messages import (
+    DELTA_KINDS,
     FINISH_REASONS,
     MESSAGE_TYPES,
     PROTOCOL_FLOOR_MINOR,
@@ -28,6 +29,7 @@ from protocols.messages import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     ROLES,
+    DeltaPart,
     Message,
     SamplingParams,
     TensorSpec,
@@ -59,6 +61,8 @@ __all__ = [
     "SamplingParams",
     "check_array",
     "TensorSpec",
+    "DeltaPart",
+    "DELTA_KINDS",
     "ROLES",
     "FINISH_REASONS",
     *[t.__name__ for t in MESSAGE_TYPES],

@@ -28,7 +28,8 @@ memcpy, nvfp4 / int8 quantize) are taken per repeat, then summarised (median, mi
 to the load average seen during the repeats. One torch thread in both processes.
 
 Run: ``python scripts/bench_weightsync.py [--quick|--smoke] [--formats fp32,bf16,int8,nvfp4]
-[--models qwen2-22m,tiny] [--json PATH]``.
+[--models qwen2-22m,tiny] [--json PATH]``. ``--delta`` runs ``scripts/bench_delta.py`` instead (whole vs delta
+sync on consecutive versions of SmolLM2 being trained; its own options).
 """
 
 from __future__ import annotations
@@ -217,6 +218,11 @@ def headline_ratios(raw: list[dict], models: list[str], formats: list[str]) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--delta" in argv:  # whole vs delta sync on consecutive versions of a model being trained
+        from scripts import bench_delta
+
+        return bench_delta.main([a for a in argv if a != "--delta"])
     p = benchlib.parser("bench_weightsync", __doc__.split("\n\n")[0], smoke=True)
     p.epilog = __doc__.split("\n\n", 1)[1]
     p.add_argument("--formats", default=",".join(FORMATS), help="comma list (default: %(default)s)")

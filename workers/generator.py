@@ -115,6 +115,8 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         self.asked_version = -1  # the version the last WorkRequest named (the engine's applied one then)
         self.weight_sync_s = 0.0  # seconds spent fetching + unpacking + handing over new versions (comms thread)
         self.weight_syncs = 0
+        self.weight_deltas = 0  # of those, versions fetched as a delta from the one before (transport.delta)
+        self.weight_sync_bytes = 0  # payload bytes fetched, whole versions and deltas
         self.t_start = time.monotonic()
         # built by run() once the controller's Welcome says where to connect
         self.engine: RolloutEngine | None = None
@@ -217,10 +219,21 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         # from) are free by now but mostly stay in glibc's heap: give them back before the next arrives
         # (docs/benchmarks.md §8, where the job's memory goes).
         malloc_trim()
-        ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt, cancel=cancel)
+        base, base_checksum = self._delta_base()
+        ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt, cancel=cancel,
+                                           base_version=base, base_checksum=base_checksum)
         if ann.version <= self.weights_version:
             return
         self._take_weights(ann, buffers, t0)
+
+    def _delta_base(self) -> tuple[int, str]:
+        """(version, checksum) of the weights handed to the engine, offered as the base of a delta: only for an
+        engine that applies deltas (native), and never after one failed to apply (that fetch goes whole)."""
+        if self.weights_version < 0 or not self.weights_checksum:
+            return -1, ""
+        if not (self._engine.capabilities().get("weight_delta") if self._engine is not None else False):
+            return -1, ""
+        return self.weights_version, self.weights_checksum
 
     def _take_weights(self, ann, buffers, t0: float) -> None:
         """Hand fetched weights to the engine (applied at its next step); ``t0``: when the fetch began."""
@@ -229,6 +242,11 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         self._engine.update_weights(ann.version, from_wire(ann, buffers))
         self.weights_checksum = ann.checksum
         self.weights_version = ann.version
+        if isinstance(ann, P.WeightDelta):
+            self.weight_deltas += 1
+            self.weight_sync_bytes += ann.total_bytes
+        else:
+            self.weight_sync_bytes += ann.total_bytes
         self.weight_sync_s += time.perf_counter() - t0
         self.weight_syncs += 1
 
@@ -318,6 +336,16 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         """Fetch and hand over the newest announced version; True if the engine got new weights."""
         if self.refetch:
             return self._fetch_from_new_learner()
+        if getattr(self._engine, "take_delta_failure", lambda: False)():
+            # the engine kept the version before the delta: fetch the newest whole, from what it holds
+            log.error("worker %s: a weight delta did not apply; fetching the newest version whole", self.worker_id)
+            self.weights_version, self.weights_checksum = self._engine.version, ""
+            try:
+                self._load_weights(-1, timeout_s=WEIGHTS_TIMEOUT_S)
+            except (WeightFetchError, ValueError) as e:
+                log.error("could not load the newest weights, keeping v%d: %s", self._engine.version, e)
+                return False
+            return True
         ann = self._weights.poll_announce(0.0, fmt=self.wire_fmt)
         if ann is None or ann.version <= self.weights_version:
             return False
@@ -352,8 +380,9 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         if unfinished:
             self._engine.abort(unfinished)
         self._send_ctl(P.Goodbye(peer_id=self.worker_id, unfinished=unfinished, reason=reason))
-        log.info("worker %s left: %d samples sent, %d handed back", self.worker_id, self.samples.sent,
-                 len(unfinished))  # the Goodbye leaves before the process ends: run() flushes on close
+        log.info("worker %s left: %d samples sent, %d handed back; %d weight versions fetched (%d as deltas), "
+                 "%.1f MB", self.worker_id, self.samples.sent, len(unfinished), self.weight_syncs,
+                 self.weight_deltas, self.weight_sync_bytes / 1e6)  # the Goodbye leaves before the process ends
 
 
 def main(argv: Sequence[str] | None = None) -> int:

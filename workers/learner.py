@@ -84,7 +84,8 @@ class Publisher:
         self.pools: dict[str, BufferPool] = {fmt: BufferPool() for fmt in formats}
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
-        from asyncrl.quant import aqn_sigma, code_change_frac, publication_seed, publish
+        from asyncrl.quant import aqn_sigma, code_change_frac, make_delta, publication_seed, publish
+        from asyncrl.transport.publication import delta_to_wire
 
         q = self.cfg.quant
         sigma, seed = 0.0, None
@@ -97,12 +98,23 @@ class Publisher:
             pub = publish(state_dict, fmt, version=version, aqn_sigma=sigma, aqn_seed=seed if sigma > 0 else None,
                           uaq_s=q.uaq_scale if q.uaq else 1.0, uaq_sites=tuple(q.uaq_sites) if q.uaq else (),
                           aqn_resample=q.aqn_resample, head=q.lm_head, pool=self.pools[fmt])
-            if fmt in self.prev:
-                metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(self.prev[fmt], pub)
-            if fmt not in ("fp32", "bf16"):  # the previous codes, for code_change_frac; no full-precision copy
+            prev = self.prev.get(fmt)
+            if prev is not None and fmt not in ("fp32", "bf16"):
+                metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(prev, pub)
+            t = self.cfg.transport
+            delta = header = None
+            frames: list = []
+            if t.delta and prev is not None and prev.version == version - 1 and version % t.full_every != 0:
+                delta = make_delta(prev, pub)  # a worker that holds prev fetches only this
+                header, frames = delta_to_wire(delta)
+                metrics[f"weights/{fmt}/delta_bytes"] = float(delta.total_bytes())
+                metrics[f"weights/{fmt}/changed_frac"] = delta.changed_frac()
+            if t.delta:  # the base of the next version's delta (the server holds it anyway)
+                self.prev[fmt] = pub
+            elif fmt not in ("fp32", "bf16"):  # the previous codes, for code_change_frac; no full-precision copy
                 self.prev[fmt] = pub
             announce, buffers = to_wire(pub)
-            self.server.publish(announce, buffers)
+            self.server.publish(announce, buffers, header, frames)
             metrics[f"quant/{fmt}/published_bytes"] = float(pub.total_bytes())
         metrics["time/publish_s"] = time.perf_counter() - t0
         return metrics

@@ -102,6 +102,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sglang.max_total_tokens": ("[0, inf)", "0: SGLang's default"),
     "sglang.startup_timeout_s": ("(0, inf)", "seconds to wait for a started server"),
     "transport.port": ("[0, 65535]", "a TCP port; 0 = any free port"),
+    "transport.full_every": ("[1, 1000000]", "every N-th version is sent whole (1: every version)"),
     "log.fsync_every": ("[1, inf)", "records between fsyncs"),
     "log.rotate_mb": ("[1, inf)", "segment size in MiB"),
     "health.window": ("[1, inf)", "training steps each windowed alarm averages over"),

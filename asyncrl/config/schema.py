@@ -281,6 +281,12 @@ class TransportConfig:
     """Allow a non-loopback bind without CURVE keys (traffic unauthenticated and in clear)."""
     keys_dir: str = ""
     """A folder from ``asyncrl keys generate DIR``: every socket uses CurveZMQ with its allow-list."""
+    delta: bool = True
+    """Publish each version also as the codes and scales that changed since the version before it: a worker
+    that holds that version fetches only the changes (a worker that joins, missed a version or holds other
+    bytes gets the version whole). The bytes a worker holds are the full version's either way."""
+    full_every: int = 20
+    """With ``delta``: every N-th version is published whole only (every worker fetches it whole)."""
 
 
 @dataclass(kw_only=True)

@@ -51,7 +51,7 @@ from asyncrl.engine.static_step import StaticStep
 from asyncrl.engine.step_graphs import resolve_cuda_graphs
 from asyncrl.engine.swap_state import SwapState
 from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
-from asyncrl.quant import QuantLinear
+from asyncrl.quant import PublishedDelta, QuantError, QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,10 @@ class NativeEngine:
         self._inbox: deque[Seq] = deque()
         self._live_ids: set[str] = set()
         self._aborts: set[str] = set()
-        self._pending_weights: tuple[int, Any] | None = None
+        # updates not yet applied, in order: a full version replaces them all, a delta (its base the one
+        # before it) is applied after them
+        self._pending_weights: list[tuple[int, Any]] = []
+        self._delta_failed = False  # a delta did not apply: the holder must fetch a version whole
         self._paused = False
         self._closed = False
         self._active: list[Seq] = []  # row r of the KV cache <-> _active[r]; engine thread only
@@ -175,9 +178,11 @@ class NativeEngine:
     def update_weights(self, version: int, weights: Any) -> None:
         """Record weights for ``version``; they are swapped in at the next step boundary.
 
-        ``weights``: a ``PublishedWeights`` from ``asyncrl.quant.publish`` in this engine's format, or a plain
-        state dict (fp32 engine: loaded as is; quantized engine: quantized here). If several updates arrive
-        before a boundary only the newest is applied. ``version`` must exceed every earlier one.
+        ``weights``: a ``PublishedWeights`` from ``asyncrl.quant.publish`` in this engine's format, a
+        ``PublishedDelta`` from the version handed over before it (``asyncrl.quant.make_delta``), or a plain
+        state dict (fp32 engine: loaded as is; quantized engine: quantized here). If several full updates
+        arrive before a boundary only the newest is applied; deltas queued after it are applied in order.
+        ``version`` must exceed every earlier one.
         """
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
@@ -189,13 +194,25 @@ class NativeEngine:
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed; build a new one")
-            latest = self._pending_weights[0] if self._pending_weights else self._version
+            latest = self._pending_weights[-1][0] if self._pending_weights else self._version
             if version <= latest:
                 raise ValueError(
                     f"weight version {version} is not newer than {latest}; versions must increase"
                 )
-            self._pending_weights = (version, weights)
+            if isinstance(weights, PublishedDelta):
+                if weights.base_version != latest:
+                    raise ValueError(f"a delta from version {weights.base_version} cannot follow version {latest}; "
+                                     "fetch the version whole")
+                self._pending_weights.append((version, weights))
+            else:
+                self._pending_weights = [(version, weights)]
             self._wake.notify_all()
+
+    def take_delta_failure(self) -> bool:
+        """True once after a delta failed to apply (the engine kept its version; fetch the next one whole)."""
+        with self._lock:
+            failed, self._delta_failed = self._delta_failed, False
+        return failed
 
     def abort(self, sample_ids: Sequence[str]) -> None:
         """Finish live samples with ``finish_reason="abort"`` (partial tokens kept); unknown ids are ignored."""
@@ -221,7 +238,7 @@ class NativeEngine:
         """
         with self._lock:
             self._closed = True
-            self._pending_weights = None
+            self._pending_weights = []
             self._wake.notify_all()
         with self._step_lock:
             if self._runner is not None:
@@ -244,6 +261,7 @@ class NativeEngine:
             "sampling": ("temperature", "top_p", "top_k", "stop_token_ids", "max_new_tokens"),
             "behav_logp": "processed",
             "decode_step": "eager" if self._static is None else "static",
+            "weight_delta": True,
             "kernels": sorted({m.kernel for m in self._model.modules() if isinstance(m, QuantLinear)}
                               if self._model is not None else ()),
             "cuda_graphs": self._static is not None and self._static.graphs.use_graphs,
@@ -306,11 +324,23 @@ class NativeEngine:
         """
         with self._step_lock:
             with self._lock:
-                weights, self._pending_weights = self._pending_weights, None
-            if weights is not None and self._model is not None:
-                apply_weights(self._model, weights[1], self.quant_format, weights[0])
-                self._version = weights[0]
-                self._swap.loaded(self._model, weights[1], self._static)
+                updates, self._pending_weights = self._pending_weights, []
+            for version, weights in updates:
+                if self._model is None:
+                    break
+                if isinstance(weights, PublishedDelta):
+                    try:
+                        apply_weights(self._model, weights, self.quant_format, version)
+                    except QuantError as e:  # the model is unchanged: keep serving, and ask for the version whole
+                        log.error("could not apply the delta to weights v%d (keeping v%d): %s", version,
+                                  self._version, e)
+                        with self._lock:
+                            self._delta_failed = True
+                        break
+                else:
+                    apply_weights(self._model, weights, self.quant_format, version)
+                self._version = version
+                self._swap.loaded(self._model, weights, self._static)
             finished: list[GenResult] = []
             with self._lock:
                 aborts, self._aborts = self._aborts, set()
@@ -336,7 +366,7 @@ class NativeEngine:
 
     def _runnable(self) -> bool:
         """Under ``_lock``: is there anything for ``step`` to do?"""
-        if self._closed or self._aborts or self._pending_weights is not None:
+        if self._closed or self._aborts or self._pending_weights:
             return True
         return not self._paused and bool(self._inbox or self._active)
 

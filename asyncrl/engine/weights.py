@@ -8,7 +8,8 @@ loaded as published, ``asyncrl.quant.load_published``), or replace parameter ten
 place, so the decoder's references and the KV cache stay valid).
 
 Contract with asyncrl.quant: ``quantize_model(model, fmt) -> model`` swaps Linear layers in place;
-``publish(state_dict, fmt, version=v) -> PublishedWeights``; ``load_published(model, published)``.
+``publish(state_dict, fmt, version=v) -> PublishedWeights``; ``load_published(model, published)``;
+``apply_delta(model, delta)`` for a ``PublishedDelta`` from the version the model holds.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from typing import Any
 
 import torch
 
-from asyncrl.quant import PublishedWeights, load_published, publish, quantize_model, quantizes_head
+from asyncrl.quant import (
+    PublishedDelta,
+    PublishedWeights,
+    apply_delta,
+    load_published,
+    publish,
+    quantize_model,
+    quantizes_head,
+)
 from protocols.values import FORMATS as QUANT_FORMATS
 
 
@@ -55,10 +64,9 @@ def check_weights(weights: Any, fmt: str, model: torch.nn.Module) -> None:
                 f"wrong shape {wrong[:5]}; send the learner's full HF state dict"
             )
         return
-    if not isinstance(weights, PublishedWeights):
-        raise ValueError(
-            f"weights must be a state dict or an asyncrl.quant.PublishedWeights, got {type(weights).__name__}"
-        )
+    if not isinstance(weights, (PublishedWeights, PublishedDelta)):
+        raise ValueError("weights must be a state dict or an asyncrl.quant.PublishedWeights or PublishedDelta, got "
+                         f"{type(weights).__name__}")
     if weights.fmt != fmt:
         raise ValueError(f"published weights are {weights.fmt!r} but this engine runs {fmt!r}; publish in {fmt!r}")
 
@@ -82,6 +90,9 @@ def apply_weights(model: torch.nn.Module, weights: Any, fmt: str, version: int) 
             load_plain_state_dict(model, weights)
             return
         load_published(model, publish(dict(weights), fmt, version=version, head=quantizes_head(model)))
+        return
+    if isinstance(weights, PublishedDelta):
+        apply_delta(model, weights)
         return
     load_published(model, weights)
 

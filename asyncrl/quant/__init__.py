@@ -23,6 +23,7 @@ from .aqn import (
     publication_seed,
 )
 from .buffers import BufferPool
+from .delta import PublishedDelta, apply_delta, delta_from_frames, make_delta
 from .diagnostics import code_change_frac, kl_vs_full_precision, publication_metrics, quantization_error
 from .errors import (
     BlockShapeError,
@@ -66,12 +67,16 @@ __all__ = [
     "FormatMismatchError",
     "ManifestMismatchError",
     "NonFiniteWeightError",
+    "PublishedDelta",
     "PublishedWeights",
     "QuantError",
     "QuantLinear",
     "RawTensor",
     "UnknownFormatError",
     "add_aqn_noise",
+    "apply_delta",
+    "delta_from_frames",
+    "make_delta",
     "AQN_RESAMPLE",
     "ForwardAqn",
     "aqn_sigma",

@@ -212,6 +212,8 @@ def _check_values(e: TensorSpec, t: Tensor) -> None:
             raise NonFiniteWeightError("scale must be > 0", tensor_name=e.name)
 
 
+HELD_CHECKSUM = "_asyncrl_published_checksum"
+"""Attribute of a worker's model: the checksum of the last publication loaded into it (full or delta)."""
 HEAD_WEIGHT = HEAD + ".weight"
 EMBED_WEIGHT = "model.embed_tokens.weight"
 
@@ -372,6 +374,7 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
         for mod in model.modules():
             if isinstance(mod, QuantLinear):
                 mod.refresh()
+    vars(model)[HELD_CHECKSUM] = published.checksum  # what a delta to the next version must start from (delta.py)
 
 
 def _head_hint(name: str) -> str:

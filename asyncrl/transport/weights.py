@@ -12,6 +12,12 @@ Wire sequence for one fetch: DEALER -> ``WeightFetch(version, fmt)``; ROUTER -> 
 or format is answered with ``Error(code="unknown_version")``. One version may be published in several
 formats (workers of different quantization formats); the first format published is the primary one.
 
+Deltas: a version may be published with a ``WeightDelta`` from the version before it (the publisher makes
+it, ``asyncrl.quant.make_delta``). A fetch that names that base version and its checksum gets the delta:
+``WeightDelta``, then one [``WeightChunk`` (dtype ``delta``), payload] pair per part that carries a frame. Any
+other fetch (a worker that joins, one that missed a version, one that holds other bytes, a version published
+whole) gets the full version, so a delta is never applied to the wrong base.
+
 With ``curve`` keys both server sockets (PUB and ROUTER) accept only allow-listed clients, so an
 unknown client neither hears announcements nor fetches weights (``asyncrl.transport.keys``, ``asyncrl.transport.zap``).
 """
@@ -27,7 +33,7 @@ import zmq
 
 from asyncrl.transport.channel import ChannelClosed, ChannelTimeout, ZmqChannel
 from asyncrl.transport.keys import CurveConfig
-from protocols import Error, WeightAnnounce, WeightChunk, WeightFetch
+from protocols import Error, WeightAnnounce, WeightChunk, WeightDelta, WeightFetch
 
 
 class WeightFetchError(RuntimeError):
@@ -46,6 +52,8 @@ CANCEL_CHECK_S = 0.2
 class PublishedVersion:
     announce: WeightAnnounce
     buffers: list  # bytes-like, one per manifest entry, in manifest order
+    delta: WeightDelta | None = None  # the same version as changes from the version before it
+    delta_buffers: list = dataclasses.field(default_factory=list)  # one per part that carries a frame
 
     def __post_init__(self) -> None:
         specs = self.announce.manifest
@@ -55,6 +63,13 @@ class PublishedVersion:
             if memoryview(buf).nbytes != spec.nbytes:
                 raise ValueError(f"tensor {spec.name!r}: manifest says {spec.nbytes} bytes, buffer has "
                                  f"{memoryview(buf).nbytes}")
+        if self.delta is not None:
+            moving = self.delta.payload_parts()
+            if (self.delta.version, self.delta.checksum) != (self.announce.version, self.announce.checksum):
+                raise ValueError("the delta is of another version than the announcement")
+            if len(moving) != len(self.delta_buffers) or any(
+                    memoryview(b).nbytes != p.nbytes for p, b in zip(moving, self.delta_buffers, strict=False)):
+                raise ValueError("the delta's buffers do not match its parts")
 
 
 class WeightServer:
@@ -89,6 +104,8 @@ class WeightServer:
         self._stop = threading.Event()
         self.fetches_served = 0
         self.bytes_served = 0
+        self.deltas_served = 0
+        self.delta_bytes_served = 0
         self._thread = threading.Thread(target=self._run, name="weight-server", daemon=True)
         self._thread.start()
 
@@ -103,6 +120,8 @@ class WeightServer:
             out |= {k.replace(f"{prefix}/auth", f"{prefix}/announce_auth"): v
                     for k, v in self._pub.stats.as_metrics(prefix).items() if k.startswith(f"{prefix}/auth")}
         out[f"{prefix}/fetches_served"] = float(self.fetches_served)
+        out[f"{prefix}/deltas_served"] = float(self.deltas_served)
+        out[f"{prefix}/bytes_served"] = float(self.bytes_served)
         return out
 
     @property
@@ -110,9 +129,12 @@ class WeightServer:
         with self._lock:
             return next(reversed(self._versions)) if self._versions else -1
 
-    def publish(self, announce: WeightAnnounce, buffers: list) -> None:
-        """Make ``announce.version`` fetchable and announce it. Buffers must not change afterwards."""
-        entry = PublishedVersion(announce, list(buffers))
+    def publish(self, announce: WeightAnnounce, buffers: list, delta: WeightDelta | None = None,
+                delta_buffers: list | None = None) -> None:
+        """Make ``announce.version`` fetchable and announce it. Buffers must not change afterwards.
+        ``delta``: the same version as changes from ``delta.base_version`` (with its payload buffers), served
+        to a fetch that names that base."""
+        entry = PublishedVersion(announce, list(buffers), delta, list(delta_buffers or []))
         with self._lock:
             latest = next(reversed(self._versions)) if self._versions else -1
             same = announce.version == latest and announce.fmt not in self._versions[latest]
@@ -141,9 +163,10 @@ class WeightServer:
                 self._send_quiet(Error(code="unexpected", message="this socket only answers WeightFetch"),
                                  env.sender())
                 continue
-            self._serve(env.sender(), env.msg.version, env.msg.fmt)
+            self._serve(env.sender(), env.msg)
 
-    def _serve(self, peer: bytes, version: int, fmt: str) -> None:
+    def _serve(self, peer: bytes, req: WeightFetch) -> None:
+        version, fmt = req.version, req.fmt
         with self._lock:
             if version < 0 and self._versions:
                 version = next(reversed(self._versions))
@@ -157,6 +180,11 @@ class WeightServer:
                 peer,
             )
             return
+        delta = entry.delta
+        if (delta is not None and req.base_version >= 0 and req.base_version == delta.base_version
+                and req.base_checksum == delta.base_checksum):
+            self._serve_delta(peer, delta, entry.delta_buffers)
+            return
         ann = entry.announce
         try:
             self._router.send(ann, to=peer, timeout_s=self.send_timeout_s)
@@ -169,6 +197,21 @@ class WeightServer:
             return
         self.fetches_served += 1
         self.bytes_served += ann.total_bytes
+
+    def _serve_delta(self, peer: bytes, delta: WeightDelta, buffers: list) -> None:
+        moving = delta.payload_parts()
+        try:
+            self._router.send(delta, to=peer, timeout_s=self.send_timeout_s)
+            for i, (part, buf) in enumerate(zip(moving, buffers, strict=True)):
+                chunk = WeightChunk.for_delta_part(part, version=delta.version, index=i, count=len(moving))
+                self._router.send(chunk, to=peer, payload=memoryview(buf).cast("B"), timeout_s=self.send_timeout_s)
+        except (ChannelTimeout, ChannelClosed) as e:
+            self._router.stats.reject("fetch_aborted", str(e))
+            return
+        self.fetches_served += 1
+        self.deltas_served += 1
+        self.bytes_served += delta.total_bytes
+        self.delta_bytes_served += delta.total_bytes
 
     def _send_quiet(self, msg, peer: bytes) -> None:
         try:
@@ -214,8 +257,11 @@ class WeightClient:
         return newest
 
     def fetch(self, version: int = -1, timeout_s: float = 60.0, fmt: str = "",
-              cancel: threading.Event | None = None) -> tuple[WeightAnnounce, list]:
-        """All tensors of ``version`` (-1: latest), checked against the manifest, in manifest order.
+              cancel: threading.Event | None = None, base_version: int = -1,
+              base_checksum: str = "") -> tuple[WeightAnnounce | WeightDelta, list]:
+        """All tensors of ``version`` (-1: latest), checked against the manifest, in manifest order; or, when
+        ``base_version``/``base_checksum`` name what the caller holds and the server has a delta from it, the
+        ``WeightDelta`` and its payload frames (checked against its parts).
 
         ``cancel``: when it is set, the fetch stops waiting and raises ``WeightFetchCancelled`` (a reply
         that arrives later is never read: the caller is leaving and closes the client)."""
@@ -223,7 +269,8 @@ class WeightClient:
         if cancel is not None and cancel.is_set():
             raise WeightFetchCancelled(f"fetch of version {version} cancelled before it was sent")
         try:
-            self._dealer.send(WeightFetch(version=version, fmt=fmt), timeout_s=timeout_s)
+            self._dealer.send(WeightFetch(version=version, fmt=fmt, base_version=base_version,
+                                          base_checksum=base_checksum), timeout_s=timeout_s)
         except ChannelTimeout:
             raise WeightFetchError(f"timed out after {timeout_s}s sending the request for version {version}: the "
                                    f"weight server is unreachable{self._refused_hint()}") from None
@@ -244,6 +291,20 @@ class WeightClient:
             return env
 
         ann = next_msg("the announcement").msg
+        if isinstance(ann, WeightDelta):
+            if ann.base_version != base_version or ann.base_checksum != base_checksum:
+                raise WeightFetchError(f"the server sent a delta from version {ann.base_version}, this client holds "
+                                       f"{base_version}")
+            frames: list[memoryview] = []
+            moving = ann.payload_parts()
+            for i, part in enumerate(moving):
+                env = next_msg(f"delta part {i}")
+                chunk = env.msg
+                if not isinstance(chunk, WeightChunk) or chunk != WeightChunk.for_delta_part(
+                        part, version=ann.version, index=i, count=len(moving)):
+                    raise WeightFetchError(f"delta part {i} does not match {part.name!r}: {chunk!r}")
+                frames.append(env.payload)
+            return ann, frames
         if not isinstance(ann, WeightAnnounce):
             raise WeightFetchError(f"expected WeightAnnounce, got {type(ann).__name__}")
         buffers: list[memoryview] = []

@@ -50,8 +50,9 @@ def check_rows(rows: list[dict], numeric: list[str], text: tuple[str, ...] = ())
             assert isinstance(row.get(key), str), f"{key}={row.get(key)!r}"
 
 
+@pytest.mark.timeout(900)  # two real runs, about 30 s on an idle 2-core machine: the limits are hang guards
 def test_bench_async_smoke_writes_rows_per_eta_with_speedup_and_bound(procs, tmp_path):
-    data = run_bench(procs, tmp_path, "bench_async", "--smoke", timeout_s=280)
+    data = run_bench(procs, tmp_path, "bench_async", "--smoke", timeout_s=600)
     rows = data["tables"]["runs"]
     assert [r["eta"] for r in rows] == data["etas"] == [0, 1]
     check_rows(rows, ["samples_per_s", "speedup", "bound", "latency_bound", "efficiency", "learner_busy", "gen_busy", "G_s",
@@ -60,12 +61,13 @@ def test_bench_async_smoke_writes_rows_per_eta_with_speedup_and_bound(procs, tmp
     check_rows(data["tables"]["sync_breakdown"], ["step_s", "learner_s", "propagate_s", "generate_s", "collect_s"])
 
 
+@pytest.mark.timeout(1800)  # about 2 min on an idle 2-core machine, far more where int8 has no VNNI: hang guards
 def test_bench_async_smollm2_regime_runs_the_real_model_per_worker_format(procs, tmp_path):
     """The rollout-bound regime on SmolLM2-135M-Instruct: a few short steps per worker format, and the
     columns that say whether generation dominated."""
     data = run_bench(procs, tmp_path, "bench_async", "--smoke", "--regime", "smollm2", "--etas", "0", "--steps", "3",
                      "--quant-formats", "fp32,int8", "--set", "task.eval_size=4", "rollout.max_new_tokens=8",
-                     timeout_s=900)
+                     timeout_s=1500)
     rows = data["tables"]["runs"]
     assert [(r["fmt"], r["eta"]) for r in rows] == [("fp32", 0), ("int8", 0)]
     assert "+experiment=smollm2_signed_sums" in data["overrides"] and data["workers"] == 1
@@ -80,6 +82,16 @@ def test_bench_weightsync_smoke_writes_every_stage_per_format(procs, tmp_path):
     check_rows(rows, ["params_M", "MB", "bytes_vs_fp32", "gather_s", "quantize_s", "send_s", "unpack_s", "load_s",
                       "total_s", "memcpy_s", "total_vs_memcpy", "send_vs_memcpy"], text=("model", "format"))
     check_rows(data["tables"]["raw"], ["bytes", "gather_s", "quantize_s", "serve_s", "send_s", "load_s", "memcpy_s"])
+
+
+def test_bench_delta_smoke_syncs_whole_and_by_delta_and_the_two_actors_agree(procs, tmp_path):
+    data = run_bench(procs, tmp_path, "bench_delta", "--smoke")  # the child checks the two actors' bytes agree
+    rows = data["tables"]["delta"]
+    assert [(r["run"], r["format"]) for r in rows] == [("full", "int8"), ("full", "nvfp4"), ("lora", "int8"),
+                                                       ("lora", "nvfp4")]
+    check_rows(rows, ["changed_frac", "whole_MB", "delta_MB", "delta_vs_whole_bytes", "whole_s", "delta_s",
+                      "delta_vs_whole_s", "whole_vs_memcpy", "delta_vs_memcpy"], text=("run", "format"))
+    assert all(r["delta_MB"] < r["whole_MB"] and 0 < r["changed_frac"] <= 1 for r in rows)
 
 
 def test_bench_controller_smoke_drives_the_real_controller_with_1_and_4_workers(procs, tmp_path):
@@ -128,8 +140,8 @@ def test_bench_kernels_smoke_times_every_chosen_path_against_its_alternative(pro
     data = run_bench(procs, tmp_path, "bench_kernels", "--smoke")
     pairs = data["tables"]["pairs"]
     assert [r["row"] for r in pairs] == ["fp4_block_amax", "fp4_zero_to_inf", "all_finite", "int8_row_absmax",
-                                         "int8_row_absmax", "int8_act_amax", "fp8_gemm", "int8_weight_only",
-                                         "sample_batch64"]
+                                         "int8_row_absmax", "int8_act_amax", "fp8_gemm", "int8_gemm", "int8_gemm",
+                                         "int8_weight_only", "sample_batch64"]
     check_rows(pairs, ["chosen_us", "alternative_us", "alt_over_chosen", "ratio_min", "ratio_max", "load_median"],
                text=("row", "shape", "chosen", "alternative"))
     chunks = data["tables"]["chunks"]
@@ -139,13 +151,15 @@ def test_bench_kernels_smoke_times_every_chosen_path_against_its_alternative(pro
 
 
 def test_bench_scripts_explain_themselves_with_help(procs):
-    for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos", "bench_kernels", "bench_recipes"):
+    for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos", "bench_kernels", "bench_recipes",
+                 "bench_delta"):
         proc = procs.python(os.path.join(SCRIPTS, f"{name}.py"), "--help", stdout=subprocess.PIPE, text=True)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, name
         assert "--quick" in out and "--smoke" in out and "--json" in out, name
 
 
+@pytest.mark.timeout(900)  # above its own 600 s guard; bf16 rows run far slower on a CPU without avx512_bf16
 def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path):
     data = run_bench(procs, tmp_path, "bench_learner", "--quick", "--model", "tiny", "--samples", "8",
                      "--new-tokens", "8", timeout_s=600)
@@ -163,6 +177,7 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
     assert by["full-fsdp-ws1"]["trainable_params"] == by["full"]["trainable_params"]  # the same model, wrapped
 
 
+@pytest.mark.timeout(900)  # above its own 600 s guard
 def test_bench_learner_vary_reports_memory_after_every_step(procs, tmp_path):
     data = run_bench(procs, tmp_path, "bench_learner", "--model", "tiny", "--samples", "8", "--new-tokens", "8",
                      "--steps", "3", "--vary", "--rows", "full,full-bf16", timeout_s=600)
@@ -186,10 +201,10 @@ def test_memory_timeline_names_every_process_of_a_real_run(procs, tmp_path):
     assert all(r.get("learner_min_gb", 0) <= r.get("learner_max_gb", 0) for r in rows)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)  # about 90 s on an idle 2-core machine: the limits are hang guards
 def test_bench_recipes_smoke_runs_a_row_and_the_two_stage_curriculum(procs, tmp_path):
     data = run_bench(procs, tmp_path, "bench_recipes", "--smoke", "--rows", "lora-2e-4,curriculum", "--seeds", "0",
-                     "--parallel", "2", "--keep", str(tmp_path / "runs"), timeout_s=540)
+                     "--parallel", "2", "--keep", str(tmp_path / "runs"), timeout_s=1200)
     runs = data["tables"]["runs"]
     assert [r["run"] for r in runs] == ["lora-2e-4-s0", "curriculum-s0"]
     check_rows(runs, ["steps", "eval_n", "eval_step0", "eval_final", "reward_first20", "len_first5"], text=("alarms",))

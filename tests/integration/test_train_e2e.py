@@ -7,6 +7,7 @@ this module; each test then checks one promise of the system against its run fol
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import psutil
 import pytest
 
 from asyncrl.log import BatchRecord, SampleRecord, read_log
+from asyncrl.metrics import read_metrics
 from tests.integration.runs import asyncrl, wait_for_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -69,6 +71,22 @@ def test_run_folder_holds_every_artifact(short_run):
                 "samples_logged", "state_dict_sha256"):
         assert key in summary
     assert summary["learner_steps"] == STEPS and summary["state_dict_sha256"] in out
+
+
+def test_workers_take_each_version_as_a_delta_from_the_one_they_hold_and_the_run_logs_what_changed(short_run):
+    run_dir, _ = short_run
+    rows = read_metrics(run_dir)
+    changed = [r["weights/int8/changed_frac"] for r in rows if "weights/int8/changed_frac" in r]
+    assert changed and all(0.0 < c <= 1.0 for c in changed)
+    assert all(r["weights/int8/delta_bytes"] < r["quant/int8/published_bytes"] for r in rows
+               if "weights/int8/delta_bytes" in r)
+    assert max(r.get("transport/weights/deltas_served", 0.0) for r in rows) > 0
+    left = [line for w in ("worker-0.log", "worker-1.log") for line in (run_dir / "logs" / w).read_text().splitlines()
+            if " left: " in line]
+    assert left and any(re.search(r"\((\d+) as deltas\)", line) and int(re.search(
+        r"\((\d+) as deltas\)", line).group(1)) > 0 for line in left)
+    assert "could not apply the delta" not in "".join((run_dir / "logs" / w).read_text()
+                                                     for w in ("worker-0.log", "worker-1.log"))
 
 
 def test_no_consumed_token_is_staler_than_eta_and_every_sample_is_logged_once(short_run):

@@ -44,8 +44,11 @@ def example_messages() -> list:
         P.NoWork(retry_after_s=0.1),
         fs,
         P.WeightAnnounce(version=4, fmt="int8", manifest=[spec], checksum="ab" * 32, total_bytes=16),
-        P.WeightFetch(version=4),
+        P.WeightFetch(version=4, base_version=3, base_checksum="cd" * 32),
         P.WeightChunk(version=4, index=0, count=1, name=spec.name, dtype="int8", shape=(4, 4), nbytes=16),
+        P.WeightDelta(version=4, fmt="int8", base_version=3, base_checksum="cd" * 32, manifest=[spec],
+                      checksum="ab" * 32, parts=[P.DeltaPart(name=spec.name, kind="sparse", count=2, nbytes=10)],
+                      total_bytes=10, full_bytes=16),
         ts,
         P.BatchRequest(step=4),
         P.TrainBatch(step=4, samples=[ts], metrics={"reward": 1.0}),
@@ -78,12 +81,15 @@ def main() -> int:
         ch.close()
         return 0
     if role == "push":
-        ch = ZmqChannel.connect(zmq.PUSH, address)
+        from asyncrl.transport import end_context, private_context
+
+        ctx = private_context()  # ended only once every message has left, however slowly this machine runs
+        ch = ZmqChannel.connect(zmq.PUSH, address, context=ctx)
         for msg in example_messages():
             ch.send(msg, payload=payload(msg))
         ch.send(P.Shutdown(reason="end"))
-        time.sleep(0.2)
-        ch.close()
+        ch.close(linger_s=120.0)  # bounds only a receiver that is gone
+        end_context(ctx)
         return 0
     if role == "stall":
         ch = ZmqChannel.connect(zmq.PULL, address, hwm=int(sys.argv[3]))

@@ -290,3 +290,51 @@ def test_failed_weight_load_loses_nothing_and_keeps_serving_the_old_version(tiny
     got = drain(engine)
     assert sorted(got) == ["a", "b"]
     assert got["a"].versions.tolist() == [0] * 6 and len(got["b"].response_ids) == 3
+
+
+def _int8_publications(model, n: int):
+    """``n`` int8 publications of small successive updates of ``model`` (versions 1..n)."""
+    from asyncrl.quant import publish
+
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for v in range(1, n + 1):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 2e-5)
+        out.append(publish(m.state_dict(), "int8", version=v))
+    return out
+
+
+def test_deltas_queued_before_a_boundary_are_applied_in_order_and_a_bad_one_keeps_the_version(tiny_hf):
+    from asyncrl.quant import load_published, make_delta, quantize_model
+
+    pubs = _int8_publications(tiny_hf, 4)
+    engine = NativeEngine(copy.deepcopy(tiny_hf), quant_format="int8", max_batch_size=4)
+    try:
+        engine.update_weights(1, pubs[0])
+        engine.update_weights(2, make_delta(pubs[0], pubs[1]))
+        engine.update_weights(3, make_delta(pubs[1], pubs[2]))  # both before the boundary: applied in order
+        with pytest.raises(ValueError, match="cannot follow version 3"):
+            engine.update_weights(4, make_delta(pubs[1], pubs[3]))
+        engine.submit([GenRequest("a", ids("1"), params(2))])
+        (res,) = drain(engine).values()
+        assert engine.version == 3 and res.versions.tolist() == [3, 3] and not engine.take_delta_failure()
+        full = quantize_model(copy.deepcopy(tiny_hf), "int8")
+        load_published(full, pubs[2])
+        want, got = full.state_dict(), engine._model.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        bad = make_delta(pubs[2], pubs[3])
+        i = next(i for i, p in enumerate(p for p in bad.parts if p.kind != "same") if p.kind == "sparse")
+        frame = bad.payloads[i].clone()
+        frame[-1] ^= 1
+        bad.payloads[i] = frame
+        engine.update_weights(4, bad)
+        engine.submit([GenRequest("b", ids("2"), params(2))])
+        (res,) = drain(engine).values()  # the engine went on serving version 3, and says a delta failed
+        assert engine.version == 3 and res.versions.tolist() == [3, 3]
+        assert engine.take_delta_failure() and not engine.take_delta_failure()
+        assert all(torch.equal(engine._model.state_dict()[k], want[k]) for k in want)
+    finally:
+        engine.close()

@@ -76,6 +76,23 @@ tensor_specs = st.builds(
 
 
 @st.composite
+def weight_deltas(draw):
+    """A well-formed ``WeightDelta``: one part per manifest entry, in order; ``same`` parts carry no bytes."""
+    manifest = draw(st.lists(tensor_specs, max_size=4, unique_by=lambda e: e.name))
+    parts = []
+    for e in manifest:
+        kind = draw(st.sampled_from(P.DELTA_KINDS))
+        nbytes = 0 if kind == "same" else draw(st.integers(1, 2**20))
+        parts.append(P.DeltaPart(name=e.name, kind=kind, count=draw(st.integers(0, 2**20)), nbytes=nbytes))
+    base = draw(st.integers(0, 10**6))
+    return P.WeightDelta(version=base + draw(st.integers(1, 10)), fmt=draw(st.sampled_from(["fp32", "int8"])),
+                         base_version=base, base_checksum=draw(st.text(max_size=64)), manifest=manifest,
+                         checksum=draw(st.text(max_size=64)), parts=parts, total_bytes=sum(p.nbytes for p in parts),
+                         full_bytes=draw(st.integers(0, 2**40)), aqn_seed=draw(st.integers(-1, 2**31)),
+                         aqn_sigma=draw(st.floats(0, 1)))
+
+
+@st.composite
 def train_samples(draw) -> P.TrainSample:
     fs = draw(finished_samples())
     return P.TrainSample(
@@ -112,7 +129,9 @@ MESSAGES = {
                                 manifest=st.lists(tensor_specs, max_size=4), checksum=st.text(max_size=64),
                                 total_bytes=st.integers(0, 2**40), aqn_seed=st.integers(-1, 2**31),
                                 aqn_sigma=st.floats(0, 1)),
-    P.WeightFetch: st.builds(P.WeightFetch, version=st.integers(-1, 10**6), fmt=st.sampled_from(["", "int8"])),
+    P.WeightFetch: st.builds(P.WeightFetch, version=st.integers(-1, 10**6), fmt=st.sampled_from(["", "int8"]),
+                             base_version=st.integers(-1, 10**6), base_checksum=st.text(max_size=64)),
+    P.WeightDelta: weight_deltas(),
     P.WeightChunk: st.builds(P.WeightChunk, version=st.integers(0, 10**6), index=st.integers(0, 100),
                              count=st.integers(1, 100), name=ids, dtype=st.sampled_from(sorted(P.DTYPE_SIZES)),
                              shape=st.lists(st.integers(0, 64), max_size=3).map(tuple), nbytes=st.integers(0, 64)),

@@ -1,0 +1,222 @@
+"""Delta publication: a version sent as what changed since the version a worker holds.
+
+Owns: `PublishedDelta` (a version's full manifest and checksum, plus for every manifest entry how it travels:
+``same``, ``sparse`` changed elements, or ``dense``), `make_delta(prev, cur)` on the learner side and
+`apply_delta(model, delta)` on a worker.
+
+At the rollout's precision almost nothing changes from one version to the next (an RL step moves a weight
+far less than one int8 or fp4 quantization step, so a few percent of the codes flip), and a tensor whose
+bytes did not change at all travels as nothing. A changed tensor travels as the flat int32 indices of its
+changed elements followed by their new values (elements compared by their bits: an integer view of the
+same width, so -0.0, NaN patterns and E8M0 bytes compare exactly), or whole when that is smaller.
+
+Exactness: `apply_delta` refuses a delta whose base is not what the model holds (``base_checksum`` against
+the checksum of the last publication loaded, recorded on the model), checks the new manifest against the
+version's checksum, checks the new values (finite, scales > 0, E8M0 not NaN) before writing, and after
+writing checks every changed tensor against its manifest digest; on any failure every written element is
+restored and a QuantError names the tensor. So the model after any chain of deltas holds exactly the bytes
+of the full publication of that version.
+
+Must never: apply a delta to a model that holds another base, or leave a model half-updated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from protocols import DeltaPart, TensorSpec
+
+from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
+from .linear import QuantLinear
+from .model import model_format
+from .publish import HELD_CHECKSUM, PublishedWeights, _check_values
+from .wire import DTYPES, checksum_of, digest_matches, header_dict, raw_bytes
+
+INDEX_DTYPE = torch.int32
+INDEX_BYTES = 4
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: Tensor) -> Tensor:
+    """A flat integer view of ``t``'s elements (same width), so equal bits compare equal."""
+    return t.reshape(-1).view(_INT_VIEW[t.element_size()])
+
+
+@dataclass
+class PublishedDelta:
+    """Version ``version`` of format ``fmt`` as the changes from ``base_version``: ``manifest`` and
+    ``checksum`` are the full version's, ``parts`` one per manifest entry (in order) and ``payloads`` the
+    frames of the parts that are not ``same`` (uint8 CPU tensors), in order."""
+
+    version: int
+    fmt: str
+    base_version: int
+    base_checksum: str
+    manifest: list[TensorSpec]
+    checksum: str
+    parts: list[DeltaPart]
+    payloads: list[Tensor] = field(default_factory=list)
+    aqn_seed: int | None = None
+    aqn_sigma: float = 0.0
+    aqn_resample: str = "publication"
+
+    def total_bytes(self) -> int:
+        """Bytes of the payloads (what the delta moves)."""
+        return sum(p.nbytes for p in self.parts)
+
+    def full_bytes(self) -> int:
+        """Bytes of the full version."""
+        return sum(e.nbytes for e in self.manifest)
+
+    def changed_frac(self) -> float:
+        """Changed elements over all elements of the version (a dense part counts every element)."""
+        total = changed = 0
+        for e, p in zip(self.manifest, self.parts, strict=True):
+            n = e.nbytes // max(1, torch.empty((), dtype=DTYPES[e.dtype]).element_size())
+            total += n
+            changed += n if p.kind == "dense" else p.count
+        return changed / total if total else 0.0
+
+
+def make_delta(prev: PublishedWeights, cur: PublishedWeights) -> PublishedDelta:
+    """``cur`` as the changes from ``prev`` (same format, the same tensors); ManifestMismatchError or
+    FormatMismatchError when they cannot be compared (send ``cur`` whole then)."""
+    if prev.fmt != cur.fmt:
+        raise FormatMismatchError(f"no delta from a {prev.fmt!r} publication to a {cur.fmt!r} one")
+    if cur.version <= prev.version:
+        raise ManifestMismatchError(f"no delta from version {prev.version} to the older version {cur.version}")
+    before = {e.name: e for e in prev.manifest}
+    parts: list[DeltaPart] = []
+    payloads: list[Tensor] = []
+    for e in cur.manifest:
+        old = before.get(e.name)
+        if old is None or (old.dtype, tuple(old.shape)) != (e.dtype, tuple(e.shape)):
+            raise ManifestMismatchError("differs in name, dtype or shape from the base version", tensor_name=e.name)
+        if old.digest == e.digest:
+            parts.append(DeltaPart(name=e.name, kind="same"))
+            continue
+        new_t = cur.tensors[e.name]
+        a, b = _bits(prev.tensors[e.name]), _bits(new_t)
+        changed = torch.ne(a, b)
+        count, size = int(changed.sum()), new_t.element_size()
+        # whole when that is smaller (an fp32 tensor an optimiser step moved everywhere), and never an index
+        # list of most of a tensor; a digest that changed over identical bytes cannot happen: whole, to be safe
+        if count == 0 or count * (INDEX_BYTES + size) >= e.nbytes:
+            payloads.append(new_t.reshape(-1).view(torch.uint8))
+            parts.append(DeltaPart(name=e.name, kind="dense", count=a.numel(), nbytes=e.nbytes))
+            continue
+        idx = changed.nonzero().reshape(-1)
+        frame = torch.empty(count * (INDEX_BYTES + size), dtype=torch.uint8)
+        frame[: count * INDEX_BYTES].view(INDEX_DTYPE).copy_(idx)
+        frame[count * INDEX_BYTES:].view(b.dtype).copy_(b[idx])
+        payloads.append(frame)
+        parts.append(DeltaPart(name=e.name, kind="sparse", count=count, nbytes=int(frame.numel())))
+    return PublishedDelta(version=cur.version, fmt=cur.fmt, base_version=prev.version, base_checksum=prev.checksum,
+                          manifest=list(cur.manifest), checksum=cur.checksum, parts=parts, payloads=payloads,
+                          aqn_seed=cur.aqn_seed, aqn_sigma=cur.aqn_sigma, aqn_resample=cur.aqn_resample)
+
+
+def delta_from_frames(header: Any, frames: Sequence[Any]) -> PublishedDelta:
+    """Rebuild a delta from a ``protocols.WeightDelta`` and its payload frames (views, no copy)."""
+    parts = list(header.parts)
+    moving = [p for p in parts if p.kind != "same"]
+    if len(frames) != len(moving):
+        raise ManifestMismatchError(f"{len(frames)} frames for a delta with {len(moving)} parts that carry one")
+    payloads = []
+    for p, f in zip(moving, frames, strict=True):
+        view = memoryview(f).cast("B")
+        if view.nbytes != p.nbytes:
+            raise ManifestMismatchError(f"frame of {view.nbytes} bytes, the delta says {p.nbytes}", tensor_name=p.name)
+        payloads.append(torch.frombuffer(bytearray(view), dtype=torch.uint8) if view.readonly
+                        else torch.frombuffer(view, dtype=torch.uint8))
+    return PublishedDelta(version=header.version, fmt=header.fmt, base_version=header.base_version,
+                          base_checksum=header.base_checksum, manifest=list(header.manifest),
+                          checksum=header.checksum, parts=parts, payloads=payloads,
+                          aqn_seed=None if header.aqn_seed < 0 else header.aqn_seed, aqn_sigma=header.aqn_sigma,
+                          aqn_resample=header.aqn_resample)
+
+
+def held_checksum(model: nn.Module) -> str:
+    """The checksum of the last publication loaded into ``model`` ("" if none was)."""
+    return str(getattr(model, HELD_CHECKSUM, ""))
+
+
+def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
+    """Write ``delta`` into ``model`` (a worker's converted model that holds its base) in place; see the
+    module docstring for the checks. On a QuantError the model is unchanged."""
+    fmt = model_format(model)
+    if delta.fmt != fmt:
+        raise FormatMismatchError(f"delta is {delta.fmt!r} but the model was converted to {fmt!r}")
+    held = held_checksum(model)
+    if not held or held != delta.base_checksum:
+        raise ChecksumMismatchError(
+            f"delta to version {delta.version} is from version {delta.base_version} "
+            f"(checksum {delta.base_checksum[:16]}...), the model holds {held[:16] or 'no publication'}...; "
+            "fetch the version whole")
+    expected = checksum_of(header_dict(delta.version, delta.fmt, delta.aqn_seed, delta.aqn_sigma, delta.manifest,
+                                       delta.aqn_resample))
+    if expected != delta.checksum:
+        raise ChecksumMismatchError(f"delta checksum {delta.checksum[:16]}... does not match its manifest; refetch")
+    state = model.state_dict()
+    plan = []
+    frames = iter(delta.payloads)
+    for e, p in zip(delta.manifest, delta.parts, strict=True):
+        if p.name != e.name:
+            raise ManifestMismatchError(f"delta part {p.name!r} out of manifest order", tensor_name=e.name)
+        dest = state.get(e.name)
+        if dest is None:
+            raise ManifestMismatchError("the model has no such tensor (wrong architecture?)", tensor_name=e.name)
+        if (dest.dtype, tuple(dest.shape)) != (DTYPES[e.dtype], tuple(e.shape)) or not dest.is_contiguous():
+            raise ManifestMismatchError(f"model has {dest.dtype} {tuple(dest.shape)}, the delta {e.dtype} "
+                                        f"{tuple(e.shape)}", tensor_name=e.name)
+        if p.kind == "same":
+            continue
+        frame = next(frames)
+        flat = _bits(dest)
+        if p.kind == "dense":
+            values = frame.view(flat.dtype)
+            if values.numel() != flat.numel():
+                raise ManifestMismatchError("dense part of the wrong size", tensor_name=e.name)
+            idx = None
+        else:
+            idx = frame[: p.count * INDEX_BYTES].view(INDEX_DTYPE).long()
+            values = frame[p.count * INDEX_BYTES:].view(flat.dtype)
+            if values.numel() != p.count or (p.count and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel())):
+                raise ManifestMismatchError("sparse part with indices outside the tensor", tensor_name=e.name)
+        _check_values(e, values.view(dest.dtype))
+        plan.append((e, dest, flat, idx, values))
+    undo: list[tuple[Tensor, Tensor | None, Tensor]] = []
+    with torch.no_grad():
+        try:
+            for e, dest, flat, idx, values in plan:
+                if idx is None:
+                    undo.append((flat, None, flat.clone()))
+                    flat.copy_(values)
+                else:
+                    undo.append((flat, idx, flat[idx]))
+                    flat[idx] = values
+                if not digest_matches(dest, e.digest):
+                    raise ChecksumMismatchError(
+                        "after the delta the bytes do not match the version's digest (the model did not hold the "
+                        "base, or the delta was damaged); fetch the version whole", tensor_name=e.name)
+        except BaseException:
+            for flat, idx, old in reversed(undo):
+                if idx is None:
+                    flat.copy_(old)
+                else:
+                    flat[idx] = old
+            raise
+        for mod in model.modules():
+            if isinstance(mod, QuantLinear):
+                mod.refresh()
+    vars(model)[HELD_CHECKSUM] = delta.checksum
+
+
+def delta_raw(delta: PublishedDelta) -> list[memoryview]:
+    """The payload frames, zero-copy."""
+    return [raw_bytes(p) for p in delta.payloads]
