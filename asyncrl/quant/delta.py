@@ -34,7 +34,7 @@ from protocols import DeltaPart, TensorSpec
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
 from .linear import QuantLinear
 from .model import model_format
-from .publish import HELD_CHECKSUM, PublishedWeights, _check_values
+from .publish import HELD_CHECKSUM, PublishedWeights, _check_values, _module_or_none
 from .wire import DTYPES, checksum_of, digest_matches, header_dict, raw_bytes
 
 INDEX_DTYPE = torch.int32
@@ -211,7 +211,8 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
                 else:
                     flat[idx] = old
             raise
-        for mod in model.modules():
+        for e, *_ in plan:  # only the linears whose tensors changed rebuild their decode caches
+            mod = _module_or_none(model, e.name.rpartition(".")[0])
             if isinstance(mod, QuantLinear):
                 mod.refresh()
     vars(model)[HELD_CHECKSUM] = delta.checksum
