@@ -211,8 +211,9 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
                 else:
                     flat[idx] = old
             raise
-        for e, *_ in plan:  # only the linears whose tensors changed rebuild their decode caches
-            mod = _module_or_none(model, e.name.rpartition(".")[0])
+        # only the linears whose tensors changed rebuild their decode caches, each once
+        for name in dict.fromkeys(e.name.rpartition(".")[0] for e, *_ in plan):
+            mod = _module_or_none(model, name)
             if isinstance(mod, QuantLinear):
                 mod.refresh()
     vars(model)[HELD_CHECKSUM] = delta.checksum
