@@ -31,7 +31,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import copy  # noqa: E402
-import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -187,59 +186,52 @@ def memcpy_s(nbytes: int) -> float:
 
 
 def bench_run(run: str, model_name: str, formats: list[str], n_versions: int, batch: int) -> list[dict]:
-    from asyncrl.quant import BufferPool, make_delta, publish
+    from asyncrl.quant import BufferPool
     from asyncrl.transport import WeightServer
-    from asyncrl.transport.publication import delta_to_wire, to_wire
 
     spec = RUNS[run]
     trainer = Trainer(load(model_name), spec["lr"], spec["rank"], spec.get("alpha", 32.0))
     server = WeightServer(keep_versions=2)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_worker, args=(child, model_name, formats), daemon=True)
-    proc.start()
     raw: list[dict] = []
     try:
-        parent.send((server.announce_address, server.fetch_address))
-        if not parent.poll(900) or parent.recv() != "ready":
-            raise RuntimeError("the worker child did not start")
-        pools = {f: BufferPool() for f in formats}
-        prev: dict = {}
-        for v in range(n_versions + 1):
-            if v:
-                ids, mask = task_batch(model_name, batch, seed=v)
-                loss = trainer.step(ids, mask)
-            sd = trainer.state_dict()
-            for fmt in formats:
-                pub = publish(sd, fmt, version=v, pool=pools[fmt])
-                t0 = time.perf_counter()
-                delta = make_delta(prev[fmt], pub) if v else None
-                diff_s = time.perf_counter() - t0
-                server.publish(*to_wire(pub), *(delta_to_wire(delta) if delta is not None else (None, None)))
-                order = ("whole", "delta") if v % 2 else ("delta", "whole")
-                parent.send((v, fmt, order))
-                if not parent.poll(900):
-                    raise RuntimeError(f"the worker child did not sync version {v} ({fmt})")
-                got = parent.recv()
-                if not got["same_bytes"]:
-                    raise RuntimeError(f"version {v} ({fmt}): the actor synced by deltas differs from the whole one")
-                prev[fmt] = pub
-                if delta is None:
-                    continue
-                assert got["delta_kind"] == "WeightDelta" and got["delta_bytes"] == delta.total_bytes()
-                raw.append({"run": run, "format": fmt, "version": v, "loss": loss, "changed_frac": delta.changed_frac(),
-                            "whole_bytes": pub.total_bytes(), "delta_bytes": delta.total_bytes(),
-                            "whole_s": got["whole_s"], "delta_s": got["delta_s"], "diff_s": diff_s,
-                            "whole_memcpy_s": memcpy_s(pub.total_bytes()), "delta_memcpy_s": memcpy_s(delta.total_bytes()),
-                            "load_avg": os.getloadavg()[0]})
-        parent.send(None)
-        proc.join(60)
+        with benchlib.WorkerChild(_worker, (model_name, formats), (server.announce_address, server.fetch_address),
+                                  900) as child:
+            pools = {f: BufferPool() for f in formats}
+            prev: dict = {}
+            loss = 0.0
+            for v in range(n_versions + 1):
+                if v:
+                    ids, mask = task_batch(model_name, batch, seed=v)
+                    loss = trainer.step(ids, mask)
+                sd = trainer.state_dict()
+                for fmt in formats:
+                    raw += sync_version(server, child, sd, fmt, v, prev, pools[fmt], run, loss)
     finally:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(10)
         server.close()
     return raw
+
+
+def sync_version(server, child, sd: dict, fmt: str, v: int, prev: dict, pool, run: str, loss: float) -> list[dict]:
+    """Version ``v`` published whole and as a delta from ``prev[fmt]``, synced both ways by the child; its row."""
+    from asyncrl.quant import make_delta, publish
+    from asyncrl.transport.publication import delta_to_wire, to_wire
+
+    pub = publish(sd, fmt, version=v, pool=pool)
+    t0 = time.perf_counter()
+    delta = make_delta(prev[fmt], pub) if v else None
+    diff_s = time.perf_counter() - t0
+    server.publish(*to_wire(pub), *(delta_to_wire(delta) if delta is not None else (None, None)))
+    got = child.ask((v, fmt, ("whole", "delta") if v % 2 else ("delta", "whole")))
+    if not got["same_bytes"]:
+        raise RuntimeError(f"version {v} ({fmt}): the actor synced by deltas differs from the whole one")
+    prev[fmt] = pub
+    if delta is None:
+        return []
+    assert got["delta_kind"] == "WeightDelta" and got["delta_bytes"] == delta.total_bytes()
+    return [{"run": run, "format": fmt, "version": v, "loss": loss, "changed_frac": delta.changed_frac(),
+             "whole_bytes": pub.total_bytes(), "delta_bytes": delta.total_bytes(), "whole_s": got["whole_s"],
+             "delta_s": got["delta_s"], "diff_s": diff_s, "whole_memcpy_s": memcpy_s(pub.total_bytes()),
+             "delta_memcpy_s": memcpy_s(delta.total_bytes()), "load_avg": os.getloadavg()[0]}]
 
 
 def summarize(raw: list[dict]) -> list[dict]:

@@ -40,7 +40,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import copy  # noqa: E402
-import multiprocessing as mp  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -134,49 +133,36 @@ def bench_model(model_name: str, formats: list[str], repeats: int) -> tuple[list
     learner = shard_model(copy.deepcopy(base), info)
     del base
     server = WeightServer("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", keep_versions=2)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_worker, args=(child, model_name, formats), daemon=True)
-    proc.start()
     raw: list[dict] = []
     try:
-        parent.send((server.announce_address, server.fetch_address))
-        if not parent.poll(600) or parent.recv() != "ready":
-            raise RuntimeError("the worker child did not start")
-        pools = {f: BufferPool() for f in formats}  # one per format, as the learner's publisher keeps
-        version = 0
-        for rep in range(repeats + 1):  # repeat 0 warms every path up and is not reported
-            order = formats[rep % len(formats):] + formats[: rep % len(formats)]
-            for fmt in order:
-                version += 1
-                t0 = time.perf_counter()
-                sd = full_state_dict(learner)
-                t1 = time.perf_counter()
-                pub = publish(sd, fmt, version=version, pool=pools[fmt])
-                t2 = time.perf_counter()
-                announce, buffers = to_wire(pub)
-                server.publish(announce, buffers)
-                t3 = time.perf_counter()
-                parent.send((version, fmt))
-                if not parent.poll(600):
-                    raise RuntimeError(f"the worker child did not load version {version} ({fmt})")
-                child_t = parent.recv()
-                assert child_t["received_bytes"] == pub.total_bytes()
-                if rep == 0:
-                    continue
-                raw.append({"model": model_name, "format": fmt, "repeat": rep, "params": n_params,
-                            "bytes": pub.total_bytes(), "gather_s": t1 - t0, "quantize_s": t2 - t1,
-                            "serve_s": t3 - t2, **{k: child_t[k] for k in ("send_s", "unpack_s", "load_s")},
-                            "memcpy_s": memcpy_seconds(buffers, 3)})
-                del sd
-            if rep:
-                raw[-1]["load_avg"] = os.getloadavg()[0]
-        parent.send(None)
-        proc.join(60)
+        with benchlib.WorkerChild(_worker, (model_name, formats), (server.announce_address, server.fetch_address),
+                                  600) as child:
+            pools = {f: BufferPool() for f in formats}  # one per format, as the learner's publisher keeps
+            version = 0
+            for rep in range(repeats + 1):  # repeat 0 warms every path up and is not reported
+                order = formats[rep % len(formats):] + formats[: rep % len(formats)]
+                for fmt in order:
+                    version += 1
+                    t0 = time.perf_counter()
+                    sd = full_state_dict(learner)
+                    t1 = time.perf_counter()
+                    pub = publish(sd, fmt, version=version, pool=pools[fmt])
+                    t2 = time.perf_counter()
+                    announce, buffers = to_wire(pub)
+                    server.publish(announce, buffers)
+                    t3 = time.perf_counter()
+                    child_t = child.ask((version, fmt))
+                    assert child_t["received_bytes"] == pub.total_bytes()
+                    if rep == 0:
+                        continue
+                    raw.append({"model": model_name, "format": fmt, "repeat": rep, "params": n_params,
+                                "bytes": pub.total_bytes(), "gather_s": t1 - t0, "quantize_s": t2 - t1,
+                                "serve_s": t3 - t2, **{k: child_t[k] for k in ("send_s", "unpack_s", "load_s")},
+                                "memcpy_s": memcpy_seconds(buffers, 3)})
+                    del sd
+                if rep:
+                    raw[-1]["load_avg"] = os.getloadavg()[0]
     finally:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(10)
         server.close()
     del learner
     for r in raw:

@@ -65,6 +65,49 @@ def machine() -> dict[str, Any]:
             "loadavg_at_start": _LOADAVG_AT_START, "loadavg_at_write": list(os.getloadavg())}
 
 
+class WorkerChild:
+    """A weight-sync benchmark's worker side in a spawned process: ``target(conn, *args)`` receives the weight
+    server's ``addresses``, answers ``"ready"``, then one reply per ``ask(request)`` until ``None`` ends it.
+    A context manager: leaving it ends the child (terminated if it does not stop by itself)."""
+
+    def __init__(self, target: Callable[..., None], args: tuple, addresses: tuple[str, str], timeout_s: float) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.timeout_s = timeout_s
+        self.proc.start()
+        self.conn.send(addresses)
+        if not self.conn.poll(timeout_s) or self.conn.recv() != "ready":
+            self.close()
+            raise RuntimeError("the worker child did not start")
+
+    def ask(self, request: Any) -> Any:
+        """Send ``request`` and wait (up to the timeout) for the child's answer."""
+        self.conn.send(request)
+        if not self.conn.poll(self.timeout_s):
+            raise RuntimeError(f"the worker child did not answer {request!r}")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+
+    def __enter__(self) -> WorkerChild:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
     def fmt(v: Any) -> str:
         if isinstance(v, float):
