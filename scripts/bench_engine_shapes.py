@@ -85,10 +85,13 @@ def step_weight_bytes(model) -> int:
     """Bytes of the tensors one decode step reads from the weights (module docstring)."""
     from torch import nn
 
+    from asyncrl.quant.kernels import KERNELS
     from asyncrl.quant.linear import QuantLinear
 
-    reads = {"bf16": ("weight",), "int_mm": ("qweight", "weight_scale"), "scaled_mm": ("qweight", "weight_scale"),
+    reads = {"bf16": ("weight",), "int_mm": ("qweight", "weight_scale"), "int_mm_compiled": ("qweight", "weight_scale"),
+             "int_mm_fp32": ("_w_codes", "weight_scale"), "scaled_mm": ("qweight", "weight_scale"),
              "fp8_emul": ("_w_codes", "weight_scale"), "wo_fp32": ("_w_decoded",), "wo_bf16": ("_w_decoded",)}
+    assert set(reads) == {k for ks in KERNELS.values() for k in ks}, "a kernel without its bytes read per step"
     total = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
