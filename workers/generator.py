@@ -115,6 +115,7 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         self.asked_version = -1  # the version the last WorkRequest named (the engine's applied one then)
         self.weight_sync_s = 0.0  # seconds spent fetching + unpacking + handing over new versions (comms thread)
         self.weight_syncs = 0
+        self.delta_ok = False  # whether the engine applies weight deltas (read once it is built)
         self.weight_deltas = 0  # of those, versions fetched as a delta from the one before (transport.delta)
         self.weight_sync_bytes = 0  # payload bytes fetched, whole versions and deltas
         self.t_start = time.monotonic()
@@ -165,6 +166,7 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
             log.info("worker %s ready: %s engine, %s actor, weights v%d, %d slots", self.worker_id,
                      self.engine_kind, self.fmt, self.weights_version, self.slots)
             caps = self.engine.capabilities()
+            self.delta_ok = bool(caps.get("weight_delta"))  # the engine applies deltas: ask for them from now on
             if self.engine_kind == "native":  # which kernels the actor runs, and why (asyncrl/machine.py)
                 from asyncrl.quant.kernels import explain_kernels
 
@@ -229,9 +231,7 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
     def _delta_base(self) -> tuple[int, str]:
         """(version, checksum) of the weights handed to the engine, offered as the base of a delta: only for an
         engine that applies deltas (native), and never after one failed to apply (that fetch goes whole)."""
-        if self.weights_version < 0 or not self.weights_checksum:
-            return -1, ""
-        if not (self._engine.capabilities().get("weight_delta") if self._engine is not None else False):
+        if not self.delta_ok or self.weights_version < 0 or not self.weights_checksum:
             return -1, ""
         return self.weights_version, self.weights_checksum
 

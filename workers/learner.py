@@ -56,6 +56,7 @@ from asyncrl.transport import (
     server_curve,
 )
 from asyncrl.transport.publication import to_wire
+from protocols.values import QUANTIZED_FORMATS
 from workers.learner_link import FINAL_ACK_TIMEOUT_S, ControllerSource, finite_metrics
 from workers.learner_setup import Policy, Rank, load_policy, start_rank, training_state
 
@@ -99,19 +100,18 @@ class Publisher:
                           uaq_s=q.uaq_scale if q.uaq else 1.0, uaq_sites=tuple(q.uaq_sites) if q.uaq else (),
                           aqn_resample=q.aqn_resample, head=q.lm_head, pool=self.pools[fmt])
             prev = self.prev.get(fmt)
-            if prev is not None and fmt not in ("fp32", "bf16"):
+            if prev is not None:
                 metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(prev, pub)
             t = self.cfg.transport
             delta = header = None
             frames: list = []
-            if t.delta and prev is not None and prev.version == version - 1 and version % t.full_every != 0:
+            if (t.delta and fmt in QUANTIZED_FORMATS and prev is not None and prev.version == version - 1
+                    and version % t.full_every != 0):
                 delta = make_delta(prev, pub)  # a worker that holds prev fetches only this
                 header, frames = delta_to_wire(delta)
                 metrics[f"weights/{fmt}/delta_bytes"] = float(delta.total_bytes())
                 metrics[f"weights/{fmt}/changed_frac"] = delta.changed_frac()
-            if t.delta:  # the base of the next version's delta (the server holds it anyway)
-                self.prev[fmt] = pub
-            elif fmt not in ("fp32", "bf16"):  # the previous codes, for code_change_frac; no full-precision copy
+            if fmt in QUANTIZED_FORMATS:  # the previous codes: code_change_frac and the next version's delta
                 self.prev[fmt] = pub
             announce, buffers = to_wire(pub)
             self.server.publish(announce, buffers, header, frames)

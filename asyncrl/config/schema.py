@@ -282,7 +282,8 @@ class TransportConfig:
     keys_dir: str = ""
     """A folder from ``asyncrl keys generate DIR``: every socket uses CurveZMQ with its allow-list."""
     delta: bool = True
-    """Publish each version also as the codes and scales that changed since the version before it: a worker
+    """Publish each version of a quantized format also as the codes and scales that changed since the version
+    before it (fp32 and bf16 go whole: an optimiser step moves almost every element of them): a worker
     that holds that version fetches only the changes (a worker that joins, missed a version or holds other
     bytes gets the version whole). The bytes a worker holds are the full version's either way."""
     full_every: int = 20
