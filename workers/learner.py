@@ -43,8 +43,8 @@ from asyncrl.learner import (
 from asyncrl.learner.fsdp import DistInfo, broadcast_batch, close_distributed
 from asyncrl.learner.policy import (
     LoraSpec,
-    base_model,
     policy_state_dict,
+    runtime_buffers,
 )
 from asyncrl.models.prepare import model_id
 from asyncrl.rundir import RunDir
@@ -270,7 +270,8 @@ class Learner:
         batch = batch_from_message(msg, self.cfg.rollout.temperature, self.policy.pad_id) if msg is not None else None
         batch = broadcast_batch(batch, info)
         t_wait = time.perf_counter() - t0
-        metrics = train_step(self.state, batch, self.cfg.algo, L, info, ref_model=self.policy.ref_model)
+        mismatch = self.mismatch(batch, k)
+        metrics = train_step(self.state, batch, self.cfg.algo, L, info, ref_model=self.policy.ref_model) | mismatch
         t_train = time.perf_counter() - t0 - t_wait
         v = self.state.version
         eval_due = bool(L.eval_every) and v % L.eval_every == 0 and v < L.total_steps
@@ -280,6 +281,27 @@ class Learner:
         if ckpt and _agree(info.is_main and acked, info):
             save_checkpoint(RunDir(self.run_dir).checkpoints, self.state, info, keep_last=KEEP_CHECKPOINTS)
         return True
+
+    def mismatch(self, batch: LearnerBatch, k: int) -> dict[str, float]:
+        """The log-prob gap taken apart (asyncrl/learner/mismatch.py) when ``learner.mismatch_every`` says so."""
+        L = self.cfg.learner
+        if not L.mismatch_every or k % L.mismatch_every:
+            return {}
+        from asyncrl.learner.mismatch import mismatch_decomposition
+        from asyncrl.learner.step import autocast_context
+
+        return mismatch_decomposition(self.policy.model, batch, version=k, rows=L.mismatch_rows,
+                                      aligned=self.policy.aligned, chunk_tokens=L.chunk_tokens,
+                                      autocast=autocast_context(L, self.info.device))
+
+    def adopt_publication(self) -> None:
+        """Rank 0 at world size 1: the rollout-aligned forward computes with the codes just published (one
+        quantization per version). Not with UAQ, whose published weights are the unfolded ones."""
+        al, pub = self.policy.aligned, self.publisher
+        if al is not None and pub is not None and self.info.world_size == 1 and not self.cfg.quant.uaq:
+            published = pub.prev.get(self.cfg.quant.fmt)
+            if published is not None and published.version == self.state.version:
+                al.adopt(published.tensors)
 
     def publish_and_report(self, msg: P.TrainBatch | None, metrics: dict[str, float], *, eval_due: bool,
                            ckpt: bool, t0: float, t_wait: float, t_train: float) -> bool:
@@ -292,6 +314,7 @@ class Learner:
         v = self.state.version
         if self.publisher is not None:
             metrics |= self.publisher.publish(sd, v)
+            self.adopt_publication()
         if self.server is not None:  # the weight server's received/rejected counters reach metrics.jsonl
             metrics |= self.server.as_metrics()
         metrics |= msg.metrics
@@ -338,7 +361,7 @@ def build(run_dir: Path, model_dir: Path, *, controller: str = "", replay_log: s
     replay = bool(replay_log)
     state = training_state(cfg, policy, rank.info, RunDir(run_dir).checkpoints, replay=replay)
     learner = Learner(cfg, rank, policy, state, run_dir, model_dir, stop, replay,
-                      buffers={n: b for n, b in base_model(policy.model).named_buffers()})
+                      buffers=runtime_buffers(policy.model))
     # Weights are gathered (merged, for LoRA) only to publish or evaluate, and dropped right after:
     # the learner process holds no full copy of the policy between steps.
     sd = learner.state_dict(not replay or (state.version == 0 and bool(cfg.learner.eval_every)))
@@ -364,6 +387,7 @@ def open_rank0(learner: Learner, sd: Mapping[str, torch.Tensor], *, controller: 
         learner.server = WeightServer(f"tcp://{host}:0", f"tcp://{host}:0", curve=curve)
         learner.publisher = Publisher(cfg, formats, learner.server)
         learner.publisher.publish(sd, version)
+        learner.adopt_publication()
         learner.source = ControllerSource(controller, learner.server, version, learner.stop, cfg.transport)
     if version == 0 and cfg.learner.eval_every:  # the step-0 baseline every later evaluation is read against
         learner.source.report(0, learner.evaluator.evaluate(sd, 0, learner.buffers) | {"eval/baseline": 1.0})
@@ -383,7 +407,7 @@ def finish_run(cfg, state, model, model_dir: Path, run_dir: Path, info, evaluato
     if info.is_main:
         if unfold is not None:
             sd = unfold(sd)
-        final = evaluator.evaluate(sd, state.version + 1, {n: b for n, b in base_model(model).named_buffers()})
+        final = evaluator.evaluate(sd, state.version + 1, runtime_buffers(model))
         final["learner/wall_s"] = time.perf_counter() - t_run
         sha = sha256_of_state_dict(sd)
         RunDir(run_dir).learner_final.write_text(json.dumps(

@@ -2,8 +2,8 @@
 
 Owns: the allocator and kernel-cache bounds set before any tensor exists, the process group
 (``init_distributed``), threads and seed (``start_rank``); the policy loaded from the model folder in
-fp32, UAQ folded, sharded with FSDP2, with LoRA adapters and the frozen KL reference when asked
-(``load_policy``); the optimizer, learning-rate schedule and the resumed checkpoint (``training_state``).
+fp32, UAQ folded, sharded with FSDP2, with LoRA adapters, the frozen KL reference and the rollout-aligned
+forward when asked (``load_policy``); the optimizer, learning-rate schedule and the resumed checkpoint (``training_state``).
 Never: opens a socket, talks to the controller or runs a step (``workers/learner.py``).
 
 Invariant: every rank builds the same things in the same order (each of these is collective where the
@@ -27,6 +27,7 @@ from asyncrl.learner import (
     init_distributed,
     load_checkpoint,
 )
+from asyncrl.learner.aligned import RolloutAlignment
 from asyncrl.learner.fsdp import DistInfo
 from asyncrl.learner.memory import bound_kernel_caches, bound_malloc_retention
 from asyncrl.learner.options import resolve_autocast
@@ -38,6 +39,7 @@ from asyncrl.learner.policy import (
     reference_policy,
 )
 from asyncrl.machine import describe
+from asyncrl.quant.model import DEFAULT_KEEP_FULL_PRECISION
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -63,6 +65,9 @@ class Policy(NamedTuple):
     """The frozen KL reference (``algo.kl_coef > 0``), else None."""
     lora: LoraSpec | None
     pad_id: int
+    aligned: RolloutAlignment | None = None
+    """The linears routed through the rollout format (``learner.rollout_aligned``, or only to measure
+    ``mismatch/quant``: then off except inside the measurement); None for an fp32 rollout."""
 
 
 def start_rank(cfg: TrainConfig) -> Rank:
@@ -95,19 +100,30 @@ def load_policy(cfg: TrainConfig, model_dir: Path, rank: Rank) -> Policy:
         fold_uaq(model, cfg.quant.uaq_scale, tuple(cfg.quant.uaq_sites))
     lora = lora_spec(L)
     initial = initial_copy(model) if cfg.algo.kl_coef > 0 and lora is None else None
-    model = prepare_policy(model, info, lora=lora, activation_checkpointing=L.activation_checkpointing)
+    model = prepare_policy(model, info, lora=lora, activation_checkpointing=L.activation_checkpointing,
+                           base_format=L.base_format)
     ref_model = reference_policy(model, initial, info) if cfg.algo.kl_coef > 0 else None
     del initial
+    aligned = None
+    if cfg.quant.fmt != "fp32" and (L.rollout_aligned or L.mismatch_every):
+        aligned = RolloutAlignment(model, cfg.quant.fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION,
+                                   head=cfg.quant.lm_head, enabled=L.rollout_aligned)
+        log.info("learner: %s through the %s quantizer (%d linears%s)",
+                 "forwards" if L.rollout_aligned else "mismatch/quant measured", cfg.quant.fmt, len(aligned.modules),
+                 ", straight-through gradients" if L.rollout_aligned else "")
+        if L.rollout_aligned and ref_model is not None and ref_model is not model:  # a full fine-tuning reference
+            RolloutAlignment(ref_model, cfg.quant.fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION,
+                             head=cfg.quant.lm_head)  # computed as the rollout would (its routes hold it)
     autocast, why = resolve_autocast(L.autocast, info.device.type)
     log.info("learner: forwards in %s (learner.autocast=%s: %s) on %s", "bf16 autocast" if autocast else "fp32",
              L.autocast or "''", why, describe() if info.device.type == "cpu" else info.device)
     log.info("learner: %d threads, %s, %s, world size %d%s%s, oneDNN/ideep caches %s", rank.threads,
-             f"LoRA r={lora.rank}" if lora else "full fine-tuning",
+             f"LoRA r={lora.rank}{f', {L.base_format} base' if L.base_format else ''}" if lora else "full fine-tuning",
              "activation checkpointing" if L.activation_checkpointing else "no activation checkpointing",
              info.world_size, ", KL reference" if ref_model is not None else "",
              "" if rank.malloc_bounded else ", malloc retention unbounded (not glibc)",
              "/".join(rank.kernel_caches.values()))
-    return Policy(model, ref_model, lora, pad_id)
+    return Policy(model, ref_model, lora, pad_id, aligned)
 
 
 def training_state(cfg: TrainConfig, policy: Policy, info: DistInfo, ckpt_root: Path, *, replay: bool) -> TrainState:
@@ -118,6 +134,8 @@ def training_state(cfg: TrainConfig, policy: Policy, info: DistInfo, ckpt_root: 
                                             total_steps=max(L.total_steps, L.warmup_steps + 1),
                                             min_lr_ratio=L.min_lr_ratio))
     state = TrainState(policy.model, opt, sched, version=0)
+    if policy.aligned is not None:  # the cached low-bit weights live until the weights change
+        policy.aligned.watch(opt)
     # The same verified checkpoint the controller chose on resume (damaged ones are skipped, said why); also
     # without resume=: a learner started again under a running controller goes on from the run's newest one.
     if cfg.resume or not replay:

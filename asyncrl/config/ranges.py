@@ -96,6 +96,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "learner.time_budget_s": ("[0, inf)", "0 = no time limit"),
     "learner.seed": ("[0, 4294967295]", "a seed"),
     "learner.num_threads": ("[0, inf)", "0 = automatic"),
+    "learner.mismatch_every": ("[0, inf)", "0 = never"),
+    "learner.mismatch_rows": ("[1, inf)", "sequences of the step batch it is measured on"),
     "learner.lora.rank": ("[0, inf)", "0 = full fine-tuning"),
     "learner.lora.alpha": ("(0, inf)", "the adapter scaling is alpha / rank, e.g. 32"),
     "learner.lora.dropout": ("[0, 1)", "a dropout probability"),

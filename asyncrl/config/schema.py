@@ -21,7 +21,7 @@ from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.controller.prompts import PROMPT_FORMATS
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
 from asyncrl.engine.sglang_server import STARTUP_TIMEOUT_S
-from asyncrl.learner.options import LR_SCHEDULES, StepConfig
+from asyncrl.learner.options import BASE_FORMATS, LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
 from asyncrl.tasks.answers import ANSWER_FORMATS
 from asyncrl.tasks.registry import TASKS
@@ -229,6 +229,24 @@ class LearnerConfig(StepConfig):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    rollout_aligned: bool = False
+    """Rollout-aligned training (QaRL): the learner's forwards (proximal and current log-probs) compute the
+    quantized linears with the rollout format's own weights and activation rounding (``quant.fmt``: int8
+    W8A8, fp8, weight-only int8_wo/nvfp4/mxfp4, bf16), with straight-through gradients to the full-precision
+    weights; with LoRA, the merged weight is quantized. The low-bit weights are the published ones (one
+    quantization per version). Needs a quantized ``quant.fmt`` and ``learner.lora.dropout=0``
+    (docs/algorithms.md §8b)."""
+    base_format: str = ""
+    """QeRL's quantized base under LoRA: hold the frozen base weights of the adapted linears packed in this
+    format (``int8``, ``nvfp4`` or ``mxfp4``; weight-only, decoded per layer for each matmul) instead of fp32.
+    The policy becomes Deq(Quant(W)) + s*B@A everywhere (training, KL reference, publication, export).
+    Needs ``learner.lora.rank > 0``; "" = fp32 base (docs/algorithms.md §8c)."""
+    mismatch_every: int = 1
+    """Every N steps, the behaviour-vs-learner log-prob gap taken apart on the first ``mismatch_rows``
+    sequences of the step (``mismatch/noise``, ``mismatch/quant``, ``mismatch/lag0``, ``mismatch/stale``;
+    docs/algorithms.md §7.1): 3 + mismatch_rows extra no-grad forwards of those rows. 0: never."""
+    mismatch_rows: int = 4
+    """Sequences of the step batch the mismatch decomposition is measured on."""
     stop_on: list[str] = field(default_factory=list)
     """Training-health alarms (``health``; e.g. ``[zero_variance,reward_flat]``) that end training: the
     controller answers the next batch request with ``Shutdown`` and the learner finishes as at
@@ -336,6 +354,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         require_choice("quant.extra_formats[]", fmt, QUANT_FORMATS)
     require_choice("task.name", cfg.task.name, tuple(TASKS))
     require_choice("learner.lr_schedule", cfg.learner.lr_schedule, LR_SCHEDULES)
+    require_choice("learner.base_format", cfg.learner.base_format, BASE_FORMATS)
     require_choice("log.fsync", cfg.log.fsync, FSYNC_POLICIES)
     require_choice("task.too_long", cfg.task.too_long, TOO_LONG)
     require_choice("model.name", cfg.model.name, MODEL_NAMES)
@@ -352,6 +371,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (not cfg.quant.lm_head or cfg.quant.fmt != "fp32",
          "quant.lm_head=true quantizes the output head in the workers' format, but quant.fmt=fp32; choose a "
          "quantized quant.fmt (e.g. quant=int8) or drop quant.lm_head"),
+        (not cfg.learner.base_format or cfg.learner.lora.rank > 0,
+         f"learner.base_format={cfg.learner.base_format} packs the frozen base under LoRA adapters, and this run "
+         "fine-tunes every weight; set learner.lora.rank (e.g. 16) or leave learner.base_format empty"),
+        (not cfg.learner.rollout_aligned or cfg.quant.fmt != "fp32",
+         "learner.rollout_aligned=true aligns the learner's forward to a quantized rollout, and quant.fmt=fp32; "
+         "choose a quantized quant.fmt (e.g. quant=int8) or drop learner.rollout_aligned"),
+        (not cfg.learner.rollout_aligned or cfg.learner.lora.rank == 0 or cfg.learner.lora.dropout == 0,
+         "learner.rollout_aligned=true trains through the merged LoRA weight, which adapter dropout would not be; "
+         "set learner.lora.dropout=0"),
         (not cfg.quant.lm_head or cfg.rollout.engine == "native",
          "quant.lm_head=true needs the native engine (rollout.engine=native): SGLang workers serve the "
          "full-precision head"),

@@ -31,13 +31,17 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from asyncrl.learner.batch import LearnerBatch
+
+HEAD_TRANSFORM = "asyncrl_head_transform"
+"""Attribute a rollout-aligned output head carries (aligned.py): ``weight -> (weight, linear)``, the weight the
+head computes with and the ``(rows, weight, bias) -> logits`` with the actor's roundings."""
 
 __all__ = ["token_logprobs", "logprobs_from_logits", "output_head"]
 
@@ -124,12 +128,17 @@ def _head_stats(
     temperature: float,
     with_entropy: bool,
     chunk_tokens: int,
+    transform: Callable[[torch.Tensor], tuple[torch.Tensor, Callable]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, S, H] final hidden states -> (logp [B, S], entropy [B, S]) through the head in chunks."""
+    """[B, S, H] final hidden states -> (logp [B, S], entropy [B, S]) through the head in chunks.
+    ``transform``: weight -> (the weight used, the ``(rows, weight, bias) -> logits`` that replaces F.linear)."""
     B, S, H = hidden.shape
     flat_pos, targets, src_rows = _select(positions, input_ids)
     h2d = hidden.reshape(B * S, H)
     use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    linear: Callable[..., torch.Tensor] = F.linear
+    if transform is not None:  # a rollout-aligned head (aligned.py): the actor's weight and roundings
+        weight, linear = transform(weight)
     logp_parts, ent_parts = [], []
     for start in range(0, flat_pos.numel(), chunk_tokens):
         rows, tgt = src_rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
@@ -137,7 +146,7 @@ def _head_stats(
         def fn(
             h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, r: torch.Tensor = rows, t: torch.Tensor = tgt
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            return _chunk_stats(F.linear(h.index_select(0, r), w, b), t, temperature, with_entropy)
+            return _chunk_stats(linear(h.index_select(0, r), w, b), t, temperature, with_entropy)
 
         lp, ent = checkpoint(fn, h2d, weight, bias, use_reentrant=False) if use_ckpt else fn(h2d, weight, bias)
         logp_parts.append(lp)
@@ -165,8 +174,10 @@ def output_head(model: torch.nn.Module) -> torch.nn.Linear:
 def _response_head(head: torch.nn.Linear, **kw) -> Iterator[None]:
     """Give ``head`` a forward that returns [B, S, 2] = (logp, entropy) instead of logits."""
 
+    transform = getattr(head, HEAD_TRANSFORM, None)
+
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        logp, ent = _head_stats(hidden, head.weight, head.bias, **kw)
+        logp, ent = _head_stats(hidden, head.weight, head.bias, transform=transform, **kw)
         return torch.stack([logp, ent], dim=-1)
 
     # An instance attribute (what `head.forward = forward` stores, said without assigning to a method):

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 from asyncrl.machine import BF16_FLAGS, bf16_native
 
-__all__ = ["AUTOCAST", "LR_SCHEDULES", "LRSchedule", "StepConfig", "resolve_autocast"]
+__all__ = ["AUTOCAST", "BASE_FORMATS", "LR_SCHEDULES", "LRSchedule", "StepConfig", "resolve_autocast"]
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """``LRSchedule.kind`` (``learner.lr_schedule``)."""
+BASE_FORMATS = ("", "int8", "nvfp4", "mxfp4")
+"""``learner.base_format``: the format a LoRA policy's frozen base is held in (packed.py); "" = fp32."""
 AUTOCAST = ("", "bf16", "auto")
 """``StepConfig.autocast``: "" = fp32, ``bf16`` = bfloat16 autocast forwards, ``auto`` = bf16 where the device
 computes it natively (`resolve_autocast`), else fp32."""

@@ -32,7 +32,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -52,6 +52,8 @@ __all__ = [
     "is_lora",
     "policy_state_dict",
     "MergedLoraState",
+    "merge_lora",
+    "runtime_buffers",
 ]
 
 _PEFT_PREFIX = "base_model.model."
@@ -174,11 +176,17 @@ def prepare_policy(
     *,
     lora: LoraSpec | None = None,
     activation_checkpointing: bool = False,
+    base_format: str = "",
 ) -> torch.nn.Module:
-    """fp32 on ``info.device``, then LoRA, activation checkpointing and (world size > 1) FSDP2."""
+    """fp32 on ``info.device``, then LoRA (its frozen base packed in ``base_format``: packed.py), activation
+    checkpointing and (world size > 1) FSDP2."""
     model.to(device=info.device, dtype=torch.float32)
     if lora is not None:
         model = apply_lora(model, lora)
+        if base_format:
+            from asyncrl.learner.packed import pack_lora_base
+
+            pack_lora_base(model, base_format)
     if activation_checkpointing:
         checkpoint_decoder_layers(model)
     if info.world_size > 1:
@@ -200,6 +208,12 @@ def reference_policy(policy: torch.nn.Module, initial: torch.nn.Module | None, i
     return shard_model(ref, info) if info.world_size > 1 else ref
 
 
+def merge_lora(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + scaling * (B @ A)``, out of place: the merged weight of a LoRA-adapted linear (what is published,
+    exported, and what a rollout-aligned forward quantises; one expression, so the same bits everywhere)."""
+    return w + (b.float() @ a.float()).to(w.dtype) * scaling
+
+
 class MergedLoraState(Mapping[str, torch.Tensor]):
     """A PEFT state dict (``base_model.model.*``, ``*.base_layer.*``, ``*.lora_A/B.default.*``) read in
     the base model's names, each adapted weight being W + scaling * (B @ A), computed when it is read
@@ -208,10 +222,11 @@ class MergedLoraState(Mapping[str, torch.Tensor]):
     projection weights, 0.42 GB in fp32);
     ``dict(...)`` of it is the merged state dict."""
 
-    def __init__(self, sd: Mapping[str, torch.Tensor], scaling: float) -> None:
-        self._sd, self._scaling = sd, float(scaling)
+    def __init__(self, sd: Mapping[str, torch.Tensor], scaling: float, packed: Mapping[str, Any] | None = None) -> None:
+        self._sd, self._scaling, self._packed = sd, float(scaling), dict(packed or {})
         # base name -> (PEFT key of W, of A, of B) for an adapted weight; an unadapted one is a single view,
         # the same at every read, so tied weights stay recognisably tied (publication publishes them once).
+        # A packed base (packed.py; ``packed``: module name -> PackedLinear) has no W key: its W is decoded.
         self._adapted: dict[str, tuple[str, str, str]] = {}
         self._plain: dict[str, torch.Tensor] = {}
         self._names: list[str] = []  # the PEFT state dict's order
@@ -219,8 +234,12 @@ class MergedLoraState(Mapping[str, torch.Tensor]):
             if ".lora_A." in key or ".lora_B." in key or ".lora_embedding_" in key:
                 continue
             name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
-            module, wrapped, _ = name.partition(".base_layer.")
-            name = name.replace(".base_layer.", ".")
+            module, wrapped, leaf = name.partition(".base_layer.")
+            if module in self._packed and leaf != "bias":
+                if leaf != "qweight":  # the scales: part of the same weight
+                    continue
+                key, leaf = "", "weight"
+            name = f"{module}.{leaf}" if wrapped else name
             self._names.append(name)
             a_key = f"{_PEFT_PREFIX}{module}.lora_A.default.weight"
             if wrapped and name.endswith(".weight") and a_key in sd:
@@ -231,8 +250,10 @@ class MergedLoraState(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._plain:
             return self._plain[name]
-        w, a, b = (self._sd[k].detach() for k in self._adapted[name])
-        return w + (b.float() @ a.float()).to(w.dtype) * self._scaling
+        w_key, a_key, b_key = self._adapted[name]
+        a, b = self._sd[a_key].detach(), self._sd[b_key].detach()
+        w = self._sd[w_key].detach() if w_key else self._packed[name[: -len(".weight")]].dequantized()
+        return merge_lora(w, a, b, self._scaling)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -255,8 +276,17 @@ def policy_state_dict(model: torch.nn.Module, lora: LoraSpec | None = None) -> M
     if is_lora(model):
         if lora is None:
             raise ValueError("a LoRA policy's weights need its LoraSpec (the scaling) to be merged")
-        sd = MergedLoraState(sd, lora.scaling) if sd else sd
+        packed = {n.removesuffix(".base_layer"): m for n, m in base_model(model).named_modules()
+                  if n.endswith(".base_layer") and callable(getattr(m, "dequantized", None))}
+        sd = MergedLoraState(sd, lora.scaling, packed) if sd else sd
     return sd
+
+
+def runtime_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's non-persistent buffers (rotary tables) in the base model's names: what a model built from
+    ``policy_state_dict`` lacks (a packed base's codes are persistent: the state dict has them, decoded)."""
+    return {f"{mn}.{bn}" if mn else bn: b for mn, m in base_model(model).named_modules()
+            for bn, b in m.named_buffers(recurse=False) if bn in m._non_persistent_buffers_set}
 
 
 def initial_copy(model: torch.nn.Module) -> torch.nn.Module:

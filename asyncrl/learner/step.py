@@ -54,7 +54,8 @@ from asyncrl.learner.logprobs import token_logprobs
 from asyncrl.learner.options import StepConfig, resolve_autocast
 from asyncrl.learner.plan import plan_step
 
-__all__ = ["StepConfig", "TrainState", "LossFn", "train_step", "clip_grad_norm", "reference_context"]
+__all__ = ["StepConfig", "TrainState", "LossFn", "train_step", "clip_grad_norm", "reference_context",
+           "autocast_context"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,8 @@ class _LossContext(TypedDict):
     ref_logp: torch.Tensor | None
 
 
-def _autocast(cfg: StepConfig, device: torch.device) -> contextlib.AbstractContextManager:
+def autocast_context(cfg: StepConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forwards' autocast for ``cfg.autocast`` on ``device`` (a no-op context for fp32)."""
     if resolve_autocast(cfg.autocast, device.type)[0] == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -106,7 +108,7 @@ def _frozen_logp(
     """[b, s] float32 log-probs of ``model`` for every micro-batch, no grad."""
     if model is None:
         return [None] * len(micros)
-    with torch.no_grad(), _autocast(cfg, device), (ctx or contextlib.nullcontext()):
+    with torch.no_grad(), autocast_context(cfg, device), (ctx or contextlib.nullcontext()):
         return [token_logprobs(model, m, chunk_tokens=cfg.chunk_tokens)[0] for m in micros]
 
 
@@ -219,7 +221,7 @@ def _run_minibatch(
     parts: list[dict[str, Stat]] = []
     model.train(cfg.train_dropout)
     for m, p, kw in zip(micros, prox, common, strict=True):
-        with _autocast(cfg, info.device):
+        with autocast_context(cfg, info.device):
             logp, entropy = token_logprobs(model, m, with_entropy=want_entropy, chunk_tokens=cfg.chunk_tokens)
         if p is None:
             p = logp.detach()

@@ -3,7 +3,8 @@
 Owns: picking samples out of a trajectory log (the last N logged, or the ones learner step K consumed),
 grouping them by prompt group, and printing each prompt once (decoded exactly as the model saw it,
 chat template included) followed by its completions with reward, advantage, finish reason, length and
-the policy versions that produced their tokens.
+the policy versions that produced their tokens; after them, the learner's log-prob gap of that step
+taken apart (``mismatch/*``, when the run measured it).
 Before the samples: the run's training-health alarms (``health.jsonl``; step, name, message, cause, fix).
 Never: modifies the log, or builds a model: the tokenizer comes from ``--tokenizer`` or from the model
 folder the run's config names, which must already exist (a run creates it).
@@ -99,11 +100,34 @@ def show_main(run: str, *, last: int | None = None, step: int | None = None, tok
     if not chosen:
         print("no samples logged yet")
         return 0
-    tok = run_tokenizer(path if RunDir(path).config.is_file() else path.parent, tokenizer)
+    run_dir = path if RunDir(path).config.is_file() else path.parent
+    tok = run_tokenizer(run_dir, tokenizer)
     print(format_samples(chosen, lambda ids: tok.decode(ids)))
+    steps = sorted({k for _, k in chosen if k is not None})
+    line = mismatch_line(run_dir, steps[-1] if step is None and steps else step)
+    if line:
+        print(line)
     for c in scan.corruptions:
         print(f"CORRUPT    {c} (records before it are intact and were read)")
     return 0
+
+
+MISMATCH_PARTS = ("lag0", "stale", "quant", "noise")
+"""The decomposition of asyncrl/learner/mismatch.py, in the order ``mismatch_line`` prints it."""
+
+
+def mismatch_line(run_dir: Path, step: int | None) -> str:
+    """The behaviour-vs-learner log-prob gap of learner step ``step`` taken apart (its metrics record is
+    version ``step + 1``), or "" when the run did not measure it at that step."""
+    if step is None or not (run_dir / "metrics.jsonl").is_file():
+        return ""
+    from asyncrl.metrics.writer import read_metrics
+
+    rec = next((r for r in read_metrics(run_dir) if r.get("step") == step + 1 and "mismatch/noise" in r), None)
+    if rec is None:
+        return ""
+    parts = [f"{p} {rec[f'mismatch/{p}']:.2e}" for p in MISMATCH_PARTS if rec.get(f"mismatch/{p}") is not None]
+    return f"=== log-prob gap at step {step} (mean |nats| per token): " + ", ".join(parts)
 
 
 def print_alarms(run_dir: Path) -> None:

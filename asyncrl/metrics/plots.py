@@ -15,6 +15,8 @@ Plots (file: metrics):
 - ``eval_accuracy.png``: ``eval/accuracy``.
 - ``kl_by_staleness.png``: ``mismatch/by_staleness/eta=J/kl_k3`` for every J (docs/algorithms.md §7 spells
   it ``η=J``; both spellings are accepted), one line per J, plus ``mismatch/kl_k3`` over all tokens.
+- ``mismatch.png``: ``mismatch/lag0``, ``mismatch/stale``, ``mismatch/quant`` and ``mismatch/noise`` (the
+  decomposition of asyncrl/learner/mismatch.py).
 - ``clip_fractions.png``: keys starting ``actor/clipfrac`` or ``acr/clipfrac``, ``acr/empty_band_frac``,
   ``tbpo/seq_masked_frac``.
 - ``throughput.png``: ``throughput/samples_per_s``, ``throughput/tokens_per_s`` and
@@ -196,6 +198,15 @@ def _kl_by_staleness(keys: set[str]) -> list[Panel]:
     return [Panel("KL(behav || prox), k3 estimate", lines, log_if_positive=True)]
 
 
+def _mismatch(keys: set[str]) -> list[Panel]:
+    return [Panel("mean |log-prob gap| (nats/token)", [
+        Line("mismatch/lag0", "behaviour vs learner, lag 0"),
+        Line("mismatch/stale", "added by version lag"),
+        Line("mismatch/quant", "quantized vs full precision, same weights"),
+        Line("mismatch/noise", "full precision vs itself, other batch shape", {"linestyle": ":"}),
+    ], log_if_positive=True)]
+
+
 def _clip_fractions(keys: set[str]) -> list[Panel]:
     clip = sorted(k for k in keys if k.startswith(("actor/clipfrac", "acr/clipfrac")))
     extra = ["acr/empty_band_frac", "tbpo/seq_masked_frac"]
@@ -237,6 +248,7 @@ PLOTS: tuple[PlotSpec, ...] = (
         "KL(behaviour || proximal) by token staleness vs learner step",
         _kl_by_staleness,
     ),
+    PlotSpec("mismatch.png", "Behaviour-vs-learner log-prob gap taken apart vs learner step", _mismatch),
     PlotSpec("clip_fractions.png", "Clip / mask fractions of the objective vs learner step", _clip_fractions),
     PlotSpec("throughput.png", "Throughput and busy time vs learner step", _throughput),
     PlotSpec("responses.png", "What the model writes: response length, zero-variance groups", _responses),
