@@ -78,7 +78,7 @@ class AlignedLinear(torch.autograd.Function):
     dx = dy @ W, dweight = dy^T @ x_hat, dbias = sum dy."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None,  # type: ignore[override]
+    def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None,
                 codes: Mapping[str, Tensor], fmt: str, fp8_activations: bool) -> Tensor:
         k = x.shape[-1]
         n = next(iter(codes.values())).shape[0]
@@ -91,7 +91,7 @@ class AlignedLinear(torch.autograd.Function):
             return actor(x.detach())
 
     @staticmethod
-    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: Tensor):
         (x,) = ctx.saved_tensors
         gy = grads[0].reshape(-1, ctx.n).float()
         gx = gw = gb = None
