@@ -84,6 +84,10 @@ class WorkerSetup(_Struct, tag="worker_setup"):
         return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+SETUP_REQUEST = "run_setup"
+"""How a peer asks for the ``RunSetup``: ``Hello(role="client", capabilities={"request": SETUP_REQUEST})``."""
+
+
 class RunSetup(_Struct, tag="run_setup"):
     """What the controller tells ``asyncrl learner`` that asks where the run is (docs/cluster.md)."""
 

@@ -3,9 +3,10 @@
 Binds the control ROUTER (workers and the learner: handshakes, work requests, batches, versions,
 heartbeats) and the sample PULL socket, and drives ``asyncrl.controller.core.ControllerCore`` from one
 event loop. Writes ``controller.json`` (its addresses) into the run folder as soon as it listens, so
-the launcher and ``asyncrl worker`` can find it; metrics go to ``metrics.jsonl`` / TensorBoard, and each
-row through the training-health watch (``health.jsonl``; a ``learner.stop_on`` alarm ends training).
-Only here: argv, sockets, signals. Malformed frames are counted by the channels and the loop goes on.
+the launcher and ``asyncrl worker`` can find it. Only here: argv, sockets, signals, and building what the
+core is given (its scorer, the model description, the ``RunSetup`` a learner asks for, and the ``RunReport``:
+``metrics.jsonl`` / TensorBoard and the training-health watch). The loop (``serve``) only moves messages
+between the sockets and the core. Malformed frames are counted by the channels and the loop goes on.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import zmq
 
-import protocols as P
 from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
 from asyncrl.controller.outbox import PeerOutbox
@@ -31,13 +32,14 @@ from asyncrl.rundir import RunDir
 from asyncrl.rundir.files import DiskFullError, atomic_write_text
 from asyncrl.transport import (
     ChannelPoller,
+    Envelope,
     ZmqChannel,
     advertised,
     auth_metrics,
     check_bind_security,
     server_curve,
 )
-from workers.run_setup import SETUP_REQUEST, announce, setup_reply
+from workers.run_setup import announce, setup_reply
 
 log = logging.getLogger("asyncrl.controller")
 
@@ -47,9 +49,6 @@ promptly a quiet controller notices a dead worker, not a throughput limit: messa
 TIMERS_EVERY_S = 0.2
 """How often ``ControllerCore.poll`` runs: worker liveness (``rollout.dead_after_s``), group deadlines,
 the time budget. Finer than any of those settings, coarse enough to cost nothing."""
-DONE_GRACE_S = 15.0
-"""After the learner's last version, how long the controller keeps serving so that workers can hand
-back their groups and say Goodbye; it exits earlier once every worker has left."""
 MAX_MESSAGE_BYTES = 256 * 2**20
 """zmq reads a whole message before asyncrl sees it: the most a peer can make the controller hold."""
 BURST = 256
@@ -97,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
 
+    from asyncrl.controller.report import RunReport
     from asyncrl.controller.scoring import build_scorer
     from asyncrl.metrics import MetricsWriter
     from asyncrl.metrics.health_log import HealthWatch
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"controller: {e}") from None
     core = ControllerCore(cfg, run_dir=run_dir, scorer=build_scorer(cfg, model_dir, tokenizer_class=args.tokenizer_class),
                           model=model_info(cfg, model_dir), samples_address=advertised(pull.address, adv),
-                          publish_formats=formats)
+                          publish_formats=formats, setup=setup_reply(run_dir, model_dir, formats))
     if resume_state is not None:
         core.version.set(resume_version)
         core.load_state(resume_state)
@@ -127,108 +127,66 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(paths.controller_address, json.dumps({"control": advertised(ctl.address, adv),
                                                              "samples": advertised(pull.address, adv)}))
     log.info("controller listening on %s (samples on %s)", ctl.address, pull.address)
-    setup = setup_reply(run_dir, model_dir, formats)
     if args.announce:
         announce(json.loads(paths.controller_address.read_text()), run_dir)
-    writer = MetricsWriter(run_dir, purge_step=resume_version + 1 if resume_state is not None else None)
-    health = HealthWatch(run_dir, cfg.health, cfg.learner.stop_on,
-                         resume_step=resume_version if resume_state is not None else None)
-    poller = ChannelPoller([ctl, pull])
-    weights_counters: dict[str, float] = {}
-    outbox = PeerOutbox(ctl.send, on_drop=lambda peer: core.drop_peer(peer))  # no peer can stall the loop
-    t0 = time.monotonic()
-    last_poll = 0.0
-    samples_at_last = 0
-    t_last = t0
+    resumed = resume_version if resume_state is not None else None
+    core.report = RunReport(MetricsWriter(run_dir, purge_step=None if resumed is None else resumed + 1),
+                            HealthWatch(run_dir, cfg.health, cfg.learner.stop_on, resume_step=resumed),
+                            transport=lambda: _transport_metrics(ctl, pull))  # its clock starts with the loop
     try:
-        while not stop["flag"]:
+        serve(core, ctl, pull, stop)
+    except (DiskFullError, LogLostError) as e:  # a full disk leaves the log and the last checkpoint intact
+        message = lost_log_message(e, run_dir) if isinstance(e, LogLostError) else str(e)
+        log.error("%s", message)
+        raise SystemExit(f"controller: {message}") from None
+    return 0
+
+
+def serve(core: ControllerCore, ctl: ZmqChannel, pull: ZmqChannel, stop: dict[str, bool]) -> None:
+    """The event loop: messages from both sockets into ``core``, its replies out through a ``PeerOutbox``, its
+    timers every ``TIMERS_EVERY_S``, until a signal or ``core.finished()``; then the end-of-run files
+    (``core.finish``) and every socket closed."""
+    poller = ChannelPoller([ctl, pull])
+    outbox = PeerOutbox(ctl.send, on_drop=core.members.drop_peer)  # no peer can stall the loop
+    last_poll = 0.0
+    try:
+        while not stop["flag"] and not core.finished():
             ready = poller.wait(POLL_S)
             replies = []
             if pull in ready:
-                for _ in range(BURST):  # drain a burst, then serve control
-                    env = pull.recv(0.0)
-                    if env is None:
-                        break
-                    if isinstance(env.msg, P.FinishedSample):
-                        replies += core.on_sample(env.msg)
-                    else:
-                        core.counters["samples/unexpected_message"] += 1
+                for env in _burst(pull):  # a burst of samples, then control
+                    replies += core.on_sample(env.msg)
             if ctl in ready:
-                for _ in range(BURST):
-                    env = ctl.recv(0.0)
-                    if env is None:
-                        break
-                    peer = env.sender()
-                    if outbox.muted(peer):  # dropped for not reading its replies: ignored, counted
+                for env in _burst(ctl):
+                    if outbox.muted(env.sender()):  # dropped for not reading its replies: ignored, counted
                         core.counters["control/muted_peer_message"] += 1
-                        continue
-                    if (isinstance(env.msg, P.Hello) and env.msg.role == "client"
-                            and env.msg.capabilities.get("request") == SETUP_REQUEST):
-                        # `asyncrl learner`: where the run folder and the model are (before it loads anything)
-                        refused = P.check_hello(env.msg)  # a peer older than the protocol floor
-                        replies.append((peer, refused if refused is not None else P.Welcome(
-                            protocol_version=P.PROTOCOL_VERSION, server_id="controller", run=setup)))
-                        continue
-                    if isinstance(env.msg, P.VersionUpdate) and peer == core.learner_peer:  # a refused learner's: not logged
-                        weights_counters.update({k: v for k, v in env.msg.metrics.items()  # the weight server's counters
-                                                 if k.startswith("transport/weights")})
-                        now = time.monotonic()
-                        m = dict(env.msg.metrics) | _flag_marks(env.msg) | core.metrics() | _transport_metrics(ctl, pull)
-                        m["throughput/samples_per_s"] = (core.samples_logged - samples_at_last) / max(1e-9, now - t_last)
-                        samples_at_last, t_last = core.samples_logged, now
-                        m["time/wall_s"] = now - t0
-                        writer.log(env.msg.version, m)
-                        if (health.observe(env.msg.version, m, quarantined=core.quarantine.reasons())
-                                and core.stop_reason is None):
-                            core.stop_reason = health.stop_reason  # learner.stop_on: ends like time_budget_s
-                    replies += core.handle(peer, env.msg)
+                    else:
+                        replies += core.handle(env.sender(), env.msg)
             if time.monotonic() - last_poll > TIMERS_EVERY_S:
                 replies += core.poll()
                 last_poll = time.monotonic()
-            if core.learner_peer is not None:
-                outbox.protected.add(core.learner_peer)
+            if core.members.learner_peer is not None:
+                outbox.protected.add(core.members.learner_peer)
             for peer, msg in replies:
                 outbox.put(peer, msg)
             outbox.flush()
             core.counters.update(outbox.counters)
             outbox.counters.clear()
-            if core.done and not core.workers:
-                break
-            if core.done and time.monotonic() - core.done_at > DONE_GRACE_S:
-                break
-    except DiskFullError as e:  # the log and the last checkpoint stay intact; resume once there is space
-        log.error("%s", e)
-        raise SystemExit(f"controller: {e}") from None
-    except LogLostError as e:  # training on would log samples nowhere
-        log.error("%s", lost_log_message(e, run_dir))
-        raise SystemExit(f"controller: {lost_log_message(e, run_dir)}") from None
     finally:
-        summary = {"max_consumed_staleness": core.max_consumed_staleness, "samples_logged": core.samples_logged,
-                   **core.metrics(), **_transport_metrics(ctl, pull), **weights_counters}
-        try:  # atomic: a full disk leaves the old file (or none), never an empty one
-            if core.log.lost is None:  # a lost log: no end-of-run facts that count samples it does not hold
-                core.log.flush()  # LogLostError if it was lost since the last flush
-                atomic_write_text(paths.controller_final, json.dumps(summary, indent=2))
-                core.save(paths.controller_final_checkpoint)
-        except DiskFullError as e:
-            log.error("%s", e)
-            raise SystemExit(f"controller: {e}") from None
-        except LogLostError as e:
-            log.error("%s", lost_log_message(e, run_dir))
-            raise SystemExit(f"controller: {lost_log_message(e, run_dir)}") from None
+        try:
+            core.finish()
         finally:
             core.close()
-            writer.close()
-            health.close()
             ctl.close()
             pull.close()
-    return 0
 
 
-def _flag_marks(msg: P.VersionUpdate) -> dict[str, float]:
-    """The control flags of a version update as marks in its metrics.jsonl record (``done`` marks the final
-    record, which plots skip); the message itself carries them as typed fields."""
-    return {name: 1.0 for name in ("checkpoint", "done") if getattr(msg, name)}
+def _burst(ch: ZmqChannel) -> Iterator[Envelope]:
+    """Up to ``BURST`` messages waiting on ``ch`` (then the other socket is served)."""
+    for _ in range(BURST):
+        if (env := ch.recv(0.0)) is None:
+            return
+        yield env
 
 
 def _transport_metrics(ctl: ZmqChannel, pull: ZmqChannel) -> dict[str, float]:

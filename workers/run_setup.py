@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from protocols import RunSetup
-
-SETUP_REQUEST = "run_setup"  # Hello(role="client", capabilities={"request": SETUP_REQUEST})
+from protocols.setup import SETUP_REQUEST
 
 SETUP_TIMEOUT_S = 120.0
 """How long ``asyncrl learner`` waits for the controller to say where the run is."""

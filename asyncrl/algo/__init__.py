@@ -6,10 +6,7 @@ Tensors in, ``(loss, metrics)`` out. Entry points:
   num_seqs=None, versions=None, learner_version=None, ref_logp=None, entropy=None)`` with a frozen
   ``ObjectiveConfig`` (kinds ppo, decoupled, tis, acr, tbpo, gspo);
 * ``loss_denominators`` (global denominators for micro-batch / rank splits);
-* ``mismatch_metrics`` (the §7 prox-vs-behaviour block, once per step);
-* ``group_advantages``, ``token_advantages``, ``overlong_penalty``, ``apply_truncation_policy``,
-  ``is_informative_group``, ``filter_groups`` (§2.7, §3); ``outcome_advantages`` (the same group
-  estimators on plain floats, without torch: the controller's);
+* ``outcome_advantages`` (§3.1: the group estimators on plain floats, without torch: the controller's);
 * ``MetricDict`` / ``merge_metrics`` (metrics that reduce correctly across calls).
 
 Never: imports torch.distributed, zmq, msgspec, the transport or any other asyncrl sub-package,
@@ -38,27 +35,16 @@ from asyncrl.algo.config import (
 )
 
 if TYPE_CHECKING:
-    from asyncrl.algo.advantages import (
-        apply_truncation_policy,
-        filter_groups,
-        group_advantages,
-        overlong_penalty,
-        token_advantages,
-    )
     from asyncrl.algo.aggregation import Denominators, aggregate
     from asyncrl.algo.correction import is_weights, rejection_keep
-    from asyncrl.algo.diagnostics import mismatch_metrics, response_stats
     from asyncrl.algo.loss import loss_denominators, policy_loss
-    from asyncrl.algo.outcome import GroupCounts, is_informative_group, outcome_advantages
+    from asyncrl.algo.outcome import GroupCounts, outcome_advantages
     from asyncrl.algo.stats import MetricDict, Stat, merge_metrics
 
 _LAZY = {
-    "advantages": ("apply_truncation_policy", "filter_groups", "group_advantages", "overlong_penalty",
-                   "token_advantages"),
-    "outcome": ("GroupCounts", "is_informative_group", "outcome_advantages"),
+    "outcome": ("GroupCounts", "outcome_advantages"),
     "aggregation": ("Denominators", "aggregate"),
     "correction": ("is_weights", "rejection_keep"),
-    "diagnostics": ("mismatch_metrics", "response_stats"),
     "loss": ("loss_denominators", "policy_loss"),
     "stats": ("MetricDict", "Stat", "merge_metrics"),
 }
@@ -78,18 +64,10 @@ __all__ = [
     "ObjectiveConfig",
     "Stat",
     "aggregate",
-    "apply_truncation_policy",
-    "filter_groups",
-    "group_advantages",
-    "is_informative_group",
     "is_weights",
     "loss_denominators",
     "merge_metrics",
-    "mismatch_metrics",
     "outcome_advantages",
-    "overlong_penalty",
     "policy_loss",
     "rejection_keep",
-    "response_stats",
-    "token_advantages",
 ]

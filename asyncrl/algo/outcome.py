@@ -1,10 +1,10 @@
 """Group advantages of outcome rewards, without torch (docs/algorithms.md §3.1-§3.2).
 
 Owns the arithmetic of the group estimators (GRPO with unbiased std and epsilon 1e-6, Dr. GRPO
-without std, RLOO), the singleton and zero-variance rules, and the DAPO dynamic-sampling predicate.
-The controller scores every complete group here, so its process never loads torch (its resident
-memory: docs/benchmarks.md §8); ``asyncrl.algo.advantages.group_advantages`` is the tensor interface to the
-same function.
+without std, RLOO) and the singleton and zero-variance rules (``GroupCounts``: the controller's
+``Scores.zero_variance`` is read from them, so the dynamic-sampling filter and the batch metric agree with
+the estimator). The controller scores every complete group here, so its process never loads torch (its
+resident memory: docs/benchmarks.md §8).
 
 Never: imports torch; sees log-probs or versions.
 
@@ -15,13 +15,13 @@ A = 0 ([R]: verl would give A = R, deliberately not copied); rewards must be fin
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from asyncrl.algo.config import ADV_EPS, ADVANTAGES, require_choice
 
-__all__ = ["GroupCounts", "outcome_advantages", "is_informative_group"]
+__all__ = ["GroupCounts", "outcome_advantages"]
 
 
 class GroupCounts(NamedTuple):
@@ -82,10 +82,3 @@ def outcome_advantages(
                          multi=int((~singleton).sum()))
     return adv, counts
 
-
-def is_informative_group(values: Sequence[float] | Any) -> bool:
-    """DAPO dynamic-sampling predicate (§3.2): keep a group unless its filter metric (default
-    accuracy) is identical for every member (all-correct or all-wrong carry no gradient).
-    ``values``: floats, or anything with ``tolist()`` (an array or a tensor)."""
-    vals = [float(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
-    return len(vals) > 0 and any(v != vals[0] for v in vals)

@@ -3,23 +3,25 @@
 Two layers in one package:
 
 * Systems logic, **standard library only** (``versions``, ``gate``, ``buffer``, ``assembler``,
-  ``admission``; the layout test checks it per module): admission (``StalenessGate``; the step that
+  ``admission``, ``scores``; the layout test checks it per module): admission (``StalenessGate``; the step that
   answers a work request, ``admission.admit_and_assign``), group assembly and exactly-once
   result accounting (``GroupBuffer``), and learner batches with dynamic sampling and the staleness
   check (``BatchAssembler``). Clocks and version sources are injected, so all of it runs in unit
   tests without processes, sockets or torch. Nothing here is thread-safe; the controller drives it
   from one event loop. This package's ``__init__`` exports only these, so importing it loads neither
   torch, numpy nor zmq.
-* The controller's logic on top (``core``: messages in, replies out; ``batches``: the learner's batch
-  requests and the ``TrainBatch`` with its metrics; ``state``: the checkpointed state, saved and loaded;
-  ``membership``, ``scoring``, ``prompts``, ``validation``, ``quarantine``, ``outbox``, ``recovery``; ``workers``: the worker registry, stdlib only; ``scored``:
-  ``ScoredGroup``, a group with its rewards and advantages), imported by module.
+* The controller's logic on top, imported by module: ``core`` (``ControllerCore``: messages in, replies
+  out), composed of ``membership`` (``Membership``: the learner and the workers, with ``workers``, the
+  registry, and ``quarantine``), ``batches`` (``BatchDesk``: the learner's batch requests, the time budget,
+  the ``TrainBatch`` with its metrics) and ``report`` (``RunReport``: each learner version's metrics row and
+  the health watch); ``state`` (the checkpointed state, saved and loaded), ``scoring`` and ``prompts``
+  (``Scores`` of a complete group), ``validation``, ``outbox``, ``recovery``.
 
 Typical wiring (the controller's loop)::
 
     gate = StalenessGate(version_source, eta=2, groups_per_step=B)
     buffer = GroupBuffer(gate, group_size=G)
-    assembler = BatchAssembler(gate, buffer, keep=lambda g: ScoredGroup.of(g).informative())
+    assembler = BatchAssembler(gate, buffer, keep=lambda g: not g.scored().zero_variance)
 
     admit_and_assign(buffer, worker_id, credits=c, worker_version=w,  # on a work request:
                      make_meta=cursor.next)                           # -> Assignments to send

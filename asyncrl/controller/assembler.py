@@ -39,6 +39,7 @@ from typing import Any
 
 from asyncrl.controller.buffer import CompleteGroup, GroupBuffer, SampleResult
 from asyncrl.controller.gate import StalenessGate
+from asyncrl.controller.scores import Scores
 from asyncrl.controller.versions import make_sample_id
 
 KeepFn = Callable[[CompleteGroup], bool]
@@ -247,7 +248,7 @@ def _group_state(g: CompleteGroup) -> dict[str, Any]:
         "admit_version": g.admit_version,
         "meta": g.meta,
         "completion": g.completion,
-        "extra": dict(g.extra),
+        "scores": None if g.scores is None else g.scores.state(),
         "samples": [[s.index, s.payload, s.min_version, s.worker_id] for s in g.samples],
     }
 
@@ -265,7 +266,7 @@ def _group_from_state(item: dict[str, Any]) -> CompleteGroup:
         item["meta"],
         samples,
         int(item["completion"]),
-        dict(item["extra"]),
+        Scores.from_state(item.get("scores", item.get("extra"))),  # "extra": states of older runs
     )
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.controller.gate import StalenessGate
+from asyncrl.controller.scores import Scores
 from asyncrl.controller.versions import Clock, make_group_id, make_sample_id, parse_sample_id
 
 
@@ -99,15 +100,14 @@ class _Group:
     worker_id: str | None = None
     deadline_s: float = 0.0
     completion: int = -1
-    extra: dict[str, Any] = field(default_factory=dict)
+    scores: Scores | None = None  # set once, when the group completes (GroupBuffer.score)
     avoid: str | None = None  # the worker that just returned it rejected: not handed back to it ...
     avoid_until: float = 0.0  # ... before this clock time (another worker may take it meanwhile)
 
 
 @dataclass(frozen=True, slots=True)
 class CompleteGroup:
-    """Read-only view of a COMPLETE group. ``extra`` is the live annotation dict of the group
-    (the controller stores rewards and advantages there); everything else is a snapshot."""
+    """Read-only snapshot of a COMPLETE group, with its ``Scores`` once the controller scored it."""
 
     group_id: str
     seq: int
@@ -115,7 +115,12 @@ class CompleteGroup:
     meta: Any
     samples: tuple[SampleResult, ...]
     completion: int
-    extra: dict[str, Any]
+    scores: Scores | None
+
+    def scored(self) -> Scores:
+        if self.scores is None:
+            raise ValueError(f"group {self.group_id} was never scored (ControllerCore scores a group when it completes)")
+        return self.scores
 
     @property
     def sample_ids(self) -> tuple[str, ...]:
@@ -250,7 +255,7 @@ class GroupBuffer:
     # ------------------------------------------------------------------ results
     def on_result(self, sample_id: str, *, worker_id: str, payload: Any, min_version: int) -> ResultStatus:
         """Record one returned sample. ``min_version`` is the oldest behaviour version among its tokens."""
-        status = self._classify(sample_id, worker_id)
+        status = self.classify(sample_id, worker_id)
         if status is not ResultStatus.ACCEPTED:
             self.stats[status.value] += 1
             return status
@@ -274,17 +279,14 @@ class GroupBuffer:
         self.stats[ResultStatus.COMPLETED.value] += 1
         return ResultStatus.COMPLETED
 
-    def classify(self, sample_id: str, worker_id: str) -> ResultStatus:
-        """What ``on_result`` would do with this result now (ACCEPTED or the reason it is dropped); no change."""
-        return self._classify(sample_id, worker_id)
-
     def admission_of(self, sample_id: str) -> tuple[str, Any, int] | None:
         """(group id, metadata, admission version) of the live group ``sample_id`` belongs to, else None."""
         parsed = parse_sample_id(sample_id)
         g = None if parsed is None else self._groups.get(make_group_id(parsed[0]))
         return None if g is None else (g.group_id, g.meta, g.admit_version)
 
-    def _classify(self, sample_id: str, worker_id: str) -> ResultStatus:
+    def classify(self, sample_id: str, worker_id: str) -> ResultStatus:
+        """What ``on_result`` would do with this result now (ACCEPTED or the reason it is dropped); no change."""
         parsed = parse_sample_id(sample_id)
         if parsed is None:
             return ResultStatus.UNKNOWN
@@ -316,14 +318,14 @@ class GroupBuffer:
             raise ValueError(f"group {group_id} is {g.state.value}, not complete")
         return self._view(g)
 
-    def annotate(self, group_id: str, **values: Any) -> None:
-        """Attach controller data (rewards, advantages, ...) to a live group; kept in checkpoints."""
-        self._groups[group_id].extra.update(values)
+    def score(self, group_id: str, scores: Scores) -> None:
+        """Attach a live group's scores (kept in checkpoints)."""
+        self._groups[group_id].scores = scores
 
     @staticmethod
     def _view(g: _Group) -> CompleteGroup:
         samples = tuple(g.results[i] for i in sorted(g.results))
-        return CompleteGroup(g.group_id, g.seq, g.admit_version, g.meta, samples, g.completion, g.extra)
+        return CompleteGroup(g.group_id, g.seq, g.admit_version, g.meta, samples, g.completion, g.scores)
 
     def retire(self, group_ids: list[str]) -> None:
         """Remove COMPLETE groups (the assembler calls this when it consumes or filters them; the
@@ -351,7 +353,7 @@ class GroupBuffer:
                     "meta": g.meta,
                     "complete": g.state is GroupState.COMPLETE,
                     "completion": g.completion,
-                    "extra": dict(g.extra),
+                    "scores": None if g.scores is None else g.scores.state(),
                     "results": [
                         [r.index, r.payload, r.min_version, r.worker_id]
                         for r in (g.results[i] for i in sorted(g.results))
@@ -387,7 +389,7 @@ class GroupBuffer:
                 g.results[int(index)] = SampleResult(sid, int(index), payload, int(min_version), worker_id)
             g.state = GroupState.COMPLETE if item["complete"] else GroupState.PENDING
             g.completion = int(item["completion"])
-            g.extra = dict(item["extra"])
+            g.scores = Scores.from_state(item.get("scores", item.get("extra")))  # "extra": states of older runs
             self._groups[g.group_id] = g
         self._next_seq = int(state["next_seq"])
         self._next_completion = int(state["next_completion"])

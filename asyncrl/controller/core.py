@@ -2,16 +2,18 @@
 
 Owns: the dataset cursor, admission under the staleness gate, group assembly and exactly-once
 accounting (through ``asyncrl.controller``), scoring with the task's verifier, advantages (through
-``asyncrl.algo``), the trajectory log (every scored sample), worker liveness, the back-off and quarantine of
-workers whose samples fail validation (``asyncrl.controller.quarantine``), the training time budget
-(``learner.time_budget_s``; ``stop_reason``, set by a ``learner.stop_on`` health alarm, ends the run the
-same way), and the fields of its checkpointable state. Learner batches are answered by
-``asyncrl.controller.batches``, the state is saved and loaded by ``asyncrl.controller.state``.
+``asyncrl.algo``), the trajectory log (every scored sample), the run-setup answer to ``asyncrl learner``,
+the training time budget and the ``learner.stop_on`` stop (both end the run at the learner's next batch
+request), the metrics row of every learner version and the end-of-run summary, and the fields of its
+checkpointable state. It is composed of objects that own their state: ``Membership`` (the learner and the
+workers: joining, liveness, quarantine), ``BatchDesk`` (the learner's batch requests and the time budget),
+``RunReport`` (injected by the process: metrics.jsonl and the health watch); ``asyncrl.controller.state``
+saves and loads the state.
 Never: touches a socket, a thread or a signal (``workers/controller.py`` does), or trains anything.
 Not thread-safe: one event loop drives it.
 
 Message handling: ``handle(peer, msg) -> [(peer, reply), ...]`` for control messages, ``on_sample``
-for streamed samples, ``poll(now)`` for timers (dead workers, a batch that became ready).
+for streamed samples, ``poll()`` for timers (dead workers, overdue groups, a batch that became ready).
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,20 +32,23 @@ import protocols as P
 from asyncrl.config import TrainConfig
 from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 from asyncrl.controller.admission import admit_and_assign
-from asyncrl.controller.batches import request_batch, try_batch
-from asyncrl.controller.membership import learner_join, worker_conflict
-from asyncrl.controller.quarantine import Quarantine
-from asyncrl.controller.scored import ScoredGroup
+from asyncrl.controller.batches import BatchDesk
+from asyncrl.controller.membership import Membership
 from asyncrl.controller.scoring import GroupScorer
 from asyncrl.controller.state import load_state, save_state
-from asyncrl.controller.validation import Rejection, check_sample
-from asyncrl.controller.workers import WorkerRegistry
+from asyncrl.controller.validation import check_sample
+from asyncrl.controller.workers import WorkerInfo
 from asyncrl.log import EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import prune_controller_states
-from protocols.values import QUARANTINED
+from asyncrl.rundir.files import atomic_write_text
+from protocols.setup import SETUP_REQUEST
+
+if TYPE_CHECKING:
+    from asyncrl.controller.report import RunReport
 
 log = logging.getLogger("asyncrl.controller")
+Reply = tuple[bytes, Any]
 MAX_CONSECUTIVE_SKIPS = 10_000  # too-long prompts skipped in a row before the dataset is declared unusable
 NO_WORK_RETRY_MIN_S = 0.05
 """The shortest NoWork back-off: what a small fleet waits before asking again."""
@@ -54,11 +58,12 @@ NO_WORK_POLLS_PER_S = 200.0
 """The empty requests per second the whole fleet may send: the back-off grows with the number of
 workers to keep them under this, a small share of what the controller handles (docs/benchmarks.md §11).
 192 workers polling every 50 ms would send 3,840 a second, more than all of it."""
-
-
 REISSUE_ELSEWHERE_S = 1.0
 """A group reissued because its worker returned a sample that was rejected is not handed back to that worker
 for this long: another worker takes it first (a bad worker cannot spin on one group)."""
+DONE_GRACE_S = 15.0
+"""After the learner's last version, how long the controller keeps serving so that workers can hand
+back their groups and say Goodbye; it ends earlier once every worker has left."""
 
 
 def no_work_retry_s(n_workers: int) -> float:
@@ -81,44 +86,41 @@ class ModelInfo:
 
 
 class ControllerCore:
+    """``setup``: what a learner that asks where the run is gets (None: such a Hello is refused like any client's).
+    ``report``: where each learner version's metrics go, set by the process before its loop starts (None:
+    nowhere, no health watch)."""
+
     def __init__(self, cfg: TrainConfig, *, run_dir: Path, scorer: GroupScorer, model: ModelInfo,
-                 samples_address: str, publish_formats: list[str], clock=time.monotonic) -> None:
+                 samples_address: str, publish_formats: list[str], setup: P.RunSetup | None = None,
+                 clock=time.monotonic) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.scorer = scorer
         self.model = model
         self.samples_address = samples_address
-        self.weights_addresses: tuple[str, str] | None = None  # the learner's weight server (announce, fetch)
-        self.publish_formats = publish_formats
+        self.setup = setup
+        self.report: RunReport | None = None
         self.clock = clock
         self.version = ManualVersion(0)
         self.gate = StalenessGate(self.version, eta=cfg.rollout.eta, groups_per_step=cfg.rollout.groups_per_step)
         self.buffer = GroupBuffer(self.gate, group_size=cfg.algo.group_size, clock=clock,
                                   assignment_timeout_s=cfg.rollout.assignment_timeout_s)
-        keep = (lambda g: ScoredGroup.of(g).informative()) if cfg.algo.dynamic_sampling else None
+        keep = (lambda g: not g.scored().zero_variance) if cfg.algo.dynamic_sampling else None
         self.assembler = BatchAssembler(self.gate, self.buffer, keep=keep,
                                         max_filtered_per_step=4 * cfg.rollout.groups_per_step)
         self.cursor = 0  # index of the next problem of the task's prompt stream
         self.vocab_size = _vocab_size(model, scorer)
-        self.workers = WorkerRegistry()
-        self.quarantine = Quarantine(cfg.rollout.quarantine_after)  # back-offs after rejections, quarantined workers
-        self.learner_peer: bytes | None = None
-        self.pending_batch: int | None = None  # step the learner asked for and did not get yet
         self.done = False
         self.done_at = 0.0
-        # learner.time_budget_s: training seconds spent before this process (a resumed run), and the
-        # clock at this process's first batch request
-        self.budget_used_s = 0.0
-        self.budget_t0: float | None = None
-        self.budget_admitted_step: int | None = None  # the step last asked for inside the budget (served however late)
-        self.stop_reason: str | None = None  # set (learner.stop_on): the next batch request gets Shutdown
         self.counters: Counter = Counter()
-        self.max_consumed_staleness = 0
         self.samples_logged = 0
         self.log = TrajectoryLogWriter(RunDir(self.run_dir).trajectories, config=dataclasses.asdict(cfg),
                                        run_name=cfg.run_name, model=model.model_id,
                                        fsync=cfg.log.fsync, fsync_every=cfg.log.fsync_every,
                                        rotate_bytes=cfg.log.rotate_mb * 2**20, salvage=cfg.log.salvage)
+        self.members = Membership(cfg.rollout, self.buffer, self.log, self.counters, publish_formats)
+        self.batches = BatchDesk(self.assembler, self.log, self.counters, self.members.workers,
+                                 time_budget_s=cfg.learner.time_budget_s, stop_ids=getattr(scorer, "stop_ids", ()))
         for c in self.log.repaired:
             self.counters["log/torn_tail_repaired"] += 1
             log.warning("trajectory log repaired at start: %s", c)
@@ -130,102 +132,93 @@ class ControllerCore:
                                         data={"skipped": "; ".join(str(c) for c in self.log.salvaged)}))
 
     # ----------------------------------------------------------------------------- control plane
-    def handle(self, peer: bytes, msg: Any) -> list[tuple[bytes, Any]]:
+    def handle(self, peer: bytes, msg: Any) -> list[Reply]:
         now = self.clock()
         if isinstance(msg, P.Hello):
-            if msg.role == "learner" and P.check_hello(msg) is None:
-                return learner_join(self, peer, msg)  # asyncrl.controller.membership
-            return [(peer, self._hello(peer, msg, now))]
+            return self._hello(peer, msg, now)
         if isinstance(msg, P.WorkRequest):
             return self._work(peer, msg, now)
         if isinstance(msg, (P.Heartbeat, P.Goodbye)):
-            if (reason := self.quarantine.shutdown_reason(msg.peer_id, peer)) is not None:
-                return [] if isinstance(msg, P.Goodbye) else [(peer, P.Shutdown(reason=reason))]
-            w = self.workers.get(msg.peer_id)
-            if w is None or w.peer != peer:  # a peer may only speak for itself
-                self.counters["control/unknown_worker"] += 1
-                return [(peer, P.Error(code="not_registered", message="send Hello before heartbeats or goodbyes"))]
-            if isinstance(msg, P.Heartbeat):
-                self._heartbeat(msg, now)
-                if self.done:  # also reaches a worker still starting, which asks for nothing yet
-                    return [(peer, P.Shutdown(reason="training finished"))]
-            else:
-                self._forget(msg.peer_id, reason=f"left ({msg.reason})")
-            return []
+            w = self.members.heard(peer, msg.peer_id, now, before="heartbeats or goodbyes")
+            if isinstance(msg, P.Goodbye):
+                if isinstance(w, WorkerInfo):
+                    self.members.forget(msg.peer_id, reason=f"left ({msg.reason})")
+                return [(peer, w)] if isinstance(w, P.Error) else []
+            if not isinstance(w, WorkerInfo):
+                return [(peer, w)]
+            w.heartbeat(msg.version, msg.stats)
+            # also reaches a worker still starting, which asks for nothing yet
+            return [(peer, P.Shutdown(reason="training finished"))] if self.done else []
+        if isinstance(msg, (P.BatchRequest, P.VersionUpdate)) and peer != self.members.learner_peer:
+            self.counters["control/not_learner"] += 1  # a refused learner's versions are not logged either
+            what = "may ask for batches" if isinstance(msg, P.BatchRequest) else "reports versions"
+            return [(peer, P.Error(code="not_learner", message=f"only the registered learner {what}"))]
         if isinstance(msg, P.BatchRequest):
-            return request_batch(self, peer, msg, now)  # asyncrl.controller.batches
+            reply = self.batches.request(msg.step, now)
+            return [] if reply is None else [(peer, reply)]
         if isinstance(msg, P.VersionUpdate):
-            if peer != self.learner_peer:
-                self.counters["control/not_learner"] += 1
-                return [(peer, P.Error(code="not_learner", message="only the registered learner reports versions"))]
             return self._version_update(msg)
         self.counters["control/unexpected"] += 1
         return [(peer, P.Error(code="unexpected", message=f"{type(msg).__name__} is not a controller request"))]
 
-    def _hello(self, peer: bytes, msg: P.Hello, now: float) -> Any:
-        reject = P.check_hello(msg)
-        if reject is not None:
+    def _hello(self, peer: bytes, msg: P.Hello, now: float) -> list[Reply]:
+        if msg.role == "client" and self.setup is not None and msg.capabilities.get("request") == SETUP_REQUEST:
+            # `asyncrl learner`: where the run folder and the model are (before it loads anything)
+            refused = P.check_hello(msg)  # a peer older than the protocol floor
+            return [(peer, refused if refused is not None else P.Welcome(
+                protocol_version=P.PROTOCOL_VERSION, server_id="controller", run=self.setup))]
+        if (refused := P.check_hello(msg)) is not None:
             self.counters["control/rejected_hello"] += 1
-            return reject
-        if msg.role != "generator":
-            return P.Reject(reason=f"role {msg.role!r} cannot join; expected generator or learner")
-        if self.learner_peer is None:
-            return P.Error(code="not_ready", message="the learner has not published weights yet; retry")
-        fmt = msg.capabilities.get("quant_format") or self.publish_formats[0]
-        if fmt not in self.publish_formats:
-            self.counters["control/rejected_format"] += 1
-            return P.Reject(reason=f"this run publishes weights as {self.publish_formats}; start the worker with "
-                                   f"quant.fmt={self.publish_formats[0]} (or start the run with "
-                                   f"quant.extra_formats=[{fmt}])")
-        if msg.peer_id in self.quarantine:
-            self.counters["control/rejected_quarantined"] += 1
-            return P.Reject(reason=self.quarantine.refusal(msg.peer_id))
-        r = self.cfg.rollout
-        conflict = worker_conflict(msg.peer_id, self.workers.get(msg.peer_id), peer=peer, now=now,
-                                   heartbeat_s=r.heartbeat_s, dead_after_s=r.dead_after_s)
-        if conflict is not None:
-            self.counters["control/duplicate_worker_id"] += 1
-            log.warning("refused a second worker %s: %s", msg.peer_id, conflict)
-            return P.Reject(reason=conflict)
-        if msg.peer_id in self.workers:  # joined again (restart, lost Welcome): its old work is reissued
-            self._forget(msg.peer_id, reason="joined again")
-        caps = msg.capabilities
-        self.workers.join(msg.peer_id, peer=peer, quant_format=fmt, now=now, host=caps.get("host", ""),
-                          pid=caps.get("pid", ""))
-        self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
-                                    logged_at=time.time()))
-        log.info("worker %s joined (%s)", msg.peer_id, fmt)
+            return [(peer, refused)]
+        if msg.role != "learner":
+            w = self.members.worker_hello(peer, msg, now)
+            return [(peer, self._welcome(setup=self.worker_setup(w.quant_format)) if isinstance(w, WorkerInfo) else w)]
+        m, asm = self.members, self.assembler
+        if (reason := m.learner_refusal(peer, msg, version=self.version.version, next_step=asm.next_step,
+                                        retained=asm.retained_steps())) is not None:
+            return [(peer, P.Reject(reason=reason))]
+        moved = m.register_learner(peer, msg)
+        self.batches.pending = None  # a request of an earlier learner process; the learner asks again after its Welcome
+        if msg.version > self.version.version:
+            log.info("learner starts at version %d", msg.version)
+            self.version.set(msg.version)
+        out = [(peer, self._welcome())]
+        if moved:  # a learner that restarted serves its weights elsewhere: every worker fetches from there now
+            self.counters["control/learner_rejoined"] += 1
+            log.info("learner rejoined at version %d with a new weight server; telling %d workers", msg.version,
+                     len(m.workers))
+            out += [(w.peer, self._welcome(setup=self.worker_setup(w.quant_format))) for w in m.workers.values()]
+        return out
+
+    def _welcome(self, **fields: Any) -> P.Welcome:
         return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
-                         latest_version=self.version.version, setup=self.worker_setup(fmt))
+                         latest_version=self.version.version, **fields)
 
     def worker_setup(self, fmt: str) -> P.WorkerSetup:
         """What a worker that fetches ``fmt`` is told when it joins (the one place a ``WorkerSetup`` is filled)."""
-        assert self.weights_addresses is not None, "workers are welcomed only once the learner has registered"
+        weights = self.members.weights_addresses
+        assert weights is not None, "workers are welcomed only once the learner has registered"
         r, m = self.cfg.rollout, self.model
-        return P.WorkerSetup(samples_address=self.samples_address, weights_announce=self.weights_addresses[0],
-                             weights_fetch=self.weights_addresses[1], model_config=m.config_json,
+        return P.WorkerSetup(samples_address=self.samples_address, weights_announce=weights[0],
+                             weights_fetch=weights[1], model_config=m.config_json,
                              worker_slots=r.worker_slots, heartbeat_s=r.heartbeat_s, quant_format=fmt,
                              eos_token_ids=list(m.eos_token_ids), model_id=m.model_id, model_dir=m.model_dir,
                              quantize_head=self.cfg.quant.lm_head, group_size=self.cfg.algo.group_size)
 
-    def _work(self, peer: bytes, msg: P.WorkRequest, now: float) -> list[tuple[bytes, Any]]:
-        w = self.workers.get(msg.worker_id)
-        if w is None and (reason := self.quarantine.shutdown_reason(msg.worker_id, peer)) is not None:
-            return [(peer, P.Shutdown(reason=reason))]
-        if w is None or w.peer != peer:
-            self.counters["control/unknown_worker"] += 1
-            return [(peer, P.Error(code="not_registered", message="send Hello before asking for work"))]
-        w.last_seen = now
+    def _work(self, peer: bytes, msg: P.WorkRequest, now: float) -> list[Reply]:
+        w = self.members.heard(peer, msg.worker_id, now, before="asking for work")
+        if not isinstance(w, WorkerInfo):
+            return [(peer, w)]
         w.version = max(w.version, msg.version)  # fresh weights are usable at once, not at the next heartbeat
         if self.done:
             return [(peer, P.Shutdown(reason="training finished"))]
-        if (wait_s := self.quarantine.backoff_s(msg.worker_id, now)) > 0:  # its last sample was rejected
+        if (wait_s := self.members.quarantine.backoff_s(msg.worker_id, now)) > 0:  # its last sample was rejected
             return [(peer, P.NoWork(retry_after_s=wait_s))]
         assigned = admit_and_assign(self.buffer, msg.worker_id, credits=msg.credits, worker_version=w.version,
                                     make_meta=self._next_problem)
-        out: list[tuple[bytes, Any]] = [(peer, self._assignment(a)) for a in assigned]
+        out: list[Reply] = [(peer, self._assignment(a)) for a in assigned]
         if not out:
-            retry_s = no_work_retry_s(len(self.workers))
+            retry_s = no_work_retry_s(len(self.members.workers))
             self.counters["workers/told_to_wait_ms"] += round(retry_s * 1000)  # read by the learner_bound alarm
             out.append((peer, P.NoWork(retry_after_s=retry_s)))
         return out
@@ -253,55 +246,26 @@ class ControllerCore:
                                    prompt_ids=P.Array.from_numpy(prompt), params=params,
                                    n_samples=len(a.sample_ids))
 
-    def _heartbeat(self, msg: P.Heartbeat, now: float) -> None:
-        w = self.workers.get(msg.peer_id)
-        if w is None:
-            self.counters["control/unknown_heartbeat"] += 1
-            return
-        w.last_seen = now
-        w.version = max(w.version, msg.version)
-        tps = msg.stats.get("tokens_per_s", 0.0)
-        w.tokens_per_s = tps if math.isfinite(tps) else 0.0  # alive, but its assignments' deadlines stand
-        sync_s, syncs = msg.stats.get("weight_sync_s", 0.0), msg.stats.get("weight_syncs", 0.0)
-        if math.isfinite(sync_s) and math.isfinite(syncs) and sync_s >= 0 and syncs >= 0:
-            w.weight_sync_s, w.weight_syncs = sync_s, syncs
-
-    def drop_peer(self, peer: bytes) -> None:
-        """A peer was dropped for not reading its replies: a worker behind it is forgotten (work reissued)."""
-        for wid in self.workers.behind(peer):
-            self._forget(wid, reason="dropped: it does not read the controller's replies")
-
-    def _forget(self, worker_id: str, *, reason: str) -> None:
-        if self.workers.pop(worker_id, None) is None:
-            return
-        self.quarantine.forget(worker_id)
-        reissued = self.buffer.reassign_from(worker_id)
-        self.counters["workers/left"] += 1
-        self.counters["samples/reissued"] += len(reissued)
-        self.log.append(EventRecord(event="worker_left", logged_at=time.time(),
-                                    data={"worker": worker_id, "reason": reason, "reissued": str(len(reissued))}))
-        log.info("worker %s %s; reissuing %d samples", worker_id, reason, len(reissued))
-
     # ------------------------------------------------------------------------------- data plane
-    def on_sample(self, msg: P.FinishedSample) -> list[tuple[bytes, Any]]:
+    def on_sample(self, msg: Any) -> list[Reply]:
         """Record one streamed sample; returns the learner's batch if this sample completed it.
 
         A result for a group the worker does not hold is dropped and counted (late, duplicate, ...);
         an accepted one must pass ``check_sample`` or it is rejected (counted, never logged) and its
-        group reissued."""
-        w = self.workers.get(msg.worker_id)
-        if w is not None:
+        group reissued to another worker first; an invalid one (not merely late) also backs its worker off
+        and may quarantine it (``Membership.rejected``)."""
+        if not isinstance(msg, P.FinishedSample):
+            self.counters["samples/unexpected_message"] += 1
+            return []
+        if (w := self.members.workers.get(msg.worker_id)) is not None:
             w.last_seen = self.clock()
             w.samples += 1
         versions = msg.versions.to_numpy()
-        if versions.size == 0:
-            min_version = self.version.version  # an empty response carries no token to be stale
-        else:
-            min_version = int(versions.min())
+        # an empty response carries no token to be stale
+        min_version = self.version.version if versions.size == 0 else int(versions.min())
         if not np.isfinite(msg.behav_logp.to_numpy()).all():
             self.counters["samples/nonfinite_behav_logp"] += 1  # -inf is kept: the learner masks it (§2.5)
-        status = self.buffer.classify(msg.sample_id, msg.worker_id)
-        if status is ResultStatus.ACCEPTED:
+        if self.buffer.classify(msg.sample_id, msg.worker_id) is ResultStatus.ACCEPTED:
             admission = self.buffer.admission_of(msg.sample_id)
             if admission is None:  # classify() accepted it, so its group is live: a bug, not bad input
                 raise RuntimeError(f"accepted sample {msg.sample_id} has no live group")
@@ -310,7 +274,15 @@ class ControllerCore:
                                served_version=self.version.version, vocab_size=self.vocab_size,
                                max_new_tokens=self.cfg.rollout.max_new_tokens)
             if bad is not None:
-                return self._rejected(msg, group_id, bad)
+                self.counters[bad.counter] += 1
+                self.counters["samples/reissued"] += len(self.buffer.reassign_group(group_id,
+                                                                                    avoid_s=REISSUE_ELSEWHERE_S))
+                if bad.late:  # honest: never a step towards quarantine
+                    log.warning("%s from %s is too old for its group: %s; group reissued to another worker first",
+                                msg.sample_id, msg.worker_id, bad.reason)
+                    return []
+                self.counters["samples/rejected_invalid"] += 1
+                return self.members.rejected(msg.worker_id, msg.sample_id, bad.reason, self.clock())
         try:
             status = self.buffer.on_result(msg.sample_id, worker_id=msg.worker_id, payload=msg,
                                            min_version=min_version)
@@ -320,65 +292,34 @@ class ControllerCore:
             return []
         self.counters[f"samples/{status.value}"] += 1
         if status.accepted:
-            self.quarantine.accepted(msg.worker_id)
+            self.members.quarantine.accepted(msg.worker_id)
         if status is ResultStatus.COMPLETED:
             self._complete(msg.group_id)
-            return try_batch(self)  # a waiting learner gets its batch now, not at the next timer tick
+            return self._serve()  # a waiting learner gets its batch now, not at the next timer tick
         return []
-
-    def _rejected(self, msg: P.FinishedSample, group_id: str, bad: Rejection) -> list[tuple[bytes, Any]]:
-        """A sample of a group its worker holds failed ``check_sample``: counted, never logged; the group is
-        reissued to another worker first. An invalid one also backs the worker off and, after
-        ``rollout.quarantine_after`` in a row, quarantines it (told why in the returned ``Shutdown``); a late
-        one (tokens older than the group's admission) does neither."""
-        self.counters[bad.counter] += 1
-        self.counters["samples/reissued"] += len(self.buffer.reassign_group(group_id, avoid_s=REISSUE_ELSEWHERE_S))
-        wid = msg.worker_id
-        if bad.late:  # honest: never a step towards quarantine
-            log.warning("%s from %s is too old for its group: %s; group reissued to another worker first",
-                        msg.sample_id, wid, bad.reason)
-            return []
-        self.counters["samples/rejected_invalid"] += 1
-        shutdown = self.quarantine.rejected(wid, bad.reason, self.clock())
-        log.error("rejected %s from %s: %s; group reissued to another worker first (%d rejected in a row)",
-                  msg.sample_id, wid, bad.reason, self.quarantine.in_a_row(wid))
-        w = self.workers.get(wid)
-        if shutdown is None or w is None:
-            return []
-        self.workers.pop(wid)
-        self.quarantine.quarantine(wid, w.peer, shutdown)
-        reissued = self.buffer.reassign_from(wid)
-        self.counters["workers/quarantined"] += 1
-        self.counters["samples/reissued"] += len(reissued)
-        self.log.append(EventRecord(event="worker_quarantined", logged_at=time.time(),
-                                    data={"worker": wid, "reason": shutdown, "reissued": str(len(reissued))}))
-        log.error("worker %s quarantined: %s; its other %d samples in flight go to other workers",
-                  wid, shutdown.removeprefix(QUARANTINED), len(reissued))
-        return [(w.peer, P.Shutdown(reason=shutdown))]
 
     def _complete(self, group_id: str) -> None:
         group = self.buffer.get(group_id)
         samples = [s.payload for s in group.samples]
-        rewards, advantages = self.scorer.score_group(group.meta, samples)
-        self.buffer.annotate(group_id, **ScoredGroup.annotation(rewards, advantages))
-        for s, r, a in zip(samples, rewards, advantages, strict=True):
-            self.log.append(SampleRecord(sample=s, reward=float(r), advantage=float(a),
-                                         admitted_version=group.admit_version, logged_at=time.time()))
+        scores = self.scorer.score_group(group.meta, samples)
+        self.buffer.score(group_id, scores)
+        for s, r, a in zip(samples, scores.rewards, scores.advantages, strict=True):
+            self.log.append(SampleRecord(sample=s, reward=r, advantage=a, admitted_version=group.admit_version,
+                                         logged_at=time.time()))
             self.samples_logged += 1
 
     # -------------------------------------------------------------------------------- learner
-    def budget_elapsed(self, now: float) -> float:
-        """Training seconds of ``learner.time_budget_s`` spent so far (0 before the first batch request)."""
-        return self.budget_used_s + (0.0 if self.budget_t0 is None else now - self.budget_t0)
+    def _serve(self) -> list[Reply]:
+        """The learner's pending batch (or the error that ends its request), when it can be answered now."""
+        if self.members.learner_peer is None or (reply := self.batches.serve()) is None:
+            return []
+        return [(self.members.learner_peer, reply)]
 
-    def budget_spent(self, now: float) -> bool:
-        """Starts the budget clock at the first batch request; True once ``learner.time_budget_s`` is spent."""
-        if self.budget_t0 is None:
-            self.budget_t0 = now
-        budget = self.cfg.learner.time_budget_s
-        return budget > 0 and self.budget_elapsed(now) >= budget
-
-    def _version_update(self, msg: P.VersionUpdate) -> list[tuple[bytes, Any]]:
+    def _version_update(self, msg: P.VersionUpdate) -> list[Reply]:
+        if self.report is not None:
+            stop = self.report.version(msg, self.metrics(), samples_logged=self.samples_logged,
+                                       quarantined=self.members.quarantine.reasons())
+            self.batches.stop_reason = self.batches.stop_reason or stop  # learner.stop_on: ends like time_budget_s
         if msg.version > self.version.version:
             self.version.set(msg.version)
             self.assembler.release_through(msg.version)
@@ -386,35 +327,37 @@ class ControllerCore:
             self.done = True
             self.done_at = self.clock()
         out = []
-        if msg.checkpoint and self.learner_peer is not None:
+        if msg.checkpoint and self.members.learner_peer is not None:
             # Saved before the learner writes its own checkpoint of this version (it waits for the ack).
             self.save(self.checkpoint_path(msg.version))
             prune_controller_states(RunDir(self.run_dir).checkpoints)  # as the learner prunes its own
-            out.append((self.learner_peer, P.VersionUpdate(version=msg.version, checkpointed=True)))
-        return out + try_batch(self)
+            out.append((self.members.learner_peer, P.VersionUpdate(version=msg.version, checkpointed=True)))
+        return out + self._serve()
 
     def checkpoint_path(self, version: int) -> Path:
         return RunDir(self.run_dir).controller_checkpoint(version)
 
     # --------------------------------------------------------------------------------- timers
-    def poll(self) -> list[tuple[bytes, Any]]:
+    def poll(self) -> list[Reply]:
         now = self.clock()
-        for wid, silent_s in self.workers.silent(now, self.cfg.rollout.dead_after_s):
-            self.counters["workers/dead"] += 1
-            self._forget(wid, reason=f"missed heartbeats for {silent_s:.1f}s")
+        self.members.reap(now)
         for a in self.buffer.overdue(now):  # measured from the assignment; a late result is dropped (samples/late)
             self.counters["samples/overdue_groups"] += 1
             self.counters["samples/reissued"] += len(self.buffer.reassign_group(a.group_id))
             log.warning("group %s not finished by %s within %.0fs of its assignment; reissued", a.group_id,
                         a.worker_id, self.cfg.rollout.assignment_timeout_s)
-        return try_batch(self)
+        return self._serve()
+
+    def finished(self) -> bool:
+        """Training is done and every worker has left, or ``DONE_GRACE_S`` passed since: the process may end."""
+        return self.done and (not self.members.workers or self.clock() - self.done_at > DONE_GRACE_S)
 
     def metrics(self) -> dict[str, float]:
         out = {f"controller/{k}": float(v) for k, v in self.counters.items()}
         out["controller/samples_logged"] = float(self.samples_logged)
         out["controller/cursor"] = float(self.cursor)
-        out["throughput/tokens_per_s"] = self.workers.tokens_per_s()
-        if (sync_s := self.workers.weight_sync_s()) is not None:
+        out["throughput/tokens_per_s"] = self.members.workers.tokens_per_s()
+        if (sync_s := self.members.workers.weight_sync_s()) is not None:
             out["workers/weight_sync_s"] = sync_s
         return out
 
@@ -427,8 +370,24 @@ class ControllerCore:
         """Continue from ``state`` (``state_dict`` of a previous controller, after ``truncate_log``)."""
         load_state(self, state)
 
+    def finish(self) -> None:
+        """The end of the run: ``controller_final.json`` (its facts) and the final state, both atomic (a full disk
+        leaves the old file or none), unless the log was lost: no end-of-run facts that count samples it does
+        not hold. ``DiskFullError`` / ``LogLostError`` (lost since the last flush) as for a checkpoint."""
+        if self.log.lost is not None:
+            return
+        self.log.flush()
+        summary = {"max_consumed_staleness": self.batches.max_consumed_staleness,
+                   "samples_logged": self.samples_logged, **self.metrics(),
+                   **(self.report.final() if self.report is not None else {})}
+        paths = RunDir(self.run_dir)
+        atomic_write_text(paths.controller_final, json.dumps(summary, indent=2))
+        self.save(paths.controller_final_checkpoint)
+
     def close(self) -> None:
         self.log.close()
+        if self.report is not None:
+            self.report.close()
 
 
 def _vocab_size(model: ModelInfo, scorer: GroupScorer) -> int:

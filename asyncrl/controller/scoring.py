@@ -21,6 +21,7 @@ import numpy as np
 
 from asyncrl.algo import outcome_advantages
 from asyncrl.controller.prompts import PromptEncoder, load_tokenizer, stop_token_ids
+from asyncrl.controller.scores import Scores
 from asyncrl.tasks import Problem, Task, make_task
 
 
@@ -95,11 +96,12 @@ class GroupScorer:
                           item=meta["item"])
         return [float(self.task.score(problem, self.decode(r))) for r in responses]
 
-    def score_group(self, meta: dict[str, Any], samples: Sequence[Any]) -> tuple[list[float], list[float]]:
-        """Rewards and advantages of one complete group of ``FinishedSample``s."""
+    def score_group(self, meta: dict[str, Any], samples: Sequence[Any]) -> Scores:
+        """The scores of one complete group of ``FinishedSample``s."""
         rewards = self.rewards(meta, [s.response_ids.to_numpy().tolist() for s in samples])
-        adv, _ = outcome_advantages(rewards, estimator=self.estimator)
-        return rewards, adv.astype(np.float32).tolist()  # the float32 values the learner trains on
+        adv, counts = outcome_advantages(rewards, estimator=self.estimator)
+        return Scores(tuple(rewards), tuple(adv.astype(np.float32).tolist()),  # the float32 values the learner trains on
+                      zero_variance=counts.zero_var + counts.singleton > 0)
 
 
 def build_scorer(cfg, model_dir: str | Path, *, tokenizer_class: str = "") -> GroupScorer:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import protocols as P
 from asyncrl.controller.assembler import BatchAssembler
+from asyncrl.controller.batches import BatchDesk
 from asyncrl.controller.buffer import GroupBuffer
 from asyncrl.controller.gate import StalenessGate
 from asyncrl.controller.versions import ManualVersion
@@ -39,11 +40,8 @@ class Checkpointed(Protocol):
     log: TrajectoryLogWriter
     counters: Counter
     samples_logged: int
-    max_consumed_staleness: int
-    budget_used_s: float
+    batches: BatchDesk
     clock: Callable[[], float]
-
-    def budget_elapsed(self, now: float) -> float: ...
 
 
 def state_dict(core: Checkpointed) -> dict[str, Any]:
@@ -51,8 +49,8 @@ def state_dict(core: Checkpointed) -> dict[str, Any]:
     return {"cursor": core.cursor, "gate": core.gate.state_dict(), "buffer": core.buffer.state_dict(),
             "assembler": core.assembler.state_dict(), "log_position": list(core.log.tell()),
             "counters": dict(core.counters), "samples_logged": core.samples_logged,
-            "max_consumed_staleness": core.max_consumed_staleness,
-            "budget_used_s": core.budget_elapsed(core.clock())}
+            "max_consumed_staleness": core.batches.max_consumed_staleness,
+            "budget_used_s": core.batches.budget_elapsed(core.clock())}
 
 
 def save_state(core: Checkpointed, path: Path) -> None:
@@ -70,8 +68,8 @@ def load_state(core: Checkpointed, state: dict[str, Any]) -> None:
     core.assembler.load_state_dict(state["assembler"])
     core.counters.update(state["counters"])
     core.samples_logged = int(state["samples_logged"])
-    core.max_consumed_staleness = int(state["max_consumed_staleness"])
-    core.budget_used_s = float(state.get("budget_used_s", 0.0))  # absent in states of older runs
+    core.batches.max_consumed_staleness = int(state["max_consumed_staleness"])
+    core.batches.budget_used_s = float(state.get("budget_used_s", 0.0))  # absent in states of older runs
     core.log.append(EventRecord(event="resume", logged_at=time.time(), data={
         "version": str(core.version.version), "cursor": str(core.cursor)}))
     if state.get("log_lost"):  # resumed with log.salvage=true over a log that lost records before this state

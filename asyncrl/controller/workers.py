@@ -3,12 +3,13 @@
 Owns: ``WorkerInfo`` (reply address, actor format, last heartbeat, newest weights version, samples,
 tokens/s) and ``WorkerRegistry`` (worker id -> info): joining, the workers behind one reply address,
 the silent ones, and the fleet's throughput. Standard library only (checked by tests/unit/test_layout.py).
-Never: decides what happens to a worker's work (``ControllerCore._forget`` reissues it) or reads messages.
+Never: decides what happens to a worker's work (``Membership.forget`` reissues it) or reads messages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass
@@ -23,6 +24,16 @@ class WorkerInfo:
     weight_syncs: float = 0.0
     host: str = ""  # where the worker said it runs (Hello capabilities), for a refusal that names it
     pid: str = ""
+
+    def heartbeat(self, version: int, stats: dict[str, float]) -> None:
+        """What a heartbeat says: the engine's weights version and the worker's throughput and weight-sync totals
+        (non-finite or negative values are ignored). Its assignments' deadlines stand."""
+        self.version = max(self.version, version)
+        tps = stats.get("tokens_per_s", 0.0)
+        self.tokens_per_s = tps if math.isfinite(tps) else 0.0
+        sync_s, syncs = stats.get("weight_sync_s", 0.0), stats.get("weight_syncs", 0.0)
+        if math.isfinite(sync_s) and math.isfinite(syncs) and sync_s >= 0 and syncs >= 0:
+            self.weight_sync_s, self.weight_syncs = sync_s, syncs
 
 
 class WorkerRegistry(dict[str, WorkerInfo]):

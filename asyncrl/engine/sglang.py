@@ -43,7 +43,7 @@ from asyncrl.engine.sglang_requests import (
     stop_set,
 )
 from asyncrl.engine.sglang_server import STARTUP_TIMEOUT_S, SGLangServerProcess, start_server
-from asyncrl.engine.sglang_weights import BroadcastWeights, prepare_update
+from asyncrl.engine.sglang_weights import prepare_update
 
 
 class SGLangEngine(ControlChannel):
@@ -181,9 +181,8 @@ class SGLangEngine(ControlChannel):
             self._pump()
 
     def update_weights(self, version: int, weights: Any) -> None:
-        """Queue weights for ``version`` (state dict, fp32/bf16 ``PublishedWeights``, checkpoint folder or
-        ``BroadcastWeights``). Versions must increase. Of several tensor/folder updates still waiting, only
-        the newest is sent; broadcast updates are never skipped (the learner is sending them)."""
+        """Queue weights for ``version`` (state dict, fp32/bf16 ``PublishedWeights`` or checkpoint folder).
+        Versions must increase. Of several updates still waiting, only the newest is sent."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
         payload = prepare_update(weights, self.model_path)
@@ -192,10 +191,9 @@ class SGLangEngine(ControlChannel):
                 raise EngineClosedError("engine is closed; build a new one")
             if version <= self._latest_version:
                 raise ValueError(f"weight version {version} is not newer than {self._latest_version}")
-            if not isinstance(payload, BroadcastWeights):
-                kept = deque(c for c in self._controls if not (isinstance(c, WeightUpdate) and c.skippable))
-                self._updates -= len(self._controls) - len(kept)
-                self._controls = kept
+            kept: deque[Control | WeightUpdate] = deque(c for c in self._controls if not isinstance(c, WeightUpdate))
+            self._updates -= len(self._controls) - len(kept)
+            self._controls = kept
             self._updates += 1
             self._latest_version = version
             self._controls.append(WeightUpdate(version, payload))
@@ -278,7 +276,7 @@ class SGLangEngine(ControlChannel):
             "seeded": bool(args.get("enable_deterministic_inference", False)),
             "sampling": ("temperature", "top_p", "top_k", "stop_token_ids", "max_new_tokens"),
             "behav_logp": "tempered_full_vocab",
-            "weight_updates": ("state_dict", "published_fp32_bf16", "folder", "broadcast"),
+            "weight_updates": ("state_dict", "published_fp32_bf16", "folder"),
             "quantized_serving": "fp8_flash_rl" if self.quant_format == "fp8" else None,
             "prequantized_push": (),
             "radix_cache": not bool(args.get("disable_radix_cache", False)),

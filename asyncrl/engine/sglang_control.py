@@ -2,8 +2,7 @@
 
 Owns: the control operations (``Control`` without arguments, ``WeightUpdate`` with a version and its
 payload), ``ControlChannel`` -- the part of ``SGLangEngine`` that applies them one by one, in the order
-they were recorded, on its *control* thread (so pause -> update -> resume reach SGLang in that order) --
-and the broadcast-group calls a learner's ``WeightBroadcaster`` pairs with.
+they were recorded, on its *control* thread (so pause -> update -> resume reach SGLang in that order).
 
 Must never: record an operation (``SGLangEngine``'s any-thread methods do that, under ``_lock``), send a
 ``/generate`` call, hold ``_lock`` during an HTTP call, or end on an error of one operation (the error is
@@ -13,8 +12,8 @@ Mid-generation weight updates (SGLang 0.5.23): ``/pause_generation`` ``mode="in_
 requests keep their KV cache), ``/begin_weight_update``, ``/update_weights_from_tensor`` chunks (last one
 with ``weight_version``), ``/end_weight_update``, ``/continue_generation``. A token sampled before the
 pause carries the old version; its K/V is computed by the new weights, as in the native engine. A
-checkpoint folder goes through ``/update_weights_from_disk``, a broadcast through
-``/update_weights_from_distributed``; a caller's own pause is kept (no pause/continue around it).
+checkpoint folder goes through ``/update_weights_from_disk``; a caller's own pause is kept (no
+pause/continue around it).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import Any
 
 from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangRequestError
 from asyncrl.engine.sglang_requests import Pending
-from asyncrl.engine.sglang_weights import BroadcastWeights, TensorUpdate, disk_body, tensor_bodies
+from asyncrl.engine.sglang_weights import TensorUpdate, disk_body, tensor_bodies
 
 
 class Control(enum.Enum):
@@ -49,12 +48,7 @@ class WeightUpdate:
     """The control operation that moves the server to ``version`` (pause, load ``payload``, resume)."""
 
     version: int
-    payload: TensorUpdate | Path | BroadcastWeights
-
-    @property
-    def skippable(self) -> bool:
-        """A tensor or folder update a newer one replaces; broadcast updates are never skipped."""
-        return not isinstance(self.payload, BroadcastWeights)
+    payload: TensorUpdate | Path
 
 
 ControlOp = Control | WeightUpdate
@@ -83,32 +77,6 @@ class ControlChannel(ABC):
     @abstractmethod
     def _pump(self) -> None:
         """Under ``_lock``: send queued requests while there is room and nothing holds dispatch."""
-
-    def init_broadcast_group(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        *,
-        rank_offset: int = 1,
-        backend: str = "gloo",
-        group_name: str = "weight_update_group",
-    ) -> None:
-        """Join the learner's broadcast group (``/init_weights_update_group``); blocks until every rank has
-        joined, so the learner must build its ``WeightBroadcaster`` concurrently. ``backend``: ``"gloo"`` on
-        CPU, ``"nccl"`` on GPU. Call it once, before the first ``BroadcastWeights`` update."""
-        body = {
-            "master_address": master_address,
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
-            "group_name": group_name,
-            "backend": backend,
-        }
-        self.http.post("/init_weights_update_group", body)
-
-    def destroy_broadcast_group(self, group_name: str = "weight_update_group") -> None:
-        self.http.post("/destroy_weights_update_group", {"group_name": group_name})
 
     def _control_loop(self) -> None:
         while True:
@@ -154,7 +122,7 @@ class ControlChannel(ABC):
                 if exc.status != 400:
                     raise
 
-    def _apply_update(self, version: int, payload: TensorUpdate | Path | BroadcastWeights) -> None:
+    def _apply_update(self, version: int, payload: TensorUpdate | Path) -> None:
         user_paused = self._paused
         if not user_paused:
             self.http.post("/pause_generation", {"mode": "in_place"})
@@ -165,13 +133,8 @@ class ControlChannel(ABC):
                 tp_size = int(self.server_info.get("tp_size", 1) or 1)
                 self.http.post("/begin_weight_update", {})
                 try:
-                    if isinstance(payload, BroadcastWeights):
-                        self.http.post("/update_weights_from_distributed", payload.body(version))
-                    else:
-                        for body in tensor_bodies(
-                            payload, version, tp_size=tp_size, max_chunk_bytes=self.max_chunk_bytes
-                        ):
-                            self.http.post("/update_weights_from_tensor", body)
+                    for body in tensor_bodies(payload, version, tp_size=tp_size, max_chunk_bytes=self.max_chunk_bytes):
+                        self.http.post("/update_weights_from_tensor", body)
                 finally:
                     self.http.post("/end_weight_update", {})
             self._version = version

@@ -1,4 +1,4 @@
-"""Weight-update payloads for an SGLang server, and the learner side of a broadcast update group.
+"""Weight-update payloads for an SGLang server.
 
 Owns: turning what ``SGLangEngine.update_weights`` accepts into SGLang 0.5.23 request bodies --
   * a full-precision HF state dict, or an ``asyncrl.quant.PublishedWeights`` in ``fp32``/``bf16``
@@ -9,10 +9,7 @@ Owns: turning what ``SGLangEngine.update_weights`` accepts into SGLang 0.5.23 re
     *by value* (plain ``pickle``, not SGLang's ``ForkingPickler``, whose CPU tensors travel as shared-memory
     handles that another process on another machine cannot open). SGLang's ``SafeUnpickler`` accepts
     exactly these globals (``torch._utils._rebuild_tensor_v2``, ``torch.storage._load_from_bytes``);
-  * a folder (``str``/``Path``) -> ``/update_weights_from_disk`` with ``model_path``;
-  * ``BroadcastWeights`` (names, dtypes, shapes) -> ``/update_weights_from_distributed`` while the learner
-    broadcasts the tensors from rank 0 of a group built with ``WeightBroadcaster``.
-and ``WeightBroadcaster``, the learner (rank 0) end of SGLang's ``/init_weights_update_group``.
+  * a folder (``str``/``Path``) -> ``/update_weights_from_disk`` with ``model_path``.
 
 Must never: quantize (SGLang quantizes on load in ``--quantization fp8 --load-format flash_rl``), send a
 quantized publication (its ``qweight``/``weight_scale`` names and per-row scales match no SGLang 0.5.23
@@ -30,39 +27,10 @@ import json
 import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 FULL_PRECISION_PUBLICATIONS = ("fp32", "bf16")
-
-
-@dataclass(frozen=True)
-class BroadcastWeights:
-    """An update whose tensors the learner broadcasts from rank 0 of group ``group_name``.
-
-    ``names``/``dtypes``/``shapes`` describe, in broadcast order, what rank 0 sends (HF names; dtypes as
-    torch attribute names such as ``"float32"``). Build it with ``WeightBroadcaster.describe``.
-    """
-
-    names: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    group_name: str = "weight_update_group"
-
-    def __post_init__(self) -> None:
-        if not self.names or not (len(self.names) == len(self.dtypes) == len(self.shapes)):
-            raise ValueError("BroadcastWeights needs equally long, non-empty names, dtypes and shapes")
-
-    def body(self, version: int) -> dict[str, Any]:
-        return {
-            "names": list(self.names),
-            "dtypes": list(self.dtypes),
-            "shapes": [list(s) for s in self.shapes],
-            "group_name": self.group_name,
-            "weight_version": str(version),
-            "flush_cache": False,
-        }
 
 
 @dataclass(frozen=True)
@@ -101,12 +69,10 @@ def served_config(model_path: str | Path | None) -> dict[str, Any] | None:
     return json.loads((Path(model_path) / "config.json").read_text())
 
 
-def prepare_update(weights: Any, model_path: str | Path | None = None) -> TensorUpdate | Path | BroadcastWeights:
+def prepare_update(weights: Any, model_path: str | Path | None = None) -> TensorUpdate | Path:
     """Validate what ``update_weights`` was given (any thread, before queueing); ``ValueError`` with the fix.
     ``model_path``: the served folder; when its config.json is readable here, tensor updates travel in its
     checkpoint names (``checkpoint_named_tensors``), else in the names given."""
-    if isinstance(weights, BroadcastWeights):
-        return weights
     if isinstance(weights, (str, Path)):
         folder = Path(weights)
         if not folder.is_dir():
@@ -142,8 +108,8 @@ def _published_named(weights: Any) -> list[tuple[str, Any]]:
         weights.verify()
         return [(e.name, weights.tensors[e.name]) for e in weights.manifest]
     raise ValueError(
-        "weights must be a state dict, an asyncrl.quant.PublishedWeights (fp32/bf16), a checkpoint folder "
-        f"or a BroadcastWeights; got {type(weights).__name__}"
+        "weights must be a state dict, an asyncrl.quant.PublishedWeights (fp32/bf16) or a checkpoint folder; "
+        f"got {type(weights).__name__}"
     )
 
 
@@ -195,77 +161,3 @@ def tensor_bodies(
 def disk_body(folder: Path, version: int) -> dict[str, Any]:
     """``/update_weights_from_disk`` body (needs no ``/begin_weight_update`` ... ``/end_weight_update`` around it in SGLang 0.5.23)."""
     return {"model_path": str(folder), "weight_version": str(version), "flush_cache": False}
-
-
-class WeightBroadcaster:
-    """Rank 0 (the learner) of the process group SGLang joins through ``/init_weights_update_group``.
-
-    Build it while the engine's ``init_broadcast_group`` call is in flight (the two meet in the rendezvous
-    at ``tcp://master_address:master_port``, whose store this side hosts). The group is made exactly as
-    SGLang 0.5.23 makes its side (``init_custom_process_group``: ``rendezvous`` + ``PrefixStore(group_name)``
-    + ``_new_process_group_helper``), so both sides agree on store keys; ``backend`` is ``"gloo"`` for CPU
-    tensors and ``"nccl"`` for CUDA tensors.
-    """
-
-    def __init__(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        *,
-        backend: str = "gloo",
-        group_name: str = "weight_update_group",
-        timeout_s: float = 300.0,
-    ) -> None:
-        import torch
-        from torch.distributed.distributed_c10d import (
-            Backend,
-            GroupName,
-            PrefixStore,
-            _new_process_group_helper,
-            _world,
-            rendezvous,
-        )
-
-        if world_size < 2:
-            raise ValueError(
-                f"world_size must count the learner and every server rank (>= 2), got {world_size}"
-            )
-        self.group_name = group_name
-        self.backend = backend
-        timeout = timedelta(seconds=timeout_s)
-        store, rank, size = next(
-            rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout)
-        )
-        store.set_timeout(timeout)
-        store = PrefixStore(group_name, store)
-        self.group, _ = _new_process_group_helper(
-            size,
-            rank,
-            [],
-            Backend(backend),
-            store,
-            group_name=GroupName(group_name),
-            backend_options=None,
-            timeout=timeout,
-        )
-        _world.pg_group_ranks[self.group] = {i: i for i in range(size)}
-        self._torch = torch
-
-    @staticmethod
-    def describe(state_dict: Mapping[str, Any], group_name: str = "weight_update_group") -> BroadcastWeights:
-        """The ``BroadcastWeights`` for broadcasting ``state_dict`` in its iteration order. Names go to SGLang as
-        given: for a model whose checkpoint names differ from transformers' runtime names (a MoE's fused
-        experts), describe and broadcast ``asyncrl.models.names.checkpoint_state_dict(config, state_dict)``."""
-        names = tuple(state_dict)
-        dtypes = tuple(str(state_dict[n].dtype).removeprefix("torch.") for n in names)
-        shapes = tuple(tuple(state_dict[n].shape) for n in names)
-        return BroadcastWeights(names, dtypes, shapes, group_name)
-
-    def broadcast(self, state_dict: Mapping[str, Any]) -> None:
-        """Send every tensor of ``state_dict`` (same order as ``describe``) from rank 0; blocks until sent."""
-        for tensor in state_dict.values():
-            self._torch.distributed.broadcast(tensor.detach().contiguous(), src=0, group=self.group)
-
-    def close(self) -> None:
-        self._torch.distributed.destroy_process_group(self.group)

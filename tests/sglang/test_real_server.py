@@ -6,15 +6,11 @@ forward of the *new* weights on the tokens drawn, and every token must carry the
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from asyncrl.engine import GenRequest, SamplingParams
 from asyncrl.engine.sglang import SGLangEngine
-from asyncrl.engine.sglang_server import free_port
-from asyncrl.engine.sglang_weights import WeightBroadcaster
 
 pytestmark = pytest.mark.sglang
 
@@ -46,33 +42,6 @@ def test_folder_update_is_served(make_engine, tiny_hf_v1, reference, logp_atol, 
     engine = make_engine()
     engine.update_weights(2, tmp_path)
     _check_v1(engine, 2, tiny_hf_v1, reference, logp_atol)
-
-
-def test_gloo_broadcast_update_is_served(make_engine, tiny_hf_v1, reference, logp_atol):
-    engine = make_engine()
-    port = free_port()
-    joined: list[BaseException | None] = []
-
-    def join() -> None:
-        try:
-            engine.init_broadcast_group("127.0.0.1", port, world_size=2, backend="gloo", group_name="g1")
-            joined.append(None)
-        except BaseException as exc:  # reported below, in the test thread
-            joined.append(exc)
-
-    t = threading.Thread(target=join)
-    t.start()
-    sender = WeightBroadcaster(
-        "127.0.0.1", port, world_size=2, backend="gloo", group_name="g1", timeout_s=120
-    )
-    t.join(timeout=120)
-    assert joined == [None]
-    sd = {k: v.detach().clone() for k, v in tiny_hf_v1.state_dict().items()}
-    engine.update_weights(3, WeightBroadcaster.describe(sd, group_name="g1"))
-    sender.broadcast(sd)
-    _check_v1(engine, 3, tiny_hf_v1, reference, logp_atol)
-    engine.destroy_broadcast_group("g1")
-    sender.close()
 
 
 def test_update_mid_generation_splits_versions_at_the_pause(make_engine, tiny_hf_v1):

@@ -97,7 +97,7 @@ def test_math_packages_are_leaves(leaf):
 # the tokenizer and the tasks (but not torch: tests/unit/controller/test_no_torch.py).
 STDLIB_ONLY = ("asyncrl/controller/__init__.py", "asyncrl/controller/versions.py", "asyncrl/controller/gate.py",
                "asyncrl/controller/buffer.py", "asyncrl/controller/assembler.py", "asyncrl/controller/workers.py",
-               "asyncrl/controller/admission.py")
+               "asyncrl/controller/admission.py", "asyncrl/controller/scores.py")
 
 
 def _module_name(rel: str) -> str:

@@ -36,6 +36,13 @@ def run(
     return float(loss.detach()), logp.grad, metrics
 
 
+def mismatch_block(prox, behav, mask, *, is_cap: float = 2.0, is_level: str = "token", **kw):
+    """The §7 mismatch block (``mismatch/*``, ``is/*``) as ``policy_loss`` reports it, for a TIS objective with
+    cap ``is_cap`` at ``is_level`` (the weights ``is/*`` describes); ``logp`` = ``prox``, advantages 0."""
+    cfg = ObjectiveConfig(objective="tis", is_cap=is_cap, is_level=is_level)
+    return policy_loss(prox.clone(), prox, behav, torch.zeros_like(prox), mask, cfg, **kw)[1]
+
+
 def one_token(cfg: ObjectiveConfig, A: float, R: float, r: float = 1.0):
     """(lambda, d lambda / d l_theta, metrics) of a single token with ratios R and r."""
     loss, grad, metrics = run(cfg, [[math.log(R)]], [[A]], [[math.log(r)]])

@@ -14,15 +14,11 @@ from asyncrl.algo import (
     MetricDict,
     ObjectiveConfig,
     Stat,
-    filter_groups,
-    group_advantages,
     merge_metrics,
-    mismatch_metrics,
     policy_loss,
-    response_stats,
 )
 from asyncrl.algo.stats import StatsBuilder
-from tests.unit.algo.algo_helpers import random_batch
+from tests.unit.algo.algo_helpers import mismatch_block, random_batch
 
 GLOSSARY = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
 
@@ -67,7 +63,7 @@ def test_mismatch_block_on_a_two_response_example():
     prox = torch.tensor([[math.log(2), math.log(2)], [0.0, 0.0]])
     mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
     versions = torch.tensor([[4, 3], [4, -1]])
-    m = mismatch_metrics(prox, torch.zeros(2, 2), mask, is_cap=1.5, versions=versions, learner_version=4)
+    m = mismatch_block(prox, torch.zeros(2, 2), mask, is_cap=1.5, versions=versions, learner_version=4)
     assert m["mismatch/chi2_seq"] == pytest.approx(((4.0**2 - 1) + 0.0) / 2)
     assert m["mismatch/log_ppl_diff"] == pytest.approx(-math.log(2) / 2)
     assert m["mismatch/log_ppl_diff_min"] == pytest.approx(-math.log(2))
@@ -77,24 +73,24 @@ def test_mismatch_block_on_a_two_response_example():
     assert m["mismatch/by_staleness/eta=1/kl_k3"] == pytest.approx(k3_ln2)
     assert m["mismatch/by_staleness/eta=1/tokens"] == 1.0
     assert m["is/trunc_frac"] == pytest.approx(2 / 3)
-    seq = mismatch_metrics(prox, torch.zeros(2, 2), mask, is_cap=1.5, is_level="sequence")
+    seq = mismatch_block(prox, torch.zeros(2, 2), mask, is_cap=1.5, is_level="sequence")
     assert seq["is/trunc_frac"] == 0.5  # sum mu = ln 4 > ln 1.5 for response 0 only
 
 
-def test_mismatch_metrics_count_nonfinite_tokens_and_ignore_them():
+def test_the_mismatch_block_counts_nonfinite_tokens_and_ignores_them():
     prox = torch.tensor([[0.5, math.nan, 0.0]])
     behav = torch.tensor([[0.0, 0.0, -math.inf]])
-    m = mismatch_metrics(prox, behav, torch.ones(1, 3))
+    m = mismatch_block(prox, behav, torch.ones(1, 3))
     assert m["mismatch/nonfinite_tokens"] == 2.0
     assert m["mismatch/kl_k1"] == pytest.approx(-0.5)
 
 
-def test_mismatch_metrics_of_parts_merge_to_the_whole():
+def test_the_mismatch_block_of_parts_merges_to_the_whole():
     b = random_batch(12, B=9, T=5, dtype=torch.float32)
     kw = {"versions": b["versions"], "learner_version": 6, "is_cap": 1.4}
-    whole = mismatch_metrics(b["prox"], b["behav"], b["mask"], **kw)
+    whole = mismatch_block(b["prox"], b["behav"], b["mask"], **kw)
     parts = [
-        mismatch_metrics(
+        mismatch_block(
             b["prox"][s],
             b["behav"][s],
             b["mask"][s],
@@ -110,16 +106,6 @@ def test_mismatch_metrics_of_parts_merge_to_the_whole():
             assert merged[k] >= v - 1e-6
         else:
             assert merged[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
-
-
-def test_response_stats_report_length_extremes_and_truncation_rate():
-    m = response_stats(torch.tensor([3, 5, 10]), torch.tensor([False, False, True]))
-    assert (m["data/response_length/mean"], m["data/response_length/max"], m["data/response_length/min"]) == (
-        6,
-        10,
-        3,
-    )
-    assert m["data/truncated_frac"] == pytest.approx(1 / 3)
 
 
 def _all_emitted_names() -> set[str]:
@@ -146,10 +132,6 @@ def _all_emitted_names() -> set[str]:
         if kind == "tbpo":  # the paper-literal w_mode logs the dropped fraction by advantage sign
             drop = ObjectiveConfig(objective=kind, tbpo_w_mode="drop")
             names |= set(policy_loss(b["logp"], b["prox"], b["behav"], b["adv"], b["mask"], drop)[1].stats)
-    names |= set(mismatch_metrics(b["prox"], b["behav"], b["mask"]).stats)
-    names |= set(group_advantages(torch.tensor([1.0, 0.0]))[1].stats)
-    names |= set(filter_groups(torch.tensor([1.0, 0.0]))[1].stats)
-    names |= set(response_stats(torch.tensor([1]), torch.tensor([True])).stats)
     return {re.sub(r"eta=\d+", "eta=j", n) for n in names}
 
 

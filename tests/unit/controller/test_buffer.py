@@ -13,6 +13,7 @@ from asyncrl.controller import (
     make_sample_id,
     parse_sample_id,
 )
+from asyncrl.controller.scores import Scores
 
 
 def admit(buf, *metas):
@@ -198,7 +199,7 @@ def test_state_round_trip_keeps_results_and_reissues_in_flight_groups():
     _send(buf, "g0/0", "w1", payload={"r": 1.0})
     _send(buf, "g0/1", "w1", payload={"r": 0.0})
     _send(buf, "g1/1", "w1", payload={"r": 0.5})
-    buf.annotate("g0", rewards=[1.0, 0.0])
+    buf.score("g0", Scores((1.0, 0.0), (0.7, -0.7), zero_variance=False))
     _send(buf, "g1/1", "w1")  # a duplicate, counted
     state, gstate = buf.state_dict(), gate.state_dict()
 
@@ -211,13 +212,14 @@ def test_state_round_trip_keeps_results_and_reissues_in_flight_groups():
         ("g1", 0, GroupState.PENDING),
         ("g2", 0, GroupState.PENDING),
     ]
-    assert buf2.get("g0").extra == {"rewards": [1.0, 0.0]}
+    assert buf2.get("g0").scored() == Scores((1.0, 0.0), (0.7, -0.7), zero_variance=False)
     assert [s.payload for s in buf2.get("g0").samples] == [{"r": 1.0}, {"r": 0.0}]
     _assert_gate_mirrors_buffer(buf2, gate2)
     (a,) = buf2.assign("w9", worker_version=0)
     assert a.sample_ids == ("g1/0",)  # only the missing member is regenerated
     assert _send(buf2, "g1/1", "w9") is ResultStatus.DUPLICATE
     assert _send(buf2, "g1/0", "w9") is ResultStatus.COMPLETED
+    assert buf2.get("g1").scores is None  # not scored yet
     assert admit(buf2, "d") == ["g3"]  # numbering continues
     assert buf2.stats["duplicate"] == 2
 

@@ -95,7 +95,7 @@ def test_peers_cannot_speak_for_others(tmp_path, model_dir):
     (_, r2), = core.handle(b"EVIL", P.VersionUpdate(version=5, done=True))
     (_, r3), = core.handle(b"EVIL", P.BatchRequest(step=0))
     assert all(isinstance(r, P.Error) for r in (r1, r2, r3))
-    assert "w" in core.workers and core.version.version == 0 and not core.done
+    assert "w" in core.members.workers and core.version.version == 0 and not core.done
 
 
 def test_workers_learn_the_group_size_and_no_work_backs_off_with_the_fleet(tmp_path, model_dir):
@@ -154,18 +154,18 @@ def test_time_budget_answers_the_first_request_for_a_new_step_past_it_with_shutd
     core = make_core(tmp_path, model_dir, extra=["learner.time_budget_s=10"], clock=lambda: now[0])
     register(core)
     now[0] = 500.0  # time before the first batch request does not count
-    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0  # no batch ready yet
+    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.batches.pending == 0  # no batch ready yet
     now[0] = 520.0  # past the budget while step 0 waits for its groups: the step was asked for inside it
     (_, welcome), = core.handle(b"L", hello("learner", "learner"))  # the waiting learner's probe
-    assert isinstance(welcome, P.Welcome) and core.pending_batch is None
-    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0  # its re-send: no Shutdown
+    assert isinstance(welcome, P.Welcome) and core.batches.pending is None
+    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.batches.pending == 0  # its re-send: no Shutdown
     sent = [m for _, a in core.handle(b"W", P.WorkRequest(worker_id="w", credits=64))
             if isinstance(a, P.RolloutAssignment) for m in answer(core, a)]
     assert [m.step for _, m in sent if isinstance(m, P.TrainBatch)] == [0]  # trained, however late
     core.handle(b"L", P.VersionUpdate(version=1, metrics={}))
     (peer, reply), = core.handle(b"L", P.BatchRequest(step=1))  # a new step past the budget
     assert peer == b"L" and isinstance(reply, P.Shutdown) and "learner.time_budget_s=10" in reply.reason
-    assert "before step 1" in reply.reason and core.pending_batch is None
+    assert "before step 1" in reply.reason and core.batches.pending is None
     core.save(tmp_path / "state.json")
     core.close()
     state = read_state(tmp_path / "state.json")
@@ -183,7 +183,7 @@ def test_no_time_budget_never_ends_training(tmp_path, model_dir):
     register(core)
     core.handle(b"L", P.BatchRequest(step=0))
     now[0] = 1e9
-    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.pending_batch == 0
+    assert core.handle(b"L", P.BatchRequest(step=0)) == [] and core.batches.pending == 0
 
 
 def test_resume_before_the_first_learner_checkpoint_cuts_the_log_back_to_version_zero(tmp_path, model_dir):
@@ -296,7 +296,7 @@ def test_a_worker_that_heartbeats_but_never_returns_loses_its_group_and_its_late
         clock.t += 3
         core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, version=0))
         core.poll()
-    assert core.counters["samples/overdue_groups"] == 1 and "w" in core.workers
+    assert core.counters["samples/overdue_groups"] == 1 and "w" in core.members.workers
     assert isinstance(core.handle(b"V", hello("generator", "v"))[0][1], P.Welcome)
     core.handle(b"V", P.Heartbeat(peer_id="v", time=0.0, version=0))
     again = _assignments(core.handle(b"V", P.WorkRequest(worker_id="v", credits=G)))

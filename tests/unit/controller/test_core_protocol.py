@@ -55,23 +55,23 @@ def test_a_worker_is_welcomed_with_one_typed_setup_filled_from_the_run(core, mod
 @pytest.mark.parametrize("proto", ["1.0", "1.2", "1.3"])
 def test_a_peer_older_than_the_floor_is_refused_at_hello_naming_the_upgrade(core, proto):
     (_, r), = core.handle(b"O", learner(proto=proto, version=0, capabilities=WEIGHTS))
-    assert isinstance(r, P.Reject) and core.learner_peer is None
+    assert isinstance(r, P.Reject) and core.members.learner_peer is None
     assert f"speaks protocol {proto}, older than 1.4" in r.reason and "upgrade asyncrl" in r.reason
     core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
     (_, r), = core.handle(b"O", worker(proto=proto, peer_id="old"))
-    assert isinstance(r, P.Reject) and "upgrade asyncrl" in r.reason and "old" not in core.workers
+    assert isinstance(r, P.Reject) and "upgrade asyncrl" in r.reason and "old" not in core.members.workers
     assert core.counters["control/rejected_hello"] == 2
     (_, r), = core.handle(b"W", worker(proto=f"1.{P.PROTOCOL_MINOR + 3}"))  # a newer minor still joins
-    assert isinstance(r, P.Welcome) and "w" in core.workers
+    assert isinstance(r, P.Welcome) and "w" in core.members.workers
 
 
 def test_a_workers_version_arrives_as_an_int_field_of_its_heartbeat(core):
     core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
     core.handle(b"W", worker())
     core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, version=5, stats={"tokens_per_s": 12.0}))
-    assert core.workers["w"].version == 5 and core.workers["w"].tokens_per_s == 12.0
+    assert core.members.workers["w"].version == 5 and core.members.workers["w"].tokens_per_s == 12.0
     core.handle(b"W", P.Heartbeat(peer_id="w", time=0.0, version=-1))  # not loaded yet: never goes back
-    assert core.workers["w"].version == 5
+    assert core.members.workers["w"].version == 5
 
 
 def test_the_learners_version_is_an_int_field_it_must_name(core, tmp_path):
@@ -80,9 +80,9 @@ def test_the_learners_version_is_an_int_field_it_must_name(core, tmp_path):
     (_, r), = core.handle(b"L", learner(version=0, capabilities={"weights_announce": "tcp://l:1"}))
     assert isinstance(r, P.Reject) and "weights_announce and weights_fetch" in r.reason
     (_, r), = core.handle(b"L", learner(version=4, capabilities=WEIGHTS))  # batch 4 is not this controller's next
-    assert isinstance(r, P.Reject) and "the learner is at version 4" in r.reason and core.learner_peer is None
+    assert isinstance(r, P.Reject) and "the learner is at version 4" in r.reason and core.members.learner_peer is None
     (_, r), = core.handle(b"L", learner(version=0, capabilities=WEIGHTS))
-    assert isinstance(r, P.Welcome) and core.version.version == 0 and core.learner_peer == b"L"
+    assert isinstance(r, P.Welcome) and core.version.version == 0 and core.members.learner_peer == b"L"
 
 
 def test_checkpoint_request_ack_and_done_are_typed_fields(core):

@@ -30,7 +30,8 @@ def sample(ids):
                             response_ids=arr(ids, np.int32), behav_logp=arr([-1.0] * len(ids), np.float32),
                             versions=arr([0] * len(ids), np.int32), finish_reason="stop", worker_id="w0")
 
-rewards, adv = scorer.score_group(meta, [sample(scorer.encode(meta["answer"])), sample(scorer.encode("x"))])
+scores = scorer.score_group(meta, [sample(scorer.encode(meta["answer"])), sample(scorer.encode("x"))])
+rewards, adv = scores.rewards, scores.advantages
 info = wc.model_info(cfg, folder)
 print(json.dumps({"torch": "torch" in sys.modules, "rewards": rewards, "adv": adv, "eos": list(info.eos_token_ids),
                   "vocab": json.loads(info.config_json)["vocab_size"]}))

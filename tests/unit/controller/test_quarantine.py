@@ -87,7 +87,7 @@ def test_a_worker_rejected_k_times_in_a_row_is_quarantined_once_and_its_group_go
     (peer, shutdown), = replies  # told at once, and why
     assert peer == b"W" and isinstance(shutdown, P.Shutdown) and shutdown.reason.startswith(QUARANTINED)
     assert "3 invalid samples in a row" in shutdown.reason and "behaviour log-probs" in shutdown.reason
-    assert BAD not in core.workers and core.counters["workers/quarantined"] == 1
+    assert BAD not in core.members.workers and core.counters["workers/quarantined"] == 1
     assert core.metrics()["controller/workers/quarantined"] == 1.0
     # whatever it sends now, it gets no work: Shutdown again, or a refusal to join again
     for msg in (P.WorkRequest(worker_id=BAD, credits=G, version=0), P.Heartbeat(peer_id=BAD, time=0.0, version=0)):
@@ -117,7 +117,7 @@ def test_an_accepted_sample_resets_the_count_of_rejections_in_a_row(tmp_path, mo
         (a,) = _assignments(_ask(core))
         answer(core, a)
         assert core.samples_logged == G * (round_ + 1)
-    assert BAD in core.workers and core.counters["workers/quarantined"] == 0
+    assert BAD in core.members.workers and core.counters["workers/quarantined"] == 0
     core.close()
 
 
@@ -159,7 +159,7 @@ def test_honest_late_samples_are_counted_apart_reissued_and_never_quarantine_the
         assert core.on_sample(sample) == []
     assert core.counters["samples/late_version"] == 5 and core.counters["samples/rejected_invalid"] == 0
     assert not [k for k in core.counters if k.startswith("samples/invalid/")]
-    assert BAD in core.workers and core.counters["workers/quarantined"] == 0
+    assert BAD in core.members.workers and core.counters["workers/quarantined"] == 0
     (taken,) = _assignments(core.handle(b"V", P.WorkRequest(worker_id=GOOD, credits=G, version=1)))
     assert taken.group_id == a.group_id  # its group went to the other worker first
     answer(core, taken, worker=GOOD, version=1)

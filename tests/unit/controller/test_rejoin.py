@@ -60,7 +60,7 @@ def test_a_resumed_controller_takes_back_the_live_learner_at_the_same_version(tm
     (_, r), = resumed.handle(b"L", P.BatchRequest(step=1))  # the live learner's request reaches a stranger
     assert isinstance(r, P.Error) and r.code == "not_learner"
     (_, r), = resumed.handle(b"L", learner_at(1))
-    assert isinstance(r, P.Welcome) and resumed.learner_peer == b"L" and resumed.pending_batch is None
+    assert isinstance(r, P.Welcome) and resumed.members.learner_peer == b"L" and resumed.batches.pending is None
     (_, batch), = resumed.handle(b"L", P.BatchRequest(step=1))  # the groups answered before the checkpoint
     assert isinstance(batch, P.TrainBatch) and batch.step == 1
     resumed.close()
@@ -76,7 +76,7 @@ def test_a_second_worker_under_a_live_id_is_refused_by_name_and_a_silent_one_is_
                      capabilities={"quant_format": "int8", "pid": "4242", "host": "gen-2"})
     (_, r), = core.handle(b"W2", second)
     assert isinstance(r, P.Reject) and "worker id 'w' is already taken by a live worker" in r.reason
-    assert "worker_id=NAME" in r.reason and core.workers["w"].peer == b"W"
+    assert "worker_id=NAME" in r.reason and core.members.workers["w"].peer == b"W"
     assert core.counters["control/duplicate_worker_id"] == 1 and core.counters["workers/left"] == 0
     answer(core, a)  # the live worker's work still counts
     assert core.counters["samples/accepted"] + core.counters["samples/completed"] == 4
@@ -85,4 +85,4 @@ def test_a_second_worker_under_a_live_id_is_refused_by_name_and_a_silent_one_is_
     # silent for more than three heartbeats (killed): a new process under its id takes over
     clock[0] += 3 * core.cfg.rollout.heartbeat_s + 0.1
     (_, r), = core.handle(b"W2", second)
-    assert isinstance(r, P.Welcome) and core.workers["w"].peer == b"W2" and core.workers["w"].pid == "4242"
+    assert isinstance(r, P.Welcome) and core.members.workers["w"].peer == b"W2" and core.members.workers["w"].pid == "4242"

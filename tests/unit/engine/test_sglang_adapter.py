@@ -25,7 +25,7 @@ from asyncrl.engine.sglang import SGLangEngine
 from asyncrl.engine.sglang_http import SGLangHTTP, SGLangRequestError, SGLangUnavailableError, parse_base_url
 from asyncrl.engine.sglang_requests import parse_generate_output, request_seed
 from asyncrl.engine.sglang_server import cpu_env, server_command
-from asyncrl.engine.sglang_weights import BroadcastWeights, chunk_update, prepare_update, tensor_bodies
+from asyncrl.engine.sglang_weights import chunk_update, prepare_update, tensor_bodies
 
 WAIT_S = 60.0
 """Bounds a wait for something the adapter's threads do at once (a hang guard, never a speed claim)."""
@@ -116,11 +116,7 @@ class FaultInjectionStub:
                     "weight_versions": [{"version": self.version, "start": 0, "end": n}],
                 },
             }
-        if path in (
-            "/update_weights_from_tensor",
-            "/update_weights_from_disk",
-            "/update_weights_from_distributed",
-        ):
+        if path in ("/update_weights_from_tensor", "/update_weights_from_disk"):
             self.version = payload.get("weight_version", self.version)
         return {"success": True, "message": "ok"}
 
@@ -432,22 +428,6 @@ def test_both_engines_raise_the_one_base_engine_closed_error_after_close(stub, t
         assert type(submitted.value) is type(updated.value) is EngineClosedError, name
         assert "build a new one" in str(submitted.value), name
         engine.close()  # idempotent
-
-
-def test_broadcast_update_posts_metadata_and_is_never_coalesced(stub):
-    engine = SGLangEngine(stub.url)
-    stub.release.clear()
-    engine.submit([req(0)])
-    b = BroadcastWeights(("w",), ("float32",), ((2, 3),))
-    engine.update_weights(1, b)
-    engine.update_weights(2, b)
-    stub.release.set()
-    list(engine.generate())
-    wait_until(lambda: engine.version == 2, "version 2 was never applied")
-    bodies = [p for path, p in stub.calls if path == "/update_weights_from_distributed"]
-    assert [b["weight_version"] for b in bodies] == ["1", "2"]
-    assert bodies[0]["shapes"] == [[2, 3]] and bodies[0]["group_name"] == "weight_update_group"
-    engine.close()
 
 
 def test_chunks_keep_order_and_split_by_bytes():

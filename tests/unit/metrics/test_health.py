@@ -37,7 +37,7 @@ import protocols as P
 from asyncrl.config.health import ALARM_NAMES, HealthConfig, check_health
 from asyncrl.config.loader import load_train_config
 from asyncrl.config.schema import TrainConfig
-from asyncrl.controller.scored import response_metrics
+from asyncrl.controller.batches import response_metrics
 from asyncrl.metrics import Progress
 from asyncrl.metrics.health import ALARMS, HealthMonitor, replay
 from asyncrl.metrics.health_log import HealthWatch, alarms_report, format_alarm, read_alarms, summarize_alarms
@@ -214,7 +214,7 @@ def arr(ids):
 
 
 def test_majority_answer_share_counts_the_batch_most_common_response_without_stop_tokens():
-    m = response_metrics([[0.0, 0.0], [1.0, 0.0]], [arr([7, 2]), arr([7]), arr([7, 2]), arr([5, 2])], stop_ids=[2])
+    m = response_metrics([True, False], [arr([7, 2]), arr([7]), arr([7, 2]), arr([5, 2])], stop_ids=[2])
     assert m["train/majority_answer_share"] == 0.75
 
 
