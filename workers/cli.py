@@ -10,6 +10,7 @@ run says so and exits 0 without touching the run folder.
   asyncrl worker controller=ADDR [...]    join a running job as a generation worker
   asyncrl controller [key=value ...]      a run's controller alone (cluster: each role its own command)
   asyncrl learner controller=ADDR [...]   one learner rank, under torchrun (any number of nodes)
+  asyncrl torchrun [torchrun args]        torchrun, for which SIGTERM or Ctrl-C stops the learner cleanly (exit 0)
   asyncrl replay run=runs/NAME [...]      retrain from a run's trajectory log (bit-identical on CPU)
   asyncrl log inspect PATH                summary of a trajectory log (exit 1: damage or exactly-once broken)
   asyncrl log repair PATH                 salvage a log with interior damage, explicitly
@@ -89,12 +90,18 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     return run_learner(args.rest)
 
 
+def _cmd_torchrun(args: argparse.Namespace) -> int:
+    from workers.torchrun import main as torchrun_main
+
+    return torchrun_main(args.rest)
+
+
 CONTROLLER_HELP = """a run's controller alone, in the foreground (docs/cluster.md)
 Prepares the run folder and the model like `asyncrl train` (same key=value settings; resume=RUN resumes),
 binds transport.host:transport.port, prints its addresses, then serves until the learner finishes:
 
   asyncrl controller transport.host=0.0.0.0 transport.port=5555 transport.keys_dir=keys/ [key=value ...]
-  torchrun --nnodes=N ... -m asyncrl learner controller=tcp://THIS_HOST:5555      (training nodes)
+  asyncrl torchrun --nnodes=N ... -m asyncrl learner controller=tcp://THIS_HOST:5555  (training nodes)
   asyncrl worker controller=tcp://THIS_HOST:5555 [engine=sglang ...]             (generation nodes)
 
 Put the run folder (runs_dir) on a filesystem the learner nodes share: both write checkpoints into it."""
@@ -103,7 +110,7 @@ Put the run folder (runs_dir) on a filesystem the learner nodes share: both writ
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[6:17]))
+                                     epilog="\n".join(__doc__.splitlines()[6:18]))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("train", _cmd_train, "continuous asynchronous training"),
                              ("demo", _cmd_demo, "train on the embedded default and print where results are"),
@@ -126,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                          add_help=False)
     lrn.add_argument("rest", nargs=argparse.REMAINDER)
     lrn.set_defaults(func=_cmd_learner)
+
+    tr = sub.add_parser("torchrun", help="torchrun (same arguments) for which SIGTERM stops the learner cleanly",
+                        add_help=False)
+    tr.add_argument("rest", nargs=argparse.REMAINDER)
+    tr.set_defaults(func=_cmd_torchrun)
 
     keys = sub.add_parser("keys", help="CurveZMQ keys: generate DIR [--clients N] | add DIR NAME")
     keys.add_argument("rest", nargs=argparse.REMAINDER)
@@ -152,9 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("worker", "learner"):  # their own parsers: `asyncrl worker --help` shows their settings
+    if argv and argv[0] in ("worker", "learner", "torchrun"):  # their own parsers (`asyncrl worker --help`)
         args = argparse.Namespace(command=argv[0], overrides=argv[1:], rest=argv[1:],
-                                  func=_cmd_worker if argv[0] == "worker" else _cmd_learner)
+                                  func={"worker": _cmd_worker, "learner": _cmd_learner, "torchrun": _cmd_torchrun}[argv[0]])
     else:
         args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func

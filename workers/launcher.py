@@ -55,13 +55,14 @@ CONTROLLER_EXIT_TIMEOUT_S = 60.0
 
 
 def learner_command(world_size: int, args: list[str]) -> list[str]:
-    """The learner's command line: its ranks under a torchrun agent, or at world size 1 the one rank
-    itself (a one-rank group on an in-process store, ``init_distributed``), which saves the agent's
-    process and its copy of torch beside a small run (docs/benchmarks.md §8)."""
+    """The learner's command line: its ranks under a torchrun agent (``asyncrl torchrun``, for which a
+    SIGTERM is a stop, not a crash), or at world size 1 the one rank itself (a one-rank group on an
+    in-process store, ``init_distributed``), which saves the agent's process and its copy of torch beside a
+    small run (docs/benchmarks.md §8)."""
     script = [str(ROOT / "workers" / "learner.py"), *args]
     if world_size == 1:
         return [sys.executable, "-u", *script]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", *script]
+    return [sys.executable, "-m", "workers.torchrun", "--standalone", f"--nproc_per_node={world_size}", *script]
 
 
 class ChildStartError(RuntimeError):

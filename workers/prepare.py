@@ -41,7 +41,13 @@ def new_run_dir(cfg: TrainConfig) -> Path:
     while run_dir.exists():
         i += 1
         run_dir = base.with_name(f"{base.name}-{i}")
-    run_dir.mkdir(parents=True)
+    try:
+        run_dir.mkdir(parents=True)
+    except OSError as e:
+        from asyncrl.rundir.files import raise_if_not_writable
+
+        raise_if_not_writable(e, cfg.runs_dir, "runs_dir", "pass runs_dir=DIR, a folder this user can write to")
+        raise
     return run_dir
 
 

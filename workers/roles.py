@@ -43,12 +43,14 @@ def run_controller(overrides: Sequence[str]) -> int:
 
 
 LEARNER_HELP = """one learner rank of a run whose controller is already serving (`asyncrl controller`)
-Run it under torchrun; every rank asks the controller where the run folder and the model are:
+Run it under `asyncrl torchrun` (torchrun's arguments; SIGTERM or Ctrl-C to it stops the learner with a
+resumable checkpoint and exit status 0, where plain torchrun exits 1 with a traceback); every rank asks the
+controller where the run folder and the model are:
 
   one node, G GPUs:
-    torchrun --standalone --nproc-per-node=G -m asyncrl learner controller=tcp://HOST:PORT
+    asyncrl torchrun --standalone --nproc-per-node=G -m asyncrl learner controller=tcp://HOST:PORT
   N nodes (the same command on each; SLURM: examples/slurm/asyncrl.sbatch):
-    torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 \\
+    asyncrl torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=NODE0:29500 \\
              --rdzv-id=JOB -m asyncrl learner controller=tcp://HOST:PORT"""
 LEARNER_NOTE = """Rank 0 talks to the controller and serves the weights; the device follows learner.device (auto: NCCL on
 GPUs, gloo on CPUs)."""

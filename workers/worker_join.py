@@ -29,6 +29,7 @@ import zmq
 import protocols as P
 from asyncrl.engine.factory import EngineSpec
 from asyncrl.transport import ZmqChannel, end_context, private_context
+from asyncrl.transport.zap import PlainHandshakeWatch
 
 if TYPE_CHECKING:
     from asyncrl.transport import CurveConfig
@@ -80,10 +81,21 @@ class JoinMixin:
     def _handshake(self) -> P.Welcome:
         hello = self._hello()
         deadline = time.monotonic() + self.hello_timeout_s
+        # a keyless worker sees a CURVE controller only in its socket's handshakes (the socket is this thread's)
+        plain = PlainHandshakeWatch(self.ctl._sock) if self.curve is None else None
+        try:
+            return self._say_hello(hello, deadline, plain)
+        finally:
+            if plain is not None:
+                plain.close()
+
+    def _say_hello(self, hello: P.Hello, deadline: float, plain: PlainHandshakeWatch | None) -> P.Welcome:
         while time.monotonic() < deadline and not self.stop.is_set():
             self.ctl.send(hello)
             env = self.ctl.recv(HELLO_RETRY_S)
             if env is None:
+                if (why := self._keys_mismatch(plain)):
+                    raise SystemExit(f"worker {self.worker_id}: {why}")
                 continue
             msg = env.msg
             if isinstance(msg, P.Welcome):
@@ -96,6 +108,27 @@ class JoinMixin:
             log.warning("unexpected reply to Hello: %r", msg)
         raise SystemExit(f"no Welcome from controller {self.controller} within {self.hello_timeout_s}s; "
                          "is the job running and the address right?")
+
+    def _keys_mismatch(self, plain: PlainHandshakeWatch | None) -> str:
+        """Why no handshake with the controller can succeed, when its CURVE use and this worker's differ ("" if
+        nothing says so): the side that can tell says it at once instead of waiting for the Hello timeout."""
+        if plain is not None:
+            if plain.server_wants_curve():
+                return (f"the controller at {self.controller} requires CURVE keys and this worker has none: start it "
+                        "with transport.keys_dir=DIR, a folder with the run's server.key and a client key pair its "
+                        "controller admits (`asyncrl keys generate`, `asyncrl keys add`)")
+            return ""
+        auth = self.ctl.stats.auth_counts()
+        if auth.get("accepted"):
+            return ""
+        if auth.get("no_curve") or auth.get("aborted", 0) >= 2:
+            return (f"the controller at {self.controller} does not use CURVE keys, but this worker has "
+                    "transport.keys_dir: start the worker without transport.keys_dir, or the controller with "
+                    "transport.keys_dir=DIR")
+        if auth.get("bad_key"):  # (a key not yet allow-listed: it keeps asking, `asyncrl keys add` admits it)
+            return (f"the CURVE handshake with {self.controller} failed: this worker's server.key is not the "
+                    "controller's; copy server.key from the controller's keys folder")
+        return ""
 
     def _join(self) -> tuple[P.Welcome, P.WorkerSetup]:
         """Connect the control socket, say Hello until the controller's Welcome, and check its setup (this

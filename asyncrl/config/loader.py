@@ -227,9 +227,27 @@ def load_train_config(overrides: Sequence[str] = (), *, config_name: str = "trai
         merged = OmegaConf.merge(structured(), composed)
         cfg = to_train_config(merged)
     except (HydraException, OmegaConfBaseException) as e:
-        message = type_error(e, overrides) or f"bad configuration: {e}".replace("\n", " ")
+        message = type_error(e, overrides) or unquoted_value(overrides) or f"bad configuration: {e}".replace("\n", " ")
         raise ValueError(message) from None
     return validate(cfg)
+
+
+def unquoted_value(overrides: Sequence[str]) -> str:
+    """The first override Hydra's grammar cannot read, with the quoting that makes it readable (a value with
+    letters outside ASCII, spaces or brackets must be quoted), or "" when every one parses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for ov in overrides:
+        try:
+            parser.parse_override(ov)
+        except HydraException:
+            key, _, value = ov.partition("=")
+            quoted = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+            return (f"override {ov!r} cannot be read: a value with characters other than ASCII letters, digits and "
+                    f"-_./:+@ must be quoted, {key}={quoted} (in a shell: \"{key}={quoted}\")")
+    return ""
 
 
 def is_global(path: Path) -> bool:

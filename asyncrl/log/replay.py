@@ -41,9 +41,31 @@ def check_replayable(log_dir: str | Path, *, model_id: str, salvage: bool = Fals
     if scan.interior and not salvage:
         raise LogCorruptionError(log_dir, scan.interior)
     notes = [f"log.salvage=true: skipping {c}" for c in scan.interior]
-    notes += [f"warning: {c} (the run stopped mid-write; records before it are replayed)"
-              for c in scan.corruptions if c not in scan.interior]
+    torn = [c for c in scan.corruptions if c not in scan.interior]
+    notes += [f"warning: {c} (the run stopped mid-write; records before it are replayed)" for c in torn]
+    if torn and (lost := _steps_lost(log_dir, scan.records)):
+        notes.append(f"warning: {lost}")
     return notes
+
+
+def _steps_lost(log_dir: str | Path, records: list) -> str:
+    """What a torn tail cost a finished run's replay: the steps its learner trained whose batch records are not
+    in the log (the last ones were in the tail), or "" when none (or the run did not finish)."""
+    import json
+
+    from asyncrl.rundir import RunDir
+
+    final = RunDir(Path(log_dir).parent).learner_final
+    try:
+        trained = int(json.loads(final.read_text())["version"])
+    except (OSError, ValueError, KeyError):
+        return ""
+    held = 1 + max((r.step for r in records if isinstance(r, BatchRecord)), default=-1)
+    if held >= trained:
+        return ""
+    return (f"the run trained {trained} steps ({final.name}) but its log holds the batches of {held}: the batch of "
+            f"step {held} was in the torn tail. This replay trains {held} steps, so its final weights differ from "
+            "the run's")
 
 
 def logged_steps(log_dir: str | Path) -> int:

@@ -11,7 +11,9 @@ every intact record and lists what was skipped in ``salvaged``. ``asyncrl log re
 Never: rewrites or deletes an intact record; loses a record that precedes or follows a corrupt one;
 writes to a log whose file was deleted, moved or replaced under it: at every flush, every fsync and every
 rotation the writer checks that its path still names the file it appends to (same inode and device), and
-raises ``LogLostError`` naming the path otherwise (and for every later append or flush). Cutting a log back
+raises ``LogLostError`` naming the path otherwise (and for every later append or flush); on a full device
+raises ``DiskFullError`` ("disk full at PATH"), and closing then drops what did not fit (a torn tail, cut back
+when the log is reopened) instead of failing a second time. Cutting a log back
 to a checkpoint (``truncate_log``) checks that every segment up to the checkpoint's position is there.
 
 fsync policies: ``always`` (every record durable before ``append`` returns), ``every_n`` (every
@@ -33,7 +35,7 @@ from typing import Any
 from asyncrl.log.framing import Corruption, LogFormatError, encode_record, header_bytes, scan_segment
 from asyncrl.log.records import SCHEMA_VERSION, LogHeader
 from asyncrl.rundir import RunDir
-from asyncrl.rundir.files import raise_if_disk_full
+from asyncrl.rundir.files import DiskFullError, raise_if_disk_full
 
 
 class LogCorruptionError(ValueError):
@@ -116,6 +118,7 @@ class TrajectoryLogWriter:
         self.salvaged: list[Corruption] = []
         self._since_sync = 0
         self.lost: LogLostError | None = None  # set once the file was found deleted, moved or replaced
+        self.full: DiskFullError | None = None  # set once a write found the device full
         existing = segment_paths(self.dir)
         if existing:
             self._check_closed_segments(existing[:-1], salvage)
@@ -182,7 +185,7 @@ class TrajectoryLogWriter:
         try:
             self._append(record)
         except OSError as e:
-            raise_if_disk_full(e, self.path)
+            self._raise_if_full(e)
             raise
 
     def _append(self, record: Any) -> None:
@@ -209,7 +212,16 @@ class TrajectoryLogWriter:
         try:
             self._sync(force=True)
         except OSError as e:
-            raise_if_disk_full(e, self.path)
+            self._raise_if_full(e)
+            raise
+
+    def _raise_if_full(self, err: OSError) -> None:
+        """``DiskFullError`` for a full device (remembered: ``close`` then drops what did not fit, a torn tail
+        that the next open cuts back, instead of failing again)."""
+        try:
+            raise_if_disk_full(err, self.path)
+        except DiskFullError as full:
+            self.full = full
             raise
 
     def _check_in_place(self) -> None:
@@ -234,9 +246,20 @@ class TrajectoryLogWriter:
         return self.segment_index, self._size
 
     def close(self) -> None:
-        if not self._f.closed:
+        if self._f.closed:
+            return
+        try:
             self._sync(force=self.fsync != "never")
-            self._f.close()
+        except OSError as e:
+            try:
+                self._f.close()  # closes the file even though what is buffered cannot be written
+            except OSError:
+                pass
+            if self.full is None:  # a full device not said yet: say it now
+                self._raise_if_full(e)
+                raise
+            return
+        self._f.close()
 
     def __enter__(self) -> TrajectoryLogWriter:
         return self

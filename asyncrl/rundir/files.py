@@ -2,7 +2,8 @@
 
 Owns: writing a file so that a reader sees the old content or the new, never a half-written one
 (temporary file in the same folder, fsync, rename; the temporary is removed on any failure), the
-``sha256`` header of checksummed JSON files, and ``DiskFullError`` ("disk full at PATH").
+``sha256`` header of checksummed JSON files, ``DiskFullError`` ("disk full at PATH") and ``NotWritableError``
+("PATH is not writable").
 Never: imports torch or zmq; retries a failed write.
 """
 
@@ -26,6 +27,17 @@ class DiskFullError(OSError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class NotWritableError(ValueError):
+    """A folder a run must write into refuses writes (a read-only filesystem, no permission)."""
+
+
+def raise_if_not_writable(err: OSError, path: str | Path, what: str, fix: str) -> None:
+    """Re-raise ``err`` as ``NotWritableError`` ("WHAT PATH is not writable (why); FIX") when it is EROFS,
+    EACCES or EPERM (call inside ``except OSError``)."""
+    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        raise NotWritableError(f"{what} {path} is not writable ({os.strerror(err.errno)}); {fix}") from None
 
 
 class ChecksumError(ValueError):

@@ -14,6 +14,7 @@ import fcntl
 import os
 from pathlib import Path
 
+from asyncrl.rundir.files import raise_if_not_writable
 from asyncrl.rundir.paths import RunDir
 
 INHERITED_ENV = "ASYNCRL_RUN_LOCK_FD"
@@ -26,7 +27,13 @@ class RunFolderInUse(ValueError):
 def acquire_run_lock(run_dir: str | Path) -> int:
     """Hold ``run_dir``'s lock; returns the descriptor (keep it open). ``RunFolderInUse`` names the holder."""
     path = RunDir(Path(run_dir)).lock
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a read-only folder: said before anything starts
+        raise_if_not_writable(e, run_dir, "run folder", "a run writes its log, checkpoints and metrics there: make "
+                              "it writable (remount it read-write, or chmod -R u+w), or copy it to a writable place "
+                              "and resume the copy (asyncrl log show, log inspect and replay read it as it is)")
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

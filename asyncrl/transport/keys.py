@@ -6,7 +6,8 @@ ROUTER) or a client (connected sockets: worker and learner DEALERs, worker PUSH,
 DEALER), the allow-list reader, and the rule that a non-loopback bind needs keys (or an explicit
 ``transport.insecure=true``).
 Never: touches a socket (``zap.secure_socket`` applies a ``CurveConfig``); parses argv; writes a secret
-key readable by other users; imports torch.
+key readable by other users, or uses one (group or other permission bits set: refused, naming the chmod);
+imports torch.
 
 Keys folder (every file is a zmq certificate written by ``zmq.auth``)::
 
@@ -106,8 +107,16 @@ def _read_pair(path: Path, what: str) -> tuple[bytes, bytes]:
     if not path.is_file():
         raise ValueError(f"{path} not found: {what}; make keys with `asyncrl keys generate "
                          f"{path.parent}` and set transport.keys_dir to that folder")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:  # as ssh does: a secret others can read may have been copied; never use it silently
+        raise ValueError(f"{path} is readable by other users (mode {mode:04o}): its secret key must be private; "
+                         f"`chmod 600 {path}` if no one else could have read it, else make new keys with "
+                         "`asyncrl keys generate`")
     try:
         public, secret = zmq.auth.load_certificate(path)
+    except PermissionError:
+        raise ValueError(f"{path} cannot be read by this user: run as the user that owns it, or give it to this "
+                         f"user (chown; keep it mode 600)") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is not a zmq certificate ({e}); regenerate it with `asyncrl keys generate`") from None
     if secret is None:

@@ -2,8 +2,9 @@
 
 Owns: applying a ``CurveConfig`` (``keys``) to a zmq socket (``secure_socket``), the process-global
 registry with one ZAP handler thread per zmq context that answers with the allow-list of the
-socket's ZAP domain (re-read when its folder changes), and the counters of accepted and denied
-handshakes (``transport/auth/*``).
+socket's ZAP domain (re-read when its folder changes), the counters of accepted and denied
+handshakes (``transport/auth/*``) with the fix each failure suggests in its log line, and
+``PlainHandshakeWatch``, which lets a keyless client tell that its server requires CURVE.
 Never: sends or reads asyncrl messages (``channel`` does); weakens a socket that has keys (a server
 socket with keys enforces its ZAP domain, so without a running handler every client is refused);
 reads key files itself (``keys`` does); imports torch.
@@ -44,6 +45,18 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                    | zmq.EVENT_MONITOR_STOPPED)
+
+
+_HINTS = {
+    (False, "refused"): "; this key is not in the server's allow-list",
+    (True, "no_curve"): "; a client without CURVE keys: it needs transport.keys_dir=DIR with server.key and a client "
+                        "key pair from `asyncrl keys generate`",
+    (True, "aborted"): "; the client hung up mid-handshake: a client without CURVE keys (it needs "
+                       "transport.keys_dir=DIR), or not an asyncrl client",
+    (False, "no_curve"): "; the server does not use CURVE keys: connect without transport.keys_dir, or start the "
+                         "server with them",
+}
+"""What a failed handshake tells the operator to do, by (server side?, reason)."""
 
 
 # ---------------------------------------------------------------------- ZAP handler + monitors
@@ -126,8 +139,7 @@ class _Security:
             count(reason)
         if reason != "accepted" and n & (n - 1) == 0:  # 1st, 2nd, 4th, ...: a retrying client cannot flood the log
             log.warning("%s-side CURVE handshake failed: %s (%d so far; zmq event %#x value %#x)%s",
-                        "server" if server else "client", reason, n, int(kind), int(value),
-                        "; this key is not in the server's allow-list" if reason == "refused" else "")
+                        "server" if server else "client", reason, n, int(kind), int(value), _HINTS.get((server, reason), ""))
         return True
 
     def _run(self) -> None:
@@ -195,6 +207,35 @@ def secure_socket(sock: zmq.Socket, curve: CurveConfig, context: zmq.Context, *,
     sec.watch(sock, curve.is_server, count)
 
 
+class PlainHandshakeWatch:
+    """The handshakes of one plain (keyless) client socket, read by its own thread while it waits for a first
+    answer: a server that speaks CURVE fails every handshake with a mechanism mismatch (or hangs up at once,
+    when it noticed first), which a plain socket otherwise never reports. ``close`` before the socket's."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self._pair = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                             | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.counts: collections.Counter = collections.Counter()
+
+    def server_wants_curve(self) -> bool:
+        """True once the server refused a plain handshake: a mechanism mismatch, or two hang-ups mid-handshake
+        and no handshake that succeeded."""
+        while self._pair.poll(0):
+            ev = parse_monitor_message(self._pair.recv_multipart())
+            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.counts["accepted"] += 1
+            elif ev["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                self.counts["no_curve"] += 1
+            else:
+                self.counts["aborted"] += 1
+        return not self.counts["accepted"] and (self.counts["no_curve"] > 0 or self.counts["aborted"] >= 2)
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._pair.close(linger=0)
+
+
 def auth_metrics(context: zmq.Context | None = None, prefix: str = "transport/auth") -> dict[str, float]:
     """Handshake counters of every secured socket of ``context`` (default: the shared one); {} if none."""
     ctx = context or zmq.Context.instance()
@@ -225,6 +266,7 @@ def shutdown_security(context: zmq.Context) -> None:
 
 
 __all__ = [
+    "PlainHandshakeWatch",
     "auth_counter_metrics",
     "auth_metrics",
     "secure_socket",

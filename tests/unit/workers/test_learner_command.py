@@ -12,7 +12,7 @@ def test_one_rank_runs_alone_and_several_under_torchrun():
     one = learner_command(1, ["--run-dir", "R"])
     assert one == [sys.executable, "-u", str(ROOT / "workers" / "learner.py"), "--run-dir", "R"]
     two = learner_command(2, ["--run-dir", "R"])
-    assert two[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    assert two[:4] == [sys.executable, "-m", "workers.torchrun", "--standalone"]  # torchrun with a clean stop
     assert "--nproc_per_node=2" in two and two[-3:] == [str(ROOT / "workers" / "learner.py"), "--run-dir", "R"]
 
 
