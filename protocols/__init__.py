@@ -21,7 +21,6 @@ from protocols.codec import (
 )
 from protocols.messages import *  # noqa: F403
 from protocols.messages import (
-    DELTA_KINDS,
     FINISH_REASONS,
     MESSAGE_TYPES,
     PROTOCOL_FLOOR_MINOR,
@@ -29,12 +28,11 @@ from protocols.messages import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     ROLES,
-    DeltaPart,
     Message,
     SamplingParams,
-    TensorSpec,
 )
 from protocols.setup import RunSetup, WorkerSetup
+from protocols.weights import BUCKET_DTYPE, DELTA_KINDS, DeltaPart, TensorSpec
 
 __all__ = [
     "DTYPE_SIZES",
@@ -63,6 +61,7 @@ __all__ = [
     "TensorSpec",
     "DeltaPart",
     "DELTA_KINDS",
+    "BUCKET_DTYPE",
     "ROLES",
     "FINISH_REASONS",
     *[t.__name__ for t in MESSAGE_TYPES],

@@ -35,13 +35,22 @@ import msgspec
 from protocols.arrays import Array, check_token_arrays, check_vectors
 from protocols.setup import RunSetup, WorkerSetup
 from protocols.values import FINISH_REASONS
+from protocols.weights import (
+    WeightAnnounce,
+    WeightBucket,
+    WeightChunk,
+    WeightDelta,
+    WeightFetch,
+)
 
 PROTOCOL_MAJOR = 1
 # 1.1: TensorSpec.digest; 1.2: WeightAnnounce.aqn_resample; 1.3: Hello.version, Welcome.setup/run,
 # VersionUpdate.checkpoint/checkpointed/done, Heartbeat.version (typed, instead of string/float dicts);
 # 1.4: WorkerSetup.group_size; 1.5: WeightFetch.base_version/base_checksum, WeightDelta (a worker of 1.4 never
-# asks for a delta, and a server of 1.4 ignores the base and sends the full version)
-PROTOCOL_MINOR = 5
+# asks for a delta, and a server of 1.4 ignores the base and sends the full version); 1.6: WeightFetch.bucket_bytes/
+# bucket, WeightChunk.offset, WeightBucket (a worker of 1.5 never asks for buckets, and a server of 1.5 ignores
+# bucket_bytes and answers in one piece, which a worker of 1.6 takes as before)
+PROTOCOL_MINOR = 6
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 PROTOCOL_FLOOR_MINOR = 4
 """The oldest minor a peer may speak (evolution rule 5); older peers are refused at ``Hello``."""
@@ -202,146 +211,8 @@ class FinishedSample(_Base, tag="finished_sample", gc=False):
 
 
 # ------------------------------------------------------------------------------------------ weights
-class TensorSpec(_Base, tag="tensor_spec"):
-    """One entry of a weight manifest: the one manifest type of asyncrl (``asyncrl.quant`` builds and
-    verifies publications from it, ``asyncrl.transport`` ships it in ``WeightAnnounce`` and checks every
-    ``WeightChunk`` against it, the engines load what it describes).
-
-    ``role``: ``full_precision`` (a tensor asyncrl.quant publishes untouched), ``weight``, ``codes``,
-    ``scale``, ``global_scale`` (the format tensors of a quantized linear, asyncrl.quant.formats); the
-    default ``full`` is what a publisher that never quantizes may leave.
-    ``logical_shape``: the [N, K] of the linear a ``codes``/``weight`` entry encodes (``()``: none).
-    ``digest`` ("xxh3_128:<hex>", since 1.1) is the integrity digest of the tensor's bytes; ``sha256`` is
-    what 1.0 publishers sent instead. The two agree after construction and decoding: a sha256-only entry
-    gets ``digest = "sha256:<hex>"``, and a ``sha256:`` digest is mirrored into ``sha256`` for 1.0 readers."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    role: str = "full"
-    fmt: str = ""
-    sha256: str = ""
-    logical_shape: tuple[int, ...] = ()
-    digest: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.digest and self.sha256:
-            self.digest = f"sha256:{self.sha256}"
-        elif not self.sha256 and self.digest.startswith("sha256:"):
-            self.sha256 = self.digest.removeprefix("sha256:")
-
-
-class WeightAnnounce(_Base, tag="weight_announce"):
-    """Version ``version`` is published; fetch it by ``WeightFetch``. Sent on PUB and on request."""
-
-    version: int
-    fmt: str
-    manifest: list[TensorSpec]
-    checksum: str
-    total_bytes: int
-    aqn_seed: int = -1
-    aqn_sigma: float = 0.0
-    aqn_resample: str = "publication"
-    """``forward``: clean gains; the sampler redraws the AQN noise at every forward (seed, sigma above)."""
-
-
-class WeightFetch(_Base, tag="weight_fetch"):
-    """Ask for every chunk of ``version`` (-1: the latest) in format ``fmt`` ("" = the primary format).
-
-    ``base_version`` >= 0: the asker holds that version, whose publication checksum is ``base_checksum``, and
-    takes a ``WeightDelta`` from it when the server has one (the version right after the base, not a version
-    the server sends whole); otherwise the answer is the full version (``WeightAnnounce`` and its chunks)."""
-
-    version: int = -1
-    fmt: str = ""
-    base_version: int = -1
-    base_checksum: str = ""
-
-
-class DeltaPart(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """How manifest entry ``name`` of a ``WeightDelta`` travels: ``same`` (unchanged since the base: no
-    frame), ``sparse`` (``count`` changed elements: one frame of ``count`` int32 flat indices then the
-    ``count`` new elements, little-endian) or ``dense`` (the whole tensor: one frame of the entry's bytes).
-    ``nbytes`` is the frame's size (0 for ``same``)."""
-
-    name: str
-    kind: str
-    count: int = 0
-    nbytes: int = 0
-
-
-DELTA_KINDS = ("same", "sparse", "dense")
-
-
-class WeightDelta(_Base, tag="weight_delta"):
-    """Version ``version`` as the changes from ``base_version`` (publication checksum ``base_checksum``):
-    the answer to a ``WeightFetch`` that named that base. ``manifest`` and ``checksum`` are those of the
-    full version (so a worker checks every changed tensor against its digest after applying); ``parts`` say,
-    entry by entry in manifest order, how each travels, and one ``WeightChunk`` (name, dtype ``delta``,
-    shape ``(nbytes,)``) plus its payload frame follows for each part that is not ``same``."""
-
-    version: int
-    fmt: str
-    base_version: int
-    base_checksum: str
-    manifest: list[TensorSpec]
-    checksum: str
-    parts: list[DeltaPart]
-    total_bytes: int
-    """Bytes of the payload frames (what the delta moves, headers aside)."""
-    full_bytes: int
-    """Bytes of the full version, for the ratio."""
-    aqn_seed: int = -1
-    aqn_sigma: float = 0.0
-    aqn_resample: str = "publication"
-
-    def __post_init__(self) -> None:
-        if len(self.parts) != len(self.manifest) or any(
-                p.name != e.name for p, e in zip(self.parts, self.manifest, strict=False)):
-            raise ValueError("WeightDelta.parts must name the manifest entries, in order")
-        for p in self.parts:
-            if p.kind not in DELTA_KINDS or p.count < 0 or p.nbytes < 0 or (p.kind == "same") != (p.nbytes == 0):
-                raise ValueError(f"WeightDelta part {p.name!r}: kind {p.kind!r} with {p.nbytes} bytes is not one of "
-                                 f"{DELTA_KINDS} (same: 0 bytes)")
-        if self.base_version < 0 or self.version <= self.base_version:
-            raise ValueError(f"WeightDelta from {self.base_version} to {self.version}: the base must be an "
-                             "earlier version")
-
-    def payload_parts(self) -> list[DeltaPart]:
-        """The parts that carry a frame, in order."""
-        return [p for p in self.parts if p.kind != "same"]
-
-
-class WeightChunk(_Base, tag="weight_chunk"):
-    """Header of one tensor of a published version; its raw bytes travel in the next ZeroMQ frame.
-    Its name, dtype, shape and byte count are those of manifest entry ``index`` (``for_entry``/``describes``)."""
-
-    version: int
-    index: int
-    count: int
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-    @classmethod
-    def for_entry(cls, spec: TensorSpec, *, version: int, index: int, count: int) -> WeightChunk:
-        """The chunk header of manifest entry ``index`` (of ``count``) of ``version``."""
-        return cls(version=version, index=index, count=count, name=spec.name, dtype=spec.dtype,
-                   shape=tuple(spec.shape), nbytes=spec.nbytes)
-
-    @classmethod
-    def for_delta_part(cls, part: DeltaPart, *, version: int, index: int, count: int) -> WeightChunk:
-        """The chunk header of a ``WeightDelta``'s payload part ``index`` (of ``count`` that carry a frame)."""
-        return cls(version=version, index=index, count=count, name=part.name, dtype="delta",
-                   shape=(part.nbytes,), nbytes=part.nbytes)
-
-    def describes(self, spec: TensorSpec, *, version: int, index: int) -> bool:
-        """Whether this header is manifest entry ``index`` of ``version`` (what a fetch expects next)."""
-        return (self.version == version and self.index == index and self.name == spec.name
-                and self.dtype == spec.dtype and tuple(self.shape) == tuple(spec.shape)
-                and self.nbytes == spec.nbytes)
+# protocols/weights.py: TensorSpec, WeightAnnounce, WeightFetch, DeltaPart, WeightDelta, WeightChunk,
+# WeightBucket (imported above)
 
 
 # ---------------------------------------------------------------------------------------- learning
@@ -440,6 +311,7 @@ Message = (
     | WeightFetch
     | WeightChunk
     | WeightDelta
+    | WeightBucket
     | TrainSample
     | BatchRequest
     | TrainBatch

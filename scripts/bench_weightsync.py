@@ -29,7 +29,9 @@ to the load average seen during the repeats. One torch thread in both processes.
 
 Run: ``python scripts/bench_weightsync.py [--quick|--smoke] [--formats fp32,bf16,int8,nvfp4]
 [--models qwen2-22m,tiny] [--json PATH]``. ``--delta`` runs ``scripts/bench_delta.py`` instead (whole vs delta
-sync on consecutive versions of SmolLM2 being trained; its own options).
+sync on consecutive versions of SmolLM2 being trained; its own options). ``--bucket-mb MB`` runs
+``scripts/bench_buckets.py`` instead (one piece vs buckets of MB MiB, whole versions and deltas, side by side on
+consecutive versions of a model being trained, ``--model tiny|smollm2``; its own options).
 """
 
 from __future__ import annotations
@@ -205,6 +207,10 @@ def headline_ratios(raw: list[dict], models: list[str], formats: list[str]) -> d
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a.split("=")[0] == "--bucket-mb" for a in argv):  # one piece vs buckets, whole and delta
+        from scripts import bench_buckets
+
+        return bench_buckets.main([a for a in argv if a != "--delta"])
     if "--delta" in argv:  # whole vs delta sync on consecutive versions of a model being trained
         from scripts import bench_delta
 

@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -116,6 +117,7 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         self.weight_sync_s = 0.0  # seconds spent fetching + unpacking + handing over new versions (comms thread)
         self.weight_syncs = 0
         self.delta_ok = False  # whether the engine applies weight deltas (read once it is built)
+        self.stream_ok = False  # whether it loads a version bucket by bucket as it arrives (native)
         self.weight_deltas = 0  # of those, versions fetched as a delta from the one before (transport.delta)
         self.weight_sync_bytes = 0  # payload bytes fetched, whole versions and deltas
         self.t_start = time.monotonic()
@@ -149,6 +151,7 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         try:
             with self._heartbeats_while_starting():  # an SGLang server can take minutes to start
                 self.engine = build_engine(self._engine_spec(setup))
+                self.stream_ok = callable(getattr(self.engine, "load_stream", None))  # before the first, largest load
                 self.push = ZmqChannel.connect(zmq.PUSH, setup.samples_address, name="worker-samples",
                                                curve=self.curve, context=self.ctx)
                 self.setup = setup
@@ -222,11 +225,41 @@ class GeneratorWorker(JoinMixin, RejoinMixin):
         # (docs/benchmarks.md §8, where the job's memory goes).
         malloc_trim()
         base, base_checksum = self._delta_base()
+        if self.stream_ok:
+            self._stream_weights(version, timeout_s, cancel, base, base_checksum, t0)
+            return
         ann, buffers = self._weights.fetch(version, timeout_s=timeout_s, fmt=self.wire_fmt, cancel=cancel,
                                            base_version=base, base_checksum=base_checksum)
         if ann.version <= self.weights_version:
             return
         self._take_weights(ann, buffers, t0)
+
+    def _stream_weights(self, version: int, timeout_s: float, cancel: threading.Event | None, base: int,
+                        base_checksum: str, t0: float) -> None:
+        """The version in buckets, each loaded into the engine as it arrives (``transport.bucket_mb``); a learner
+        that sends none (``bucket_mb=0``, protocol 1.5) answers in one piece, handed over as before. On an error
+        the engine holds the version before; the next fetch after a failed delta is whole."""
+        engine: Any = self._engine
+        with self._weights.stream(version, timeout_s=timeout_s, fmt=self.wire_fmt, cancel=cancel, base_version=base,
+                                  base_checksum=base_checksum) as stream:
+            if stream.whole is not None:
+                ann, buffers = stream.whole
+                if ann.version > self.weights_version:
+                    self._take_weights(ann, buffers, t0)
+                return
+            if stream.version <= self.weights_version:
+                return
+            try:
+                loaded = engine.load_stream(stream.version, stream)
+            except Exception:
+                if base >= 0:
+                    self.weights_checksum = ""
+                raise
+        self.weights_version, self.weights_checksum = loaded.version, loaded.checksum
+        self.weight_deltas += int(loaded.is_delta)
+        self.weight_sync_bytes += loaded.stream_bytes
+        self.weight_sync_s += time.perf_counter() - t0
+        self.weight_syncs += 1
 
     def _delta_base(self) -> tuple[int, str]:
         """(version, checksum) of the weights handed to the engine, offered as the base of a delta: only for an

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,7 @@ from asyncrl.learner.policy import (
 from asyncrl.models.prepare import model_id
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import KEEP_CHECKPOINTS
+from asyncrl.rundir.files import DiskFullError
 from asyncrl.transport import (
     ChannelTimeout,
     WeightServer,
@@ -59,6 +60,7 @@ from asyncrl.transport.publication import to_wire
 from protocols.values import QUANTIZED_FORMATS
 from workers.learner_link import FINAL_ACK_TIMEOUT_S, ControllerSource, finite_metrics
 from workers.learner_setup import Policy, Rank, load_policy, start_rank, training_state
+from workers.learner_stop import StopRequest, stopped_line
 
 if TYPE_CHECKING:
     from asyncrl.quant import BufferPool, PublishedWeights
@@ -86,7 +88,7 @@ class Publisher:
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         from asyncrl.quant import aqn_sigma, code_change_frac, make_delta, publication_seed, publish
-        from asyncrl.transport.publication import delta_to_wire
+        from asyncrl.transport.publication import delta_to_wire, publish_streamed
 
         q = self.cfg.quant
         sigma, seed = 0.0, None
@@ -95,26 +97,28 @@ class Publisher:
             seed = publication_seed(self.cfg.seed, version)
         metrics = {"aqn/sigma": sigma}
         t0 = time.perf_counter()
+        t = self.cfg.transport
         for fmt in self.formats:
-            pub = publish(state_dict, fmt, version=version, aqn_sigma=sigma, aqn_seed=seed if sigma > 0 else None,
-                          uaq_s=q.uaq_scale if q.uaq else 1.0, uaq_sites=tuple(q.uaq_sites) if q.uaq else (),
-                          aqn_resample=q.aqn_resample, head=q.lm_head, pool=self.pools[fmt])
+            kwargs: dict[str, Any] = dict(
+                aqn_sigma=sigma, aqn_seed=seed if sigma > 0 else None, uaq_s=q.uaq_scale if q.uaq else 1.0,
+                uaq_sites=tuple(q.uaq_sites) if q.uaq else (), aqn_resample=q.aqn_resample, head=q.lm_head,
+                pool=self.pools[fmt])
             prev = self.prev.get(fmt)
+            base = prev if (t.delta and fmt in QUANTIZED_FORMATS and prev is not None and prev.version == version - 1
+                            and version % t.full_every != 0) else None  # a worker that holds it fetches the delta
+            if t.bucket_mb > 0:  # served in buckets while it is quantised (transport.bucket_mb)
+                pub, delta = publish_streamed(self.server, state_dict, fmt, version=version, prev=base, **kwargs)
+            else:
+                pub = publish(state_dict, fmt, version=version, **kwargs)
+                delta = None if base is None else make_delta(base, pub)
+                self.server.publish(*to_wire(pub), *(delta_to_wire(delta) if delta is not None else (None, None)))
             if prev is not None:
                 metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(prev, pub)
-            t = self.cfg.transport
-            delta = header = None
-            frames: list = []
-            if (t.delta and fmt in QUANTIZED_FORMATS and prev is not None and prev.version == version - 1
-                    and version % t.full_every != 0):
-                delta = make_delta(prev, pub)  # a worker that holds prev fetches only this
-                header, frames = delta_to_wire(delta)
+            if delta is not None:
                 metrics[f"weights/{fmt}/delta_bytes"] = float(delta.total_bytes())
                 metrics[f"weights/{fmt}/changed_frac"] = delta.changed_frac()
             if fmt in QUANTIZED_FORMATS:  # the previous codes: code_change_frac and the next version's delta
                 self.prev[fmt] = pub
-            announce, buffers = to_wire(pub)
-            self.server.publish(announce, buffers, header, frames)
             metrics[f"quant/{fmt}/published_bytes"] = float(pub.total_bytes())
         metrics["time/publish_s"] = time.perf_counter() - t0
         return metrics
@@ -224,7 +228,7 @@ class Learner:
     state: TrainState
     run_dir: Path
     model_dir: Path
-    stop: threading.Event
+    stop: StopRequest
     replay: bool
     buffers: dict[str, torch.Tensor]
     """The policy's non-parameter tensors (rotary tables), by the base model's names (for evaluation)."""
@@ -253,6 +257,9 @@ class Learner:
                 return 1
         except ChannelTimeout as e:
             log.error("controller unreachable: %s", e)
+            return 1
+        except DiskFullError as e:  # the failed checkpoint is removed; the previous one stays the resume point
+            log.error("learner stopped: %s", e)
             return 1
         finally:
             self.close()
@@ -331,11 +338,15 @@ class Learner:
         """After the loop: a final checkpoint only with the controller's state of the same version (it may be
         gone: then the last periodic checkpoint stays the resume point); export, hash and evaluate unless stopped."""
         info = self.info
-        if _agree(self.source is not None and self.source.sync_checkpoint(self.state.version), info):  # rank 0
+        saved = _agree(self.source is not None and self.source.sync_checkpoint(self.state.version), info)  # rank 0
+        if saved:
             save_checkpoint(RunDir(self.run_dir).checkpoints, self.state, info, keep_last=KEEP_CHECKPOINTS)
         if not _agree(info.is_main and self.stop.is_set(), info):  # finished (or the replayed log ran out)
             finish_run(self.cfg, self.state, self.policy.model, self.model_dir, self.run_dir, info, self.evaluator,
                        self.source, t_run, self.policy.lora)
+        elif info.is_main and self.stop.signal_name:  # a requested stop: one line, where to resume from
+            log.info("%s", stopped_line(self.stop.signal_name, self.state.version, saved,
+                                        RunDir(self.run_dir).checkpoints))
 
     def close(self) -> None:
         if self.server is not None:
@@ -353,9 +364,9 @@ def build(run_dir: Path, model_dir: Path, *, controller: str = "", replay_log: s
     controller (``replay_steps``: only its first N steps); ``publish_formats``: the formats rank 0 publishes
     (default: the run's ``quant.fmt``)."""
     cfg = read_run_config(run_dir)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = StopRequest()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, stop.on_signal)
     rank = start_rank(cfg)
     policy = load_policy(cfg, model_dir, rank)
     replay = bool(replay_log)
@@ -384,7 +395,8 @@ def open_rank0(learner: Learner, sd: Mapping[str, torch.Tensor], *, controller: 
         host = cfg.transport.host
         curve = server_curve(cfg.transport)
         check_bind_security(f"tcp://{host}:0", keys=curve is not None, insecure=cfg.transport.insecure)
-        learner.server = WeightServer(f"tcp://{host}:0", f"tcp://{host}:0", curve=curve)
+        learner.server = WeightServer(f"tcp://{host}:0", f"tcp://{host}:0", curve=curve,
+                                      bucket_bytes=int(cfg.transport.bucket_mb * 2**20))
         learner.publisher = Publisher(cfg, formats, learner.server)
         learner.publisher.publish(sd, version)
         learner.adopt_publication()

@@ -105,6 +105,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sglang.startup_timeout_s": ("(0, inf)", "seconds to wait for a started server"),
     "transport.port": ("[0, 65535]", "a TCP port; 0 = any free port"),
     "transport.full_every": ("[1, 1000000]", "every N-th version is sent whole (1: every version)"),
+    "transport.bucket_mb": ("[0, 65536]", "MiB per bucket of weights sent to a worker (0: one piece)"),
     "log.fsync_every": ("[1, inf)", "records between fsyncs"),
     "log.rotate_mb": ("[1, inf)", "segment size in MiB"),
     "health.window": ("[1, inf)", "training steps each windowed alarm averages over"),

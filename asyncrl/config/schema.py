@@ -306,6 +306,12 @@ class TransportConfig:
     bytes gets the version whole). The bytes a worker holds are the full version's either way."""
     full_every: int = 20
     """With ``delta``: every N-th version is published whole only (every worker fetches it whole)."""
+    bucket_mb: float = 64.0
+    """Weights go to native-engine workers in buckets of this many MiB: the learner serves each bucket as soon as
+    its tensors are quantized, and a worker loads each into its engine as it arrives and drops it before the
+    next, so a load holds about one bucket of received bytes instead of the whole version (its engine runs no
+    forward while a version of several buckets streams in). 0: one piece, the whole version in memory, as
+    SGLang workers always fetch (docs/quantization.md §4.2)."""
 
 
 @dataclass(kw_only=True)

@@ -5,8 +5,9 @@ surface (submit / update_weights / abort / pause / resume / close), the bookkeep
 token's behaviour log-prob and policy version, and the choice of decode path per step: the static step
 (``asyncrl.engine.static_step``, optionally as CUDA graphs) for a natively supported model, the eager
 reference path (``asyncrl.engine.forward.eager_forward``) with ``decode_step="eager"`` or forward AQN.
-Row state, the checks on submitted requests and batch admission are ``asyncrl.engine.rows``; what a weight
-load changes besides the weights (forward AQN, captured graphs' addresses) is ``asyncrl.engine.swap_state``.
+Row state, the checks on submitted requests and batch admission are ``asyncrl.engine.rows``; taking new weights
+(``update_weights``, ``load_stream``) is ``asyncrl.engine.weight_updates``; what a weight load changes besides
+the weights (forward AQN, captured graphs' addresses) is ``asyncrl.engine.swap_state``.
 
 Must never: import zmq/msgspec or know about controllers and workers; call ``torch.manual_seed`` or use the
 global RNG (sampling randomness comes from ``sampling.request_uniform``); hold ``_lock`` while running the
@@ -50,13 +51,14 @@ from asyncrl.engine.rows import Seq, model_eos_ids, new_rows, own_memory, split_
 from asyncrl.engine.static_step import StaticStep
 from asyncrl.engine.step_graphs import resolve_cuda_graphs
 from asyncrl.engine.swap_state import SwapState
-from asyncrl.engine.weights import QUANT_FORMATS, apply_weights, check_weights, quantize_actor
-from asyncrl.quant import PublishedDelta, QuantError, QuantLinear
+from asyncrl.engine.weight_updates import WeightUpdates
+from asyncrl.engine.weights import QUANT_FORMATS, quantize_actor
+from asyncrl.quant import QuantLinear
 
 log = logging.getLogger(__name__)
 
 
-class NativeEngine:
+class NativeEngine(WeightUpdates):
     """``RolloutEngine`` for HF Llama/Qwen2/Qwen3/Mistral causal LMs on CPU or one GPU (see module docstring)."""
 
     def __init__(
@@ -175,45 +177,6 @@ class NativeEngine:
             self._inbox.extend(seqs)
             self._wake.notify_all()
 
-    def update_weights(self, version: int, weights: Any) -> None:
-        """Record weights for ``version``; they are swapped in at the next step boundary.
-
-        ``weights``: a ``PublishedWeights`` from ``asyncrl.quant.publish`` in this engine's format, a
-        ``PublishedDelta`` from the version handed over before it (``asyncrl.quant.make_delta``), or a plain
-        state dict (fp32 engine: loaded as is; quantized engine: quantized here). If several full updates
-        arrive before a boundary only the newest is applied; deltas queued after it are applied in order.
-        ``version`` must exceed every earlier one.
-        """
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ValueError(f"version must be an int, got {version!r}")
-        with self._lock:
-            model = self._model
-        if model is None:
-            raise EngineClosedError("engine is closed; build a new one")
-        check_weights(weights, self.quant_format, model)
-        with self._lock:
-            if self._closed:
-                raise EngineClosedError("engine is closed; build a new one")
-            latest = self._pending_weights[-1][0] if self._pending_weights else self._version
-            if version <= latest:
-                raise ValueError(
-                    f"weight version {version} is not newer than {latest}; versions must increase"
-                )
-            if isinstance(weights, PublishedDelta):
-                if weights.base_version != latest:
-                    raise ValueError(f"a delta from version {weights.base_version} cannot follow version {latest}; "
-                                     "fetch the version whole")
-                self._pending_weights.append((version, weights))
-            else:
-                self._pending_weights = [(version, weights)]
-            self._wake.notify_all()
-
-    def take_delta_failure(self) -> bool:
-        """True once after a delta failed to apply (the engine kept its version; fetch the next one whole)."""
-        with self._lock:
-            failed, self._delta_failed = self._delta_failed, False
-        return failed
-
     def abort(self, sample_ids: Sequence[str]) -> None:
         """Finish live samples with ``finish_reason="abort"`` (partial tokens kept); unknown ids are ignored."""
         with self._lock:
@@ -262,6 +225,7 @@ class NativeEngine:
             "behav_logp": "processed",
             "decode_step": "eager" if self._static is None else "static",
             "weight_delta": True,
+            "weight_stream": True,
             "kernels": sorted({m.kernel for m in self._model.modules() if isinstance(m, QuantLinear)}
                               if self._model is not None else ()),
             "cuda_graphs": self._static is not None and self._static.graphs.use_graphs,
@@ -323,24 +287,7 @@ class NativeEngine:
         the previous version and the next ``step`` carries on.
         """
         with self._step_lock:
-            with self._lock:
-                updates, self._pending_weights = self._pending_weights, []
-            for version, weights in updates:
-                if self._model is None:
-                    break
-                if isinstance(weights, PublishedDelta):
-                    try:
-                        apply_weights(self._model, weights, self.quant_format, version)
-                    except QuantError as e:  # the model is unchanged: keep serving, and ask for the version whole
-                        log.error("could not apply the delta to weights v%d (keeping v%d): %s", version,
-                                  self._version, e)
-                        with self._lock:
-                            self._delta_failed = True
-                        break
-                else:
-                    apply_weights(self._model, weights, self.quant_format, version)
-                self._version = version
-                self._swap.loaded(self._model, weights, self._static)
+            self._apply_pending_weights()
             finished: list[GenResult] = []
             with self._lock:
                 aborts, self._aborts = self._aborts, set()

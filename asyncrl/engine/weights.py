@@ -9,20 +9,23 @@ place, so the decoder's references and the KV cache stay valid).
 
 Contract with asyncrl.quant: ``quantize_model(model, fmt) -> model`` swaps Linear layers in place;
 ``publish(state_dict, fmt, version=v) -> PublishedWeights``; ``load_published(model, published)``;
-``apply_delta(model, delta)`` for a ``PublishedDelta`` from the version the model holds.
+``apply_delta(model, delta)`` for a ``PublishedDelta`` from the version the model holds;
+``load_buckets(model, buckets)`` for a version (or delta) streamed in buckets, loaded as it arrives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from asyncrl.quant import (
+    LoadedVersion,
     PublishedDelta,
     PublishedWeights,
     apply_delta,
+    load_buckets,
     load_published,
     publish,
     quantize_model,
@@ -109,3 +112,9 @@ def load_plain_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch
             f"state dict does not match the model: missing {missing[:5]}, unexpected {list(unexpected)[:5]}; "
             "send the learner's full HF state dict"
         )
+
+
+def stream_weights(model: torch.nn.Module, buckets: Iterable[Any], version: int) -> LoadedVersion:
+    """Load ``version`` into ``model`` bucket by bucket as the buckets arrive (``asyncrl.quant.load_buckets``):
+    all or nothing, in place. The caller holds the engine's step boundary for the whole load."""
+    return load_buckets(model, buckets, version=version)

@@ -22,8 +22,9 @@ from .aqn import (
     aqn_trend,
     publication_seed,
 )
+from .bucketload import LoadedVersion, load_buckets
 from .buffers import BufferPool
-from .delta import PublishedDelta, apply_delta, delta_from_frames, make_delta
+from .delta import DeltaStream, PublishedDelta, apply_delta, delta_from_frames, make_delta
 from .diagnostics import code_change_frac, kl_vs_full_precision, publication_metrics, quantization_error
 from .errors import (
     BlockShapeError,
@@ -63,6 +64,8 @@ __all__ = [
     "AqnRecord",
     "BlockShapeError",
     "BufferPool",
+    "DeltaStream",
+    "LoadedVersion",
     "ChecksumMismatchError",
     "FormatMismatchError",
     "ManifestMismatchError",
@@ -75,6 +78,7 @@ __all__ = [
     "UnknownFormatError",
     "add_aqn_noise",
     "apply_delta",
+    "load_buckets",
     "delta_from_frames",
     "make_delta",
     "AQN_RESAMPLE",

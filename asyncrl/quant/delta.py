@@ -34,7 +34,8 @@ from protocols import DeltaPart, TensorSpec
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
 from .linear import QuantLinear
 from .model import model_format
-from .publish import HELD_CHECKSUM, PublishedWeights, _check_values, _module_or_none
+from .publish import HELD_CHECKSUM, _module_or_none
+from .published import PublishedWeights, check_values
 from .wire import DTYPES, checksum_of, digest_matches, header_dict, raw_bytes
 
 INDEX_DTYPE = torch.int32
@@ -86,39 +87,64 @@ class PublishedDelta:
 def make_delta(prev: PublishedWeights, cur: PublishedWeights) -> PublishedDelta:
     """``cur`` as the changes from ``prev`` (same format, the same tensors); ManifestMismatchError or
     FormatMismatchError when they cannot be compared (send ``cur`` whole then)."""
-    if prev.fmt != cur.fmt:
-        raise FormatMismatchError(f"no delta from a {prev.fmt!r} publication to a {cur.fmt!r} one")
-    if cur.version <= prev.version:
-        raise ManifestMismatchError(f"no delta from version {prev.version} to the older version {cur.version}")
-    before = {e.name: e for e in prev.manifest}
-    parts: list[DeltaPart] = []
-    payloads: list[Tensor] = []
+    stream = DeltaStream(prev, cur.version, cur.fmt)
     for e in cur.manifest:
-        old = before.get(e.name)
+        stream.add(e, cur.tensors[e.name])
+    return stream.finish(cur)
+
+
+class DeltaStream:
+    """A delta made entry by entry while the new version is being published (``publish(on_entry=...)``): each
+    ``add`` returns the entry's part and frame at once (a streamed publication sends them from there), and
+    ``finish`` puts them together, in manifest order, as the ``PublishedDelta`` ``make_delta`` would make."""
+
+    def __init__(self, prev: PublishedWeights, version: int, fmt: str) -> None:
+        if prev.fmt != fmt:
+            raise FormatMismatchError(f"no delta from a {prev.fmt!r} publication to a {fmt!r} one")
+        if version <= prev.version:
+            raise ManifestMismatchError(f"no delta from version {prev.version} to the older version {version}")
+        self.prev, self.version = prev, version
+        self._before = {e.name: e for e in prev.manifest}
+        self._made: dict[str, tuple[DeltaPart, Tensor | None]] = {}
+
+    def add(self, e: TensorSpec, new_t: Tensor) -> tuple[DeltaPart, Tensor | None]:
+        """The part of entry ``e`` (whose published tensor is ``new_t``) and its frame (None for ``same``)."""
+        old = self._before.get(e.name)
         if old is None or (old.dtype, tuple(old.shape)) != (e.dtype, tuple(e.shape)):
             raise ManifestMismatchError("differs in name, dtype or shape from the base version", tensor_name=e.name)
-        if old.digest == e.digest:
-            parts.append(DeltaPart(name=e.name, kind="same"))
-            continue
-        new_t = cur.tensors[e.name]
-        a, b = _bits(prev.tensors[e.name]), _bits(new_t)
-        changed = torch.ne(a, b)
-        count, size = int(changed.sum()), new_t.element_size()
-        # whole when that is smaller (an fp32 tensor an optimiser step moved everywhere), and never an index
-        # list of most of a tensor; a digest that changed over identical bytes cannot happen: whole, to be safe
-        if count == 0 or count * (INDEX_BYTES + size) >= e.nbytes:
-            payloads.append(new_t.reshape(-1).view(torch.uint8))
-            parts.append(DeltaPart(name=e.name, kind="dense", count=a.numel(), nbytes=e.nbytes))
-            continue
-        idx = changed.nonzero().reshape(-1)
-        frame = torch.empty(count * (INDEX_BYTES + size), dtype=torch.uint8)
-        frame[: count * INDEX_BYTES].view(INDEX_DTYPE).copy_(idx)
-        frame[count * INDEX_BYTES:].view(b.dtype).copy_(b[idx])
-        payloads.append(frame)
-        parts.append(DeltaPart(name=e.name, kind="sparse", count=count, nbytes=int(frame.numel())))
-    return PublishedDelta(version=cur.version, fmt=cur.fmt, base_version=prev.version, base_checksum=prev.checksum,
-                          manifest=list(cur.manifest), checksum=cur.checksum, parts=parts, payloads=payloads,
-                          aqn_seed=cur.aqn_seed, aqn_sigma=cur.aqn_sigma, aqn_resample=cur.aqn_resample)
+        made = _part(e, old, self.prev.tensors[e.name], new_t)
+        self._made[e.name] = made
+        return made
+
+    def finish(self, cur: PublishedWeights) -> PublishedDelta:
+        """The delta to ``cur`` (every one of its entries added)."""
+        missing = [e.name for e in cur.manifest if e.name not in self._made]
+        if missing or len(self._made) != len(cur.manifest):
+            raise ManifestMismatchError(f"the delta lacks parts for {missing[:3]} (or has parts of no entry)")
+        parts = [self._made[e.name][0] for e in cur.manifest]
+        payloads = [f for e in cur.manifest if (f := self._made[e.name][1]) is not None]
+        return PublishedDelta(version=cur.version, fmt=cur.fmt, base_version=self.prev.version,
+                              base_checksum=self.prev.checksum, manifest=list(cur.manifest), checksum=cur.checksum,
+                              parts=parts, payloads=payloads, aqn_seed=cur.aqn_seed, aqn_sigma=cur.aqn_sigma,
+                              aqn_resample=cur.aqn_resample)
+
+
+def _part(e: TensorSpec, old: TensorSpec, old_t: Tensor, new_t: Tensor) -> tuple[DeltaPart, Tensor | None]:
+    if old.digest == e.digest:
+        return DeltaPart(name=e.name, kind="same"), None
+    a, b = _bits(old_t), _bits(new_t)
+    changed = torch.ne(a, b)
+    count, size = int(changed.sum()), new_t.element_size()
+    # whole when that is smaller (an fp32 tensor an optimiser step moved everywhere), and never an index
+    # list of most of a tensor; a digest that changed over identical bytes cannot happen: whole, to be safe
+    if count == 0 or count * (INDEX_BYTES + size) >= e.nbytes:
+        return DeltaPart(name=e.name, kind="dense", count=a.numel(), nbytes=e.nbytes), new_t.reshape(-1).view(
+            torch.uint8)
+    idx = changed.nonzero().reshape(-1)
+    frame = torch.empty(count * (INDEX_BYTES + size), dtype=torch.uint8)
+    frame[: count * INDEX_BYTES].view(INDEX_DTYPE).copy_(idx)
+    frame[count * INDEX_BYTES:].view(b.dtype).copy_(b[idx])
+    return DeltaPart(name=e.name, kind="sparse", count=count, nbytes=int(frame.numel())), frame
 
 
 def delta_from_frames(header: Any, frames: Sequence[Any]) -> PublishedDelta:
@@ -176,40 +202,14 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
                                         f"{tuple(e.shape)}", tensor_name=e.name)
         if p.kind == "same":
             continue
-        frame = next(frames)
-        flat = _bits(dest)
-        if p.kind == "dense":
-            values = frame.view(flat.dtype)
-            if values.numel() != flat.numel():
-                raise ManifestMismatchError("dense part of the wrong size", tensor_name=e.name)
-            idx = None
-        else:
-            idx = frame[: p.count * INDEX_BYTES].view(INDEX_DTYPE).long()
-            values = frame[p.count * INDEX_BYTES:].view(flat.dtype)
-            if values.numel() != p.count or (p.count and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel())):
-                raise ManifestMismatchError("sparse part with indices outside the tensor", tensor_name=e.name)
-        _check_values(e, values.view(dest.dtype))
-        plan.append((e, dest, flat, idx, values))
+        plan.append((e, dest, *part_update(e, p, dest, next(frames))))
     undo: list[tuple[Tensor, Tensor | None, Tensor]] = []
     with torch.no_grad():
         try:
             for e, dest, flat, idx, values in plan:
-                if idx is None:
-                    undo.append((flat, None, flat.clone()))
-                    flat.copy_(values)
-                else:
-                    undo.append((flat, idx, flat[idx]))
-                    flat[idx] = values
-                if not digest_matches(dest, e.digest):
-                    raise ChecksumMismatchError(
-                        "after the delta the bytes do not match the version's digest (the model did not hold the "
-                        "base, or the delta was damaged); fetch the version whole", tensor_name=e.name)
+                write_update(e, dest, flat, idx, values, undo)
         except BaseException:
-            for flat, idx, old in reversed(undo):
-                if idx is None:
-                    flat.copy_(old)
-                else:
-                    flat[idx] = old
+            restore(undo)
             raise
         # only the linears whose tensors changed rebuild their decode caches, each once
         for name in dict.fromkeys(e.name.rpartition(".")[0] for e, *_ in plan):
@@ -217,6 +217,57 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
             if isinstance(mod, QuantLinear):
                 mod.refresh()
     vars(model)[HELD_CHECKSUM] = delta.checksum
+
+
+def part_update(e: TensorSpec, p: DeltaPart, dest: Tensor, frame: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+    """What part ``p`` of entry ``e`` writes into ``dest`` (the model's tensor): ``(flat, idx, values)``, a flat
+    integer view of ``dest``, the changed indices (None: every element) and their new values, checked (sizes,
+    indices inside the tensor, values finite and scales > 0) before anything is written. ``frame``: the part's
+    uint8 frame."""
+    flat = _bits(dest)
+    if p.kind == "dense":
+        if frame.numel() != flat.numel() * flat.element_size():
+            raise ManifestMismatchError("dense part of the wrong size", tensor_name=e.name)
+        values = frame.view(flat.dtype)
+        idx = None
+    else:
+        if frame.numel() != p.count * (INDEX_BYTES + flat.element_size()):
+            raise ManifestMismatchError("sparse part of the wrong size", tensor_name=e.name)
+        idx = frame[: p.count * INDEX_BYTES].view(INDEX_DTYPE).long()
+        values = frame[p.count * INDEX_BYTES:].view(flat.dtype)
+        if p.count and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel()):
+            raise ManifestMismatchError("sparse part with indices outside the tensor", tensor_name=e.name)
+    check_values(e, values.view(dest.dtype))
+    if flat.device != values.device:  # a model on an accelerator: the frame arrived in host memory
+        values = values.to(flat.device)
+        idx = None if idx is None else idx.to(flat.device)
+    return flat, idx, values
+
+
+def write_update(e: TensorSpec, dest: Tensor, flat: Tensor, idx: Tensor | None, values: Tensor,
+                 undo: list[tuple[Tensor, Tensor | None, Tensor]]) -> None:
+    """Write one ``part_update`` into the model, recording in ``undo`` what ``restore`` puts back, then check
+    the tensor against its digest (ChecksumMismatchError; the caller restores)."""
+    if idx is None:
+        undo.append((flat, None, flat.clone()))
+        flat.copy_(values)
+    else:
+        undo.append((flat, idx, flat[idx]))
+        flat[idx] = values
+    if not digest_matches(dest if dest.device.type == "cpu" else dest.cpu(), e.digest):
+        raise ChecksumMismatchError(
+            "after the delta the bytes do not match the version's digest (the model did not hold the "
+            "base, or the delta was damaged); fetch the version whole", tensor_name=e.name)
+
+
+def restore(undo: list[tuple[Tensor, Tensor | None, Tensor]]) -> None:
+    """Put back every element ``write_update`` wrote, newest first."""
+    for flat, idx, old in reversed(undo):
+        if idx is None:
+            flat.copy_(old)
+        else:
+            flat[idx] = old
+    undo.clear()
 
 
 def delta_raw(delta: PublishedDelta) -> list[memoryview]:

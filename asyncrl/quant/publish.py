@@ -1,8 +1,9 @@
 """Quantise-on-send weight publication: `publish` on the learner, `load_published` on a worker.
 
-Owns: `PublishedWeights` (codes + scales + untouched full-precision tensors, a manifest and a
-checksum), its conversion to and from raw buffers for a transport, and the validated, all-or-nothing
-load into a model converted with `quantize_model`.
+Owns: turning a state dict into a `PublishedWeights` (published.py: the container, its raw-buffer form and
+its verification), optionally reporting each tensor as soon as it is ready (``on_entry``: a streamed
+publication sends it while the next is quantised), and the validated, all-or-nothing load into a model
+converted with `quantize_model`.
 
 Publication layout: every target linear weight `P.weight` (selection rule in model.py) is replaced by
 its format tensors `P.qweight`, `P.weight_scale`, ... (formats.py); every other state-dict entry is
@@ -35,9 +36,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -47,170 +46,13 @@ from protocols.values import AQN_RESAMPLE, require_choice
 
 from . import aqn as aqn_mod
 from .buffers import Blocks, BufferPool, quantize_for_send
-from .errors import (
-    ChecksumMismatchError,
-    FormatMismatchError,
-    ManifestMismatchError,
-    NonFiniteWeightError,
-    QuantError,
-)
-from .formats import (
-    ROLE_CODES,
-    ROLE_FULL,
-    ROLE_GLOBAL_SCALE,
-    ROLE_SCALE,
-    ROLE_WEIGHT,
-    check_format,
-    weight_suffixes,
-)
-from .fp4 import E8M0_DTYPE, E8M0_NAN
+from .errors import FormatMismatchError, ManifestMismatchError, NonFiniteWeightError, QuantError
+from .formats import ROLE_CODES, ROLE_FULL, ROLE_WEIGHT, check_format, weight_suffixes
 from .int8 import all_finite
 from .linear import QuantLinear
 from .model import DEFAULT_KEEP_FULL_PRECISION, HEAD, is_target_weight, model_format
-from .wire import (  # RawTensor is also imported from here by asyncrl.transport
-    DTYPES,
-    RawTensor,
-    checksum_of,
-    digest_matches,
-    dtype_name,
-    entry_from_dict,
-    header_dict,
-    manifest_entry,
-    raw_bytes,
-    tensor_from_bytes,
-)
-
-
-@dataclass
-class PublishedWeights:
-    """A published policy version. `tensors` are contiguous CPU tensors keyed by manifest name."""
-
-    version: int
-    fmt: str
-    tensors: dict[str, Tensor]
-    manifest: list[TensorSpec]
-    checksum: str
-    aqn_seed: int | None = None
-    aqn_sigma: float = 0.0
-    aqn_resample: str = "publication"
-    """``forward``: the gains are clean and the sampler perturbs them at every forward with
-    (aqn_seed, aqn_sigma) (``aqn.ForwardAqn``); ``publication``: the noise is already in the gains."""
-
-    def total_bytes(self) -> int:
-        """Bytes of all tensors (what a transport moves, headers aside)."""
-        return sum(e.nbytes for e in self.manifest)
-
-    def header(self) -> dict[str, Any]:
-        """JSON/msgpack-able description: everything except the tensor bytes."""
-        return header_dict(
-            self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest, self.aqn_resample
-        ) | {"checksum": self.checksum}
-
-    def to_raw(self) -> list[RawTensor]:
-        """Raw buffers in manifest order (zero-copy views that keep the tensors alive)."""
-        return [RawTensor(e.name, raw_bytes(self.tensors[e.name]), e.dtype, e.shape) for e in self.manifest]
-
-    @classmethod
-    def from_raw(cls, header: Mapping[str, Any], raw: Sequence[RawTensor | tuple], *,
-                 copy: bool = True) -> PublishedWeights:
-        """Rebuild from `header()` and `to_raw()` output (copies each buffer once; ``copy=False``:
-        tensors are views of the buffers, `wire.tensor_from_bytes`). Only the layout is checked
-        here; `verify()` / `load_published` check manifest, digests and checksum."""
-        tensors = _tensors_of(raw, copy=copy)
-        try:
-            return cls(
-                version=int(header["version"]),
-                fmt=str(header["fmt"]),
-                tensors=tensors,
-                manifest=[entry_from_dict(d) for d in header["manifest"]],
-                checksum=str(header["checksum"]),
-                aqn_seed=None if header.get("aqn_seed") is None else int(header["aqn_seed"]),
-                aqn_sigma=float(header.get("aqn_sigma", 0.0)),
-                aqn_resample=str(header.get("aqn_resample", "publication")),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestMismatchError(
-                f"malformed publication header ({exc!r}); send PublishedWeights.header() unchanged"
-            ) from exc
-
-    @classmethod
-    def from_manifest(cls, manifest: Sequence[TensorSpec], buffers: Sequence[Any], *, version: int, fmt: str,
-                      checksum: str, aqn_seed: int | None = None, aqn_sigma: float = 0.0,
-                      aqn_resample: str = "publication", copy: bool = True) -> PublishedWeights:
-        """Rebuild from a manifest and one raw buffer per entry, in manifest order (what a transport
-        received); the entries' dtype and shape lay the bytes out. Checked as `from_raw`."""
-        if len(buffers) != len(manifest):
-            raise ManifestMismatchError(f"{len(buffers)} buffers for a manifest of {len(manifest)} entries")
-        raw = [RawTensor(e.name, buf, e.dtype, tuple(e.shape)) for e, buf in zip(manifest, buffers, strict=True)]
-        return cls(version=int(version), fmt=fmt, tensors=_tensors_of(raw, copy=copy), manifest=list(manifest),
-                   checksum=checksum, aqn_seed=aqn_seed, aqn_sigma=float(aqn_sigma), aqn_resample=aqn_resample)
-
-    def verify(self) -> None:
-        """Check format, manifest vs tensors, per-tensor digests, checksum, finiteness and scales.
-        Raises a QuantError subclass naming the tensor at fault."""
-        check_format(self.fmt)
-        names = [e.name for e in self.manifest]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise ManifestMismatchError("listed twice in the manifest", tensor_name=dup)
-        listed = set(names)
-        for name in self.tensors:
-            if name not in listed:
-                raise ManifestMismatchError("present in tensors but not in the manifest", tensor_name=name)
-        for e in self.manifest:
-            t = self.tensors.get(e.name)
-            if t is None:
-                raise ManifestMismatchError("listed in the manifest but missing", tensor_name=e.name)
-            got = (dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
-            if got != (e.dtype, e.shape, e.nbytes):
-                raise ManifestMismatchError(
-                    f"manifest says dtype/shape/nbytes {(e.dtype, e.shape, e.nbytes)}, tensor has {got}",
-                    tensor_name=e.name,
-                )
-            if t.device.type != "cpu" or not t.is_contiguous():
-                raise ManifestMismatchError("must be a contiguous CPU tensor", tensor_name=e.name)
-            if not digest_matches(t, e.digest):
-                raise ChecksumMismatchError(
-                    "bytes do not match the manifest digest (corrupted in transit?); refetch the version",
-                    tensor_name=e.name,
-                )
-        expected = checksum_of(
-            header_dict(self.version, self.fmt, self.aqn_seed, self.aqn_sigma, self.manifest, self.aqn_resample)
-        )
-        if expected != self.checksum:
-            raise ChecksumMismatchError(
-                f"publication checksum {self.checksum[:16]}... does not match its manifest "
-                f"({expected[:16]}...); refetch the version"
-            )
-        for e in self.manifest:
-            _check_values(e, self.tensors[e.name])
-
-
-def _tensors_of(raw: Sequence[RawTensor | tuple], *, copy: bool) -> dict[str, Tensor]:
-    tensors: dict[str, Tensor] = {}
-    for item in raw:
-        name, data, dtype, shape = item
-        if dtype not in DTYPES:
-            raise ManifestMismatchError(f"unknown dtype {dtype!r}", tensor_name=name)
-        if name in tensors:
-            raise ManifestMismatchError("sent twice", tensor_name=name)
-        tensors[name] = tensor_from_bytes(name, data, DTYPES[dtype], tuple(shape), copy=copy)
-    return tensors
-
-
-def _check_values(e: TensorSpec, t: Tensor) -> None:
-    if t.dtype == E8M0_DTYPE:
-        if bool((t.view(torch.uint8) == E8M0_NAN).any()):
-            raise NonFiniteWeightError(f"E8M0 scale byte {E8M0_NAN} (NaN)", tensor_name=e.name)
-        return
-    if t.is_floating_point() and not all_finite(t):
-        raise NonFiniteWeightError("non-finite value(s) in a published tensor", tensor_name=e.name)
-    if e.role in (ROLE_SCALE, ROLE_GLOBAL_SCALE) and e.fmt in ("int8", "int8_wo", "fp8", "nvfp4"):
-        # int8/fp8 row scales and the nvfp4 global scale are > 0 by construction; nvfp4 block
-        # scales may be 0 (a flushed block).
-        if (e.role == ROLE_GLOBAL_SCALE or e.fmt != "nvfp4") and not bool((t.float() > 0).all()):
-            raise NonFiniteWeightError("scale must be > 0", tensor_name=e.name)
-
+from .published import PublishedWeights
+from .wire import checksum_of, header_dict, manifest_entry
 
 HELD_CHECKSUM = "_asyncrl_published_checksum"
 """Attribute of a worker's model: the checksum of the last publication loaded into it (full or delta)."""
@@ -232,6 +74,7 @@ def publish(
     aqn_resample: str = "publication",
     head: bool = False,
     pool: BufferPool | None = None,
+    on_entry: Callable[[TensorSpec, Tensor], None] | None = None,
 ) -> PublishedWeights:
     """Quantise-on-send: turn the learner's full-precision state dict into a publication.
 
@@ -247,6 +90,9 @@ def publish(
     ``pool``: where the buffers come from (`BufferPool`; a publisher that publishes one format every
     version keeps one, so a version reuses the memory of versions nothing views any more instead of
     faulting in fresh pages); without one, fresh mappings. The bytes are the same either way.
+    ``on_entry(entry, tensor)``: called with each published tensor and its manifest entry as soon as it is
+    ready, in the order they are made (not the manifest's sorted order); the tensor is the publication's own
+    (read it, never write it). A streamed publication sends it from there while the next one is quantised.
     Raises a QuantError naming the tensor on non-finite or unquantisable input.
     """
     check_format(fmt)
@@ -299,6 +145,8 @@ def publish(
                 logical = tuple(t.shape) if roles[suffix] in (ROLE_CODES, ROLE_WEIGHT) else None
                 out[qname] = blocks.snapshot(q, t)
                 entries.append(manifest_entry(qname, out[qname], fmt, roles[suffix], logical))
+                if on_entry is not None:
+                    on_entry(entries[-1], out[qname])
         else:
             if t.is_floating_point() and not all_finite(t):
                 raise NonFiniteWeightError(
@@ -306,6 +154,8 @@ def publish(
                 )
             out[name] = blocks.snapshot(t, t)
             entries.append(manifest_entry(name, out[name], fmt, ROLE_FULL))
+            if on_entry is not None:
+                on_entry(entries[-1], out[name])
     entries.sort(key=lambda e: e.name)
     seed = None if record is None else record.seed
     sigma = 0.0 if record is None else record.sigma

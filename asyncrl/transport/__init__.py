@@ -1,7 +1,8 @@
 """Transport: ZeroMQ channels, weight publication/fetch. The only library code that touches zmq.
 
 See ``channel`` for the socket kinds and their guarantees (``stats``: its counters; ``contexts``: zmq
-contexts and advertised addresses), ``weights`` for the weight path, ``keys``
+contexts and advertised addresses), ``weights`` for the weight path (``weight_client`` its worker side,
+``buckets`` the bucketed stream, ``served`` what the server holds per version), ``keys``
 for CURVE key files and the bind-address policy, ``zap`` for the ZAP allow-list handler and the
 handshake counters. The ``asyncrl keys`` command line lives in ``workers/keys.py``.
 """
@@ -19,7 +20,9 @@ from asyncrl.transport.keys import (
     server_curve,
 )
 from asyncrl.transport.stats import ChannelStats
+from asyncrl.transport.weight_client import BucketStream
 from asyncrl.transport.weights import (
+    LivePublication,
     PublishedVersion,
     WeightClient,
     WeightFetchCancelled,
@@ -29,12 +32,14 @@ from asyncrl.transport.weights import (
 from asyncrl.transport.zap import auth_metrics
 
 __all__ = [
+    "BucketStream",
     "ChannelClosed",
     "ChannelPoller",
     "ChannelStats",
     "ChannelTimeout",
     "CurveConfig",
     "Envelope",
+    "LivePublication",
     "PublishedVersion",
     "WeightClient",
     "WeightFetchCancelled",

@@ -18,58 +18,50 @@ it, ``asyncrl.quant.make_delta``). A fetch that names that base version and its 
 other fetch (a worker that joins, one that missed a version, one that holds other bytes, a version published
 whole) gets the full version, so a delta is never applied to the wrong base.
 
+Buckets (``asyncrl.transport.buckets``): a fetch with ``bucket_bytes`` != 0 asks for the version (or its delta)
+one bucket at a time: ``WeightFetch(bucket=k)`` -> ``WeightBucket`` then its pieces, [``WeightChunk``, payload];
+the server sends nothing unasked, so a worker holds about one bucket. A version may also be served while it is
+being published (``begin``: announced at once, each bucket sent as soon as its bytes are ready, a one-piece
+fetch answered once the version is complete, ``finish``/``abort``); a request that has to wait is parked and
+answered from the serving loop.
+
 With ``curve`` keys both server sockets (PUB and ROUTER) accept only allow-listed clients, so an
 unknown client neither hears announcements nor fetches weights (``asyncrl.transport.keys``, ``asyncrl.transport.zap``).
+The worker's side is ``asyncrl.transport.weight_client``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import OrderedDict
 
 import zmq
 
+from asyncrl.transport.buckets import ItemStream
 from asyncrl.transport.channel import ChannelClosed, ChannelTimeout, ZmqChannel
 from asyncrl.transport.keys import CurveConfig
-from protocols import Error, WeightAnnounce, WeightChunk, WeightDelta, WeightFetch
+from asyncrl.transport.served import LivePublication, PublishedVersion
+from asyncrl.transport.weight_client import WeightClient, WeightFetchCancelled, WeightFetchError
+from protocols import (
+    Error,
+    WeightAnnounce,
+    WeightBucket,
+    WeightChunk,
+    WeightDelta,
+    WeightFetch,
+)
 
+__all__ = ["LivePublication", "PublishedVersion", "WeightClient", "WeightFetchCancelled", "WeightFetchError",
+           "WeightServer"]
 
-class WeightFetchError(RuntimeError):
-    """A fetch failed: timeout, unknown version, or chunks that do not match the manifest."""
-
-
-class WeightFetchCancelled(WeightFetchError):
-    """A fetch was given up because its ``cancel`` event was set (the process is leaving)."""
-
-
-CANCEL_CHECK_S = 0.2
-"""How often a fetch with a ``cancel`` event looks at it while it waits for the server."""
-
-
-@dataclasses.dataclass
-class PublishedVersion:
-    announce: WeightAnnounce
-    buffers: list  # bytes-like, one per manifest entry, in manifest order
-    delta: WeightDelta | None = None  # the same version as changes from the version before it
-    delta_buffers: list = dataclasses.field(default_factory=list)  # one per part that carries a frame
-
-    def __post_init__(self) -> None:
-        specs = self.announce.manifest
-        if len(specs) != len(self.buffers):
-            raise ValueError(f"manifest has {len(specs)} entries but {len(self.buffers)} buffers were given")
-        for spec, buf in zip(specs, self.buffers, strict=True):
-            if memoryview(buf).nbytes != spec.nbytes:
-                raise ValueError(f"tensor {spec.name!r}: manifest says {spec.nbytes} bytes, buffer has "
-                                 f"{memoryview(buf).nbytes}")
-        if self.delta is not None:
-            moving = self.delta.payload_parts()
-            if (self.delta.version, self.delta.checksum) != (self.announce.version, self.announce.checksum):
-                raise ValueError("the delta is of another version than the announcement")
-            if len(moving) != len(self.delta_buffers) or any(
-                    memoryview(b).nbytes != p.nbytes for p, b in zip(moving, self.delta_buffers, strict=False)):
-                raise ValueError("the delta's buffers do not match its parts")
+PARKED_POLL_S = 0.001
+"""While requests wait for a version being published, the longest the serving loop waits for the publisher's
+next tensor (it is woken by each one) before it reads new requests."""
+PARK_LIMIT_S = 600.0
+"""A request parked this long (a publication that never completes) is answered with an error."""
+MAX_PARKED = 4096
+"""Requests waiting at once beyond this are answered with an error (``busy``): no peer can grow the list."""
 
 
 class WeightServer:
@@ -84,9 +76,14 @@ class WeightServer:
         send_timeout_s: float = 30.0,
         curve: CurveConfig | None = None,
         max_message_bytes: int = -1,
+        bucket_bytes: int = 0,
     ) -> None:
         """``curve``: server keys (``load_server_keys``) or None for plain sockets. Requests are tiny
-        ``WeightFetch`` messages: ``max_message_bytes`` > 0 disconnects a peer that sends more (uncounted)."""
+        ``WeightFetch`` messages: ``max_message_bytes`` > 0 disconnects a peer that sends more (uncounted).
+        ``bucket_bytes``: the bucket size of a fetch that asks for the server's (``transport.bucket_mb``; 0: such a
+        fetch gets the version in one piece)."""
+        if bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0 (0: one piece), got {bucket_bytes}")
         self._pub = ZmqChannel.bind(zmq.PUB, announce_address, name="weights-pub", curve=curve)
         try:
             self._router = ZmqChannel.bind(zmq.ROUTER, fetch_address, name="weights-router", reply_errors=True,
@@ -98,14 +95,18 @@ class WeightServer:
         self.fetch_address = self._router.address
         self.keep_versions = keep_versions
         self.send_timeout_s = send_timeout_s
+        self.bucket_bytes = bucket_bytes
         self._versions: OrderedDict[int, dict[str, PublishedVersion]] = OrderedDict()
-        self._pending_announce: list[WeightAnnounce] = []
+        self._pub_lock = threading.Lock()  # the PUB socket is used by the publishing thread, one at a time
+        self._parked: list[tuple[bytes, WeightFetch, float]] = []  # requests waiting for a version being made
         self._lock = threading.Lock()
+        self._progress = threading.Event()  # set by a version being published at each tensor it adds
         self._stop = threading.Event()
         self.fetches_served = 0
         self.bytes_served = 0
         self.deltas_served = 0
         self.delta_bytes_served = 0
+        self.buckets_served = 0
         self._thread = threading.Thread(target=self._run, name="weight-server", daemon=True)
         self._thread.start()
 
@@ -122,6 +123,7 @@ class WeightServer:
         out[f"{prefix}/fetches_served"] = float(self.fetches_served)
         out[f"{prefix}/deltas_served"] = float(self.deltas_served)
         out[f"{prefix}/bytes_served"] = float(self.bytes_served)
+        out[f"{prefix}/buckets_served"] = float(self.buckets_served)
         return out
 
     @property
@@ -134,7 +136,22 @@ class WeightServer:
         """Make ``announce.version`` fetchable and announce it. Buffers must not change afterwards.
         ``delta``: the same version as changes from ``delta.base_version`` (with its payload buffers), served
         to a fetch that names that base."""
-        entry = PublishedVersion(announce, list(buffers), delta, list(delta_buffers or []))
+        self._add(PublishedVersion(announce, list(buffers), delta, list(delta_buffers or [])))
+
+    def begin(self, version: int, fmt: str, *, aqn_seed: int = -1, aqn_sigma: float = 0.0,
+              aqn_resample: str = "publication", delta_base: tuple[int, str] | None = None) -> LivePublication:
+        """Start publishing ``version`` in ``fmt`` tensor by tensor: it is announced now (with an empty manifest)
+        and served in buckets as its bytes arrive (``LivePublication``). ``delta_base``: (version, checksum) of
+        the version a delta of it is made from, alongside."""
+        announce = WeightAnnounce(version=version, fmt=fmt, manifest=[], checksum="", total_bytes=0,
+                                  aqn_seed=aqn_seed, aqn_sigma=aqn_sigma, aqn_resample=aqn_resample)
+        entry = PublishedVersion(announce, [], complete=False, delta_base=delta_base, full_items=ItemStream(),
+                                 delta_items=None if delta_base is None else ItemStream())
+        self._add(entry)
+        return LivePublication(self, entry)
+
+    def _add(self, entry: PublishedVersion) -> None:
+        announce = entry.announce
         with self._lock:
             latest = next(reversed(self._versions)) if self._versions else -1
             same = announce.version == latest and announce.fmt not in self._versions[latest]
@@ -144,47 +161,130 @@ class WeightServer:
             self._versions.setdefault(announce.version, {})[announce.fmt] = entry
             while len(self._versions) > self.keep_versions:
                 self._versions.popitem(last=False)
-            self._pending_announce.append(announce)
+        with self._pub_lock:  # announced now, from the publishing thread (the serving loop may wait in a poll)
+            try:
+                self._pub.send(announce, timeout_s=0.0)  # PUB never blocks; drops for absent subscribers
+            except (ChannelTimeout, ChannelClosed):
+                pass
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                pending, self._pending_announce = self._pending_announce, []
-            for ann in pending:
-                try:
-                    self._pub.send(ann, timeout_s=0.0)  # PUB never blocks; drops for absent subscribers
-                except ChannelTimeout:
-                    pass
-            env = self._router.recv(timeout_s=0.02)
-            if env is None:
-                continue
-            if not isinstance(env.msg, WeightFetch):
-                self._router.stats.reject("unexpected", f"{type(env.msg).__name__} on the weight socket")
-                self._send_quiet(Error(code="unexpected", message="this socket only answers WeightFetch"),
-                                 env.sender())
-                continue
-            self._serve(env.sender(), env.msg)
+            if self._parked:  # answer each as soon as what it waits for is there
+                self._progress.wait(PARKED_POLL_S)
+                self._progress.clear()
+                self._retry_parked()
+            env = self._router.recv(timeout_s=0.0 if self._parked else 0.02)
+            while env is not None:  # every request already here
+                self._handle(env)
+                env = self._router.recv(timeout_s=0.0)
 
-    def _serve(self, peer: bytes, req: WeightFetch) -> None:
+    def _handle(self, env) -> None:
+        if not isinstance(env.msg, WeightFetch):
+            self._router.stats.reject("unexpected", f"{type(env.msg).__name__} on the weight socket")
+            self._send_quiet(Error(code="unexpected", message="this socket only answers WeightFetch"), env.sender())
+        elif not self._dispatch(env.sender(), env.msg):
+            if len(self._parked) >= MAX_PARKED:
+                self._send_quiet(Error(code="busy", message=f"{MAX_PARKED} requests already wait for a version being "
+                                                             "published; ask again"), env.sender())
+            else:
+                self._parked.append((env.sender(), env.msg, time.monotonic()))
+
+    def _retry_parked(self) -> None:
+        parked, self._parked = self._parked, []
+        for peer, req, since in parked:
+            if time.monotonic() - since > PARK_LIMIT_S:
+                self._send_quiet(Error(code="timeout", message=f"version {req.version} was not complete after "
+                                                                f"{PARK_LIMIT_S:.0f} s"), peer)
+            elif not self._dispatch(peer, req):
+                self._parked.append((peer, req, since))
+
+    def _dispatch(self, peer: bytes, req: WeightFetch) -> bool:
+        """Answer ``req``; False when it has to wait for a version being published (park it)."""
+        if req.bucket_bytes > 0 or (req.bucket_bytes < 0 and self.bucket_bytes > 0):
+            return self._serve_bucket(peer, req)
+        return self._serve(peer, req)
+
+    def _entry(self, peer: bytes, req: WeightFetch) -> PublishedVersion | None:
+        """Under the lock: the version ``req`` asks for, or None after answering with the error."""
         version, fmt = req.version, req.fmt
-        with self._lock:
-            if version < 0 and self._versions:
-                version = next(reversed(self._versions))
-            formats = self._versions.get(version, {})
-            entry = formats.get(fmt) if fmt else next(iter(formats.values()), None)
-            known = {v: list(f) for v, f in self._versions.items()}
+        if version < 0 and self._versions:  # the newest not given up
+            version = next((v for v, f in reversed(self._versions.items())
+                            if not all(e.aborted for e in f.values())), next(reversed(self._versions)))
+        formats = self._versions.get(version, {})
+        entry = formats.get(fmt) if fmt else next(iter(formats.values()), None)
         if entry is None:
-            self._send_quiet(
-                Error(code="unknown_version",
-                      message=f"version {version} in format {fmt or 'primary'!r} is not served; available: {known}"),
-                peer,
-            )
-            return
+            known = {v: list(f) for v, f in self._versions.items()}
+            self._send_quiet(Error(code="unknown_version", message=f"version {version} in format {fmt or 'primary'!r} "
+                                                                    f"is not served; available: {known}"), peer)
+        elif entry.aborted:
+            self._send_quiet(Error(code="aborted", message=f"version {version} was given up while it was being "
+                                                            f"published: {entry.aborted}"), peer)
+            entry = None
+        return entry
+
+    def _serve_bucket(self, peer: bytes, req: WeightFetch) -> bool:
+        size = req.bucket_bytes if req.bucket_bytes > 0 else self.bucket_bytes
+        with self._lock:
+            entry = self._entry(peer, req)
+            if entry is None:
+                return True
+            items, is_delta = entry.stream(req)
+            if items is None or not items.ready(req.bucket, size):
+                return False
+            try:
+                cut = items.cut(req.bucket, size)
+            except IndexError as e:
+                self._send_quiet(Error(code="unknown_bucket", message=str(e)), peer)
+                return True
+            ann, delta = entry.announce, entry.delta
+            total, done = items.total, items.done
+        digest = items.digest(cut, size, keep=size == self.bucket_bytes)
+        base = entry.delta_base if is_delta and entry.delta_base is not None else (-1, "")
+        header = WeightBucket(
+            version=ann.version, fmt=ann.fmt, index=cut.index, bucket_bytes=size, nbytes=cut.nbytes,
+            pieces=len(cut.pieces), digest=digest, entries=[it.spec for it in cut.entries],
+            parts=[it.part for it in cut.entries if it.part is not None], base_version=base[0],
+            base_checksum=base[1], last=cut.last, checksum=ann.checksum if cut.last else "",
+            buckets=cut.index + 1 if cut.last else 0, total_bytes=total if cut.last else 0,
+            full_bytes=(delta.full_bytes if delta is not None and is_delta else ann.total_bytes) if done else 0,
+            aqn_seed=ann.aqn_seed, aqn_sigma=ann.aqn_sigma, aqn_resample=ann.aqn_resample)
+        if not self._send_bucket(peer, header, cut.pieces):
+            return True
+        self.buckets_served += 1
+        self.bytes_served += cut.nbytes
+        if cut.last:
+            self.fetches_served += 1
+            if is_delta:
+                self.deltas_served += 1
+        if is_delta:
+            self.delta_bytes_served += cut.nbytes
+        return True
+
+    def _send_bucket(self, peer: bytes, header: WeightBucket, pieces: list[tuple[str, int, memoryview]]) -> bool:
+        """Send a bucket's header and pieces; False when the peer could not take them."""
+        try:
+            self._router.send(header, to=peer, timeout_s=self.send_timeout_s)
+            for i, (name, offset, data) in enumerate(pieces):
+                chunk = WeightChunk.for_piece(name, version=header.version, index=i, count=len(pieces), offset=offset,
+                                              nbytes=data.nbytes)
+                self._router.send(chunk, to=peer, payload=data, timeout_s=self.send_timeout_s)
+        except (ChannelTimeout, ChannelClosed) as e:
+            self._router.stats.reject("fetch_aborted", str(e))
+            return False
+        return True
+
+    def _serve(self, peer: bytes, req: WeightFetch) -> bool:
+        with self._lock:
+            entry = self._entry(peer, req)
+            if entry is None:
+                return True
+            if not entry.complete:
+                return False
         delta = entry.delta
         if (delta is not None and req.base_version >= 0 and req.base_version == delta.base_version
                 and req.base_checksum == delta.base_checksum):
             self._serve_delta(peer, delta, entry.delta_buffers)
-            return
+            return True
         ann = entry.announce
         try:
             self._router.send(ann, to=peer, timeout_s=self.send_timeout_s)
@@ -194,9 +294,10 @@ class WeightServer:
                                   timeout_s=self.send_timeout_s)
         except (ChannelTimeout, ChannelClosed) as e:
             self._router.stats.reject("fetch_aborted", str(e))
-            return
+            return True
         self.fetches_served += 1
         self.bytes_served += ann.total_bytes
+        return True
 
     def _serve_delta(self, peer: bytes, delta: WeightDelta, buffers: list) -> None:
         moving = delta.payload_parts()
@@ -222,106 +323,8 @@ class WeightServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._pub.close()
+        with self._pub_lock:
+            self._pub.close()
         self._router.close()
 
-
-class WeightClient:
-    """A worker's side: hears announcements and fetches versions. Use from one thread."""
-
-    def __init__(self, announce_address: str, fetch_address: str, *, identity: bytes | None = None,
-                 curve: CurveConfig | None = None) -> None:
-        """``curve``: client keys (``load_client_keys``) or None for plain sockets."""
-        self._sub = ZmqChannel.connect(zmq.SUB, announce_address, name="weights-sub", curve=curve)
-        try:
-            self._dealer = ZmqChannel.connect(zmq.DEALER, fetch_address, name="weights-dealer",
-                                              identity=identity, zero_copy_recv=True, hwm=0, curve=curve)
-        except ValueError:
-            self._sub.close()
-            raise
-
-    @property
-    def stats(self):
-        return self._dealer.stats
-
-    def poll_announce(self, timeout_s: float = 0.0, fmt: str = "") -> WeightAnnounce | None:
-        """The newest announcement (of format ``fmt``, if given) received so far (drains the queue)."""
-        newest = None
-        env = self._sub.recv(timeout_s)
-        while env is not None:
-            ann = env.msg
-            if (isinstance(ann, WeightAnnounce) and (not fmt or ann.fmt == fmt)
-                    and (newest is None or ann.version > newest.version)):
-                newest = ann
-            env = self._sub.recv(0.0)
-        return newest
-
-    def fetch(self, version: int = -1, timeout_s: float = 60.0, fmt: str = "",
-              cancel: threading.Event | None = None, base_version: int = -1,
-              base_checksum: str = "") -> tuple[WeightAnnounce | WeightDelta, list]:
-        """All tensors of ``version`` (-1: latest), checked against the manifest, in manifest order; or, when
-        ``base_version``/``base_checksum`` name what the caller holds and the server has a delta from it, the
-        ``WeightDelta`` and its payload frames (checked against its parts).
-
-        ``cancel``: when it is set, the fetch stops waiting and raises ``WeightFetchCancelled`` (a reply
-        that arrives later is never read: the caller is leaving and closes the client)."""
-        deadline = time.monotonic() + timeout_s
-        if cancel is not None and cancel.is_set():
-            raise WeightFetchCancelled(f"fetch of version {version} cancelled before it was sent")
-        try:
-            self._dealer.send(WeightFetch(version=version, fmt=fmt, base_version=base_version,
-                                          base_checksum=base_checksum), timeout_s=timeout_s)
-        except ChannelTimeout:
-            raise WeightFetchError(f"timed out after {timeout_s}s sending the request for version {version}: the "
-                                   f"weight server is unreachable{self._refused_hint()}") from None
-
-        def next_msg(what: str):
-            while True:
-                left = max(0.0, deadline - time.monotonic())
-                env = self._dealer.recv(left if cancel is None else min(left, CANCEL_CHECK_S))
-                if env is not None or left <= CANCEL_CHECK_S or cancel is None:
-                    break
-                if cancel.is_set():
-                    raise WeightFetchCancelled(f"fetch of version {version} cancelled while waiting for {what}")
-            if env is None:
-                raise WeightFetchError(f"timed out after {timeout_s}s waiting for {what} of version {version}"
-                                       f"{self._refused_hint()}")
-            if isinstance(env.msg, Error):
-                raise WeightFetchError(f"weight server refused: {env.msg.message}")
-            return env
-
-        ann = next_msg("the announcement").msg
-        if isinstance(ann, WeightDelta):
-            if ann.base_version != base_version or ann.base_checksum != base_checksum:
-                raise WeightFetchError(f"the server sent a delta from version {ann.base_version}, this client holds "
-                                       f"{base_version}")
-            frames: list[memoryview] = []
-            moving = ann.payload_parts()
-            for i, part in enumerate(moving):
-                env = next_msg(f"delta part {i}")
-                chunk = env.msg
-                if not isinstance(chunk, WeightChunk) or chunk != WeightChunk.for_delta_part(
-                        part, version=ann.version, index=i, count=len(moving)):
-                    raise WeightFetchError(f"delta part {i} does not match {part.name!r}: {chunk!r}")
-                frames.append(env.payload)
-            return ann, frames
-        if not isinstance(ann, WeightAnnounce):
-            raise WeightFetchError(f"expected WeightAnnounce, got {type(ann).__name__}")
-        buffers: list[memoryview] = []
-        for i, spec in enumerate(ann.manifest):
-            env = next_msg(f"chunk {i}")
-            chunk = env.msg
-            if not isinstance(chunk, WeightChunk) or not chunk.describes(spec, version=ann.version, index=i):
-                raise WeightFetchError(f"chunk {i} does not match manifest entry {spec.name!r}: {chunk!r}")
-            buffers.append(env.payload)
-        return ann, buffers
-
-    def _refused_hint(self) -> str:
-        if self._dealer.stats.auth.get("refused"):
-            return "; the server refused this client's CURVE key (not in its allow-list: `asyncrl keys add`)"
-        return ""
-
-    def close(self) -> None:
-        self._sub.close()
-        self._dealer.close()
 

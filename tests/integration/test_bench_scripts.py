@@ -94,6 +94,16 @@ def test_bench_delta_smoke_syncs_whole_and_by_delta_and_the_two_actors_agree(pro
     assert all(r["delta_MB"] < r["whole_MB"] and 0 < r["changed_frac"] <= 1 for r in rows)
 
 
+def test_bench_weightsync_bucketed_smoke_syncs_four_ways_and_every_actor_agrees(procs, tmp_path):
+    # what `bench_weightsync.py --bucket-mb` runs; its child checks that the four actors hold the same bytes
+    data = run_bench(procs, tmp_path, "bench_buckets", "--bucket-mb", "0.0625", "--smoke")
+    (row,) = data["tables"]["buckets"]
+    check_rows([row], ["whole_MB", "piece_s", "bucket_s", "bucket_vs_piece_s", "piece_recv_MB", "bucket_recv_MB",
+                       "buckets", "bucket_undo_MB", "piece_delta_s", "bucket_delta_s", "bucket_delta_recv_MB",
+                       "piece_vs_memcpy", "bucket_vs_memcpy"], text=("run", "format"))
+    assert row["buckets"] > 1 and row["bucket_recv_MB"] <= 0.0625 * 2**20 / 1e6 < row["piece_recv_MB"]
+
+
 def test_bench_controller_smoke_drives_the_real_controller_with_1_and_4_workers(procs, tmp_path):
     data = run_bench(procs, tmp_path, "bench_controller", "--smoke")
     rows = data["tables"]["controller"]
@@ -152,7 +162,7 @@ def test_bench_kernels_smoke_times_every_chosen_path_against_its_alternative(pro
 
 def test_bench_scripts_explain_themselves_with_help(procs):
     for name in ("bench_async", "bench_weightsync", "bench_controller", "bench_algos", "bench_kernels", "bench_recipes",
-                 "bench_delta"):
+                 "bench_delta", "bench_buckets"):
         proc = procs.python(os.path.join(SCRIPTS, f"{name}.py"), "--help", stdout=subprocess.PIPE, text=True)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, name

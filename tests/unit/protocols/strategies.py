@@ -93,6 +93,30 @@ def weight_deltas(draw):
 
 
 @st.composite
+def weight_buckets(draw):
+    """A well-formed ``WeightBucket``: of a whole version (no parts) or of a delta (one part per entry); the last
+    bucket ends the stream."""
+    entries = draw(st.lists(tensor_specs, max_size=4, unique_by=lambda e: e.name))
+    delta = draw(st.booleans())
+    parts = []
+    if delta:
+        for e in entries:
+            kind = draw(st.sampled_from(P.DELTA_KINDS))
+            nbytes = 0 if kind == "same" else draw(st.integers(1, 2**20))
+            parts.append(P.DeltaPart(name=e.name, kind=kind, count=draw(st.integers(0, 2**20)), nbytes=nbytes))
+    size = draw(st.integers(1, 2**30))
+    index, nbytes, last = draw(st.integers(0, 1000)), draw(st.integers(0, size)), draw(st.booleans())
+    return P.WeightBucket(version=draw(st.integers(1, 10**6)), fmt=draw(st.sampled_from(["int8", "nvfp4"])),
+                          index=index, bucket_bytes=size, nbytes=nbytes, pieces=draw(st.integers(0, 64)),
+                          digest=draw(st.text(max_size=48)), entries=entries, parts=parts,
+                          base_version=draw(st.integers(0, 10**5)) if delta else -1,
+                          base_checksum=draw(st.text(max_size=64)), last=last,
+                          checksum=draw(st.text(max_size=64)) if last else "", buckets=index + 1 if last else 0,
+                          total_bytes=index * size + nbytes if last else 0, full_bytes=draw(st.integers(0, 2**40)),
+                          aqn_seed=draw(st.integers(-1, 2**31)), aqn_sigma=draw(st.floats(0, 1)))
+
+
+@st.composite
 def train_samples(draw) -> P.TrainSample:
     fs = draw(finished_samples())
     return P.TrainSample(
@@ -130,11 +154,14 @@ MESSAGES = {
                                 total_bytes=st.integers(0, 2**40), aqn_seed=st.integers(-1, 2**31),
                                 aqn_sigma=st.floats(0, 1)),
     P.WeightFetch: st.builds(P.WeightFetch, version=st.integers(-1, 10**6), fmt=st.sampled_from(["", "int8"]),
-                             base_version=st.integers(-1, 10**6), base_checksum=st.text(max_size=64)),
+                             base_version=st.integers(-1, 10**6), base_checksum=st.text(max_size=64),
+                             bucket_bytes=st.integers(-1, 2**30), bucket=st.integers(0, 10**4)),
     P.WeightDelta: weight_deltas(),
+    P.WeightBucket: weight_buckets(),
     P.WeightChunk: st.builds(P.WeightChunk, version=st.integers(0, 10**6), index=st.integers(0, 100),
                              count=st.integers(1, 100), name=ids, dtype=st.sampled_from(sorted(P.DTYPE_SIZES)),
-                             shape=st.lists(st.integers(0, 64), max_size=3).map(tuple), nbytes=st.integers(0, 64)),
+                             shape=st.lists(st.integers(0, 64), max_size=3).map(tuple), nbytes=st.integers(0, 64),
+                             offset=st.integers(0, 2**40)),
     P.TrainSample: train_samples(),
     P.BatchRequest: st.builds(P.BatchRequest, step=st.integers(0, 10**6)),
     P.TrainBatch: st.builds(P.TrainBatch, step=st.integers(0, 10**6), samples=st.lists(train_samples(), max_size=3),
