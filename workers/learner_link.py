@@ -1,4 +1,5 @@
-"""Rank 0's link to the controller: batches in, versions out, checkpoints acknowledged, and rejoining.
+"""Rank 0's batch sources: the link to the controller (``ControllerSource``: batches in, versions out,
+checkpoints acknowledged, and rejoining) and a trajectory log replayed (``ReplaySource``, ``asyncrl replay``).
 
 Owns: the learner's registration (a ``Hello`` naming its version and weight server), the batch request
 loop, checkpoint acknowledgements, and what happens when the controller restarts under a live learner:
@@ -19,6 +20,7 @@ import logging
 import math
 import threading
 import time
+from pathlib import Path
 
 import zmq
 
@@ -171,3 +173,32 @@ class ControllerSource:
 
 def finite_metrics(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+
+
+class ReplaySource:
+    """Batches from a trajectory log (``asyncrl replay``); metrics go to this run's own metrics.jsonl."""
+
+    def __init__(self, log_dir: Path, run_dir: Path, model_id: str, stop: threading.Event,
+                 salvage: bool = False, steps: int | None = None) -> None:
+        from asyncrl.log.replay import load_replay_batches
+        from asyncrl.metrics import MetricsWriter
+
+        self.batches = load_replay_batches(log_dir, model_id=model_id, salvage=salvage, steps=steps)
+        self.writer = MetricsWriter(run_dir)
+        self.stop = stop
+
+    def next_batch(self, step: int) -> P.TrainBatch | None:
+        if self.stop.is_set() or step >= len(self.batches):
+            return None
+        return self.batches[step]
+
+    def report(self, version: int, metrics: dict[str, float], *, checkpoint: bool = False,
+               done: bool = False) -> bool:
+        self.writer.log(version, finite_metrics(metrics) | ({"done": 1.0} if done else {}))  # done marks the final record
+        return checkpoint
+
+    def sync_checkpoint(self, version: int, timeout_s: float = FINAL_ACK_TIMEOUT_S) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.writer.close()
