@@ -119,7 +119,7 @@ MISMATCH_PARTS = ("lag0", "stale", "quant", "noise")
 def mismatch_line(run_dir: Path, step: int | None) -> str:
     """The behaviour-vs-learner log-prob gap of learner step ``step`` taken apart (its metrics record is
     version ``step + 1``), or "" when the run did not measure it at that step."""
-    if step is None or not (run_dir / "metrics.jsonl").is_file():
+    if step is None or not RunDir(run_dir).metrics.is_file():
         return ""
     from asyncrl.metrics.writer import read_metrics
 
