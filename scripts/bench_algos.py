@@ -13,6 +13,7 @@ overrides the common aggregation for that configuration (the second row where th
   acr-...        algo=acr                               QuRL adaptive clipping range
   tbpo-...       algo=tbpo algo.tbpo_w_mode=clamp       QaRL trust bands, mismatch weight truncated (default)
   tbpo_drop-...  algo=tbpo algo.tbpo_w_mode=drop        QaRL trust bands, out-of-band responses dropped
+  qarl-...       tbpo (clamp) + learner.rollout_aligned  QaRL whole: trust bands and a rollout-aligned learner
 
 The full grid (the default) is every objective x eta in {0, 4, 8} x workers in {int8, nvfp4}, plus
 sync-fp32, 5 seeds each (185 runs of 80 steps; ~4 h on 2 idle cores); ``--objectives/--etas/--formats`` shrink
@@ -27,7 +28,8 @@ Reported per configuration: the number of runs, the final greedy eval accuracy (
 interval from Student's t over seeds, min..max), the runs that collapsed (mean sampled training reward
 over the last 10 steps below ``--collapse-reward``: the absorbing all-zero-reward state in which no
 GRPO group carries a gradient), the mean training reward over the run (``reward_auc``) with its CI,
-the token-weighted KL(behaviour || proximal) (k3) and, for TBPO, the mean fraction of positive /
+the token-weighted KL(behaviour || proximal) (k3), the run-mean log-prob gaps of docs/algorithms.md §7.1
+(``mismatch/lag0`` with its CI over seeds, ``quant``, ``noise``) and, for TBPO, the mean fraction of positive /
 negative responses whose mismatch weight was outside the band (clamped or dropped). Plot: eval
 accuracy vs step, seed mean with a 95% CI band, per eta. ``--json`` is rewritten after every run;
 ``--resume A.json,B.json`` reuses the runs of earlier JSONs (same settings) and runs only the missing ones.
@@ -59,6 +61,7 @@ OBJECTIVES: dict[str, list[str]] = {
     "acr": ["algo=acr"],
     "tbpo": ["algo=tbpo", "algo.tbpo_w_mode=clamp"],
     "tbpo_drop": ["algo=tbpo", "algo.tbpo_w_mode=drop"],
+    "qarl": ["algo=tbpo", "algo.tbpo_w_mode=clamp", "learner.rollout_aligned=true"],
 }
 FORMATS = ("int8", "nvfp4")
 ETAS = (0, 4, 8)
@@ -93,7 +96,11 @@ def run_curves(run_dir: Path) -> dict:
     if summary.get("eval_accuracy") is not None and (not evals or evals[-1][0] < len(steps)):
         evals.append((len(steps), summary["eval_accuracy"]))  # the final evaluation, after the last step
     kl, kl_stale, w_out = [], {}, {"pos": [], "neg": []}
+    gaps: dict[str, list[float]] = {"lag0": [], "quant": [], "noise": []}
     for r in steps:
+        for part, vals in gaps.items():
+            if r.get(f"mismatch/{part}") is not None:
+                vals.append(r[f"mismatch/{part}"])
         if r.get("mismatch/kl_k3") is not None:
             kl.append((int(r["step"]), r["mismatch/kl_k3"], r.get("actor/tokens", 0.0)))
         for k, v in r.items():
@@ -106,7 +113,7 @@ def run_curves(run_dir: Path) -> dict:
                 if r.get(key) is not None:
                     w_out[sign].append(r[key])
     return {"reward": [(int(r["step"]), r["train/reward_mean"]) for r in steps], "eval": evals, "kl": kl,
-            "kl_by_staleness": kl_stale, "w_out": w_out, "eval_acc": summary.get("eval_accuracy"),
+            "kl_by_staleness": kl_stale, "w_out": w_out, "gaps": gaps, "eval_acc": summary.get("eval_accuracy"),
             "final_reward": summary.get("final_train_reward"), "wall_s": summary.get("wall_seconds"),
             "entropy": [r["actor/entropy"] for r in steps if r.get("actor/entropy") is not None]}
 
@@ -139,6 +146,9 @@ def aggregate(runs: dict[str, list[dict]], collapse_reward: float) -> list[dict]
                "kl_k3": benchlib.ci95([weighted_mean(r["kl"]) for r in rs if r["kl"]])[0],
                "w_out_pos": benchlib.ci95([statistics.fmean(r["w_out"]["pos"]) for r in rs if r["w_out"]["pos"]])[0],
                "w_out_neg": benchlib.ci95([statistics.fmean(r["w_out"]["neg"]) for r in rs if r["w_out"]["neg"]])[0],
+               **{f"gap_{part}{tail}": stat for part in ("lag0", "quant", "noise") for tail, stat in zip(
+                   ("", "_ci95"), benchlib.ci95([statistics.fmean(r["gaps"][part]) for r in rs
+                                                if r.get("gaps", {}).get(part)]), strict=True)},
                "entropy": benchlib.ci95([statistics.fmean(r["entropy"]) for r in rs if r.get("entropy")])[0],
                "wall_s": statistics.fmean(r["wall_s"] for r in rs if r["wall_s"] is not None)
                if any(r["wall_s"] is not None for r in rs) else float("nan")}
@@ -281,9 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     benchlib.print_table(
         f"{args.task}, tiny model, {steps} learner steps, n_minibatches={args.n_minibatches}, agg={args.agg}, "
         f"seeds {seeds}: final greedy eval accuracy (mean, 95% CI), runs collapsed (last-10 reward < "
-        f"{args.collapse_reward}), reward, KL(behav||prox), TBPO w out of band (pos/neg)",
+        f"{args.collapse_reward}), reward, KL(behav||prox), mean |log-prob gap| per run (lag 0, quant, noise; "
+        "docs/algorithms.md §7.1), TBPO w out of band (pos/neg)",
         rows, ["config", "runs", "eval_acc", "eval_ci95", "eval_min", "eval_max", "eval_vs_sync", "collapsed",
-               "final_reward", "reward_auc", "reward_auc_ci95", "kl_k3", "w_out_pos", "w_out_neg", "wall_s"])
+               "final_reward", "reward_auc", "reward_auc_ci95", "kl_k3", "gap_lag0", "gap_lag0_ci95", "gap_quant", "gap_noise", "w_out_pos", "w_out_neg", "wall_s"])
     plots = make_plots(runs, Path(args.plots), prefix)
     print("plots: " + ", ".join(plots))
     benchlib.write_json(args.json, "bench_algos", {"summary": rows}, args, steps=steps, seeds=seeds,

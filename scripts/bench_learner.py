@@ -24,6 +24,9 @@ Rows:
   lora-bf16       ``lora`` under bf16 autocast, as ``+experiment=smollm2_signed_sums`` runs it
   lora-glibc-default  ``lora`` with glibc's default malloc settings: freed activations stay in
                   its heap (asyncrl/learner/memory.py); its RSS minus ``lora``'s is that retention
+  lora-int8-base, lora-nvfp4-base  ``lora`` with its frozen base packed (``learner.base_format``, QeRL)
+  lora-aligned-int8, full-aligned-int8  ``lora`` / ``full`` with a rollout-aligned forward through the int8
+                  quantizer (``learner.rollout_aligned``): what alignment costs
 
 Every other row bounds glibc's retention and the kernel caches as the learner process does
 (``bound_malloc_retention`` and ``bound_kernel_caches`` at process start).
@@ -78,6 +81,14 @@ ROWS = {
     "lora-bf16": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="bf16", lora=16),
     "lora-glibc-default": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=16,
                                unbounded_malloc=True),
+    "lora-int8-base": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=16,
+                           base_format="int8"),
+    "lora-nvfp4-base": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=16,
+                            base_format="nvfp4"),
+    "lora-aligned-int8": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=16,
+                              aligned="int8"),
+    "full-aligned-int8": dict(fsdp=False, micro=64, budget=None, ac=True, reuse=True, autocast="", lora=0,
+                              aligned="int8"),
 }
 
 
@@ -207,10 +218,16 @@ def child(spec: dict) -> dict:
         if row["lora"]:
             lora = LoraSpec(rank=row["lora"], alpha=2.0 * row["lora"], target_modules=(
                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-        model = prepare_policy(model, info, lora=lora, activation_checkpointing=row["ac"])
+        model = prepare_policy(model, info, lora=lora, activation_checkpointing=row["ac"],
+                               base_format=row.get("base_format", ""))
         if row["fsdp"] and info.world_size == 1:  # the wrapper prepare_policy leaves out at world size 1
             model = shard_model(model, info)
     opt = build_optimizer(model, lr=1e-6)
+    if row.get("aligned"):
+        from asyncrl.learner.aligned import RolloutAlignment
+        from asyncrl.quant import DEFAULT_KEEP_FULL_PRECISION
+
+        RolloutAlignment(model, row["aligned"], keep_full_precision=DEFAULT_KEEP_FULL_PRECISION).watch(opt)
     state = TrainState(model, opt, build_scheduler(opt, LRSchedule()))
     batch = synthetic_batch(vocab, spec["samples"], spec["prompt_len"], spec["new_tokens"])
     tokens = batch.num_tokens  # the first (full-length) batch's
@@ -247,8 +264,21 @@ def child(spec: dict) -> dict:
             "cpu_s_per_1k_tokens": min(cpu_per_1k),
             "trained_tokens": tokens, "sequences": batch.batch_size, "seq_len": batch.seq_len,
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "weights_gb": weights_gb(model),
             "steps": len(times), "entropy": m.get("actor/entropy", float("nan")),
             "rss_after_step_gb": rss_after, "rss_growth_gb": rss_after[-1] - rss_after[0]}
+
+
+def weights_gb(model) -> float:
+    """GB the model's parameters and buffers hold (each storage once): what a packed base saves, whatever the
+    allocator does with the memory the load freed."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total / 2**30
 
 
 def _rss_now_gb() -> float:
@@ -303,7 +333,7 @@ def main() -> int:
         r["cpu_ratio"] = r["cpu_s_per_1k_tokens"] / base["cpu_s_per_1k_tokens"]
     print_table(f"learner steps, {args.model}, {args.samples} x ({args.prompt_len} + {args.new_tokens}) tokens, "
                 f"{args.threads} thread(s)", rows,
-                ["row", "peak_rss_gb", "rss_ratio", "rss_growth_gb", "s_per_1k_tokens", "time_ratio",
+                ["row", "peak_rss_gb", "rss_ratio", "rss_growth_gb", "weights_gb", "s_per_1k_tokens", "time_ratio",
                  "cpu_s_per_1k_tokens", "cpu_ratio", "prox_s", "trainable_params"]
                 + (["tokens_per_s", "peak_gpu_gb", "model_tflops_per_s", "matmul_tflops", "mfu"]
                    if args.device == "cuda" else ["tokens_per_s", "mfu"]))
