@@ -204,12 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p = benchlib.parser("bench_buckets", __doc__.split("\n\n")[0], smoke=True)
     p.epilog = __doc__.split("\n\n", 1)[1]
     p.add_argument("--bucket-mb", type=float, required=True, help="MiB per bucket (transport.bucket_mb)")
-    p.add_argument("--model", default=None, help="smollm2 (default) or tiny (the --smoke default)")
-    p.add_argument("--runs", default="full", help="comma list of full, lora (default: %(default)s)")
-    p.add_argument("--formats", default="int8", help="comma list (default: %(default)s)")
-    p.add_argument("--versions", type=int, default=None, help="consecutive versions after the first "
-                                                              "(default 6, quick 3, smoke 2)")
-    p.add_argument("--batch", type=int, default=16, help="questions per optimiser step (default 16)")
+    benchlib.sync_run_args(p, runs="full", formats="int8")
     args = p.parse_args(argv)
     benchlib.exit_on_sigterm()
     import torch

@@ -255,12 +255,7 @@ def summarize(raw: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = benchlib.parser("bench_delta", __doc__.split("\n\n")[0], smoke=True)
     p.epilog = __doc__.split("\n\n", 1)[1]
-    p.add_argument("--model", default=None, help="smollm2 (default) or tiny (the --smoke default)")
-    p.add_argument("--runs", default=",".join(RUNS), help="comma list of full, lora (default: both)")
-    p.add_argument("--formats", default=DEFAULT_FORMATS, help="comma list (default: %(default)s)")
-    p.add_argument("--versions", type=int, default=None, help="consecutive versions after the first "
-                                                              "(default 6, quick 3, smoke 2)")
-    p.add_argument("--batch", type=int, default=16, help="questions per optimiser step (default 16)")
+    benchlib.sync_run_args(p, runs=",".join(RUNS), formats=DEFAULT_FORMATS)
     args = p.parse_args(argv)
     benchlib.exit_on_sigterm()
     import torch

@@ -43,6 +43,17 @@ def parser(name: str, description: str, *, smoke: bool = False) -> argparse.Argu
     return p
 
 
+def sync_run_args(p: argparse.ArgumentParser, *, runs: str, formats: str) -> None:
+    """The options of the weight-sync benchmarks that train a model for consecutive versions (bench_delta.py,
+    bench_buckets.py): which model, runs (full fine-tuning, LoRA), formats, how many versions, batch size."""
+    p.add_argument("--model", default=None, help="smollm2 (default) or tiny (the --smoke default)")
+    p.add_argument("--runs", default=runs, help="comma list of full, lora (default: %(default)s)")
+    p.add_argument("--formats", default=formats, help="comma list (default: %(default)s)")
+    p.add_argument("--versions", type=int, default=None, help="consecutive versions after the first "
+                                                              "(default 6, quick 3, smoke 2)")
+    p.add_argument("--batch", type=int, default=16, help="questions per optimiser step (default 16)")
+
+
 def machine() -> dict[str, Any]:
     """Where the numbers come from: the CPU's model, cores and the ISA flags the numerics choose by
     (asyncrl/machine.py), and the commit. ``commit`` is HEAD of the checkout the script runs from, with
