@@ -7,6 +7,7 @@ workers and learner processes, then ``asyncrl replay`` of the trajectory log.
   bit-exactly.
 * ``learner.rollout_aligned`` (weight-only nvfp4, quantized head): the mismatch decomposition logged,
   plotted and shown, replayed bit-exactly.
+* the same at world size 2 (FSDP2 over gloo).
 * LoRA over a packed nvfp4 base (``learner.base_format``) with a rollout-aligned learner: resumed from
   a checkpoint, replayed bit-exactly.
 * SmolLM2-135M-Instruct with LoRA and a rollout-aligned learner: a few steps with non-zero rewards,
@@ -93,6 +94,17 @@ def test_rollout_aligned_run_measures_its_mismatch_and_replays_bit_exactly(tmp_p
     res = asyncrl(procs, "replay", f"run={run}", "run_name=qarl-replay")
     assert res.returncode == 0, res.stdout[-4000:]
     assert _sha(tmp_path / "qarl-replay") == _sha(run)
+
+
+def test_rollout_aligned_learner_at_world_size_two(tmp_path, procs):
+    """FSDP2 over two ranks: each rank's routed linears quantize the unsharded weights, so step 0's lag-0 gap
+    is as far below the quantization gap as at world size 1."""
+    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=qarl2", *SHORT, "quant=nvfp4",
+                  "learner.rollout_aligned=true", "learner.world_size=2", "learner.mismatch_rows=8")
+    assert res.returncode == 0, res.stdout[-4000:]
+    steps = _metrics(tmp_path / "qarl2")
+    assert len(steps) == 3 and any(r["learner/updates"] > 0 for r in steps)
+    assert steps[0]["mismatch/lag0"] < steps[0]["mismatch/quant"] / 10, steps[0]
 
 
 def test_lora_over_a_packed_nvfp4_base_resumes_and_replays_bit_exactly(tmp_path, procs):
