@@ -270,10 +270,11 @@ def child(spec: dict) -> dict:
 
 
 def weights_gb(model) -> float:
-    """GB the model's parameters and buffers hold (each storage once): what a packed base saves, whatever the
+    """GB this rank's parameters and buffers hold (each storage once): what a packed base saves, whatever the
     allocator does with the memory the load freed."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
+        t = t.to_local() if callable(getattr(t, "to_local", None)) else t  # an FSDP2 shard: this rank's part
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)

@@ -176,7 +176,7 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
     rows = data["tables"]["rows"]
     names = [r["row"] for r in rows]
     assert names == ["fsdp-ws1-mb64", "full", "full-fsdp-ws1", "full-bf16", "full-bf16-uncapped", "lora", "lora-bf16",
-                     "lora-glibc-default"]
+                     "lora-glibc-default", "lora-int8-base", "lora-nvfp4-base", "lora-aligned-int8", "full-aligned-int8"]
     check_rows(rows, ["peak_rss_gb", "rss_ratio", "s_per_1k_tokens", "time_ratio", "cpu_s_per_1k_tokens", "cpu_ratio",
                       "prox_s", "trainable_params", "trained_tokens"], text=("row",))
     by = dict(zip(names, rows, strict=True))
@@ -185,6 +185,13 @@ def test_bench_learner_quick_on_the_tiny_model_writes_every_row(procs, tmp_path)
     assert by["lora-bf16"]["trainable_params"] == by["lora-glibc-default"]["trainable_params"] == by["lora"]["trainable_params"]
     assert by["full-bf16-uncapped"]["trainable_params"] == by["full"]["trainable_params"]
     assert by["full-fsdp-ws1"]["trainable_params"] == by["full"]["trainable_params"]  # the same model, wrapped
+    # a packed base holds fewer bytes of weights for the same adapters; alignment changes no parameter
+    for base in ("lora-int8-base", "lora-nvfp4-base"):
+        assert by[base]["weights_gb"] < by["lora"]["weights_gb"]
+        assert by[base]["trainable_params"] == by["lora"]["trainable_params"]
+    assert by["lora-nvfp4-base"]["weights_gb"] < by["lora-int8-base"]["weights_gb"]
+    assert by["lora-aligned-int8"]["weights_gb"] == by["lora"]["weights_gb"]
+    assert by["full-aligned-int8"]["trainable_params"] == by["full"]["trainable_params"]
 
 
 @pytest.mark.timeout(900)  # above its own 600 s guard
