@@ -241,10 +241,11 @@ class LearnerConfig(StepConfig):
     format (``int8``, ``nvfp4`` or ``mxfp4``; weight-only, decoded per layer for each matmul) instead of fp32.
     The policy becomes Deq(Quant(W)) + s*B@A everywhere (training, KL reference, publication, export).
     Needs ``learner.lora.rank > 0``; "" = fp32 base (docs/algorithms.md §8c)."""
-    mismatch_every: int = 1
-    """Every N steps, the behaviour-vs-learner log-prob gap taken apart on the first ``mismatch_rows``
-    sequences of the step (``mismatch/noise``, ``mismatch/quant``, ``mismatch/lag0``, ``mismatch/stale``;
-    docs/algorithms.md §7.1): 3 + mismatch_rows extra no-grad forwards of those rows. 0: never."""
+    mismatch_every: int = 10
+    """Every N steps (from step 0), the behaviour-vs-learner log-prob gap taken apart on the first
+    ``mismatch_rows`` sequences of the step (``mismatch/noise``, ``mismatch/quant``, ``mismatch/lag0``,
+    ``mismatch/stale``; docs/algorithms.md §7.1): 3 + mismatch_rows extra no-grad forwards of those rows
+    (every step: 1.7x the embedded default's wall time, whose steps are a few milliseconds). 0: never."""
     mismatch_rows: int = 4
     """Sequences of the step batch the mismatch decomposition is measured on."""
     stop_on: list[str] = field(default_factory=list)

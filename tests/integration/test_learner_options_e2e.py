@@ -80,7 +80,8 @@ def test_rollout_aligned_run_measures_its_mismatch_and_replays_bit_exactly(tmp_p
     aligns to, every step logs the gap taken apart, the lag-0 gap is far below the quantization gap it would
     have without alignment, the plots and `log show` carry it, and the replay gives the same weights."""
     res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=qarl", *SHORT, "quant=nvfp4",
-                  "quant.lm_head=true", "learner.rollout_aligned=true", "learner.mismatch_rows=8")
+                  "quant.lm_head=true", "learner.rollout_aligned=true", "learner.mismatch_rows=8",
+                  "learner.mismatch_every=1")
     assert res.returncode == 0, res.stdout[-4000:]
     run = tmp_path / "qarl"
     assert "forwards through the nvfp4 quantizer" in (run / "logs" / "learner.log").read_text()
