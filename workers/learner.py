@@ -171,12 +171,21 @@ class Learner:
         L = self.cfg.learner
         if not L.mismatch_every or k % L.mismatch_every:
             return {}
+        from asyncrl.learner.aligned import RolloutAlignment
         from asyncrl.learner.mismatch import mismatch_decomposition
         from asyncrl.learner.step import autocast_context
+        from asyncrl.quant.model import DEFAULT_KEEP_FULL_PRECISION
 
-        return mismatch_decomposition(self.policy.model, batch, version=k, rows=L.mismatch_rows,
-                                      aligned=self.policy.aligned, chunk_tokens=L.chunk_tokens,
-                                      autocast=autocast_context(L, self.info.device))
+        def measure(aligned: RolloutAlignment | None) -> dict[str, float]:
+            return mismatch_decomposition(self.policy.model, batch, version=k, rows=L.mismatch_rows, aligned=aligned,
+                                          chunk_tokens=L.chunk_tokens, autocast=autocast_context(L, self.info.device))
+
+        q = self.cfg.quant
+        if self.policy.aligned is not None or q.fmt == "fp32":
+            return measure(self.policy.aligned)
+        with RolloutAlignment.routed(self.policy.model, q.fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION,
+                                     head=q.lm_head, enabled=False) as aligned:  # for mismatch/quant only
+            return measure(aligned)
 
     def adopt_publication(self) -> None:
         """Rank 0 at world size 1: the rollout-aligned forward computes with the codes just published (one

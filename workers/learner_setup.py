@@ -66,8 +66,7 @@ class Policy(NamedTuple):
     lora: LoraSpec | None
     pad_id: int
     aligned: RolloutAlignment | None = None
-    """The linears routed through the rollout format (``learner.rollout_aligned``, or only to measure
-    ``mismatch/quant``: then off except inside the measurement); None for an fp32 rollout."""
+    """The linears routed through the rollout format (``learner.rollout_aligned``), else None."""
 
 
 def start_rank(cfg: TrainConfig) -> Rank:
@@ -105,13 +104,12 @@ def load_policy(cfg: TrainConfig, model_dir: Path, rank: Rank) -> Policy:
     ref_model = reference_policy(model, initial, info) if cfg.algo.kl_coef > 0 else None
     del initial
     aligned = None
-    if cfg.quant.fmt != "fp32" and (L.rollout_aligned or L.mismatch_every):
+    if L.rollout_aligned:  # (an unaligned run routes its linears only while it measures mismatch/quant)
         aligned = RolloutAlignment(model, cfg.quant.fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION,
-                                   head=cfg.quant.lm_head, enabled=L.rollout_aligned)
-        log.info("learner: %s through the %s quantizer (%d linears%s)",
-                 "forwards" if L.rollout_aligned else "mismatch/quant measured", cfg.quant.fmt, len(aligned.modules),
-                 ", straight-through gradients" if L.rollout_aligned else "")
-        if L.rollout_aligned and ref_model is not None and ref_model is not model:  # a full fine-tuning reference
+                                   head=cfg.quant.lm_head)
+        log.info("learner: forwards through the %s quantizer (%d linears, straight-through gradients)",
+                 cfg.quant.fmt, len(aligned.modules))
+        if ref_model is not None and ref_model is not model:  # a full fine-tuning reference
             RolloutAlignment(ref_model, cfg.quant.fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION,
                              head=cfg.quant.lm_head)  # computed as the rollout would (its routes hold it)
     autocast, why = resolve_autocast(L.autocast, info.device.type)

@@ -120,6 +120,24 @@ class RolloutAlignment:
     def quantized(self) -> contextlib.AbstractContextManager:
         return self.set_enabled(True)
 
+    def remove(self) -> None:
+        """Give every routed module its own forward back (a measurement's temporary routes: no step of an
+        unaligned run pays for them)."""
+        for mod in self.modules.values():
+            vars(mod).pop("forward", None)
+            vars(mod).pop(HEAD_TRANSFORM, None)
+        self._cache.clear()
+
+    @classmethod
+    @contextlib.contextmanager
+    def routed(cls, model: torch.nn.Module, fmt: str, **kw: Any) -> Iterator[RolloutAlignment]:
+        """Routes installed for one block, removed after it."""
+        al = cls(model, fmt, **kw)
+        try:
+            yield al
+        finally:
+            al.remove()
+
     def invalidate(self, *_args: object) -> None:
         """Forget every cached weight (the weights changed)."""
         self._cache.clear()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.learner.aligned import RolloutAlignment
-from asyncrl.learner.logprobs import logprobs_from_logits
+from asyncrl.learner.logprobs import logprobs_from_logits, token_logprobs
 from asyncrl.learner.mismatch import mismatch_decomposition
 from asyncrl.quant import DEFAULT_KEEP_FULL_PRECISION, quantize_model
 
@@ -54,6 +54,20 @@ def test_mismatch_decomposition_separates_noise_quantization_and_staleness(tiny,
     # aligned, the learner computes what the actor computed: the lag-0 gap falls to kernel noise
     assert aligned["mismatch/lag0"] < unaligned["mismatch/lag0"] / 20
     assert aligned["mismatch/quant"] == unaligned["mismatch/quant"]  # a property of the weights, not the mode
+
+
+def test_routes_installed_for_a_measurement_are_removed_after_it(tiny):
+    """An unaligned run routes its linears only while it measures: afterwards the model is its own again."""
+    model, batch = _with_actor_behaviour(tiny, "int8", version=2)
+    before = token_logprobs(model, batch)[0]
+    with RolloutAlignment.routed(model, "int8", keep_full_precision=DEFAULT_KEEP_FULL_PRECISION, head=True,
+                                 enabled=False) as al:
+        out = mismatch_decomposition(model, batch, version=2, rows=6, aligned=al, autocast=contextlib.nullcontext())
+        assert "forward" in vars(al.modules["model.layers.0.mlp.up_proj"])
+    assert out["mismatch/quant"] > 0
+    assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert not hasattr(model.lm_head, "asyncrl_head_transform")
+    assert torch.equal(token_logprobs(model, batch)[0], before)
 
 
 def test_mismatch_decomposition_without_quantizer_or_old_tokens(tiny):
