@@ -32,14 +32,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import xxhash
 from torch import Tensor, nn
 
 from protocols import DeltaPart, TensorSpec, WeightBucket
 
-from .delta import INDEX_BYTES, held_checksum, part_update, restore, write_update
+from .delta import INDEX_BYTES, changed_elements, held_checksum, part_update, restore, write_update
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
 from .linear import QuantLinear
 from .model import model_format
@@ -50,8 +49,6 @@ from .wire import DTYPES, checksum_of, header_dict
 SPARSE_UNDO_BYTES = 9
 """Bytes the record of one changed byte takes (an int64 index and the old byte): a range where more than
 1/9 of the bytes change is recorded whole instead."""
-COMPARE_CHUNK = 1 << 22
-"""Bytes compared at a time when looking for the bytes a write changes (the mask they need is this size)."""
 
 
 class Bucket(Protocol):
@@ -129,7 +126,6 @@ class BucketLoad:
         self.last: WeightBucket | None = None
         self.touched: set[str] = set()
         self.buckets = self.stream_bytes = 0
-        self._scratch = np.empty(COMPARE_CHUNK, dtype=bool)
 
     def add(self, bucket: Bucket) -> None:
         h = bucket.header
@@ -219,7 +215,8 @@ class BucketLoad:
     def _write_range(self, dst: Tensor, src: Tensor) -> None:
         """Copy ``src`` into ``dst`` (a byte range of a model tensor), recording the bytes that change."""
         if dst.device.type == "cpu":
-            idx = _changed_cpu(dst.numpy(), src.numpy(), self._scratch)
+            found = changed_elements(dst.numpy(), src.numpy(), dst.numel() // SPARSE_UNDO_BYTES)
+            idx = None if found is None else torch.from_numpy(found)
         else:
             src = src.to(dst.device)
             changed = dst != src
@@ -290,26 +287,6 @@ class BucketLoad:
         with torch.no_grad():
             restore(self.undo)
         self.undo_bytes = 0
-
-
-def _changed_cpu(old: np.ndarray, new: np.ndarray, scratch: np.ndarray) -> Tensor | None:
-    """The flat indices of the bytes where ``new`` differs from ``old`` (int64), or None when so many do that
-    the range is better recorded whole (more than 1/9 of them, or of any one chunk: an optimiser step moves
-    nearly every byte of a full-precision tensor, and a chunk tells). Compared a chunk at a time into
-    ``scratch`` (numpy: its comparison, count and index kernels are several times faster than torch's on a bool
-    mask)."""
-    parts, count, limit = [], 0, old.size // SPARSE_UNDO_BYTES
-    for a in range(0, old.size, COMPARE_CHUNK):
-        b = min(old.size, a + COMPARE_CHUNK)
-        mask = scratch[: b - a]
-        np.not_equal(old[a:b], new[a:b], out=mask)
-        c = int(np.count_nonzero(mask))
-        if c:
-            count += c
-            if count > limit or c * SPARSE_UNDO_BYTES > b - a:
-                return None
-            parts.append(np.flatnonzero(mask) + a)
-    return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, dtype=np.int64))
 
 
 def _fields(h: WeightBucket) -> tuple:

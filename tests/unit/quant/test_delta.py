@@ -133,3 +133,29 @@ def test_no_delta_between_formats_or_backwards():
         make_delta(p_int8, p_fp4)
     with pytest.raises(ManifestMismatchError, match="older version"):
         make_delta(publish(b, "int8", version=1), p_int8)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "int32", "int64"])
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 4099, 70_001])
+def test_changed_elements_finds_exactly_the_elements_that_differ(dtype, n, monkeypatch):
+    """The word-at-a-time search agrees with an element-by-element comparison: every size (tails that fill
+    no word), every width, changes in one word side by side, chunk edges (small chunks), and the limit."""
+    import numpy as np
+
+    from asyncrl.quant import delta as delta_mod
+
+    monkeypatch.setattr(delta_mod, "COMPARE_WORDS", 64)
+    rng = np.random.default_rng(n)
+    old = rng.integers(-100, 100, n).astype(dtype)
+    new = old.copy()
+    flip = rng.choice(n, size=min(n, 3 + n // 50), replace=False) if n else np.empty(0, dtype=np.int64)
+    new[flip] += 1
+    if n >= 2:
+        new[:2] += 1  # two changes inside one word
+    expected = np.flatnonzero(old != new)
+    found = delta_mod.changed_elements(old, new, limit=n)
+    assert found is not None and found.dtype == np.int64
+    assert np.array_equal(found, expected)
+    if expected.size:
+        assert delta_mod.changed_elements(old, new, limit=expected.size - 1) is None
+        assert np.array_equal(delta_mod.changed_elements(old, new, limit=expected.size), expected)
