@@ -44,7 +44,7 @@ INDEX_BYTES = 4
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(t: Tensor) -> Tensor:
+def element_bits(t: Tensor) -> Tensor:
     """A flat integer view of ``t``'s elements (same width), so equal bits compare equal."""
     return t.reshape(-1).view(_INT_VIEW[t.element_size()])
 
@@ -171,7 +171,7 @@ class DeltaStream:
 def _part(e: TensorSpec, old: TensorSpec, old_t: Tensor, new_t: Tensor) -> tuple[DeltaPart, Tensor | None]:
     if old.digest == e.digest:
         return DeltaPart(name=e.name, kind="same"), None
-    a, b = _bits(old_t), _bits(new_t)
+    a, b = element_bits(old_t), element_bits(new_t)
     size = new_t.element_size()
     # whole when that is smaller (an fp32 tensor an optimiser step moved everywhere), and never an index
     # list of most of a tensor; a digest that changed over identical bytes cannot happen: whole, to be safe
@@ -270,7 +270,7 @@ def part_update(e: TensorSpec, p: DeltaPart, dest: Tensor, frame: Tensor) -> tup
     integer view of ``dest``, the changed indices (None: every element) and their new values, checked (sizes,
     indices inside the tensor, values finite and scales > 0) before anything is written. ``frame``: the part's
     uint8 frame."""
-    flat = _bits(dest)
+    flat = element_bits(dest)
     if p.kind == "dense":
         if frame.numel() != flat.numel() * flat.element_size():
             raise ManifestMismatchError("dense part of the wrong size", tensor_name=e.name)

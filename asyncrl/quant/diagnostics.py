@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .delta import changed_elements, element_bits
 from .errors import FormatMismatchError, ManifestMismatchError
-from .formats import ROLE_CODES, ROLE_FULL, ROLE_WEIGHT, code_elements, dequantize_weight, weight_suffixes
+from .formats import ROLE_CODES, ROLE_FULL, ROLE_WEIGHT, dequantize_weight, weight_suffixes
 from .publish import PublishedWeights
 
 
@@ -33,6 +35,23 @@ def _code_entries(pub: PublishedWeights) -> dict[str, tuple[int, ...]]:
         for e in pub.manifest
         if e.role in (ROLE_CODES, ROLE_WEIGHT) and e.logical_shape
     }
+
+
+def _changed_codes(old: Tensor, new: Tensor, fmt: str, in_features: int) -> int:
+    """How many code elements differ between two code tensors of one weight ([N, in_features] logical):
+    the bit patterns of their elements, or for fp4 the nibbles of the packed bytes, padding columns left out.
+    Only the elements `changed_elements` finds differing are looked into."""
+    if fmt not in ("nvfp4", "mxfp4"):
+        found = changed_elements(element_bits(old).numpy(), element_bits(new).numpy(), old.numel())
+        return 0 if found is None else int(found.size)
+    a, b = element_bits(old).numpy(), element_bits(new).numpy()
+    idx = changed_elements(a, b, a.size)
+    if idx is None or not idx.size:
+        return 0
+    xor = a[idx] ^ b[idx]
+    first = (idx % old.shape[-1]) * 2  # the code of the low nibble; the high nibble holds the next one
+    return int(np.count_nonzero(((xor & 0x0F) != 0) & (first < in_features))
+               + np.count_nonzero(((xor >> 4) != 0) & (first + 1 < in_features)))
 
 
 def code_change_frac(prev: PublishedWeights, cur: PublishedWeights) -> float:
@@ -45,11 +64,8 @@ def code_change_frac(prev: PublishedWeights, cur: PublishedWeights) -> float:
         raise ManifestMismatchError("present in only one of the two publications", tensor_name=name)
     changed = total = 0
     for name, logical in sorted(b.items()):
-        k = logical[1]
-        ca = code_elements(prev.tensors[name], prev.fmt, k)
-        cb = code_elements(cur.tensors[name], cur.fmt, k)
-        changed += int((ca != cb).sum())
-        total += ca.numel()
+        changed += _changed_codes(prev.tensors[name], cur.tensors[name], cur.fmt, logical[1])
+        total += logical[0] * logical[1]
     return changed / total if total else 0.0
 
 

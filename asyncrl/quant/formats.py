@@ -107,18 +107,3 @@ def dequantize_weight(tensors: Mapping[str, Tensor], fmt: str, in_features: int,
     else:
         w = fp8.dequantize_fp8(tensors["qweight"], tensors["weight_scale"])
     return w if out is None else out.copy_(w)
-
-
-def code_elements(codes: Tensor, fmt: str, in_features: int) -> Tensor:
-    """The comparable per-element codes of a weight ([N, in_features], integer dtype): unpacked
-    nibbles for fp4, the raw bits for float formats. Used by `quant/code_change_frac`."""
-    check_format(fmt)
-    if fmt in ("nvfp4", "mxfp4"):
-        return fp4.unpack_fp4(codes)[:, :in_features]
-    if fmt == "fp32":
-        return codes.view(torch.int32)
-    if fmt == "bf16":
-        return codes.view(torch.int16)
-    if fmt == "fp8":
-        return codes.view(torch.uint8)
-    return codes
