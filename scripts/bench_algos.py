@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
               f"learner.n_minibatches={args.n_minibatches}", f"learner.total_steps={steps}",
               "learner.ckpt_every=0", f"learner.eval_every={max(2, steps // 8)}", "rollout.heartbeat_s=0.05",
               *args.set]
-    from asyncrl.config import load_train_config
+    from asyncrl.config.loader import load_train_config
 
     for n in names:
         load_train_config([*common, *cells[n]])  # a bad override fails now, not after an hour

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     etas = [int(e) for e in (args.etas or ("0,1" if args.smoke else "0,1,2,4")).split(",") if e]
     steps = args.steps or (6 if args.smoke else 50 if args.quick else 120)
     hbs = [float(h) for h in (args.heartbeat_s or ("1.0" if args.smoke or args.quick else "1.0,0.05")).split(",")]
-    from asyncrl.config import load_train_config
+    from asyncrl.config.loader import load_train_config
 
     base = [f"learner.total_steps={steps}", f"rollout.num_workers={workers}", "learner.eval_every=0",
             "learner.ckpt_every=0", *regime, *args.set]

@@ -180,7 +180,7 @@ def _worker(control: str, worker_id: str, response_tokens: int, vocab: int, out)
 
 # ------------------------------------------------------------------------------------ one measurement
 def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, model_dir: Path, tmp: Path) -> dict:
-    from asyncrl.config import load_train_config, save_config
+    from asyncrl.config.loader import load_train_config, save_config
     from asyncrl.metrics import read_metrics
 
     run_dir = tmp / f"workers-{n_workers}"

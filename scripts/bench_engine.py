@@ -91,7 +91,7 @@ class RolloutPrompts:
     """The rollout workload's requests: questions in the model's own prompt format, its stop tokens."""
 
     def __init__(self, tok, folder: str) -> None:
-        from asyncrl.controller.prompts import PromptEncoder, stop_token_ids
+        from asyncrl.tasks.prompts import PromptEncoder, stop_token_ids
 
         enc = PromptEncoder(tok, "auto")
         self.format = enc.format

@@ -131,11 +131,11 @@ def _rate(tokens: list[tuple[float, int]], times: list[float]) -> float:
 
 def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) -> tuple[Path, dict, dict]:
     """TRL's GRPOTrainer (``scripts/trl_grpo.py`` in the TRL venv) on the sizes of ``cfg_overrides``."""
-    from asyncrl.config import load_train_config
-    from asyncrl.controller.prompts import PromptEncoder, load_tokenizer
-    from asyncrl.controller.scoring import task_kwargs
+    from asyncrl.config.loader import load_train_config
     from asyncrl.models.prepare import prepare_model
     from asyncrl.tasks import make_task
+    from asyncrl.tasks.prompts import PromptEncoder, load_tokenizer
+    from asyncrl.tasks.scoring import task_kwargs
 
     python = ensure_trl_venv()
     cfg = load_train_config(cfg_overrides)
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.rows.split(",") if n]
     if bad := [n for n in names if n not in ROWS]:
         raise SystemExit(f"unknown row(s) {bad}; choose from {list(ROWS)}")
-    from asyncrl.config import load_train_config
+    from asyncrl.config.loader import load_train_config
 
     base = [*(SMOKE if args.smoke else PRESETS[args.preset]), *(QUICK if args.quick and not args.smoke else []),
             f"quant.fmt={args.quant}", *COMMON, f"task.eval_size={n_eval}",

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import tempfile
 
-        from asyncrl.config import load_train_config
+        from asyncrl.config.loader import load_train_config
 
         runs_dir = Path(args.keep or tempfile.mkdtemp(prefix="bench_recipes-"))
         runs_dir.mkdir(parents=True, exist_ok=True)

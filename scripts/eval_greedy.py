@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Greedy accuracy of a Hugging Face model folder on a run configuration's held-out set, with a 95% CI.
 
-The evaluation is the learner's own (``asyncrl.controller.scoring``: the task's fixed evaluation set,
+The evaluation is the learner's own (``asyncrl.tasks.scoring``: the task's fixed evaluation set,
 prompts in the run's format, the model's stop tokens, the task's scorer on the decoded response), on
 any HF folder: the base model, a run's exported ``model/``, or a model trained by another library.
 So every row of ``scripts/bench_real.py`` is scored by the same code on the same problems.
@@ -40,11 +40,11 @@ def evaluate(model_dir: str | Path, overrides: list[str], *, threads: int = 1, m
     import numpy as np
     import torch
 
-    from asyncrl.config import load_train_config
-    from asyncrl.controller.scoring import build_scorer
+    from asyncrl.config.loader import load_train_config
     from asyncrl.engine import GenRequest, SamplingParams
     from asyncrl.engine.native import NativeEngine
     from asyncrl.models.prepare import prepare_model
+    from asyncrl.tasks.scoring import build_scorer
 
     torch.set_num_threads(threads)
     cfg = load_train_config(overrides)

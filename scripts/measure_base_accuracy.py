@@ -6,7 +6,7 @@ tags). Each candidate is ``dataset`` + generator settings; the problems are the 
 (the same ones a run with these settings holds out), decoded greedily in one batch by the native
 engine and scored by the task's own scorer. Prints one row per candidate: accuracy, 95% CI, share of
 responses with an ``<answer>`` tag, share ending at their first token, mean response length.
-Owns no library code: it drives ``asyncrl.tasks``, ``asyncrl.controller.prompts`` and the engine.
+Owns no library code: it drives ``asyncrl.tasks``, ``asyncrl.tasks.prompts`` and the engine.
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from asyncrl.controller.prompts import PromptEncoder, stop_token_ids
     from asyncrl.engine import GenRequest, SamplingParams
     from asyncrl.engine.native import NativeEngine
     from asyncrl.models import ensure_smollm2
     from asyncrl.tasks import make_task
+    from asyncrl.tasks.prompts import PromptEncoder, stop_token_ids
 
     torch.set_num_threads(2)
     model_dir = Path(args.model_dir)

@@ -35,7 +35,7 @@ def _cmd_log_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_log_show(args: argparse.Namespace) -> int:
-    from asyncrl.log.show import show_main
+    from workers.log_show import show_main
 
     return show_main(args.run, last=args.last, step=args.step, tokenizer=args.tokenizer)
 
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     # asyncrl.config loads neither torch nor zmq: the import is cheap
-    from asyncrl.config.resume import RunFinished
+    from workers.run_config import RunFinished
 
     try:
         return int(func(args) or 0)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import zmq
 
-from asyncrl.config.loader import read_run_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
 from asyncrl.controller.outbox import PeerOutbox
 from asyncrl.controller.recovery import bind_first, lost_log_message, previous_ports, resume_point
@@ -39,6 +38,7 @@ from asyncrl.transport import (
     check_bind_security,
     server_curve,
 )
+from workers.run_config import read_run_config
 from workers.run_setup import announce, setup_reply
 
 log = logging.getLogger("asyncrl.controller")
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
 
     from asyncrl.controller.report import RunReport
-    from asyncrl.controller.scoring import build_scorer
     from asyncrl.metrics import MetricsWriter
     from asyncrl.metrics.health_log import HealthWatch
+    from asyncrl.tasks.scoring import build_scorer
 
     limit = MAX_MESSAGE_BYTES
     # resumed: the previous controller's ports first, where the learner and workers still running look for it

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from asyncrl.config import TrainConfig
 from asyncrl.config.devices import parse_device
+from asyncrl.config.schema import TrainConfig
 
 
 def visible_gpus() -> list[str]:

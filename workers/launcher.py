@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from asyncrl.config import TrainConfig
+from asyncrl.config.schema import TrainConfig
 from asyncrl.rundir import RunDir
 from workers.gpus import gpu_plan, visible_gpus
 from workers.prepare import prepare_run, publish_formats
@@ -224,7 +224,7 @@ def run_train(overrides: Sequence[str]) -> int:
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
     if resume:  # not a run folder, or a finished run: said before the folder's lock is taken
-        from asyncrl.config.resume import check_resumable
+        from workers.run_config import check_resumable
 
         check_resumable(Path(resume[0]).resolve())
     held = [acquire_run_lock(Path(resume[0]).resolve())] if resume else []  # a second resume is refused here

@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 
 import protocols as P
-from asyncrl.config import TrainConfig
-from asyncrl.config.loader import read_run_config
+from asyncrl.config.schema import TrainConfig
 from asyncrl.learner import (
     LearnerBatch,
     TrainState,
@@ -59,6 +58,7 @@ from workers.learner_link import ControllerSource, ReplaySource
 from workers.learner_rank0 import Evaluator, Publisher
 from workers.learner_setup import Policy, Rank, load_policy, start_rank, training_state
 from workers.learner_stop import StopRequest, stopped_line
+from workers.run_config import read_run_config
 
 log = logging.getLogger("asyncrl.learner")
 

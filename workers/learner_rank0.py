@@ -80,7 +80,7 @@ class Evaluator:
     own parameters, read under no_grad) and dropped afterwards."""
 
     def __init__(self, cfg, model_dir: Path) -> None:
-        from asyncrl.controller.scoring import build_scorer
+        from asyncrl.tasks.scoring import build_scorer
 
         self.scorer = build_scorer(cfg, model_dir)
         self.model_dir = model_dir
@@ -90,8 +90,8 @@ class Evaluator:
         """``buffers``: the policy's non-parameter tensors (rotary tables), by the base model's names."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from asyncrl.controller.scoring import evaluate_greedy
         from asyncrl.engine.native import NativeEngine
+        from asyncrl.learner.evaluate import evaluate_greedy
 
         config = AutoConfig.from_pretrained(self.model_dir)
         with torch.device("meta"):  # a skeleton: no memory, no initialisation

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from asyncrl.config import TrainConfig
+from asyncrl.config.schema import TrainConfig
 from asyncrl.learner import (
     LRSchedule,
     TrainState,
@@ -88,7 +88,7 @@ def load_policy(cfg: TrainConfig, model_dir: Path, rank: Rank) -> Policy:
     LoRA adapters when asked, and the frozen KL reference when ``algo.kl_coef > 0``."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.controller.prompts import load_tokenizer
+    from asyncrl.tasks.prompts import load_tokenizer
 
     L, info = cfg.learner, rank.info
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from asyncrl.config import TrainConfig, load_train_config, save_config
+from asyncrl.config.loader import load_train_config, save_config
 from asyncrl.config.paths import resolve_paths
+from asyncrl.config.schema import TrainConfig
 from asyncrl.rundir import RunDir
 
 
@@ -31,7 +32,7 @@ class PreparedRun(NamedTuple):
     model_dir: Path
     tokenizer_class: str
     """``AutoTokenizer``'s class for the model folder, which the controller loads without torch
-    (``asyncrl.controller.prompts.load_tokenizer``); "" when only ``AutoTokenizer`` can."""
+    (``asyncrl.tasks.prompts.load_tokenizer``); "" when only ``AutoTokenizer`` can."""
 
 
 def new_run_dir(cfg: TrainConfig) -> Path:
@@ -77,7 +78,7 @@ def prepare_run(overrides: Sequence[str], *, command: str = "train") -> Prepared
 
     resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
     if resume:  # the run's own configuration, with only the overrides a resume accepts (RunFinished: done)
-        from asyncrl.config.resume import resume_config
+        from workers.run_config import resume_config
 
         run_dir: Path | None = Path(resume[0]).resolve()
         cfg = resume_config(Path(resume[0]), overrides, command=command)
@@ -190,9 +191,10 @@ def prepare_replay(overrides: Sequence[str], log: Callable[[str], None] = print)
     checked to be replayable on this model, and a new run folder holding the configuration. A run still
     training (a live job holds its folder) is refused, or with ``replay.allow_prefix=true`` replayed up to
     the steps logged so far (``check_not_training``)."""
-    from asyncrl.config.loader import apply_overrides, read_run_config
+    from asyncrl.config.loader import apply_overrides
     from asyncrl.log.replay import check_replayable
     from asyncrl.models.prepare import check_task, model_id, prepare_model
+    from workers.run_config import read_run_config
 
     runs = [o.split("=", 1)[1] for o in overrides if o.startswith("run=")]
     if not runs:

@@ -9,11 +9,10 @@ Tensors in, ``(loss, metrics)`` out. Entry points:
 * ``outcome_advantages`` (§3.1: the group estimators on plain floats, without torch: the controller's);
 * ``MetricDict`` / ``merge_metrics`` (metrics that reduce correctly across calls).
 
-Never: imports torch.distributed, zmq, msgspec, the transport or any other asyncrl sub-package,
-does I/O, or reads global configuration. It is a leaf of the dependency graph.
-Importing the package is cheap (no torch): ``asyncrl.algo.config`` is imported at once (the run
-schema in ``asyncrl.config`` nests its ``AlgoConfig``); the tensor modules load on first use of a name
-(``outcome`` needs only numpy).
+Never: imports torch.distributed, zmq, msgspec, the transport or any other asyncrl sub-package but its
+options (``asyncrl.config.algo``, standard library only), does I/O, or reads global configuration.
+Importing the package is cheap (no torch): its options are imported at once (the run schema nests their
+``AlgoConfig``); the tensor modules load on first use of a name (``outcome`` needs only numpy).
 Invariants: fp32 log-space arithmetic, clamped exponentials, where-masking before arithmetic,
 finite losses; departures from the spec are marked DEPARTURE in the code and listed in
 docs/algorithms.md.
@@ -24,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncrl._lazy import lazy_exports
-from asyncrl.algo.config import (
+from asyncrl.config.algo import (
     ADVANTAGES,
     AGGREGATIONS,
     OBJECTIVES,

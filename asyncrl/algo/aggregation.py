@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from asyncrl.algo.config import AGGREGATIONS, require_choice
 from asyncrl.algo.numerics import seq_any
+from asyncrl.config.algo import AGGREGATIONS, require_choice
 
 __all__ = ["Denominators", "count_denominators", "aggregate", "resolve_denominators"]
 

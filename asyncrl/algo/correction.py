@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from asyncrl.algo.config import parse_rs_threshold
 from asyncrl.algo.numerics import LOG_RATIO_BOUND, clamp_log, seq_any, seq_mean, seq_sum
+from asyncrl.config.algo import parse_rs_threshold
 
 __all__ = [
     "mismatch_log_ratio",

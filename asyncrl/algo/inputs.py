@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.algo.config import ObjectiveConfig
 from asyncrl.algo.correction import behav_cap_keep, mismatch_log_ratio, rejection_keep, tbpo_keep
+from asyncrl.config.algo import ObjectiveConfig
 
 __all__ = ["Prepared", "prepare", "check_shapes"]
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 
 from asyncrl.algo.aggregation import Denominators, aggregate, count_denominators, resolve_denominators
-from asyncrl.algo.config import SEQUENCE_OBJECTIVES, ObjectiveConfig
 from asyncrl.algo.diagnostics import add_mismatch_stats
 from asyncrl.algo.inputs import Prepared, check_shapes, prepare
 from asyncrl.algo.numerics import LOG_RATIO_BOUND, clamp_log, guarded_exp
 from asyncrl.algo.objectives import ObjectiveOut, sequence_objective, token_objective
 from asyncrl.algo.stats import MetricDict, StatsBuilder
+from asyncrl.config.algo import SEQUENCE_OBJECTIVES, ObjectiveConfig
 
 __all__ = ["policy_loss", "loss_denominators"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.algo.config import ADV_EPS
+from asyncrl.config.algo import ADV_EPS
 
 __all__ = [
     "LOG_RATIO_BOUND",

@@ -20,12 +20,12 @@ from typing import NamedTuple
 
 import torch
 
-from asyncrl.algo.config import ObjectiveConfig
 from asyncrl.algo.correction import acr_log_hi, is_weights
 from asyncrl.algo.inputs import Prepared
 from asyncrl.algo.numerics import GSPO_LOG_RATIO_MAX, guarded_exp, seq_any, seq_mean
 from asyncrl.algo.stats import StatsBuilder
 from asyncrl.algo.surrogate import SurrogateOut, clipped_surrogate, tbpo_surrogate
+from asyncrl.config.algo import ObjectiveConfig
 
 __all__ = ["ObjectiveOut", "token_objective", "sequence_objective"]
 

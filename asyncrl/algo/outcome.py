@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from asyncrl.algo.config import ADV_EPS, ADVANTAGES, require_choice
+from asyncrl.config.algo import ADV_EPS, ADVANTAGES, require_choice
 
 __all__ = ["GroupCounts", "outcome_advantages"]
 

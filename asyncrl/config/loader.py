@@ -1,7 +1,8 @@
 """Load a run configuration: Hydra compose -> merge onto the structured schema -> dataclasses.
 
 Owns: turning ``key=value`` overrides and the YAML groups in ``configs/`` into a validated
-``TrainConfig``, and writing/reading the resolved config of a run (``config.json`` in its folder).
+``TrainConfig``, and writing the resolved config of a run and building it again from that JSON (a run
+folder's ``config.json`` is read back by ``workers/run_config.py``).
 Never: returns a ``DictConfig``; lets a Hydra/OmegaConf exception escape without saying which key
 to change (they become ``ValueError``; a value of the wrong type names the key, the type, the value and
 what the key accepts: ``wrong_type_message``).
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.schema import TrainConfig, to_dict, validate
-from asyncrl.rundir import RunDir
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 GROUPS = ("model", "task", "algo", "quant", "rollout", "learner")
@@ -308,10 +308,3 @@ def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
     except OmegaConfBaseException as e:
         raise ValueError(type_error(e, overrides) or f"bad override: {e}".replace("\n", " ")) from None
     return validate(out)
-
-
-def read_run_config(run_dir: str | Path) -> TrainConfig:
-    path = RunDir(Path(run_dir)).config
-    if not path.is_file():
-        raise ValueError(f"{run_dir} is not an asyncrl run folder (no config.json); pass runs/<name>")
-    return config_from_dict(json.loads(path.read_text()))

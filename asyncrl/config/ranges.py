@@ -10,7 +10,7 @@ Also ``WORKER_RANGES``, the same for the numeric settings of ``asyncrl worker``.
 
 Invariant: every int/float key of ``TrainConfig`` outside ``algo.*`` has exactly one entry in ``RANGES``
 (tests/unit/config/test_ranges.py checks it); ``algo.*`` keys validate themselves in
-``asyncrl.algo.config`` when the section is built. Intervals are written ``[lo, hi]`` / ``(lo, hi)``
+``asyncrl.config.algo`` when the section is built. Intervals are written ``[lo, hi]`` / ``(lo, hi)``
 with ``inf`` for no upper bound; a value must also be finite whatever its interval.
 """
 

@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 from asyncrl.config.devices import parse_device
 from asyncrl.config.loader import check_known_keys, schema_keys, structured, type_error
 from asyncrl.config.ranges import WORKER_RANGES, check_ranges
-from asyncrl.config.schema import ENGINES, SGLangConfig, TrainConfig
-from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
+from asyncrl.config.schema import ENGINES, SGLangConfig, TrainConfig, check_serving
+from asyncrl.constants import CUDA_GRAPHS, DECODE_STEPS
 from protocols.values import FORMATS as QUANT_FORMATS
 from protocols.values import require_choice
 
@@ -179,8 +179,6 @@ def _nested(dotted: str) -> dict[str, Any]:
 
 def check_worker_role(cfg: WorkerRoleConfig) -> WorkerRoleConfig:
     """The checks a worker's settings pass before it opens a socket (ranges, choices, devices)."""
-    from asyncrl.engine.factory import EngineSpec
-
     if not cfg.controller:
         raise ValueError("controller=tcp://HOST:PORT is required (printed by `asyncrl train` at start)")
     check_ranges(cfg, WORKER_RANGES)
@@ -194,7 +192,7 @@ def check_worker_role(cfg: WorkerRoleConfig) -> WorkerRoleConfig:
     require_choice("log_level", cfg.log_level, LOG_LEVELS)
     if cfg.quant.fmt:
         require_choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
-    EngineSpec(kind=cfg.engine, quant_format=default_format(cfg))  # an SGLang worker serves fp32/bf16/fp8 only
+    check_serving(cfg.engine, default_format(cfg))
     return cfg
 
 

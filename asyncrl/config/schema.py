@@ -14,17 +14,21 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.algo.config import AlgoConfig
+from asyncrl.config.algo import AlgoConfig
 from asyncrl.config.devices import parse_device
 from asyncrl.config.health import HealthConfig, check_health
 from asyncrl.config.ranges import check_ranges, check_run_name
-from asyncrl.controller.prompts import PROMPT_FORMATS
-from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
-from asyncrl.engine.sglang_server import STARTUP_TIMEOUT_S
-from asyncrl.learner.options import BASE_FORMATS, LR_SCHEDULES, StepConfig
-from asyncrl.log.trajectory import FSYNC_POLICIES
-from asyncrl.tasks.answers import ANSWER_FORMATS
-from asyncrl.tasks.registry import TASKS
+from asyncrl.constants import (
+    ANSWER_FORMATS,
+    BASE_FORMATS,
+    CUDA_GRAPHS,
+    DECODE_STEPS,
+    FSYNC_POLICIES,
+    LR_SCHEDULES,
+    PROMPT_FORMATS,
+    STARTUP_TIMEOUT_S,
+    TASK_NAMES,
+)
 from protocols.values import AQN_RESAMPLE, require_choice
 from protocols.values import FORMATS as QUANT_FORMATS
 
@@ -36,6 +40,9 @@ MODEL_NAMES = ("tiny", "smollm2", "path")
 """``model.name`` values (``asyncrl.models``)."""
 TOO_LONG = ("skip", "error")
 """``task.too_long`` values."""
+AUTOCAST = ("", "bf16", "auto")
+"""``StepConfig.autocast``: "" = fp32, ``bf16`` = bfloat16 autocast forwards, ``auto`` = bf16 where the device
+computes it natively (``asyncrl.learner.options.resolve_autocast``), else fp32."""
 
 
 @dataclass(kw_only=True)
@@ -189,8 +196,57 @@ class LoraConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StepConfig:
+    """How one training step is cut up, computed and clipped (``asyncrl.learner.step.train_step``)."""
+
+    n_minibatches: int = 1
+    """Optimiser updates per step (the step batch is split into this many). Every ``configs/algo/``
+    file sets 2: with one update the ratio to the proximal policy is 1 and the trust region never acts."""
+    micro_batch_size: int = 64
+    """At most this many sequences per forward/backward on one rank."""
+    max_tokens_per_micro_batch: int = 0
+    """> 0 also caps a micro-batch at this many padded positions (rows x longest row, ``plan.py``);
+    0 cuts by ``micro_batch_size`` alone. Memory knobs only: the result does not depend on them beyond
+    float summation order."""
+    grad_clip: float = 1.0
+    """Clip the global L2 gradient norm to this; <= 0 disables clipping (the norm is still logged)."""
+    chunk_tokens: int = 256
+    """Positions per fp32 log-softmax chunk of the LM head (a memory knob, ``logprobs.py``)."""
+    log_entropy: bool = True
+    """Log ``actor/entropy`` every step even without an entropy bonus (from the same LM-head chunks
+    as the log-probs)."""
+    reuse_prox: bool = True
+    """First minibatch: proximal log-probs from its own training forward (before any update they are
+    the same function of the same weights) instead of a separate no-grad pass; see ``train_step``."""
+    skip_zero_advantage: bool = True
+    """Responses with zero advantage at every loss token get no forward/backward (their gradient is
+    exactly 0; they stay in the denominators); only when the objective has no KL or entropy term."""
+    autocast: str = ""
+    """``bf16``: forwards under bfloat16 autocast (weights, gradients and optimiser stay fp32; log-probs
+    and the loss in fp32); empty = plain fp32; ``auto``: bf16 on CUDA and on a CPU with bf16 matmul
+    instructions, else fp32 (`resolve_autocast`; the learner's start line says which and why)."""
+    train_dropout: bool = False
+    """The training forward runs in train mode (dropout on, e.g. LoRA dropout); the proximal and
+    reference passes stay in eval mode, so ``reuse_prox`` must be off. A run sets it from
+    ``learner.lora.dropout``."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_minibatches", "micro_batch_size", "chunk_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 0 "
+                             "(0 = by micro_batch_size)")
+        if self.train_dropout and self.reuse_prox:
+            raise ValueError("train_dropout needs reuse_prox=False: a dropout forward is not the proximal policy")
+        if self.autocast not in AUTOCAST:
+            raise ValueError(f"autocast={self.autocast!r}: use '' (fp32), bf16 or auto (bf16 where the device has it)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LearnerConfig(StepConfig):
-    """The learner process: the training-step options of ``asyncrl.learner.options.StepConfig`` (its
+    """The learner process: the training-step options of ``StepConfig`` (its
     fields, defaults and validation, e.g. ``learner.n_minibatches``, ``learner.chunk_tokens``) plus the
     run's length, optimiser, schedule, devices and checkpoints. ``train_step`` gets it as is."""
 
@@ -343,6 +399,13 @@ class TrainConfig:
     """A run folder to resume from its last checkpoint."""
 
 
+def check_serving(engine: str, fmt: str) -> None:
+    """``ValueError`` unless a worker of ``engine`` serves the actor format ``fmt`` (SGLang: ``SGLANG_SERVING``)."""
+    if engine == "sglang" and fmt not in SGLANG_SERVING:
+        raise ValueError(f"an SGLang worker serves {', '.join(SGLANG_SERVING)} (fp8 on GPUs only), not quant.fmt="
+                         f"{fmt}; start it with quant.fmt=fp32 (the run must publish fp32: quant.extra_formats=[fp32])")
+
+
 def sglang_wire_format(serving: str) -> str:
     """The published format an SGLang worker fetches: SGLang takes full-precision updates only (an fp8
     server quantizes a bf16 update on load)."""
@@ -359,7 +422,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     require_choice("quant.aqn_resample", cfg.quant.aqn_resample, AQN_RESAMPLE)
     for fmt in cfg.quant.extra_formats:
         require_choice("quant.extra_formats[]", fmt, QUANT_FORMATS)
-    require_choice("task.name", cfg.task.name, tuple(TASKS))
+    require_choice("task.name", cfg.task.name, TASK_NAMES)
     require_choice("learner.lr_schedule", cfg.learner.lr_schedule, LR_SCHEDULES)
     require_choice("learner.base_format", cfg.learner.base_format, BASE_FORMATS)
     require_choice("log.fsync", cfg.log.fsync, FSYNC_POLICIES)

@@ -14,8 +14,9 @@ Two layers in one package:
   out), composed of ``membership`` (``Membership``: the learner and the workers, with ``workers``, the
   registry, and ``quarantine``), ``batches`` (``BatchDesk``: the learner's batch requests, the time budget,
   the ``TrainBatch`` with its metrics) and ``report`` (``RunReport``: each learner version's metrics row and
-  the health watch); ``state`` (the checkpointed state, saved and loaded), ``scoring`` and ``prompts``
-  (``Scores`` of a complete group), ``validation``, ``outbox``, ``recovery``.
+  the health watch); ``state`` (the checkpointed state, saved and loaded), ``scores`` (``Scores`` of a
+  complete group: the task's rewards, by ``asyncrl.tasks.scoring``, and their advantages), ``validation``,
+  ``outbox``, ``recovery``.
 
 Typical wiring (the controller's loop)::
 

@@ -7,7 +7,7 @@ learner that resumed before training on it, the ``BatchRecord`` written (and flu
 and the ``TrainBatch`` with its batch metrics (reward mean/std, response metrics, filtered groups, staleness,
 gate capacity, live workers).
 Never: touches a socket or knows which peer is the learner (``ControllerCore`` addresses the answers);
-decides admission or scoring (``gate``, ``assembler``, ``scoring``).
+decides admission or scoring (``gate``, ``assembler``, ``core.score_group``).
 
 Invariant: a batch step is logged once, before the learner can train on it; a batch served again (a
 learner that resumed from a checkpoint taken while it was on its way) is not logged again.

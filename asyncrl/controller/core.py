@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import protocols as P
-from asyncrl.config import TrainConfig
+from asyncrl.algo import outcome_advantages
+from asyncrl.config.schema import TrainConfig
 from asyncrl.controller import BatchAssembler, GroupBuffer, ManualVersion, ResultStatus, StalenessGate
 from asyncrl.controller.admission import admit_and_assign
 from asyncrl.controller.batches import BatchDesk
 from asyncrl.controller.membership import Membership
-from asyncrl.controller.scoring import GroupScorer
+from asyncrl.controller.scores import Scores
 from asyncrl.controller.state import load_state, save_state
 from asyncrl.controller.validation import check_sample
 from asyncrl.controller.workers import WorkerInfo
@@ -42,6 +43,7 @@ from asyncrl.log import EventRecord, SampleRecord, TrajectoryLogWriter
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import prune_controller_states
 from asyncrl.rundir.files import atomic_write_text
+from asyncrl.tasks.scoring import GroupScorer
 from protocols.setup import SETUP_REQUEST
 
 if TYPE_CHECKING:
@@ -301,7 +303,7 @@ class ControllerCore:
     def _complete(self, group_id: str) -> None:
         group = self.buffer.get(group_id)
         samples = [s.payload for s in group.samples]
-        scores = self.scorer.score_group(group.meta, samples)
+        scores = score_group(self.scorer, self.cfg.algo.advantage, group.meta, samples)
         self.buffer.score(group_id, scores)
         for s, r, a in zip(samples, scores.rewards, scores.advantages, strict=True):
             self.log.append(SampleRecord(sample=s, reward=r, advantage=a, admitted_version=group.admit_version,
@@ -388,6 +390,14 @@ class ControllerCore:
         self.log.close()
         if self.report is not None:
             self.report.close()
+
+
+def score_group(scorer: GroupScorer, estimator: str, meta: dict[str, Any], samples: list[Any]) -> Scores:
+    """The scores of one complete group of ``FinishedSample``s: the task's rewards, the estimator's advantages."""
+    rewards = scorer.rewards(meta, [s.response_ids.to_numpy().tolist() for s in samples])
+    adv, counts = outcome_advantages(rewards, estimator=estimator)
+    return Scores(tuple(rewards), tuple(adv.astype(np.float32).tolist()),  # the float32 values the learner trains on
+                  zero_variance=counts.zero_var + counts.singleton > 0)
 
 
 def _vocab_size(model: ModelInfo, scorer: GroupScorer) -> int:

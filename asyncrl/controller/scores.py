@@ -1,9 +1,9 @@
 """A complete group's scores, typed: one reward and one advantage per member, and whether it has zero variance.
 
-Owns: ``Scores`` (what ``GroupScorer.score_group`` computes when a group completes; kept on the group by
+Owns: ``Scores`` (what ``core.score_group`` computes when a group completes; kept on the group by
 ``GroupBuffer.score``, checkpointed with it, and read by the batch, the dynamic-sampling filter and the batch
 metrics) and its checkpoint form. Standard library only (tests/unit/test_layout.py).
-Never: computes a reward or an advantage (``scoring`` and ``asyncrl.algo.outcome`` do).
+Never: computes a reward or an advantage (``asyncrl.tasks.scoring`` and ``asyncrl.algo.outcome`` do).
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from asyncrl.config.devices import parse_device
-from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig, sglang_wire_format
+from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig, check_serving, sglang_wire_format
+from asyncrl.constants import CUDA_GRAPHS, DECODE_STEPS
 from asyncrl.engine.base import RolloutEngine
-from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
 from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV
 from protocols.values import require_choice
 
@@ -75,12 +75,7 @@ class EngineSpec:
         require_choice("decode_step", self.decode_step, DECODE_STEPS)
         self.cuda_graphs = str(self.cuda_graphs).lower()
         require_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
-        if self.kind == "sglang" and self.quant_format not in SGLANG_SERVING:
-            raise ValueError(
-                f"an SGLang worker serves {', '.join(SGLANG_SERVING)} (fp8 on GPUs only), not quant.fmt="
-                f"{self.quant_format}; start it with quant.fmt=fp32 (the run must publish fp32: "
-                "quant.extra_formats=[fp32])"
-            )
+        check_serving(self.kind, self.quant_format)
 
     @property
     def wire_format(self) -> str:

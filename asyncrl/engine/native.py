@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.constants import DECODE_STEPS
 from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
-from asyncrl.engine.decode_options import DECODE_STEPS
 from asyncrl.engine.decoder import decoder_view
 from asyncrl.engine.forward import eager_forward, static_forward
 from asyncrl.engine.hf_runner import build_runner, fallback_reason

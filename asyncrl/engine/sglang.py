@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.constants import STARTUP_TIMEOUT_S
 from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
 from asyncrl.engine.sglang_control import Control, ControlChannel, WeightUpdate
 from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangRequestError
@@ -42,7 +43,7 @@ from asyncrl.engine.sglang_requests import (
     request_rid,
     stop_set,
 )
-from asyncrl.engine.sglang_server import STARTUP_TIMEOUT_S, SGLangServerProcess, start_server
+from asyncrl.engine.sglang_server import SGLangServerProcess, start_server
 from asyncrl.engine.sglang_weights import prepare_update
 
 

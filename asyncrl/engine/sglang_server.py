@@ -29,12 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.constants import STARTUP_TIMEOUT_S
 from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangUnavailableError
-
-STARTUP_TIMEOUT_S = 600.0
-"""How long a started server may take to generate its first token: the default of ``sglang.startup_timeout_s``
-(``SGLangConfig`` reads it from here; this module imports nothing of the configuration, because
-``scripts/sglang_cpu_server.py`` imports it under SGLang's own interpreter)."""
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON_ENV = "ASYNCRL_SGLANG_PYTHON"

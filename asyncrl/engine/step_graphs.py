@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.engine.decode_options import CUDA_GRAPHS
+from asyncrl.constants import CUDA_GRAPHS
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 MIN_LENGTH_BUCKET = 16

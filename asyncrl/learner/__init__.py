@@ -2,9 +2,8 @@
 
 Owns everything the learner *process* (workers/learner.py) needs to train, save and export a
 policy; it never opens sockets, reads argv/env beyond torchrun's variables, or computes an
-objective (that is ``asyncrl.algo``). The options (``StepConfig``, ``LRSchedule``,
-``asyncrl.learner.options``) import without torch, so the run schema can extend them; every other
-name loads (with torch) on first use.
+objective (that is ``asyncrl.algo``). The options (``StepConfig``, the run schema's, and ``LRSchedule``,
+``asyncrl.learner.options``) import without torch; every other name loads (with torch) on first use.
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncrl._lazy import lazy_exports
-from asyncrl.learner.options import LRSchedule, StepConfig
+from asyncrl.config.schema import StepConfig
+from asyncrl.learner.options import LRSchedule
 
 if TYPE_CHECKING:
     from asyncrl.learner.batch import LearnerBatch

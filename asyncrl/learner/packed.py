@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from asyncrl.learner.options import BASE_FORMATS
+from asyncrl.constants import BASE_FORMATS
 from asyncrl.quant.formats import dequantize_weight, quantize_weight, weight_suffixes
 
 __all__ = ["PackedLinear", "pack_lora_base"]

@@ -48,10 +48,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from asyncrl.algo import MetricDict, ObjectiveConfig, Stat, loss_denominators, merge_metrics, policy_loss
+from asyncrl.config.schema import StepConfig
 from asyncrl.learner.batch import LearnerBatch
 from asyncrl.learner.fsdp import DistInfo, all_reduce_sum
 from asyncrl.learner.logprobs import token_logprobs
-from asyncrl.learner.options import StepConfig, resolve_autocast
+from asyncrl.learner.options import resolve_autocast
 from asyncrl.learner.plan import plan_step
 
 __all__ = ["StepConfig", "TrainState", "LossFn", "train_step", "clip_grad_norm", "reference_context",

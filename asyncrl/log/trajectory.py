@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncrl.constants import FSYNC_POLICIES
 from asyncrl.log.framing import Corruption, LogFormatError, encode_record, header_bytes, scan_segment
 from asyncrl.log.records import SCHEMA_VERSION, LogHeader
 from asyncrl.rundir import RunDir
@@ -67,7 +68,6 @@ def interior_damage(corruptions: list[Corruption], *, last_segment: str | None) 
 
 log = logging.getLogger(__name__)
 
-FSYNC_POLICIES = ("always", "every_n", "rotation", "never")
 SEGMENT_RE = re.compile(r"^traj-(\d{6})\.log$")
 
 

@@ -98,8 +98,8 @@ def check_model_folder(path: Path) -> Path:
 def check_task(cfg, log: Callable[[str], None] = print) -> int:
     """Build the task once, so a missing dataset file or a bad task argument fails before any process.
     Reference answers the verifier cannot parse are warned about and counted (returned)."""
-    from asyncrl.controller.scoring import task_kwargs
     from asyncrl.tasks import make_task
+    from asyncrl.tasks.scoring import task_kwargs
 
     task = make_task(cfg.task.name, **task_kwargs(cfg))
     bad = task.unparsable_answers() if hasattr(task, "unparsable_answers") else []
@@ -115,7 +115,7 @@ def check_task(cfg, log: Callable[[str], None] = print) -> int:
 def check_prompt_lengths(cfg, model_dir: Path, log: Callable[[str], None] = print) -> dict:
     """Prompts longer than the model takes, found when the run starts: ``task.too_long=error`` refuses the
     dataset (ValueError naming the first), ``skip`` says how many admission and evaluation will skip."""
-    from asyncrl.controller.scoring import build_scorer
+    from asyncrl.tasks.scoring import build_scorer
 
     scorer = build_scorer(cfg, model_dir)
     report = scorer.prompt_length_report()
@@ -152,10 +152,10 @@ def model_folder(cfg) -> Path:
 
 def check_prompts(cfg, model_dir: Path) -> tuple[str, str]:
     """The resolved prompt format (``chat``/``raw``) of this run and ``AutoTokenizer``'s tokenizer class
-    for the folder (``asyncrl.controller.prompts.tokenizer_class_name``: the controller loads it without
+    for the folder (``asyncrl.tasks.prompts.tokenizer_class_name``: the controller loads it without
     torch); ``ValueError`` (naming the fix) when the model's tokenizer cannot give the format, before any
     process starts."""
-    from asyncrl.controller.prompts import PromptEncoder, load_tokenizer, tokenizer_class_name
+    from asyncrl.tasks.prompts import PromptEncoder, load_tokenizer, tokenizer_class_name
 
     tokenizer = load_tokenizer(model_dir)
     fmt = PromptEncoder(tokenizer, cfg.task.prompt_format, cfg.task.system_prompt).format
@@ -206,8 +206,8 @@ def warm_start(base: Path, out: Path, cfg, batch_size: int = 32) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.controller.scoring import task_kwargs
     from asyncrl.tasks import make_task
+    from asyncrl.tasks.scoring import task_kwargs
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)

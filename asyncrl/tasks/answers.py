@@ -26,11 +26,7 @@ import ast
 import re
 from fractions import Fraction
 
-STRICT_FORMATS = ("tag", "boxed", "last_number")
-EXTRACT_FORMATS = (*STRICT_FORMATS, "plain")
-ANSWER_FORMATS = ("math_verify", *EXTRACT_FORMATS)
-"""Every ``task.answer_format`` some task accepts (jsonl_math: math_verify and the strict ones;
-reasoning_gym: the extract ones)."""
+from asyncrl.constants import EXTRACT_FORMATS
 
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")

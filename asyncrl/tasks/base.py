@@ -6,7 +6,7 @@ visited) and ``PromptCursor`` (a position in that order with a checkpointable st
 keeps its position as a plain int, ``ControllerCore.cursor``).
 
 Must never: import torch or a tokenizer (prompts are plain text; the controller tokenizes them in the
-model's prompt format, ``asyncrl/controller/prompts.py``), touch the
+model's prompt format, ``asyncrl/tasks/prompts.py``), touch the
 network, or depend on wall-clock time or on the global ``random`` state.
 
 Invariants:

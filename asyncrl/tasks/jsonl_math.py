@@ -29,7 +29,8 @@ import os
 import random
 from typing import Any
 
-from asyncrl.tasks.answers import STRICT_FORMATS, strict_score
+from asyncrl.constants import STRICT_FORMATS
+from asyncrl.tasks.answers import strict_score
 from asyncrl.tasks.base import EpochStreamMixin, Problem, check_reward, problem_id
 from asyncrl.tasks.math_verifier import Isolation, MathVerifyGrader
 from protocols.values import require_choice

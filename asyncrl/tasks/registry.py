@@ -1,6 +1,7 @@
 """Task registry: name -> factory, and ``make_task`` with errors that say what to change.
 
-Owns: the ``TASKS`` dict (an explicit dict, no plugin magic) and argument checking for it.
+Owns: the ``TASKS`` dict (an explicit dict, no plugin magic; its names are ``asyncrl.constants.TASK_NAMES``,
+which the configuration checks ``task.name`` against) and argument checking for it.
 
 Must never: import a task's heavy dependency (math-verify, reasoning-gym) at import time; the
 factories import them when a task is built.

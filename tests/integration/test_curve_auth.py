@@ -72,7 +72,7 @@ def test_non_loopback_bind_refuses_without_keys_and_binds_with_them(procs, keys)
 
 
 def test_controller_refuses_a_non_loopback_host_without_keys(procs, tmp_path):
-    from asyncrl.config import load_train_config, save_config
+    from asyncrl.config.loader import load_train_config, save_config
 
     run = tmp_path / "run"
     run.mkdir()

@@ -244,7 +244,7 @@ def rejected_counts(metrics: dict, prefix: str) -> dict[str, int]:
 # --------------------------------------------------------------------------------- controller
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from asyncrl.config import load_train_config
+    from asyncrl.config.loader import load_train_config
     from asyncrl.models.prepare import prepare_model
 
     cache = tmp_path_factory.mktemp("models")
@@ -253,7 +253,7 @@ def tiny_model(tmp_path_factory):
 
 
 def start_controller(procs, tmp_path, tiny_model):
-    from asyncrl.config import load_train_config, save_config
+    from asyncrl.config.loader import load_train_config, save_config
 
     overrides, model_dir = tiny_model
     run = tmp_path / "run"

@@ -72,7 +72,7 @@ def test_learner_ranks_die_with_a_killed_torchrun_agent(tmp_path, procs):
     """SIGKILL of the agent (which cannot forward it): the rank must not live on holding ports."""
     import zmq
 
-    from asyncrl.config import load_train_config, save_config
+    from asyncrl.config.loader import load_train_config, save_config
     from asyncrl.models import ensure_tiny_model
     from asyncrl.transport import ZmqChannel
     from workers.learner_link import WELCOME_TIMEOUT_S

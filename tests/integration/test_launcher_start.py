@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from asyncrl.config import load_train_config, save_config
+from asyncrl.config.loader import load_train_config, save_config
 from asyncrl.config.paths import resolve_paths
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.lock import acquire_run_lock

@@ -1,7 +1,7 @@
 """The docs name only configuration keys that exist, and the defaults they quote are the code's.
 
 Every key and its default has one home, ``asyncrl/config/schema.py`` (the objective's options:
-``asyncrl/algo/config.py``); README.md says so. The pages may name keys and, rarely, quote a default;
+``asyncrl/config/algo.py``); README.md says so. The pages may name keys and, rarely, quote a default;
 these tests keep such quotes from drifting:
 
 * every backticked ``section.key`` (or ``section.key=value``) in README.md and docs/*.md whose section is

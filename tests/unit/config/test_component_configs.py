@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.algo.config import OBJECTIVE_DEFAULTS, OBJECTIVES, AlgoConfig, ObjectiveConfig, objective_default
-from asyncrl.config import load_train_config
-from asyncrl.config.loader import CONFIG_DIR, apply_overrides, config_from_dict, schema_keys
+from asyncrl.config.algo import OBJECTIVE_DEFAULTS, OBJECTIVES, AlgoConfig, ObjectiveConfig, objective_default
+from asyncrl.config.loader import (
+    CONFIG_DIR,
+    apply_overrides,
+    config_from_dict,
+    load_train_config,
+    schema_keys,
+)
 from asyncrl.config.schema import to_dict
 
 ROOT = Path(__file__).resolve().parents[3]

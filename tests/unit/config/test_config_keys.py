@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import load_train_config
-from asyncrl.config.loader import apply_overrides, check_known_keys, nearest_key, schema_keys
+from asyncrl.config.loader import (
+    apply_overrides,
+    check_known_keys,
+    load_train_config,
+    nearest_key,
+    schema_keys,
+)
 
 
 @pytest.mark.parametrize(

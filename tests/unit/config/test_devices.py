@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import load_train_config
 from asyncrl.config.devices import Device, parse_device
+from asyncrl.config.loader import load_train_config
 from asyncrl.config.roles import WorkerRoleConfig, parse_role
 from asyncrl.engine.factory import resolve_device
 from workers.gpus import gpu_plan

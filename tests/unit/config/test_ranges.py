@@ -8,9 +8,9 @@ import typing
 
 import pytest
 
-from asyncrl.config import TrainConfig, load_train_config
-from asyncrl.config.loader import schema_keys
+from asyncrl.config.loader import load_train_config, schema_keys
 from asyncrl.config.ranges import INTERVALS, RANGES, Interval, check_run_name
+from asyncrl.config.schema import TrainConfig
 
 
 def numeric_keys(schema: type | None = None) -> set[str]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import protocols as P
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from asyncrl.controller.core import (
     NO_WORK_RETRY_MAX_S,
     NO_WORK_RETRY_MIN_S,
@@ -16,10 +16,10 @@ from asyncrl.controller.core import (
     ModelInfo,
     no_work_retry_s,
 )
-from asyncrl.controller.scoring import build_scorer
 from asyncrl.controller.state import read_state
 from asyncrl.log import BatchRecord, SampleRecord, read_log, truncate_log
 from asyncrl.models import ensure_tiny_model
+from asyncrl.tasks.scoring import build_scorer
 
 G, B = 4, 2
 
@@ -376,8 +376,8 @@ def test_prompts_longer_than_the_model_takes_are_skipped_at_admission_and_counte
 
 
 def test_a_too_long_prompt_is_refused_up_front_or_reported_and_left_out_of_evaluation(tmp_path, model_dir):
-    from asyncrl.controller.scoring import build_scorer, evaluate_greedy
     from asyncrl.engine.native import NativeEngine
+    from asyncrl.learner.evaluate import evaluate_greedy
     from asyncrl.models.prepare import check_prompt_lengths
 
     path = _long_prompt_dataset(tmp_path)

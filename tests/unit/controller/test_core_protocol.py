@@ -8,10 +8,10 @@ import json
 import pytest
 
 import protocols as P
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
-from asyncrl.controller.scoring import build_scorer
 from asyncrl.models import ensure_tiny_model
+from asyncrl.tasks.scoring import build_scorer
 
 WEIGHTS = {"weights_announce": "tcp://l:1", "weights_fetch": "tcp://l:2"}
 

@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 
-from asyncrl.controller.prompts import load_tokenizer, tokenizer_class_name
 from asyncrl.models import ensure_tiny_model
+from asyncrl.tasks.prompts import load_tokenizer, tokenizer_class_name
 
 PROBE = """
 import json, sys
@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import protocols as P
 import workers.controller as wc
-from asyncrl.config import load_train_config
-from asyncrl.controller.scoring import build_scorer
+from asyncrl.config.loader import load_train_config
+from asyncrl.controller.core import score_group
+from asyncrl.tasks.scoring import build_scorer
 folder, name = Path(sys.argv[1]), sys.argv[2]
 cfg = load_train_config(["task=addition"])
 scorer = build_scorer(cfg, folder, tokenizer_class=name)
@@ -30,7 +31,7 @@ def sample(ids):
                             response_ids=arr(ids, np.int32), behav_logp=arr([-1.0] * len(ids), np.float32),
                             versions=arr([0] * len(ids), np.int32), finish_reason="stop", worker_id="w0")
 
-scores = scorer.score_group(meta, [sample(scorer.encode(meta["answer"])), sample(scorer.encode("x"))])
+scores = score_group(scorer, cfg.algo.advantage, meta, [sample(scorer.encode(meta["answer"])), sample(scorer.encode("x"))])
 rewards, adv = scores.rewards, scores.advantages
 info = wc.model_info(cfg, folder)
 print(json.dumps({"torch": "torch" in sys.modules, "rewards": rewards, "adv": adv, "eos": list(info.eos_token_ids),

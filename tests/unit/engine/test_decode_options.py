@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import protocols as P
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from tests.integration.standin import worker_standin
 from workers.launcher import Launcher
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from asyncrl.models.families import PRESETS, preset_config
 from asyncrl.models.prepare import prepare_model
 

@@ -84,11 +84,11 @@ HF_MODEL_FOLDER = {  # "config.json" of a Hugging Face model folder, not of the 
     ("asyncrl/models/prepare.py", "config.json"),
     ("asyncrl/engine/sglang_requests.py", "config.json"),  # the served model's EOS ids
     ("asyncrl/engine/sglang_weights.py", "config.json"),  # the served model's names (tied head, experts)
-    ("asyncrl/controller/prompts.py", "config.json"),
-    ("asyncrl/controller/scoring.py", "config.json"),
+    ("asyncrl/tasks/prompts.py", "config.json"),
+    ("asyncrl/tasks/scoring.py", "config.json"),
     ("workers/roles.py", "config.json"),  # `asyncrl learner` checks the model folder is readable
     ("workers/controller.py", "config.json"),  # the model's config, sent to joining workers (model_info)
-    ("asyncrl/config/resume.py", "config.json"),  # a moved model folder (model.path) must hold a model
+    ("workers/run_config.py", "config.json"),  # a moved model folder (model.path) must hold a model
 }
 
 

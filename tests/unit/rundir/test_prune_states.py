@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 import protocols as P
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
-from asyncrl.controller.scoring import build_scorer
 from asyncrl.models import ensure_tiny_model
 from asyncrl.rundir import RunDir
 from asyncrl.rundir.checkpoints import KEEP_CHECKPOINTS, choose_resume_point, prune_controller_states
 from asyncrl.rundir.files import write_checksummed_json
 from asyncrl.rundir.paths import learner_checkpoint_name
+from asyncrl.tasks.scoring import build_scorer
 
 
 def versions(root):

@@ -25,7 +25,7 @@ def _holder(procs, run_dir):
 
 
 def test_a_second_job_on_a_run_folder_is_refused_with_the_holders_pid(tmp_path, procs):
-    from asyncrl.config import load_train_config, save_config
+    from asyncrl.config.loader import load_train_config, save_config
     from workers.launcher import run_train
 
     save_config(load_train_config([]), tmp_path / "config.json")

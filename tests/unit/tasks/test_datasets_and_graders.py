@@ -114,8 +114,8 @@ def test_bad_files_are_refused_naming_file_line_and_fix(tmp_path):
 
 
 def test_config_reaches_datasets_and_strict_graders_from_the_cli(tmp_path):
-    from asyncrl.config import load_train_config
-    from asyncrl.controller.scoring import task_kwargs
+    from asyncrl.config.loader import load_train_config
+    from asyncrl.tasks.scoring import task_kwargs
 
     files = _save_all_formats(tmp_path)
     cfg = load_train_config(["task=jsonl_math", f"task.path={files['parquet']}", "task.prompt_key=question",

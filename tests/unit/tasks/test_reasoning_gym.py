@@ -82,10 +82,10 @@ def test_without_partial_credit_a_superstring_of_the_answer_scores_zero():
 
 
 def test_partial_credit_is_a_setting_of_the_reasoning_gym_task_only():
-    from asyncrl.config import load_train_config
+    from asyncrl.config.loader import load_train_config
 
     cfg = load_train_config(["task=chain_sum", "task.partial_credit=false"])
-    from asyncrl.controller.scoring import task_kwargs
+    from asyncrl.tasks.scoring import task_kwargs
 
     assert task_kwargs(cfg)["partial_credit"] is False
     with pytest.raises(ValueError, match="task.partial_credit is for task.name=reasoning_gym"):

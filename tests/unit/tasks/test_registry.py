@@ -6,11 +6,17 @@ import subprocess
 
 import pytest
 
+from asyncrl.constants import TASK_NAMES
 from asyncrl.tasks import TASKS, Task, make_task
 
 
 def test_registry_names_the_four_tasks():
     assert set(TASKS) == {"addition", "addition2", "jsonl_math", "reasoning_gym"}
+
+
+def test_the_configuration_checks_task_names_against_the_registry():
+    # asyncrl.config validates task.name without importing the tasks: the names it knows are the registry's
+    assert tuple(TASKS) == TASK_NAMES
 
 
 def test_unknown_task_lists_the_valid_names():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from workers.gpus import gpu_plan
 from workers.launcher import Launcher
 from workers.prepare import publish_formats

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from asyncrl.config.paths import resolve_paths
 from asyncrl.config.schema import config_warnings
 from workers.launcher import Launcher, run_train

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import protocols as P
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from asyncrl.transport import WeightServer, ZmqChannel
 from workers import learner_link
 from workers.learner_link import ControllerSource

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 import protocols as P
-from asyncrl.config import load_train_config, save_config
+from asyncrl.config.loader import load_train_config, save_config
 from asyncrl.engine.base import GenResult
 from asyncrl.rundir.lock import acquire_run_lock
 from asyncrl.transport import ZmqChannel

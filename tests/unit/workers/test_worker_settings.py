@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import protocols as P
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from asyncrl.config.roles import (
     LearnerRoleConfig,
     WorkerRoleConfig,

@@ -1,5 +1,6 @@
-"""What a resume (``asyncrl train|controller resume=RUN [key=value ...]``) starts from: the run's own
-configuration, plus the few overrides a resume accepts.
+"""A run folder's configuration: reading it back (``read_run_config``), and what a resume
+(``asyncrl train|controller resume=RUN [key=value ...]``) starts from: the run's own configuration, plus the
+few overrides a resume accepts.
 
 Owns: ``RESUME_KEYS`` (the overrides a resume applies: the one a damaged log's error recommends,
 ``log.salvage``, and the ones that only say where the run's files are now), the checks that such an
@@ -19,6 +20,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from asyncrl.config.loader import apply_overrides, config_from_dict
 from asyncrl.config.paths import resolve_paths
 from asyncrl.config.schema import TrainConfig
 from asyncrl.rundir import RunDir
@@ -30,6 +32,13 @@ RESUME_KEYS: dict[str, str] = {
     "model.path": "the run's model folder, moved (same folder name; the old place holds no model)",
 }
 """The overrides a resume applies, and what each may say."""
+
+
+def read_run_config(run_dir: str | Path) -> TrainConfig:
+    path = RunDir(Path(run_dir)).config
+    if not path.is_file():
+        raise ValueError(f"{run_dir} is not an asyncrl run folder (no config.json); pass runs/<name>")
+    return config_from_dict(json.loads(path.read_text()))
 
 
 class RunFinished(Exception):
@@ -58,8 +67,6 @@ def resume_config(run_dir: Path, overrides: Sequence[str], *, command: str = "tr
     """The configuration to resume ``run_dir`` with: its ``config.json`` with the ``RESUME_KEYS``
     overrides applied (checked), every path absolute, ``resume`` set. Other overrides are ignored
     and named. ``RunFinished`` for a finished run; ``ValueError`` naming the fix for a bad override."""
-    from asyncrl.config.loader import apply_overrides, read_run_config
-
     run_dir = Path(run_dir).resolve()
     check_resumable(run_dir)
     cfg = read_run_config(run_dir)  # a resumed run keeps its own configuration

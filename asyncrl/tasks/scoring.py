@@ -1,14 +1,14 @@
-"""Scoring: prompts from the task stream, verifiable rewards and group advantages, greedy evaluation.
+"""Scoring: prompts from the task stream and verifiable rewards, for the controller and the learner's evaluation.
 
 Owns: turning a task problem into prompt token ids (in the model's prompt format, ``prompts.py``), a
-group of finished samples into rewards
-(the task's verifier on the decoded response, EOS removed) and advantages (``asyncrl.algo``), and
-the held-out greedy accuracy used by the learner's periodic evaluation, and the prompt-length limit
+group's responses into rewards (the task's verifier on the decoded response, EOS removed; the controller
+turns them into advantages, ``asyncrl.controller.core.score_group``), and the prompt-length limit
 (``max_prompt_tokens``: the model's context minus one token to generate, or ``task.max_prompt_tokens``):
 ``prompt_length_report`` checks a dataset at load (``task.too_long=error`` refuses it up front,
 ``skip`` counts what admission will skip), and the evaluation set leaves out (and counts) prompts
 that do not fit, so a too-long prompt never reaches an engine.
-Never: decides admission or batching; talks to sockets.
+Never: decides admission or batching, computes advantages, runs an engine (the greedy evaluation that
+scores with it is ``asyncrl.learner.evaluate``); talks to sockets.
 """
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from asyncrl.algo import outcome_advantages
-from asyncrl.controller.prompts import PromptEncoder, load_tokenizer, stop_token_ids
-from asyncrl.controller.scores import Scores
-from asyncrl.tasks import Problem, Task, make_task
+from asyncrl.tasks.base import Problem, Task
+from asyncrl.tasks.prompts import PromptEncoder, load_tokenizer, stop_token_ids
+from asyncrl.tasks.registry import make_task
 
 
 def task_kwargs(cfg) -> dict[str, Any]:
@@ -39,16 +36,15 @@ def task_kwargs(cfg) -> dict[str, Any]:
 
 
 class GroupScorer:
-    """``prompt_format``/``system_prompt``: see ``asyncrl.controller.prompts``; ``stop_ids``: the tokens that
+    """``prompt_format``/``system_prompt``: see ``asyncrl.tasks.prompts``; ``stop_ids``: the tokens that
     end a response (sent with every assignment and used by the greedy evaluation); ``max_prompt_tokens``:
     the longest prompt a run takes (0: no limit)."""
 
-    def __init__(self, task: Task, tokenizer, *, estimator: str = "grpo", max_new_tokens: int = 8,
+    def __init__(self, task: Task, tokenizer, *, max_new_tokens: int = 8,
                  prompt_format: str = "raw", system_prompt: str = "", stop_ids: Sequence[int] = (),
                  max_prompt_tokens: int = 0) -> None:
         self.task = task
         self.tokenizer = tokenizer
-        self.estimator = estimator
         self.max_new_tokens = max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens  # 0: no limit
         self.special_ids = set(tokenizer.all_special_ids)
@@ -96,19 +92,12 @@ class GroupScorer:
                           item=meta["item"])
         return [float(self.task.score(problem, self.decode(r))) for r in responses]
 
-    def score_group(self, meta: dict[str, Any], samples: Sequence[Any]) -> Scores:
-        """The scores of one complete group of ``FinishedSample``s."""
-        rewards = self.rewards(meta, [s.response_ids.to_numpy().tolist() for s in samples])
-        adv, counts = outcome_advantages(rewards, estimator=self.estimator)
-        return Scores(tuple(rewards), tuple(adv.astype(np.float32).tolist()),  # the float32 values the learner trains on
-                      zero_variance=counts.zero_var + counts.singleton > 0)
-
 
 def build_scorer(cfg, model_dir: str | Path, *, tokenizer_class: str = "") -> GroupScorer:
     """``tokenizer_class``: see ``load_tokenizer`` (given, the scorer loads no torch)."""
     task = make_task(cfg.task.name, **task_kwargs(cfg))
     tokenizer = load_tokenizer(model_dir, tokenizer_class)
-    return GroupScorer(task, tokenizer, estimator=cfg.algo.advantage, max_new_tokens=cfg.rollout.max_new_tokens,
+    return GroupScorer(task, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
                        prompt_format=cfg.task.prompt_format, system_prompt=cfg.task.system_prompt,
                        stop_ids=stop_token_ids(model_dir, tokenizer),
                        max_prompt_tokens=prompt_limit(cfg, model_dir))
@@ -125,18 +114,3 @@ def prompt_limit(cfg, model_dir: str | Path) -> int:
                          f"{context} tokens; use at most {context - 1}")
     return limit
 
-
-def evaluate_greedy(engine, scorer: GroupScorer, *, max_new_tokens: int, limit: int | None = None) -> dict[str, float]:
-    """Greedy accuracy (mean reward) of ``engine``'s policy on the task's fixed evaluation set."""
-    from asyncrl.engine import GenRequest, SamplingParams
-
-    listed = scorer.task.eval_set()[:limit]
-    problems = [p for p in listed if scorer.fits(scorer.encode(p.prompt))]  # a too-long prompt is left out
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                            stop_token_ids=tuple(scorer.stop_ids) or None)
-    reqs = [GenRequest(sample_id=f"eval/{i}", prompt_ids=scorer.encode(p.prompt), params=params)
-            for i, p in enumerate(problems)]
-    by_id = {r.sample_id: r for r in engine.generate(reqs)}
-    scores = [scorer.task.score(p, scorer.decode(by_id[f"eval/{i}"].response_ids)) for i, p in enumerate(problems)]
-    return {"eval/accuracy": float(np.mean(scores)) if scores else float("nan"), "eval/n": float(len(scores)),
-            "eval/skipped_too_long": float(len(listed) - len(problems))}

@@ -23,9 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from asyncrl.constants import PROMPT_FORMATS
 from protocols.values import require_choice
-
-PROMPT_FORMATS = ("auto", "chat", "raw")
 
 
 def load_tokenizer(folder: str | Path, class_name: str = "") -> Any:

@@ -24,12 +24,12 @@ from asyncrl.rundir import RunDir
 
 def run_tokenizer(run: Path, tokenizer_dir: str | None) -> Any:
     """The tokenizer of ``--tokenizer DIR``, else of the model folder the run's ``config.json`` names."""
-    from asyncrl.controller.prompts import load_tokenizer
+    from asyncrl.tasks.prompts import load_tokenizer
 
     if tokenizer_dir:
         return load_tokenizer(tokenizer_dir)
-    from asyncrl.config.loader import read_run_config
     from asyncrl.models.prepare import model_folder
+    from workers.run_config import read_run_config
 
     folder = model_folder(read_run_config(run))
     if not (folder / "tokenizer_config.json").is_file():

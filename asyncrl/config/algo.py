@@ -3,10 +3,11 @@
 
 Owns: every objective option, its default, the per-objective defaults (``OBJECTIVE_DEFAULTS``, the
 one place they live), the value lists of the algorithm's choices (``OBJECTIVES``, ``AGGREGATIONS``,
-``ADVANTAGES``, ...), and validation with messages that name the fix. ``asyncrl.config`` nests
-``AlgoConfig`` in the run schema as is, so every field here is an ``algo.<field>=...`` key of
-``asyncrl train``, and the learner hands the run's ``cfg.algo`` to the loss unchanged.
-Never: imports torch, reads files or environment, or knows about Hydra. Invariants: a constructed
+``ADVANTAGES``, ...), and validation with messages that name the fix. The run schema nests
+``AlgoConfig`` as is, so every field here is an ``algo.<field>=...`` key of ``asyncrl train``, and the
+learner hands the run's ``cfg.algo`` to the loss (``asyncrl.algo``) unchanged.
+Never: imports anything but the standard library (``asyncrl.algo`` imports it without msgspec), reads files
+or environment, or knows about Hydra. Invariants: a constructed
 config is valid; every consumer may rely on the enum fields holding one of the listed values.
 ``eps_low``, ``eps_high`` and ``agg`` keep what the user wrote (None: the objective's own); the
 loss reads the values in effect from ``clip_low``, ``clip_high`` and ``aggregation``.
@@ -37,7 +38,7 @@ __all__ = [
 def require_choice(name: str, value: object, options: tuple[str, ...]) -> None:
     """Refuse ``value`` unless it is one of ``options``, in the wording of ``protocols.values.require_choice``.
 
-    Its twin for this leaf package: importing ``protocols`` would load msgspec, which asyncrl.algo must not
+    Its twin for the algorithm's options: importing ``protocols`` would load msgspec, which asyncrl.algo must not
     (tests/unit/algo/test_algo_imports.py).
     """
     if value not in options:

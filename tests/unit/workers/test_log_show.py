@@ -73,7 +73,7 @@ def test_log_show_finds_the_model_folder_of_a_default_tiny_run(tmp_path, capsys)
     alone, in the folder ``prepare_model`` built (one function names it for both)."""
     from transformers import AutoTokenizer
 
-    from asyncrl.config import load_train_config, save_config
+    from asyncrl.config.loader import load_train_config, save_config
     from asyncrl.config.paths import resolve_paths
     from asyncrl.models.prepare import model_folder, prepare_model
 

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from asyncrl.config import load_train_config
+from asyncrl.config.loader import load_train_config
 from asyncrl.controller.core import ControllerCore, ModelInfo
-from asyncrl.controller.prompts import PromptEncoder, resolve_prompt_format, stop_token_ids
-from asyncrl.controller.scoring import build_scorer
 from asyncrl.models import ensure_tiny_model
 from asyncrl.models.tiny import build_tiny_tokenizer
+from asyncrl.tasks.prompts import PromptEncoder, resolve_prompt_format, stop_token_ids
+from asyncrl.tasks.scoring import build_scorer
 
 CHATML = ("{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"
           "{% if add_generation_prompt %}<bos>assistant\n{% endif %}")
@@ -101,7 +101,7 @@ def test_controller_sends_the_encoded_prompt_and_the_stop_tokens(tmp_path, tiny_
 
 PROBE = """
 import json, sys
-from asyncrl.controller.prompts import PromptEncoder, load_tokenizer
+from asyncrl.tasks.prompts import PromptEncoder, load_tokenizer
 out = {}
 for folder, name in zip(sys.argv[1::2], sys.argv[2::2]):
     tok = load_tokenizer(folder, name)
@@ -121,7 +121,7 @@ def test_the_controllers_tokenizer_is_autotokenizers_without_torch(tiny_dir, smo
     import subprocess
     import sys
 
-    from asyncrl.controller.prompts import load_tokenizer, tokenizer_class_name
+    from asyncrl.tasks.prompts import load_tokenizer, tokenizer_class_name
 
     smol_dir = tmp_path / "smol"
     smol_tokenizer.save_pretrained(smol_dir)

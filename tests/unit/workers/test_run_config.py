@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_train_config, save_config
-from asyncrl.config.loader import read_run_config
+from asyncrl.config.loader import load_train_config, save_config
 from asyncrl.config.paths import resolve_paths
-from asyncrl.config.resume import RunFinished, resume_config
 from workers.cli import main as cli
+from workers.run_config import RunFinished, read_run_config, resume_config
 
 
 def _jsonl(path: Path, n: int = 8) -> Path:
