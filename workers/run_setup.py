@@ -59,6 +59,6 @@ def announce(addresses: dict[str, str], run_dir: Path) -> None:
     """What ``asyncrl controller`` prints once it listens: its addresses and the commands of the other roles."""
     ctl = addresses["control"]
     print(json.dumps({"control": ctl, "samples": addresses["samples"], "run_dir": str(run_dir)}), flush=True)
-    print(f"learner: torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
+    print(f"learner: asyncrl torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
           f"-m asyncrl learner controller={ctl}\nworkers: asyncrl worker controller={ctl} [engine=sglang ...]",
           flush=True)
