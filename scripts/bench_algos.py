@@ -49,10 +49,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from asyncrl.rundir import RunDir  # noqa: E402
-from scripts import benchlib  # noqa: E402
+from asyncrl.bench.measure import ci95
+from asyncrl.bench.report import ROOT, parser, print_table, write_json
+from asyncrl.bench.runs import exit_on_sigterm, run_train
+from asyncrl.rundir import RunDir
 
 OBJECTIVES: dict[str, list[str]] = {
     "ppo": ["algo=ppo"],
@@ -130,26 +130,26 @@ def tail_reward(r: dict, k: int = 10) -> float:
 
 def aggregate(runs: dict[str, list[dict]], collapse_reward: float) -> list[dict]:
     rows = []
-    base_eval = benchlib.ci95([r["eval_acc"] for r in runs.get(BASELINE, [])])[0]
+    base_eval = ci95([r["eval_acc"] for r in runs.get(BASELINE, [])])[0]
     for name, rs in runs.items():
         if not rs:
             continue
         evals = [r["eval_acc"] for r in rs if r["eval_acc"] is not None]
-        ev, ev_ci = benchlib.ci95(evals)
-        auc, auc_ci = benchlib.ci95([statistics.fmean(v for _, v in r["reward"]) for r in rs if r["reward"]])
-        fr, fr_ci = benchlib.ci95([tail_reward(r) for r in rs])
+        ev, ev_ci = ci95(evals)
+        auc, auc_ci = ci95([statistics.fmean(v for _, v in r["reward"]) for r in rs if r["reward"]])
+        fr, fr_ci = ci95([tail_reward(r) for r in rs])
         row = {"config": name, "runs": len(rs), "eval_acc": ev, "eval_ci95": ev_ci,
                "eval_min": min(evals) if evals else float("nan"), "eval_max": max(evals) if evals else float("nan"),
                "eval_vs_sync": ev / base_eval if base_eval else float("nan"),
                "collapsed": sum(tail_reward(r) < collapse_reward for r in rs),
                "final_reward": fr, "final_reward_ci95": fr_ci, "reward_auc": auc, "reward_auc_ci95": auc_ci,
-               "kl_k3": benchlib.ci95([weighted_mean(r["kl"]) for r in rs if r["kl"]])[0],
-               "w_out_pos": benchlib.ci95([statistics.fmean(r["w_out"]["pos"]) for r in rs if r["w_out"]["pos"]])[0],
-               "w_out_neg": benchlib.ci95([statistics.fmean(r["w_out"]["neg"]) for r in rs if r["w_out"]["neg"]])[0],
+               "kl_k3": ci95([weighted_mean(r["kl"]) for r in rs if r["kl"]])[0],
+               "w_out_pos": ci95([statistics.fmean(r["w_out"]["pos"]) for r in rs if r["w_out"]["pos"]])[0],
+               "w_out_neg": ci95([statistics.fmean(r["w_out"]["neg"]) for r in rs if r["w_out"]["neg"]])[0],
                **{f"gap_{part}{tail}": stat for part in ("lag0", "quant", "noise") for tail, stat in zip(
-                   ("", "_ci95"), benchlib.ci95([statistics.fmean(r["gaps"][part]) for r in rs
-                                                if r.get("gaps", {}).get(part)]), strict=True)},
-               "entropy": benchlib.ci95([statistics.fmean(r["entropy"]) for r in rs if r.get("entropy")])[0],
+                   ("", "_ci95"), ci95([statistics.fmean(r["gaps"][part]) for r in rs
+                                       if r.get("gaps", {}).get(part)]), strict=True)},
+               "entropy": ci95([statistics.fmean(r["entropy"]) for r in rs if r.get("entropy")])[0],
                "wall_s": statistics.fmean(r["wall_s"] for r in rs if r["wall_s"] is not None)
                if any(r["wall_s"] is not None for r in rs) else float("nan")}
         rows.append(row)
@@ -179,7 +179,7 @@ def make_plots(runs: dict[str, list[dict]], out_dir: Path, prefix: str) -> list[
             steps = sorted(s for s, v in by_step.items() if len(v) == len(runs[name]))
             if not steps:
                 continue
-            stats = [benchlib.ci95(by_step[s]) for s in steps]
+            stats = [ci95(by_step[s]) for s in steps]
             mean = [m for m, _ in stats]
             half = [0.0 if math.isnan(h) else h for _, h in stats]
             style = {"color": "black", "linewidth": 2.2} if name == BASELINE else {}
@@ -201,8 +201,7 @@ def make_plots(runs: dict[str, list[dict]], out_dir: Path, prefix: str) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("bench_algos", __doc__.split("\n\n")[0], smoke=True)
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    p = parser("bench_algos", __doc__, smoke=True)
     p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 80, quick 40, smoke 4)")
     p.add_argument("--seeds", default=None, help="comma list (default 0,1,2,3,4; quick and smoke 0)")
     p.add_argument("--objectives", default=",".join(OBJECTIVES), help="grid objectives (default: all)")
@@ -224,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
     p.add_argument("--resume", default=None, metavar="JSON[,JSON]",
                    help="reuse the runs recorded in these JSON files (same settings); run only the missing ones")
-    p.add_argument("--plots", default=str(benchlib.ROOT / "benchmarks" / "plots"),
+    p.add_argument("--plots", default=str(ROOT / "benchmarks" / "plots"),
                    help="folder for the PNG plots (default %(default)s)")
     args = p.parse_args(argv)
-    benchlib.exit_on_sigterm()
+    exit_on_sigterm()
     steps = args.steps or (4 if args.smoke else 40 if args.quick else 80)
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick or args.smoke else "0,1,2,3,4")).split(",") if s]
     if args.configs:
@@ -263,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> list[dict]:
         rows = aggregate(runs, args.collapse_reward)
-        benchlib.write_json(args.json, "bench_algos", {"summary": rows}, args, steps=steps, seeds=seeds,
-                            configs=cells, common_overrides=common, runs=runs, total_s=time.monotonic() - t_start)
+        write_json(args.json, "bench_algos", {"summary": rows}, args, steps=steps, seeds=seeds,
+                   configs=cells, common_overrides=common, runs=runs, total_s=time.monotonic() - t_start)
         return rows
 
     with tempfile.TemporaryDirectory(prefix="bench_algos-") as tmp:
@@ -279,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 seeding = ([f"learner.seed={seed}", f"rollout.seed={seed}"] if args.shared_init
                            else [f"seed={seed}", f"learner.seed={seed}", f"rollout.seed={seed}"])
                 t0 = time.monotonic()
-                run_dir = benchlib.run_train([*common, *cells[n], *seeding], runs_dir=Path(tmp), run_name=name,
-                                             log_path=Path(tmp) / f"{name}.log")
+                run_dir = run_train([*common, *cells[n], *seeding], runs_dir=Path(tmp), run_name=name,
+                                    log_path=Path(tmp) / f"{name}.log")
                 r = run_curves(run_dir)
                 r["seed"] = seed
                 runs[n].append(r)
@@ -288,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({time.monotonic() - t0:.0f}s; {time.monotonic() - t_start:.0f}s total)", flush=True)
                 save()
     rows = save()
-    benchlib.print_table(
+    print_table(
         f"{args.task}, tiny model, {steps} learner steps, n_minibatches={args.n_minibatches}, agg={args.agg}, "
         f"seeds {seeds}: final greedy eval accuracy (mean, 95% CI), runs collapsed (last-10 reward < "
         f"{args.collapse_reward}), reward, KL(behav||prox), mean |log-prob gap| per run (lag 0, quant, noise; "
@@ -297,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                "final_reward", "reward_auc", "reward_auc_ci95", "kl_k3", "gap_lag0", "gap_lag0_ci95", "gap_quant", "gap_noise", "w_out_pos", "w_out_neg", "wall_s"])
     plots = make_plots(runs, Path(args.plots), prefix)
     print("plots: " + ", ".join(plots))
-    benchlib.write_json(args.json, "bench_algos", {"summary": rows}, args, steps=steps, seeds=seeds,
-                        configs=cells, common_overrides=common, plots=plots, runs=runs,
-                        total_s=time.monotonic() - t_start)
+    write_json(args.json, "bench_algos", {"summary": rows}, args, steps=steps, seeds=seeds,
+               configs=cells, common_overrides=common, plots=plots, runs=runs,
+               total_s=time.monotonic() - t_start)
     return 0
 
 

@@ -24,12 +24,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts import benchlib  # noqa: E402
+from asyncrl.bench.measure import ci95
+from asyncrl.bench.models import RolloutPrompts, load_model
+from asyncrl.bench.report import parser, print_table, write_json
 
 FORMATS = ("bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
 
@@ -75,8 +73,7 @@ def measure(model, fmt: str, batch) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("bench_aligned", __doc__.split("\n\n")[0], smoke=True)
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    p = parser("bench_aligned", __doc__, smoke=True)
     p.add_argument("--model", default=None, help="tiny, smollm2 or a model folder (default smollm2; smoke tiny)")
     p.add_argument("--formats", default=None, help=f"comma list (default {','.join(FORMATS)})")
     p.add_argument("--seeds", default=None, help="comma list (default 0,1,2,3,4; smoke 0)")
@@ -84,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=None, help="max response tokens (default 64; tiny 8)")
     args = p.parse_args(argv)
     import torch
-
-    from scripts.bench_engine import RolloutPrompts, load_model
 
     spec = args.model or ("tiny" if args.smoke else "smollm2")
     formats = (args.formats or ("int8,nvfp4" if args.smoke or args.quick else ",".join(FORMATS))).split(",")
@@ -105,17 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {fmt} seed {seed}: {per_seed[-1]}", flush=True)
         row: dict = {"format": fmt, "seeds": len(seeds)}
         for part in ("full", "aligned"):
-            row[f"lag0_{part}"], row[f"lag0_{part}_ci95"] = benchlib.ci95([m[part] for m in per_seed])
+            row[f"lag0_{part}"], row[f"lag0_{part}_ci95"] = ci95([m[part] for m in per_seed])
         row["aligned_vs_full"] = row["lag0_aligned"] / row["lag0_full"] if row["lag0_full"] else float("nan")
         for part in ("quant", "noise_full", "noise_aligned"):
             row[part] = statistics.fmean(m[part] for m in per_seed)
         rows.append(row)
-    benchlib.print_table(
+    print_table(
         f"{spec}: mean |behaviour - learner log-prob| per token at lag 0 (nats; mean over {len(seeds)} seeds, 95% CI), "
         f"{args.samples} responses of <= {new_tokens} tokens per seed, temperature 1",
         rows, ["format", "seeds", "lag0_full", "lag0_full_ci95", "lag0_aligned", "lag0_aligned_ci95",
                "aligned_vs_full", "quant", "noise_full", "noise_aligned"])
-    benchlib.write_json(args.json, "bench_aligned", {"summary": rows}, args, model=spec, seeds=seeds)
+    write_json(args.json, "bench_aligned", {"summary": rows}, args, model=spec, seeds=seeds)
     return 0
 
 

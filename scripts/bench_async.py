@@ -55,11 +55,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from asyncrl.rundir import RunDir  # noqa: E402
-from asyncrl.sim.params import warmup_steps  # noqa: E402
-from scripts import benchlib  # noqa: E402
+from asyncrl.bench.report import parser, print_table, write_json
+from asyncrl.bench.runs import exit_on_sigterm, run_train, step_records
+from asyncrl.rundir import RunDir
+from asyncrl.sim.params import warmup_steps
 
 # Generation-dominated sizes: longer responses from one worker whose engine holds one group at a time
 # (worker_slots = the default group size), so a step's groups are generated one after another while the
@@ -147,7 +146,7 @@ def merged_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -
 def measure(run_dir: Path, batch_samples: int, n_workers: int) -> dict:
     import json
 
-    recs = benchlib.step_records(run_dir)
+    recs = step_records(run_dir)
     steps = len(recs)
     skip = warmup_steps(steps)  # the steady window the scale simulator predicts, too
     win = recs[skip - 1:]  # the window starts when version `skip` is announced
@@ -181,8 +180,7 @@ def measure(run_dir: Path, batch_samples: int, n_workers: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("bench_async", __doc__.split("\n\n")[0], smoke=True)
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    p = parser("bench_async", __doc__, smoke=True)
     p.add_argument("--etas", default=None, help="staleness bounds; 0 (synchronous) is the baseline "
                                                 "(default 0,1,2,4; smoke 0,1)")
     p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 120, quick 50, smoke 6)")
@@ -201,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra asyncrl train overrides for every run (e.g. quant.fmt=nvfp4 algo=tis)")
     args = p.parse_args(argv)
-    benchlib.exit_on_sigterm()
+    exit_on_sigterm()
     workers = args.workers or (2 if args.regime == "learner" else 1)
     regime = list(REGIMES[args.regime])
     fmts = [f for f in (args.quant_formats or ("" if args.regime == "learner" else "fp32,int8")).split(",") if f]
@@ -222,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                     name = f"{fmt}-eta{eta}-hb{hb:g}"
                     extra = [f"rollout.eta={eta}", f"rollout.heartbeat_s={hb}", *([f"quant={fmt}"] if fmts else [])]
                     print(f"  run {name}: asyncrl train {' '.join(base)} {' '.join(extra)}", flush=True)
-                    run_dir = benchlib.run_train([*base, *extra], runs_dir=Path(tmp), run_name=name,
-                                                 log_path=Path(tmp) / f"{name}.log")
+                    run_dir = run_train([*base, *extra], runs_dir=Path(tmp), run_name=name,
+                                        log_path=Path(tmp) / f"{name}.log")
                     m = measure(run_dir, batch, workers)
                     rows.append({"fmt": fmt, "heartbeat_s": hb, "eta": eta, **m})
                     print(f"    {m['samples_per_s']:.1f} samples/s, step {m['step_s']:.3f}s, G {m['G_s']:.3f}s, "
@@ -246,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             r["own_bound"] = (r["G_s"] + r["T_s"]) / max(r["G_s"], r["T_s"])
             r["efficiency"] = max(r["G_s"], r["T_s"]) / r["step_s"]
     table = [{k: v for k, v in r.items() if k not in ("worker_busy_s", "sync_breakdown")} for r in rows]
-    benchlib.print_table(
+    print_table(
         f"asyncrl train at eta in {etas} (regime {args.regime}): {cfg.model.name} model, task "
         f"{cfg.task.name}, {workers} workers of format {','.join(fmts) or cfg.quant.fmt}, {cfg.algo.objective}, {steps} steps ({batch} samples/step); speedup vs eta=0 "
         f"next to the pipelining bound (G+T)/max(G,T) from the eta=0 run's stage times",
@@ -256,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     sync = [{"heartbeat_s": r["heartbeat_s"], "step_s": r["step_s"], **r["sync_breakdown"],
              "G_s": r["G_s"], "T_s": r["T_s"]} for r in rows if r["eta"] == 0 and r["sync_breakdown"]]
     if sync:
-        benchlib.print_table(
+        print_table(
             "where a synchronous (eta=0) step goes: consecutive segments from the trajectory log and the controller's "
             "metrics timestamps (mean over the window)", sync,
             ["heartbeat_s", "step_s", "learner_s", "propagate_s", "generate_s", "collect_s", "G_s", "T_s"])
-    benchlib.write_json(args.json, "bench_async", {"runs": rows, "sync_breakdown": sync}, args, steps=steps,
-                        workers=workers, overrides=base, batch_samples=batch, heartbeats=hbs, etas=etas,
-                        regime=args.regime, formats=fmts)
+    write_json(args.json, "bench_async", {"runs": rows, "sync_breakdown": sync}, args, steps=steps,
+               workers=workers, overrides=base, batch_samples=batch, heartbeats=hbs, etas=etas,
+               regime=args.regime, formats=fmts)
     return 0
 
 

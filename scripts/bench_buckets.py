@@ -2,10 +2,11 @@
 """Bucketed weight sync against one-piece sync, whole versions and deltas, on consecutive versions of a model
 being trained (``scripts/bench_weightsync.py --bucket-mb MB`` runs it).
 
-Versions: the model trained as ``scripts/bench_delta.py`` trains it (real AdamW steps at the recipe's learning
-rate on the task's own data; ``--model tiny`` or ``smollm2``, ``--runs full,lora``). Every training version is
-synced four ways, each with its own chain of published versions on one ``WeightServer`` and its own actor in a
-worker child process (tcp loopback), in an order that rotates per version:
+Versions: the model trained as ``scripts/bench_delta.py`` trains it (``asyncrl.bench.weightsync.Trainer``:
+real AdamW steps at the recipe's learning rate on the task's own data; ``--model tiny`` or ``smollm2``,
+``--runs full,lora``). Every training version is synced four ways, each with its own chain of published
+versions on one ``WeightServer`` and its own actor in a worker child process (tcp loopback), in an order
+that rotates per version:
 
 * ``piece``: ``publish``, then the worker fetches the version in one piece and loads it (``load_published``);
 * ``bucket``: ``publish_streamed`` (the learner quantises tensor by tensor and serves each bucket as soon as its
@@ -33,11 +34,12 @@ import copy  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts import bench_delta, benchlib  # noqa: E402
+from asyncrl.bench.measure import load_average_stats  # noqa: E402
+from asyncrl.bench.models import load_fp32  # noqa: E402
+from asyncrl.bench.report import parser, print_table, write_json  # noqa: E402
+from asyncrl.bench.runs import exit_on_sigterm  # noqa: E402
+from asyncrl.bench.weightsync import Trainer, WorkerChild, memcpy_s, sync_run_args  # noqa: E402
 
 WAYS = ("piece", "bucket", "piece_delta", "bucket_delta")
 ANNOUNCE_WAIT_S = 5.0
@@ -53,7 +55,7 @@ def _worker(conn, model_name: str, formats: list[str], bucket_bytes: int) -> Non
     from asyncrl.transport.publication import from_wire
 
     torch.set_num_threads(1)
-    base = bench_delta.load(model_name)
+    base = load_fp32(model_name)
     actors = {(f, w): quantize_model(copy.deepcopy(base), f) for f in formats for w in WAYS}
     del base
     client = WeightClient(*conn.recv(), identity=b"bench-buckets-worker")
@@ -122,22 +124,16 @@ def bench_run(run: str, model_name: str, formats: list[str], n_versions: int, ba
     from asyncrl.transport import WeightServer
     from asyncrl.transport.publication import delta_to_wire, publish_streamed, to_wire
 
-    spec = bench_delta.RUNS[run]
-    trainer = bench_delta.Trainer(bench_delta.load(model_name), spec["lr"], spec["rank"], spec.get("alpha", 32.0))
+    trainer = Trainer.for_run(run, model_name)
     server = WeightServer(keep_versions=8, bucket_bytes=bucket_bytes)
     raw: list[dict] = []
     prev: dict[tuple[str, str], object] = {}
     pools = {(f, w): BufferPool() for f in formats for w in WAYS}  # one per chain, as the learner keeps one per format
     version = 0
     try:
-        with benchlib.WorkerChild(_worker, (model_name, formats, bucket_bytes),
-                                  (server.announce_address, server.fetch_address), 1800) as child:
-            for t in range(n_versions + 1):
-                loss = 0.0
-                if t:
-                    ids, mask = bench_delta.task_batch(model_name, batch, seed=t)
-                    loss = trainer.step(ids, mask)
-                sd = trainer.state_dict()
+        with WorkerChild(_worker, (model_name, formats, bucket_bytes),
+                         (server.announce_address, server.fetch_address), 1800) as child:
+            for t, loss, sd in trainer.versions(model_name, n_versions, batch):
                 for fmt in formats:
                     for way in WAYS[t % len(WAYS):] + WAYS[:t % len(WAYS)]:
                         version += 1
@@ -161,7 +157,7 @@ def bench_run(run: str, model_name: str, formats: list[str], n_versions: int, ba
                         raw.append({"run": run, "format": fmt, "way": way, "version": t, "loss": loss,
                                     "whole_bytes": pub.total_bytes(), "bytes": got["bytes"],
                                     "sync_s": got["t_end"] - t0, "recv_peak": got["recv_peak"], "undo": got["undo"],
-                                    "buckets": got["buckets"], "memcpy_s": bench_delta.memcpy_s(pub.total_bytes()),
+                                    "buckets": got["buckets"], "memcpy_s": memcpy_s(pub.total_bytes()),
                                     "load_avg": os.getloadavg()[0]})
                 verdict = child.ask("compare")
                 if verdict != "same":
@@ -201,12 +197,11 @@ def summarize(raw: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("bench_buckets", __doc__.split("\n\n")[0], smoke=True)
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    p = parser("bench_buckets", __doc__, smoke=True)
     p.add_argument("--bucket-mb", type=float, required=True, help="MiB per bucket (transport.bucket_mb)")
-    benchlib.sync_run_args(p, runs="full", formats="int8")
+    sync_run_args(p, runs="full", formats="int8")
     args = p.parse_args(argv)
-    benchlib.exit_on_sigterm()
+    exit_on_sigterm()
     import torch
 
     torch.set_num_threads(1)
@@ -218,26 +213,24 @@ def main(argv: list[str] | None = None) -> int:
     formats = [f for f in args.formats.split(",") if f]
     raw = []
     for run in [r for r in args.runs.split(",") if r]:
-        if run not in bench_delta.RUNS:
-            raise SystemExit(f"unknown run {run!r}; choose from {sorted(bench_delta.RUNS)}")
         raw += bench_run(run, model, formats, n, 4 if args.smoke else args.batch, bucket_bytes)
         print(f"  {run}: done ({n} versions x {len(formats)} formats x {len(WAYS)} ways)", flush=True)
     rows = summarize(raw)
     from asyncrl.machine import describe
 
     print(f"machine: {describe()}", flush=True)
-    benchlib.print_table(
+    print_table(
         f"weight sync per version, {model}, buckets of {args.bucket_mb:g} MiB vs one piece, whole and delta: seconds "
         f"from quantisation start to the worker holding the version, received MB held at once (median of {n})",
         rows, ["run", "format", "whole_MB", "piece_s", "bucket_s", "bucket_vs_piece_s", "piece_recv_MB",
                "bucket_recv_MB", "buckets", "bucket_undo_MB", "piece_delta_MB", "piece_delta_s", "bucket_delta_s",
                "bucket_delta_vs_piece_delta_s", "bucket_delta_recv_MB", "bucket_delta_undo_MB",
                "bucket_delta_vs_piece_s", "piece_vs_memcpy", "bucket_vs_memcpy"])
-    load = benchlib.load_average_stats([r["load_avg"] for r in raw])
+    load = load_average_stats([r["load_avg"] for r in raw])
     print(f"load average during the versions: {load['load_median']:.2f} (max {load['load_max']:.2f}) on "
           f"{int(load['cpus'])} cpus", flush=True)
-    benchlib.write_json(args.json, "bench_buckets", {"buckets": rows, "raw": raw}, args, model=model, versions=n,
-                        formats=formats, bucket_bytes=bucket_bytes, load=load)
+    write_json(args.json, "bench_buckets", {"buckets": rows, "raw": raw}, args, model=model, versions=n,
+               formats=formats, bucket_bytes=bucket_bytes, load=load)
     return 0
 
 

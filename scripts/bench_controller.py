@@ -40,10 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from asyncrl.rundir import RunDir  # noqa: E402
-from scripts import benchlib  # noqa: E402
+from asyncrl.bench.models import model_folder
+from asyncrl.bench.report import ROOT, parser, print_table, write_json
+from asyncrl.bench.runs import exit_on_sigterm, proc_status_bytes
+from asyncrl.rundir import RunDir
 
 FMT = "int8"
 
@@ -191,11 +191,11 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
                              f"runs_dir={tmp}", f"run_name={run_dir.name}"])
     save_config(cfg, paths.config)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", PYTHONPATH=str(benchlib.ROOT))
+               HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     log = open(run_dir / "controller.log", "wb")  # noqa: SIM115 - closed below
     ctrl = subprocess.Popen([sys.executable, "-m", "workers.controller", "--run-dir", str(run_dir),
                              "--model-dir", str(model_dir), "--publish-formats", FMT],
-                            cwd=benchlib.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = []
@@ -206,7 +206,7 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
                 raise RuntimeError(f"controller did not start: {(run_dir / 'controller.log').read_text()[-2000:]}")
             time.sleep(0.05)
         time.sleep(0.5)
-        rss_idle = benchlib.proc_status_bytes(ctrl.pid, "VmRSS")
+        rss_idle = proc_status_bytes(ctrl.pid, "VmRSS")
         control = json.loads(paths.controller_address.read_text())["control"]
         vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         procs.append(ctx.Process(target=_learner, args=(control, warmup_s + duration_s, out)))
@@ -217,7 +217,7 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
         rss_peak, results = rss_idle, []
         t_stop = time.monotonic() + warmup_s + duration_s + 120
         while len(results) < len(procs) and time.monotonic() < t_stop:
-            rss_peak = max(rss_peak, benchlib.proc_status_bytes(ctrl.pid, "VmRSS"))
+            rss_peak = max(rss_peak, proc_status_bytes(ctrl.pid, "VmRSS"))
             try:
                 results.append(out.get(timeout=0.2))
             except queue.Empty:
@@ -255,8 +255,7 @@ def bench_workers(n_workers: int, duration_s: float, warmup_s: float, args, mode
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("bench_controller", __doc__.split("\n\n")[0], smoke=True)
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    p = parser("bench_controller", __doc__, smoke=True)
     p.add_argument("--workers", default=None, help="comma list of worker counts (default 1,4,16; smoke 1,4)")
     p.add_argument("--seconds", type=float, default=None, help="measured window per point (default 20, quick 8, "
                                                                   "smoke 2) after a warm-up of a quarter of it")
@@ -264,12 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                    "= rollout.max_new_tokens)")
     p.add_argument("--eta", type=int, default=4, help="staleness bound of the run (default %(default)s)")
     args = p.parse_args(argv)
-    benchlib.exit_on_sigterm()
-    from asyncrl.models import ensure_tiny_model
-
+    exit_on_sigterm()
     seconds = args.seconds or (2.0 if args.smoke else 8.0 if args.quick else 20.0)
     counts = [int(x) for x in (args.workers or ("1,4" if args.smoke else "1,4,16")).split(",") if x]
-    model_dir = ensure_tiny_model(benchlib.ROOT / ".cache" / "models" / "tiny-qwen2-char-seed0", seed=0)
+    model_dir = model_folder("tiny")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_controller-") as tmp:
         for n in counts:
@@ -281,13 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["vs_1_worker" if counts[0] == 1 else f"vs_{counts[0]}_workers"] = r["accepted_per_s"] / base
     key = "vs_1_worker" if counts[0] == 1 else f"vs_{counts[0]}_workers"
-    benchlib.print_table(
+    print_table(
         f"real controller, synthetic workers answering at once ({args.response_tokens}-token responses, eta={args.eta}, "
         f"tcp loopback, {seconds:.0f} s window)", rows,
         ["workers", "accepted_per_s", key, "consumed_per_s", "learner_steps", "rss_idle_MB", "rss_peak_MB",
          "samples_logged", "rejected"])
-    benchlib.write_json(args.json, "bench_controller", {"controller": rows}, args, seconds=seconds,
-                        response_tokens=args.response_tokens, eta=args.eta, fmt=FMT)
+    write_json(args.json, "bench_controller", {"controller": rows}, args, seconds=seconds,
+               response_tokens=args.response_tokens, eta=args.eta, fmt=FMT)
     return 0
 
 

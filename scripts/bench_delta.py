@@ -31,110 +31,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import copy  # noqa: E402
-import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from asyncrl.bench.models import load_fp32  # noqa: E402
+from asyncrl.bench.report import parser, print_table, write_json  # noqa: E402
+from asyncrl.bench.runs import exit_on_sigterm  # noqa: E402
+from asyncrl.bench.weightsync import RUNS, Trainer, WorkerChild, memcpy_s, sync_run_args  # noqa: E402
 
-from scripts import benchlib  # noqa: E402
-
-RUNS = {"full": {"lr": 2e-5, "rank": 0}, "lora": {"lr": 2e-4, "rank": 16, "alpha": 32.0}}
 DEFAULT_FORMATS = "int8,nvfp4"  # a W8A8 and a 4-bit format, the two the delta matters most for
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def model_folder(name: str) -> Path:
-    from asyncrl.models import ensure_tiny_model
-    from asyncrl.models.smollm2 import ensure_smollm2
-
-    if name == "smollm2":
-        return ensure_smollm2()
-    if name == "tiny":
-        return ensure_tiny_model(benchlib.ROOT / ".cache" / "models" / "tiny-qwen2-char-seed0", seed=0)
-    raise ValueError(f"unknown model {name!r}; choose smollm2 or tiny")
-
-
-def load(name: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_folder(name)), dtype=torch.float32)
-
-
-def task_batch(name: str, n: int, seed: int):
-    """Token ids [n, T] and a loss mask of ``n`` signed-sum questions with their answers."""
-    import torch
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_folder(name)))
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b, neg = rng.randint(-9, 9), rng.randint(0, 9), rng.random() < 0.5
-        q = f"{a} {'-' if neg else '+'} {b} ="
-        ans = str(a - b if neg else a + b)
-        if getattr(tok, "chat_template", None):
-            prompt = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        else:
-            prompt = q
-        p_ids, a_ids = tok(prompt)["input_ids"], tok(ans, add_special_tokens=False)["input_ids"]
-        rows.append((p_ids, a_ids))
-    width = max(len(p) + len(a) for p, a in rows)
-    pad = tok.pad_token_id or 0
-    ids = torch.full((n, width), pad, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.bool)
-    for i, (p, a) in enumerate(rows):
-        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-        mask[i, len(p): len(p) + len(a)] = True
-    return ids, mask
-
-
-class Trainer:
-    """AdamW on the whole model (``rank`` 0) or on LoRA factors of every projection, merged for publication."""
-
-    def __init__(self, model, lr: float, rank: int = 0, alpha: float = 32.0) -> None:
-        import torch
-
-        self.model, self.rank, self.scale = model, rank, alpha / max(rank, 1)
-        self.lora: dict[str, tuple] = {}
-        if rank:
-            for p in model.parameters():
-                p.requires_grad_(False)
-            g = torch.Generator().manual_seed(0)
-            for name, mod in model.named_modules():
-                if name.rsplit(".", 1)[-1] in TARGETS:
-                    a = (torch.randn(rank, mod.in_features, generator=g) / mod.in_features ** 0.5).requires_grad_()
-                    b = torch.zeros(mod.out_features, rank, requires_grad=True)
-                    self.lora[name] = (mod, a, b)
-                    mod.register_forward_hook(lambda m, x, y, a=a, b=b: y + (x[0] @ a.t() @ b.t()) * self.scale)
-            params = [t for _, a, b in self.lora.values() for t in (a, b)]
-        else:
-            params = list(model.parameters())
-        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-    def step(self, ids, mask) -> float:
-        import torch.nn.functional as F
-
-        logits = self.model(input_ids=ids).logits[:, :-1]
-        target, m = ids[:, 1:], mask[:, 1:]
-        loss = F.cross_entropy(logits[m], target[m])
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        return float(loss)
-
-    def state_dict(self) -> dict:
-        """What the learner publishes: the merged weights (``W + scale * B @ A`` for LoRA)."""
-        import torch
-
-        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
-        with torch.no_grad():
-            for name, (mod, a, b) in self.lora.items():
-                sd[f"{name}.weight"] = mod.weight + (b @ a) * self.scale
-        return sd
 
 
 def _worker(conn, model_name: str, formats: list[str]) -> None:
@@ -146,7 +52,7 @@ def _worker(conn, model_name: str, formats: list[str]) -> None:
     from asyncrl.transport.publication import from_wire
 
     torch.set_num_threads(1)
-    base = load(model_name)
+    base = load_fp32(model_name)
     actors = {(f, how): quantize_model(copy.deepcopy(base), f) for f in formats for how in ("whole", "delta")}
     del base
     client = WeightClient(*conn.recv(), identity=b"bench-delta-worker")
@@ -172,38 +78,19 @@ def _worker(conn, model_name: str, formats: list[str]) -> None:
     client.close()
 
 
-def memcpy_s(nbytes: int) -> float:
-    """Best of 3 ``np.copyto`` of ``nbytes`` into a preallocated buffer."""
-    import numpy as np
-
-    src, dst = np.ones(max(1, nbytes), np.uint8), np.empty(max(1, nbytes), np.uint8)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def bench_run(run: str, model_name: str, formats: list[str], n_versions: int, batch: int) -> list[dict]:
     from asyncrl.quant import BufferPool
     from asyncrl.transport import WeightServer
 
-    spec = RUNS[run]
-    trainer = Trainer(load(model_name), spec["lr"], spec["rank"], spec.get("alpha", 32.0))
+    trainer = Trainer.for_run(run, model_name)
     server = WeightServer(keep_versions=2)
     raw: list[dict] = []
     try:
-        with benchlib.WorkerChild(_worker, (model_name, formats), (server.announce_address, server.fetch_address),
-                                  900) as child:
+        with WorkerChild(_worker, (model_name, formats), (server.announce_address, server.fetch_address),
+                         900) as child:
             pools = {f: BufferPool() for f in formats}
             prev: dict = {}
-            loss = 0.0
-            for v in range(n_versions + 1):
-                if v:
-                    ids, mask = task_batch(model_name, batch, seed=v)
-                    loss = trainer.step(ids, mask)
-                sd = trainer.state_dict()
+            for v, loss, sd in trainer.versions(model_name, n_versions, batch):
                 for fmt in formats:
                     raw += sync_version(server, child, sd, fmt, v, prev, pools[fmt], run, loss)
     finally:
@@ -253,11 +140,10 @@ def summarize(raw: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("bench_delta", __doc__.split("\n\n")[0], smoke=True)
-    p.epilog = __doc__.split("\n\n", 1)[1]
-    benchlib.sync_run_args(p, runs=",".join(RUNS), formats=DEFAULT_FORMATS)
+    p = parser("bench_delta", __doc__, smoke=True)
+    sync_run_args(p, runs=",".join(RUNS), formats=DEFAULT_FORMATS)
     args = p.parse_args(argv)
-    benchlib.exit_on_sigterm()
+    exit_on_sigterm()
     import torch
 
     torch.set_num_threads(1)
@@ -266,17 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     formats = [f for f in args.formats.split(",") if f]
     raw = []
     for run in [r for r in args.runs.split(",") if r]:
-        if run not in RUNS:
-            raise SystemExit(f"unknown run {run!r}; choose from {sorted(RUNS)}")
         raw += bench_run(run, model, formats, n, 4 if args.smoke else args.batch)
         print(f"  {run}: done ({n} versions x {len(formats)} formats)", flush=True)
     rows = summarize(raw)
-    benchlib.print_table(f"weight sync per version, {model}: whole vs delta from the version before (median of "
-                         f"{n} consecutive versions)", rows,
-                         ["run", "format", "changed_frac", "whole_MB", "delta_MB", "delta_vs_whole_bytes", "diff_s",
-                          "whole_s", "delta_s", "delta_vs_whole_s", "whole_vs_memcpy", "delta_vs_memcpy"])
-    benchlib.write_json(args.json, "bench_delta", {"delta": rows, "raw": raw}, args, model=model, versions=n,
-                        formats=formats)
+    print_table(f"weight sync per version, {model}: whole vs delta from the version before (median of "
+                f"{n} consecutive versions)", rows,
+                ["run", "format", "changed_frac", "whole_MB", "delta_MB", "delta_vs_whole_bytes", "diff_s",
+                 "whole_s", "delta_s", "delta_vs_whole_s", "whole_vs_memcpy", "delta_vs_memcpy"])
+    write_json(args.json, "bench_delta", {"delta": rows, "raw": raw}, args, model=model, versions=n,
+               formats=formats)
     return 0
 
 

@@ -24,7 +24,7 @@ Two workloads (``--workloads``, default both):
   and including the stop token (what training receives), per second.
 
 Each path runs once per round, the order of the paths shuffled every round
-(scripts/benchlib.py ``interleaved``, --rounds, at least 5 unless --rounds says fewer). Reported:
+(``asyncrl.bench.measure.interleaved``, --rounds, at least 5 unless --rounds says fewer). Reported:
 generated tokens/s (prefill included), the median over rounds, and ratios taken per round (so a
 burst of load elsewhere moves both sides of a ratio): each format vs native fp32, and native vs HF
 generate at the same precision, with min, max and spread, and the load average during the rounds.
@@ -45,35 +45,22 @@ Run: ``python scripts/bench_engine.py --device cuda [--quick] [--shapes qwen2.5-
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import sys
 import time
 from collections import deque
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from protocols.values import FORMATS  # noqa: E402
-from scripts import benchlib  # noqa: E402
-from scripts.bench_engine_shapes import SHAPES  # noqa: E402
+from asyncrl.bench.measure import device_sync, interleaved, load_average_stats, print_ratio, ratio_stats
+from asyncrl.bench.models import SHAPES, RolloutPrompts, build_shape, kernel_counts, load_model
+from asyncrl.bench.report import comma_list, parser, print_table, write_json
+from asyncrl.engine.sglang_weights import FULL_PRECISION_PUBLICATIONS
+from protocols.values import FORMATS
 
 HF_FORMATS = ("fp32", "int8")
 PROMPTS = ("What is 12+30? ", "Compute 7*8 and explain. ", "The sum of 101 and 99 is ", "Q: 5-9=? A: ")
-ROLLOUT_QUESTIONS = ("What is 17 - 25?", "Compute 6 * 7 - 9.", "What is the sum of 48 and 75?",
-                     "Is 91 a prime number? Explain briefly.", "What is 3 + 4 * 5?", "Compute -8 - 13.",
-                     "What is half of 126?", "Add 19, 23 and 8.")
 ROLLOUT_REQUESTS_PER_SLOT = 4
 WORKLOADS = ("fixed", "rollout")
-
-
-def load_model(spec: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from asyncrl.models import ensure_smollm2, ensure_tiny_model
-
-    folder = {"tiny": ensure_tiny_model, "smollm2": ensure_smollm2}.get(spec, lambda: spec)()
-    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
-    return model, AutoTokenizer.from_pretrained(str(folder)), str(folder)
 
 
 def run_batch(engine, tok, batch: int, new_tokens: int, tag: str) -> tuple[int, float]:
@@ -85,24 +72,6 @@ def run_batch(engine, tok, batch: int, new_tokens: int, tag: str) -> tuple[int, 
     results = list(engine.generate(reqs))
     dt = time.perf_counter() - t0
     return sum(len(r.response_ids) for r in results), dt
-
-
-class RolloutPrompts:
-    """The rollout workload's requests: questions in the model's own prompt format, its stop tokens."""
-
-    def __init__(self, tok, folder: str) -> None:
-        from asyncrl.tasks.prompts import PromptEncoder, stop_token_ids
-
-        enc = PromptEncoder(tok, "auto")
-        self.format = enc.format
-        self.ids = [enc.encode(q) for q in ROLLOUT_QUESTIONS]
-        self.stops = tuple(stop_token_ids(folder, tok))
-        if not self.stops:
-            raise SystemExit(f"{folder}: no EOS id in its tokenizer, config.json or generation_config.json; the "
-                             "rollout workload needs a stop token (use --workloads fixed)")
-
-    def prompt(self, i: int) -> list[int]:
-        return self.ids[i % len(self.ids)]
 
 
 def useful_tokens(row: list[int], stops: tuple[int, ...]) -> int:
@@ -209,7 +178,7 @@ def run_hf(model, tok, batch: int, new_tokens: int, seed: int) -> tuple[int, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("bench_engine", __doc__.split("\n\n")[0])
+    p = parser("bench_engine", __doc__)
     p.add_argument("--model", default="tiny", help="tiny (default), smollm2, or an HF folder")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma list (default: all)")
     p.add_argument("--head-formats", default="int8",
@@ -237,8 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.hf is None:
         args.hf = "bf16" if args.shapes else "fp32,int8"
     if args.shapes:
-        from scripts.bench_engine_shapes import run_shapes
-
         return run_shapes(args)
 
     import torch
@@ -252,10 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     formats = [f for f in args.formats.split(",") if f]
     if "fp32" not in formats:
         formats.insert(0, "fp32")  # the reference of every ratio
-    hf_formats = [f for f in args.hf.split(",") if f]
-    bad = [f for f in hf_formats if f not in HF_FORMATS]
-    if bad:
-        raise SystemExit(f"--hf: no comparator for {bad}; choose from {HF_FORMATS}")
+    hf_formats = comma_list(args.hf, "--hf", HF_FORMATS)
     model, tok, folder = load_model(args.model)
     engines = {}
     for fmt in formats:
@@ -271,10 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     hf = {f: hf_model(model, f) for f in hf_formats}
     for m in hf.values():
         run_hf(m, tok, 2, 4, 0)
-    workloads = [w for w in args.workloads.split(",") if w]
-    bad = [w for w in workloads if w not in WORKLOADS]
-    if bad:
-        raise SystemExit(f"--workloads: unknown {bad}; choose from {WORKLOADS}")
+    workloads = comma_list(args.workloads, "--workloads", WORKLOADS)
     rp = RolloutPrompts(tok, folder) if "rollout" in workloads else None
     rows, ratios, per_round = [], {}, {}
     for workload in workloads:
@@ -285,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             paths |= {f"hf-{f}": (lambda m=m, b=batch, run=hf_run: run(m, b)) for f, m in hf.items()}
             counts: dict[str, list[int]] = {name: [] for name in paths}
             paths = {name: (lambda fn=fn, c=counts[name]: _rate(*_counted(c, fn()))) for name, fn in paths.items()}
-            res = benchlib.interleaved(paths, rounds, warmup=0, seed=batch)
+            res = interleaved(paths, rounds, warmup=0, seed=batch)
             label = f"{workload} batch {batch}" if workload != "fixed" else f"batch {batch}"
             per_round[label] = res
             v = res["values"]
-            load = benchlib.load_average_stats(res["load"])
+            load = load_average_stats(res["load"])
             for name in paths:
-                st = benchlib.ratio_stats(v[name], v["fp32"])
+                st = ratio_stats(v[name], v["fp32"])
                 row = {"workload": workload, "path": name if name.startswith("hf-") else f"native-{name}",
                        "batch": batch, "tok_per_s": statistics.median(v[name]), "vs_native_fp32": st["ratio_median"],
                        "vs_min": st["ratio_min"], "vs_max": st["ratio_max"], "spread": st["spread"],
@@ -301,21 +262,21 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
             for f in hf:
                 if f in engines:
-                    st = benchlib.ratio_stats(v[f], v[f"hf-{f}"])
+                    st = ratio_stats(v[f], v[f"hf-{f}"])
                     ratios[f"{label}: native {f} / HF generate {f}"] = st
-                    benchlib.print_ratio(f"{label}: native {f} / HF generate {f}", st, load)
+                    print_ratio(f"{label}: native {f} / HF generate {f}", st, load)
             for f in engines:
                 if f != "fp32":
-                    st = benchlib.ratio_stats(v[f], v["fp32"])
+                    st = ratio_stats(v[f], v["fp32"])
                     ratios[f"{label}: native {f} / native fp32"] = st
-                    benchlib.print_ratio(f"{label}: native {f} / native fp32", st, load)
+                    print_ratio(f"{label}: native {f} / native fp32", st, load)
     for engine in engines.values():
         engine.close()
     title = (f"generated tokens/s, model={args.model}, {new_tokens} new tokens/sample, median of {rounds} "
              f"interleaved rounds, threads={args.threads}, {args.device}")
-    benchlib.print_table(title, rows, ["workload", "path", "batch", "tok_per_s", "tokens_per_request", "vs_native_fp32", "vs_min", "vs_max", "spread",
+    print_table(title, rows, ["workload", "path", "batch", "tok_per_s", "tokens_per_request", "vs_native_fp32", "vs_min", "vs_max", "spread",
                               "load_avg"])
-    benchlib.write_json(args.json, "bench_engine", {"throughput": rows}, args, model=folder, new_tokens=new_tokens,
+    write_json(args.json, "bench_engine", {"throughput": rows}, args, model=folder, new_tokens=new_tokens,
                threads=args.threads, rounds=rounds, device=args.device, ratios=ratios, per_round=per_round,
                workloads=workloads, rollout_prompt_format=rp.format if rp else None,
                rollout_requests_per_slot=ROLLOUT_REQUESTS_PER_SLOT)
@@ -336,6 +297,194 @@ def argparse_suppress() -> str:
     import argparse
 
     return argparse.SUPPRESS
+
+
+# ------------------------------------------------------------ --shapes: random-weight Hub shapes on a device
+# Roofline: a decode step must at least read the weights its kernels read (every linear in the form its kernel
+# multiplies, ``lm_head`` included, norms; not the embedding, a lookup of B rows) and the K/V of every live row
+# up to its position. Over the device's copy bandwidth (read + write bytes per second of a large
+# device-to-device copy, measured in the same run) that is the fastest possible step, so
+# ``roofline_tok_per_s = B / (step_bytes / bandwidth)`` and ``roofline_frac`` = measured tok/s over it. The
+# measured tok/s includes prefill, so the fraction is a lower bound. K/V bytes are taken at the mean context
+# (prompt + half the new tokens); the native cache is fp32 (it follows the activations), HF's bf16. Each
+# shape's engines are closed before the next shape is built.
+HF_SHAPE_FORMATS = FULL_PRECISION_PUBLICATIONS  # the HF comparators run unquantized
+
+
+def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second (read + write) of a ``nbytes`` device-to-device copy, best of ``repeats``."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy warms up
+        device_sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        device_sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of the tensors one decode step reads from the weights (the roofline above)."""
+    from torch import nn
+
+    from asyncrl.quant.kernels import KERNELS
+    from asyncrl.quant.linear import QuantLinear
+
+    reads = {"bf16": ("weight",), "int_mm": ("qweight", "weight_scale"), "int_mm_compiled": ("qweight", "weight_scale"),
+             "int_mm_fp32": ("_w_codes", "weight_scale"), "scaled_mm": ("qweight", "weight_scale"),
+             "fp8_emul": ("_w_codes", "weight_scale"), "wo_fp32": ("_w_decoded",), "wo_bf16": ("_w_decoded",)}
+    assert set(reads) == {k for ks in KERNELS.values() for k in ks}, "a kernel without its bytes read per step"
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            tensors = [getattr(mod, n) for n in reads[mod.kernel]] + [mod.bias]
+        elif isinstance(mod, nn.Embedding):
+            continue  # a lookup of B rows (a tied head is counted as lm_head)
+        else:
+            tensors = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
+        total += sum(_nbytes(t) for t in tensors)
+    return total
+
+
+def kv_bytes(config, batch: int, context: float, itemsize: int) -> float:
+    """K/V bytes a decode step reads at mean context ``context`` (all layers, all rows)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * batch * context * itemsize
+
+
+def native_rate(engine, prompts, new_tokens: int, tag: str, device: str) -> float:
+    """Generated tokens/s of the native engine on ``prompts`` ([B, P] ids), exactly ``new_tokens`` each."""
+    from asyncrl.engine import GenRequest, SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=(), seed=0)
+    reqs = [GenRequest(f"{tag}-{i}", row.tolist(), params) for i, row in enumerate(prompts)]
+    device_sync(device)
+    t0 = time.perf_counter()
+    out = list(engine.generate(reqs))
+    device_sync(device)
+    return sum(len(r.response_ids) for r in out) / (time.perf_counter() - t0)
+
+
+def hf_rate(model, prompts, new_tokens: int, device: str) -> float:
+    """Generated tokens/s of HF ``generate`` (sampling, KV cache) on ``prompts``, ``new_tokens`` each."""
+    import torch
+
+    ids = prompts.to(device)
+    torch.manual_seed(ids.shape[0])
+    device_sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                             top_p=1.0, top_k=0, max_new_tokens=new_tokens, use_cache=True, pad_token_id=0)
+    device_sync(device)
+    return out.shape[0] * (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+
+
+def run_shapes(args) -> int:
+    import torch
+
+    from asyncrl.engine.native import NativeEngine
+    from protocols.values import FORMATS
+
+    torch.set_num_threads(args.threads)
+    device = args.device
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible; run this on a GPU machine or use --device cpu")
+    batches = [int(b) for b in (args.batch_sizes or ("128" if args.quick else "32,128") if cuda
+                                else (args.batch_sizes or "1,4")).split(",")]
+    new_tokens = args.new_tokens or (32 if args.quick or not cuda else 128)
+    rounds = args.rounds or args.repeats or (2 if args.quick else 5)
+    formats = comma_list(args.formats, "--formats", FORMATS)
+    if "bf16" not in formats:
+        formats.insert(0, "bf16")  # the reference of the native ratios
+    hf_formats = comma_list(args.hf, "--hf (with --shapes)", HF_SHAPE_FORMATS)
+    bandwidth = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
+    print(f"device copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    rows: list[dict[str, Any]] = []
+    ratios: dict[str, dict[str, float]] = {}
+    per_round: dict[str, Any] = {}
+    for shape in [s for s in args.shapes.split(",") if s]:
+        t_build = time.perf_counter()
+        model = build_shape(shape, device, layers=args.layers)
+        cfg = model.config
+        params = sum(p.numel() for p in model.parameters())
+        actors, engines = {}, {}
+        for fmt in formats:
+            actors[fmt] = copy.deepcopy(model)  # quantized in place by the engine
+            engines[fmt] = NativeEngine(actors[fmt], quant_format=fmt, device=device, max_batch_size=max(batches),
+                                        num_threads=None)
+        hf = {f: copy.deepcopy(model).to(torch.bfloat16 if f == "bf16" else torch.float32) for f in hf_formats}
+        del model
+        gen = torch.Generator().manual_seed(1)
+        prompts = torch.randint(0, cfg.vocab_size, (max(batches), args.prompt_len), generator=gen)
+
+        for fmt, engine in engines.items():  # warm-up: kernels, allocator, caches
+            native_rate(engine, prompts[:2], 4, f"warm-{fmt}", device)
+        for m in hf.values():
+            hf_rate(m, prompts[:2], 4, device)
+        build_s = time.perf_counter() - t_build
+        step_bytes = {f"native-{f}": step_weight_bytes(a) for f, a in actors.items()}
+        step_bytes |= {f"hf-{f}": step_weight_bytes(m) for f, m in hf.items()}
+        kv_item = {f"native-{f}": 4 for f in actors} | {f"hf-{f}": 2 if f == "bf16" else 4 for f in hf}
+        for batch in batches:
+            rows_in = prompts[:batch]
+            paths = {f"native-{f}": (lambda e=e, tag=f"{shape}-{f}-{batch}", p=rows_in:
+                                     native_rate(e, p, new_tokens, tag, device)) for f, e in engines.items()}
+            paths |= {f"hf-{f}": (lambda m=m, p=rows_in: hf_rate(m, p, new_tokens, device)) for f, m in hf.items()}
+            res = interleaved(paths, rounds, warmup=0, seed=batch)
+            label = f"{shape} batch {batch}"
+            per_round[label] = res
+            v = res["values"]
+            load = load_average_stats(res["load"])
+            context = args.prompt_len + new_tokens / 2
+            for name in paths:
+                total = step_bytes[name] + kv_bytes(cfg, batch, context, kv_item[name])
+                roof = batch * bandwidth / total
+                row: dict[str, Any] = {"shape": shape, "path": name, "batch": batch,
+                                       "tok_per_s": statistics.median(v[name]),
+                                       "vs_native_bf16": ratio_stats(v[name], v["native-bf16"])["ratio_median"],
+                                       "step_MB": total / 1e6, "roofline_tok_per_s": roof,
+                                       "roofline_frac": statistics.median(v[name]) / roof,
+                                       "spread": ratio_stats(v[name], v["native-bf16"])["spread"],
+                                       "kernels": kernel_counts(actors[name[7:]]) if name.startswith("native-")
+                                       else "hf", "load_avg": load["load_median"]}
+                if "bf16" in hf:
+                    row["vs_hf_bf16"] = ratio_stats(v[name], v["hf-bf16"])["ratio_median"]
+                rows.append(row)
+                for ref in ("hf-bf16", "native-bf16"):
+                    if ref in v and name != ref:
+                        st = ratio_stats(v[name], v[ref])
+                        ratios[f"{label}: {name} / {ref}"] = st
+                        print_ratio(f"{label}: {name} / {ref}", st, load)
+        for engine in engines.values():
+            engine.close()
+        print(f"{shape}: {params / 1e6:.0f}M parameters, {cfg.num_hidden_layers} layers, built and warmed up in "
+              f"{build_s:.0f} s")
+        del actors, engines, hf
+        if cuda:
+            torch.cuda.empty_cache()
+    title = (f"generated tokens/s, random-weight shapes, prompt {args.prompt_len} + {new_tokens} new tokens/sample, "
+             f"median of {rounds} interleaved rounds, {device}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    cols = ["shape", "path", "batch", "tok_per_s", "vs_hf_bf16", "vs_native_bf16", "roofline_frac", "step_MB",
+            "spread", "kernels"]
+    print_table(title, rows, cols)
+    env = {"torch": torch.__version__}
+    if cuda:
+        env |= {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+                "cuda": torch.version.cuda}
+    write_json(args.json, "bench_engine", {"shapes": rows}, args, device=device, new_tokens=new_tokens,
+               prompt_len=args.prompt_len, rounds=rounds, layers=args.layers, copy_bandwidth_Bps=bandwidth,
+               ratios=ratios, per_round=per_round, env=env, shapes=args.shapes.split(","))
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 
 Each row times the code path asyncrl uses (``chosen``) and the obvious alternative it replaced or
 declined (``alternative``) on the same tensors, in one thread, rounds interleaved in shuffled order
-(``benchlib.interleaved``); ``alt_over_chosen`` is the median over rounds of alternative time / chosen
-time, so above 1 means the chosen path is faster. Every pair computes the same values (the script
-checks it before timing). Shapes are the 22M Qwen2 of ``bench_quant.py`` (hidden 512, MLP 2816) and
-SmolLM2-135M's projections (576 x 1536):
+(``asyncrl.bench.measure.interleaved``); ``alt_over_chosen`` is the median over rounds of alternative
+time / chosen time, so above 1 means the chosen path is faster. Every pair computes the same values (the script
+checks it before timing). Shapes are the 22M Qwen2 of ``bench_quant.py`` (``asyncrl.bench.models``; hidden 512,
+MLP 2816) and SmolLM2-135M's projections (576 x 1536):
 
   fp4_block_amax     nvfp4 max |w| per 16-element block: an integer max over the sign-cleared bit
                      patterns (``asyncrl.quant.fp4``) vs ``aminmax(dim=2)`` of the floats
@@ -40,23 +40,22 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib  # noqa: E402
+from asyncrl.bench.measure import interleaved, load_average_stats, ratio_stats  # noqa: E402
+from asyncrl.bench.report import parser, print_table, write_json  # noqa: E402
 
 CHOSEN_CHUNK_LOG2 = 18
 CHUNK_LOG2 = (14, 15, 16, 17, 18, 19)
 
 
 def build_parser():
-    p = benchlib.parser("bench_kernels", __doc__.split("\n\n")[0], smoke=True)
+    p = parser("bench_kernels", __doc__, smoke=True)
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per row (default 9, quick 5, smoke 1)")
     return p
 
 
 def timer(fn: Callable[[], object], calls: int) -> Callable[[], float]:
-    """A path for ``benchlib.interleaved``: seconds per call of ``fn``, the mean of ``calls`` calls."""
+    """A path for ``interleaved``: seconds per call of ``fn``, the mean of ``calls`` calls."""
     def run() -> float:
         t0 = time.perf_counter()
         for _ in range(calls):
@@ -177,12 +176,12 @@ def bench_pairs(rounds: int, smoke: bool) -> list[dict]:
     for row, shape, chosen_name, alt_name, chosen, alt, calls in pairs(smoke):
         check_same(row, chosen, alt)
         calls = 1 if smoke else calls
-        got = benchlib.interleaved({"chosen": timer(chosen, calls), "alternative": timer(alt, calls)}, rounds)
-        st = benchlib.ratio_stats(got["values"]["alternative"], got["values"]["chosen"])
+        got = interleaved({"chosen": timer(chosen, calls), "alternative": timer(alt, calls)}, rounds)
+        st = ratio_stats(got["values"]["alternative"], got["values"]["chosen"])
         rows.append({"row": row, "shape": shape, "chosen": chosen_name, "alternative": alt_name,
                      "chosen_us": min(got["values"]["chosen"]) * 1e6, "alternative_us": min(got["values"]["alternative"]) * 1e6,
                      "alt_over_chosen": st["ratio_median"], "ratio_min": st["ratio_min"], "ratio_max": st["ratio_max"],
-                     "spread": st["spread"], **benchlib.load_average_stats(got["load"])})
+                     "spread": st["spread"], **load_average_stats(got["load"])})
         print(f"{row:18s} {alt_name} / {chosen_name}: {st['ratio_median']:.2f}x "
               f"[{st['ratio_min']:.2f}, {st['ratio_max']:.2f}]", flush=True)
     return rows
@@ -197,9 +196,9 @@ def bench_chunks(rounds: int, smoke: bool) -> list[dict]:
     if smoke:
         weights = [torch.randn(64, 128), torch.randn(96, 64)]
     else:
-        from bench_quant import build_model
+        from asyncrl.bench.models import build_qwen2_22m
 
-        weights = [p.detach() for name, p in build_model(0).named_parameters() if p.dim() == 2 and "embed" not in name]
+        weights = [p.detach() for name, p in build_qwen2_22m(0).named_parameters() if p.dim() == 2 and "embed" not in name]
     quantizers = {"nvfp4": fp4.quantize_nvfp4, "int8": int8.quantize_int8_rows}
     scratch_defaults, chunk_defaults = e2m1.Scratch.__init__.__defaults__, int8.row_chunks.__defaults__
 
@@ -218,13 +217,13 @@ def bench_chunks(rounds: int, smoke: bool) -> list[dict]:
 
     rows = []
     for fmt in quantizers:
-        got = benchlib.interleaved({log2: path(fmt, log2) for log2 in CHUNK_LOG2}, rounds)
+        got = interleaved({log2: path(fmt, log2) for log2 in CHUNK_LOG2}, rounds)
         chosen = got["values"][CHOSEN_CHUNK_LOG2]
         for log2 in CHUNK_LOG2:
-            st = benchlib.ratio_stats(got["values"][log2], chosen)
+            st = ratio_stats(got["values"][log2], chosen)
             rows.append({"format": fmt, "chunk_log2": log2, "best_ms": min(got["values"][log2]) * 1e3,
                          "vs_chosen": st["ratio_median"], "ratio_min": st["ratio_min"], "ratio_max": st["ratio_max"],
-                         **benchlib.load_average_stats(got["load"])})
+                         **load_average_stats(got["load"])})
         print(f"{fmt} chunks: " + ", ".join(f"2**{r['chunk_log2']} {r['vs_chosen']:.2f}x" for r in rows
                                              if r["format"] == fmt), flush=True)
     return rows
@@ -238,13 +237,13 @@ def main(argv=None) -> int:
     rounds = args.rounds or (1 if args.smoke else 5 if args.quick else 9)
     pair_rows = bench_pairs(rounds, args.smoke)
     chunk_rows = bench_chunks(rounds, args.smoke)
-    benchlib.print_table(f"chosen CPU path vs the alternative (median of {rounds} interleaved rounds; one thread)",
-                         pair_rows, ["row", "shape", "chosen", "alternative", "chosen_us", "alternative_us",
+    print_table(f"chosen CPU path vs the alternative (median of {rounds} interleaved rounds; one thread)",
+                pair_rows, ["row", "shape", "chosen", "alternative", "chosen_us", "alternative_us",
                                      "alt_over_chosen", "ratio_min", "ratio_max"])
-    benchlib.print_table("quantising the 22M model per row-chunk size (vs_chosen: time / time at 2**18)", chunk_rows,
-                         ["format", "chunk_log2", "best_ms", "vs_chosen", "ratio_min", "ratio_max"])
-    benchlib.write_json(args.json, "bench_kernels", {"pairs": pair_rows, "chunks": chunk_rows}, args,
-                        rounds=rounds, torch=torch.__version__, threads=torch.get_num_threads())
+    print_table("quantising the 22M model per row-chunk size (vs_chosen: time / time at 2**18)", chunk_rows,
+                ["format", "chunk_log2", "best_ms", "vs_chosen", "ratio_min", "ratio_max"])
+    write_json(args.json, "bench_kernels", {"pairs": pair_rows, "chunks": chunk_rows}, args,
+               rounds=rounds, torch=torch.__version__, threads=torch.get_num_threads())
     return 0
 
 

@@ -66,9 +66,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scripts.benchlib import device_sync, parser, print_table, proc_status_bytes, write_json  # noqa: E402
+from asyncrl.bench.measure import device_sync
+from asyncrl.bench.models import model_folder as hf_folder
+from asyncrl.bench.report import parser, print_table, write_json
+from asyncrl.bench.runs import proc_status_bytes
 
 ROWS = {
     "fsdp-ws1-mb64": dict(fsdp=True, micro=64, budget=0, ac=False, reuse=False, autocast="", lora=0),
@@ -95,14 +96,13 @@ ROWS = {
 def model_folder(spec: str) -> str:
     """An HF folder for ``tiny`` / ``smollm2`` / a path; presets and ``family:NAME`` stay names (built
     from their config in the child)."""
-    from asyncrl.models import ensure_smollm2, ensure_tiny_model
     from asyncrl.models.families import FAMILIES, PRESETS
 
     if spec in PRESETS or spec.removeprefix("family:") in FAMILIES and spec.startswith("family:"):
         return spec
     if spec.startswith("family:"):
         raise SystemExit(f"unknown family {spec!r}; choose family:NAME with NAME in {', '.join(FAMILIES)}")
-    return str({"tiny": ensure_tiny_model, "smollm2": ensure_smollm2}.get(spec, lambda: spec)())
+    return str(hf_folder(spec))
 
 
 def build_model(folder: str):
@@ -288,7 +288,7 @@ def _rss_now_gb() -> float:
 
 
 def main() -> int:
-    ap = parser("bench_learner", __doc__.split("\n")[0])
+    ap = parser("bench_learner", __doc__)
     ap.add_argument("--model", default="smollm2", help="tiny | smollm2 | an HF folder (default smollm2)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=40)

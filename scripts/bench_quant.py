@@ -35,26 +35,14 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import copy  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib  # noqa: E402
+from asyncrl.bench.measure import ratio_stats  # noqa: E402
+from asyncrl.bench.models import QWEN2_22M, build_qwen2_22m  # noqa: E402
+from asyncrl.bench.report import parser, print_table, write_json  # noqa: E402
 
 DEFAULT_FORMATS = ("fp32", "bf16", "int8", "fp8", "nvfp4", "mxfp4")
-MODEL_CONFIG = dict(
-    vocab_size=4096,
-    hidden_size=512,
-    intermediate_size=2816,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
-
-
 def build_parser():
-    p = benchlib.parser("bench_quant", __doc__.split("\n\n")[0])
+    p = parser("bench_quant", __doc__)
     p.add_argument(
         "--formats",
         nargs="+",
@@ -69,14 +57,6 @@ def build_parser():
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens before decoding (default 16)")
     p.add_argument("--seed", type=int, default=0)
     return p
-
-
-def build_model(seed: int):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIG)).eval()
 
 
 def decode(model, prompt, steps: int, gen):
@@ -125,7 +105,7 @@ def bench_decode(models, fmts, args, steps, rounds):
     rows = []
     for b in args.batch_sizes:
         g = torch.Generator().manual_seed(args.seed + b)
-        prompt = torch.randint(0, MODEL_CONFIG["vocab_size"], (b, args.prompt_len), generator=g)
+        prompt = torch.randint(0, QWEN2_22M["vocab_size"], (b, args.prompt_len), generator=g)
         times = {f: [] for f in fmts}
         walls = {f: [] for f in fmts}
         acc = {}
@@ -144,7 +124,7 @@ def bench_decode(models, fmts, args, steps, rounds):
                 flush=True,
             )
         for f in fmts:
-            st = benchlib.ratio_stats(times["fp32"], times[f])
+            st = ratio_stats(times["fp32"], times[f])
             rows.append(
                 {
                     "format": f,
@@ -210,7 +190,7 @@ def bench_int_mm_m1(reps: int):
         return min(ts)
 
     g = torch.Generator().manual_seed(0)
-    k, n = MODEL_CONFIG["hidden_size"], MODEL_CONFIG["intermediate_size"]
+    k, n = QWEN2_22M["hidden_size"], QWEN2_22M["intermediate_size"]
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     x = torch.randint(-127, 128, (1, k), generator=g, dtype=torch.int8)
     w_kn = w.t().contiguous()
@@ -241,10 +221,10 @@ def main(argv=None) -> int:
     steps = args.steps or (16 if args.quick else 48)
     rounds = args.rounds or (5 if args.quick else 7)
 
-    base = build_model(args.seed)
+    base = build_qwen2_22m(args.seed)
     n_params = sum(p.numel() for p in base.parameters())
     print(
-        f"model: Qwen2 {MODEL_CONFIG} -> {n_params / 1e6:.1f}M parameters; threads={torch.get_num_threads()}"
+        f"model: Qwen2 {QWEN2_22M} -> {n_params / 1e6:.1f}M parameters; threads={torch.get_num_threads()}"
     )
     models = {f: quantize_model(copy.deepcopy(base), f) for f in fmts}
 
@@ -253,7 +233,7 @@ def main(argv=None) -> int:
         f"{rounds} rounds"
     )
     decode_rows = bench_decode(models, fmts, args, steps, rounds)
-    benchlib.print_table(
+    print_table(
         "Decode tokens per CPU-second (one thread) and accuracy vs fp32 (same process, same prompts)",
         decode_rows,
         [
@@ -269,7 +249,7 @@ def main(argv=None) -> int:
         ],
     )
     pub_rows = bench_publish(base, fmts)
-    benchlib.print_table(
+    print_table(
         "Published bytes per format (quantise-on-send)",
         pub_rows,
         [
@@ -283,17 +263,17 @@ def main(argv=None) -> int:
         ],
     )
     mm_rows = bench_int_mm_m1(200 if args.quick else 1000)
-    benchlib.print_table(
+    print_table(
         "int8 batch-1 layout check (torch._int_mm, one call)",
         mm_rows,
         ["variant", "M", "K", "N", "us_per_call"],
     )
-    benchlib.write_json(
+    write_json(
         args.json,
         "bench_quant",
         {"decode": decode_rows, "publish": pub_rows, "int_mm_m1": mm_rows},
         args,
-        model_config=MODEL_CONFIG,
+        model_config=QWEN2_22M,
         n_params=n_params,
         steps=steps,
         rounds=rounds,

@@ -44,11 +44,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from asyncrl.learner.options import resolve_autocast  # noqa: E402
-from asyncrl.rundir import RunDir  # noqa: E402
-from scripts import benchlib  # noqa: E402
+from asyncrl.bench.report import ROOT, parser, print_table, write_json
+from asyncrl.bench.runs import exit_on_sigterm, run_measured, run_role, step_records, train_cmd, train_env
+from asyncrl.learner.options import resolve_autocast
+from asyncrl.rundir import RunDir
 
 # The task (--preset). signed_sums (configs/experiment/smollm2_signed_sums.yaml, the default): two
 # signed single-digit terms; training and held-out problems come from one space without overlapping,
@@ -78,19 +77,19 @@ ROWS: dict[str, list[str] | None] = {
     "asyncrl-full": [],
     "trl-grpo": None,  # the peer: sizes from asyncrl-full's resolved configuration
 }
-TRL_VENV = benchlib.ROOT / ".cache" / "trl-venv"
+TRL_VENV = ROOT / ".cache" / "trl-venv"
 
 
 def learner_label(cmdline: str) -> str | None:
     """The learner rank (torchrun's child), not torchrun itself."""
-    return "learner" if benchlib.run_role(cmdline) == "learner" else None
+    return "learner" if run_role(cmdline) == "learner" else None
 
 
 def evaluate(model_dir: Path, overrides: list[str], out: Path, threads: int) -> dict:
     """``scripts/eval_greedy.py`` in its own process (its memory never adds to a measured job)."""
-    cmd = [sys.executable, str(benchlib.ROOT / "scripts" / "eval_greedy.py"), "--model", str(model_dir),
+    cmd = [sys.executable, str(ROOT / "scripts" / "eval_greedy.py"), "--model", str(model_dir),
            "--json", str(out), "--threads", str(threads), *overrides]
-    res = subprocess.run(cmd, cwd=benchlib.ROOT, env=benchlib.train_env(), capture_output=True, text=True)
+    res = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"evaluation of {model_dir} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     print("   ", res.stdout.strip().splitlines()[-1], flush=True)
@@ -99,8 +98,8 @@ def evaluate(model_dir: Path, overrides: list[str], out: Path, threads: int) -> 
 
 def run_asyncrl(name: str, overrides: list[str], tmp: Path) -> tuple[Path, dict]:
     """One ``asyncrl train`` run, its process tree's memory sampled; returns the run folder and memory."""
-    cmd = benchlib.train_cmd(overrides, runs_dir=tmp, run_name=name)
-    mem = benchlib.run_measured(cmd, tmp / f"{name}.log", learner_label, f"asyncrl train ({name})", benchlib.train_env())
+    cmd = train_cmd(overrides, runs_dir=tmp, run_name=name)
+    mem = run_measured(cmd, tmp / f"{name}.log", learner_label, f"asyncrl train ({name})", train_env())
     return tmp / name, {"learner": mem.peak_by_label.get("learner", 0), "job": mem.peak_total_bytes}
 
 
@@ -108,7 +107,7 @@ def asyncrl_stats(run_dir: Path) -> dict:
     """Steps, per-step timings, rollout tokens/s and the reward curve from the run's metrics and trajectory log."""
     from asyncrl.log import SampleRecord, read_log
 
-    steps = sorted(benchlib.step_records(run_dir), key=lambda r: r["step"])
+    steps = sorted(step_records(run_dir), key=lambda r: r["step"])
     times = [r["time"] for r in steps]
     scan = read_log(RunDir(run_dir).trajectories)
     tokens = [(r.logged_at, len(r.sample.response_ids.to_numpy())) for r in scan.records
@@ -158,8 +157,8 @@ def run_trl(cfg_overrides: list[str], budget_s: float, tmp: Path, threads: int) 
             "check_prompt_ids": [encoder.encode(task.problem_at(i).prompt) for i in range(4)]}
     spec_path = tmp / "trl-spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = benchlib.train_env() | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    mem = benchlib.run_measured([str(python), str(benchlib.ROOT / "scripts" / "trl_grpo.py"), str(spec_path)],
+    env = train_env() | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    mem = run_measured([str(python), str(ROOT / "scripts" / "trl_grpo.py"), str(spec_path)],
                        tmp / "trl-grpo.log", lambda c: "trl" if "trl_grpo.py" in c else None, "TRL GRPO", env)
     recs = [json.loads(x) for x in Path(spec["metrics"]).read_text().splitlines() if x.strip()]
     steps = [x for x in recs if "step" in x]
@@ -185,7 +184,7 @@ def ensure_trl_venv() -> Path:
     """The TRL venv's python; built once with ``make trl-venv`` (pinned TRL, torch from constraints.txt)."""
     if not (TRL_VENV / ".installed").exists():
         print(f"building {TRL_VENV} (make trl-venv; once, a few minutes) ...", flush=True)
-        subprocess.run(["make", "-C", str(benchlib.ROOT), "trl-venv"], check=True)
+        subprocess.run(["make", "-C", str(ROOT), "trl-venv"], check=True)
     return TRL_VENV / "bin" / "python"
 
 
@@ -226,8 +225,7 @@ def make_plot(curves: dict[str, list], path: Path, title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("bench_real", __doc__.split("\n\n")[0], smoke=True)
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    p = parser("bench_real", __doc__, smoke=True)
     p.add_argument("--budget-s", type=float, default=None,
                    help="training seconds per row (default 1800, quick 60, smoke 1e-6: one step)")
     p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 200, quick 32, smoke 8)")
@@ -240,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the TRL process and of the evaluations (default: the machine's CPUs, "
                         "%(default)s; asyncrl's processes take learner.num_threads and one per worker)")
-    p.add_argument("--plots", default=str(benchlib.ROOT / "benchmarks" / "plots"), help="PNG folder (%(default)s)")
+    p.add_argument("--plots", default=str(ROOT / "benchmarks" / "plots"), help="PNG folder (%(default)s)")
     p.add_argument("--keep", default="", help="keep the run folders and logs here (default: a temporary folder)")
     args = p.parse_args(argv)
-    benchlib.exit_on_sigterm()
+    exit_on_sigterm()
     budget = args.budget_s or (1e-6 if args.smoke else 60.0 if args.quick else 1800.0)
     n_eval = args.eval_size or (8 if args.smoke else 32 if args.quick else 200)
     if args.json == p.get_default("json") and (args.quick or args.smoke):  # never over the full run's record
@@ -265,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     before: dict = {}
 
     def record(**extra) -> None:
-        benchlib.write_json(args.json, "bench_real", {"rows": rows}, args, rows=rows, budget_s=budget,
-                            eval_size=n_eval, overrides=base, row_overrides={n: ROWS[n] for n in names},
-                            examples_before=before.get("examples"), curves=curves,
-                            total_s=time.monotonic() - t_start, **extra)
+        write_json(args.json, "bench_real", {"rows": rows}, args, rows=rows, budget_s=budget,
+                   eval_size=n_eval, overrides=base, row_overrides={n: ROWS[n] for n in names},
+                   examples_before=before.get("examples"), curves=curves,
+                   total_s=time.monotonic() - t_start, **extra)
 
     try:
         from asyncrl.models.prepare import prepare_model
@@ -314,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     prefix = "bench_real_smoke" if args.smoke else "bench_real_quick" if args.quick else "bench_real"
     plot = make_plot(curves, Path(args.plots) / f"{prefix}_reward.png", title)
     n_held = rows[0]["n_eval"] if rows else n_eval
-    benchlib.print_table(f"{title}; greedy accuracy on {n_held} held-out problems (Wilson 95% CI)", rows,
-                         ["name", "steps", "accuracy_before", "accuracy_after", "delta", "significant",
+    print_table(f"{title}; greedy accuracy on {n_held} held-out problems (Wilson 95% CI)", rows,
+                ["name", "steps", "accuracy_before", "accuracy_after", "delta", "significant",
                           "majority_answer_share",
                           "seconds_per_step", "learner_seconds_per_step", "worker_tokens_per_s",
                           "learner_peak_rss_gb", "job_peak_rss_gb"])

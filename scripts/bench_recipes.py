@@ -39,10 +39,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from asyncrl.rundir import RunDir  # noqa: E402
-from scripts import benchlib  # noqa: E402
+from asyncrl.bench.measure import ci95, wilson
+from asyncrl.bench.report import parser, print_table, write_json
+from asyncrl.bench.runs import exit_on_sigterm, start_train, stop_train, train_result
+from asyncrl.rundir import RunDir
 
 SIGNED_2 = "task.rg_config={min_terms:2,max_terms:2,min_digits:1,max_digits:1,allow_negation:true}"
 SIGNED_3 = "task.rg_config={min_terms:3,max_terms:3,min_digits:1,max_digits:1,allow_negation:true}"
@@ -98,14 +98,14 @@ def run_all(jobs: list[list[tuple[str, list[str]]]], runs_dir: Path, parallel: i
                     continue
                 log.close()
                 running.remove(entry)
-                run_dir = benchlib.train_result(proc.returncode, overrides, runs_dir=runs_dir, run_name=name,
-                                                log_path=Path(log.name))
+                run_dir = train_result(proc.returncode, overrides, runs_dir=runs_dir, run_name=name,
+                                       log_path=Path(log.name))
                 print(f"  {name}: done ({summarize_run(run_dir)['steps']} steps)", flush=True)
                 if stages:
                     running.append(_start(stages, runs_dir, RunDir(run_dir).model))
     finally:
         for proc, log, *_ in running:
-            benchlib.stop_train(proc)
+            stop_train(proc)
             log.close()
 
 
@@ -115,7 +115,7 @@ def _start(stages, runs_dir: Path, model: Path | None):
         overrides = [*overrides, "model.name=path", f"model.path={model}"]
     log = open(runs_dir / f"{name}.log", "wb")  # noqa: SIM115  (closed when the run ends or is stopped)
     print(f"  {name}: started", flush=True)
-    proc = benchlib.start_train(overrides, runs_dir=runs_dir, run_name=name, log=log)
+    proc = start_train(overrides, runs_dir=runs_dir, run_name=name, log=log)
     return proc, log, stages[1:], name, overrides
 
 
@@ -145,7 +145,7 @@ def summarize_run(run_dir: Path) -> dict:
     return {"run": run_dir.name, "steps": len(steps), "eval_n": n,
             "eval_step0": evals[0]["eval/accuracy"] if evals and int(evals[0]["step"]) == 0 else math.nan,
             "eval_final": final if final is not None else math.nan,
-            "eval_final_ci95": list(benchlib.wilson(round(final * n), n)) if final is not None else [math.nan] * 2,
+            "eval_final_ci95": list(wilson(round(final * n), n)) if final is not None else [math.nan] * 2,
             "reward_first20": mean("train/reward_mean", 0, 20), "reward_last20": mean("train/reward_mean", -20, None),
             "len_first5": mean("train/response_len_mean", 0, 5), "len_last20": mean("train/response_len_mean", -20, None),
             "alarms": " ".join(f"{k}@{v}" for k, v in first_alarm.items()) or "-"}
@@ -161,8 +161,8 @@ def summarize(runs_dir: Path, rows: list[str], seeds: list[int]) -> tuple[list[d
             per_run.append({"row": row, **r})
         if not runs:
             continue
-        acc, acc_ci = benchlib.ci95([r["eval_final"] for r in runs])
-        base = benchlib.ci95([r["eval_step0"] for r in runs])[0]
+        acc, acc_ci = ci95([r["eval_final"] for r in runs])
+        base = ci95([r["eval_step0"] for r in runs])[0]
         # several seeds: the Student-t interval over seeds; one seed: its own Wilson interval
         low = acc - acc_ci if len(runs) > 1 else runs[0]["eval_final_ci95"][0]
         per_row.append({"row": row, "seeds": len(runs), "eval_step0": base, "eval_final_mean": acc,
@@ -172,8 +172,7 @@ def summarize(runs_dir: Path, rows: list[str], seeds: list[int]) -> tuple[list[d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("bench_recipes", __doc__.split("\n\n")[0], smoke=True)
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    p = parser("bench_recipes", __doc__, smoke=True)
     p.add_argument("--preset", default="signed_sums_3", choices=sorted(PRESETS), help="the task (default %(default)s)")
     p.add_argument("--rows", default="lora-2e-4", help=f"comma list of {', '.join(ROWS)} (default %(default)s)")
     p.add_argument("--seeds", default="0,1", help="comma list (default %(default)s)")
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", default="", help="run folder root (default: a new temporary folder)")
     p.add_argument("--summarize", default="", metavar="DIR", help="only summarize the runs already in DIR")
     args = p.parse_args(argv)
-    benchlib.exit_on_sigterm()
+    exit_on_sigterm()
     rows = [r for r in args.rows.split(",") if r]
     if bad := [r for r in rows if r not in ROWS]:
         raise SystemExit(f"unknown row(s) {bad}; choose from {list(ROWS)}")
@@ -218,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(jobs)} runs of {each}, {args.parallel} at a time, in {runs_dir}", flush=True)
         run_all(jobs, runs_dir, args.parallel)
     per_run, per_row = summarize(runs_dir, rows, seeds)
-    benchlib.print_table("runs", per_run, ["row", "run", "steps", "eval_step0", "eval_final", "eval_final_ci95",
+    print_table("runs", per_run, ["row", "run", "steps", "eval_step0", "eval_final", "eval_final_ci95",
                                            "reward_first20", "reward_last20", "len_first5", "len_last20", "alarms"])
-    benchlib.print_table("rows (final greedy accuracy: mean over seeds, 95% CI half-width from Student's t)", per_row,
-                         ["row", "seeds", "steps_mean", "eval_step0", "eval_final_mean", "eval_final_ci95", "gain",
+    print_table("rows (final greedy accuracy: mean over seeds, 95% CI half-width from Student's t)", per_row,
+                ["row", "seeds", "steps_mean", "eval_step0", "eval_final_mean", "eval_final_ci95", "gain",
                           "learns"])
     for r in per_row:
         verdict = "learns" if r["learns"] else "does not learn beyond the noise"
@@ -229,11 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['row']}: {verdict} ({r['eval_step0']:.3f} -> {r['eval_final_mean']:.3f}, {spread})")
     if args.smoke and args.json == p.get_default("json"):  # never over the full run's record
         args.json = args.json.replace(".json", ".smoke.json")
-    benchlib.write_json(args.json, "bench_recipes",
-                        {"runs": per_run, "rows": per_row}, args, preset=preset, common=COMMON,
-                        rows={r: ROWS[r] for r in rows}, seeds=seeds, budget_s=None if args.steps else budget,
-                        steps=args.steps or None, parallel=args.parallel,
-                        runs_dir=str(runs_dir))
+    write_json(args.json, "bench_recipes",
+               {"runs": per_run, "rows": per_row}, args, preset=preset, common=COMMON,
+               rows={r: ROWS[r] for r in rows}, seeds=seeds, budget_s=None if args.steps else budget,
+               steps=args.steps or None, parallel=args.parallel,
+               runs_dir=str(runs_dir))
     return 0
 
 

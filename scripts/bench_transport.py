@@ -17,19 +17,16 @@ Run: ``python scripts/bench_transport.py [--quick] [--rounds N] [--json PATH]``.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
 import zmq
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import protocols as P  # noqa: E402
-from asyncrl.transport import WeightClient, WeightServer, ZmqChannel  # noqa: E402
-from scripts import benchlib  # noqa: E402
+import protocols as P
+from asyncrl.bench.measure import interleaved, load_average_stats, print_ratio, ratio_stats
+from asyncrl.bench.report import comma_list, parser, print_table, write_json
+from asyncrl.transport import WeightClient, WeightServer, ZmqChannel
 
 RESPONSE_TOKENS = 512
 
@@ -236,16 +233,16 @@ def run_samples(n: int, rounds: int) -> tuple[list[dict], dict]:
     msg_bytes = len(P.encode(make_sample(0)))
     sp = {"raw": SamplePath("raw"), "ours": SamplePath("ours")}
     try:
-        s = benchlib.interleaved({k: (lambda path=path: path.run(n)) for k, path in sp.items()}, rounds)
+        s = interleaved({k: (lambda path=path: path.run(n)) for k, path in sp.items()}, rounds)
     finally:
         for path in sp.values():
             path.close()
     raw_v, ours_v = s["values"]["raw"], s["values"]["ours"]
-    framing = benchlib.ratio_stats(ours_v, raw_v)
+    framing = ratio_stats(ours_v, raw_v)
     cpu = {k: path.cpu_us[1:] for k, path in sp.items()}  # the first entry is the warm-up round
-    framing_cpu = benchlib.ratio_stats(cpu["raw"], cpu["ours"])  # cost ratio as a speed: raw us / our us
+    framing_cpu = ratio_stats(cpu["raw"], cpu["ours"])  # cost ratio as a speed: raw us / our us
     s["cpu_us"] = cpu
-    s_load = benchlib.load_average_stats(s["load"])
+    s_load = load_average_stats(s["load"])
     sample_rows = [
         {"path": "raw pyzmq (pre-encoded bytes)", "msgs_per_s": statistics.median(raw_v),
          "MB_per_s": statistics.median(raw_v) * msg_bytes / 2**20, "ratio_vs_raw": 1.0,
@@ -255,12 +252,12 @@ def run_samples(n: int, rounds: int) -> tuple[list[dict], dict]:
          "ratio_min": framing["ratio_min"], "ratio_max": framing["ratio_max"], "spread": framing["spread"],
          "cpu_us_per_msg": statistics.median(cpu["ours"]), "cpu_ratio": framing_cpu["ratio_median"]},
     ]
-    benchlib.print_table(f"finished samples ({RESPONSE_TOKENS}-token responses, {msg_bytes} B each, {n} msgs, tcp loopback; "
+    print_table(f"finished samples ({RESPONSE_TOKENS}-token responses, {msg_bytes} B each, {n} msgs, tcp loopback; "
                 f"median msgs/s of {rounds} interleaved rounds)",
                 sample_rows, ["path", "msgs_per_s", "MB_per_s", "ratio_vs_raw", "ratio_min", "ratio_max", "spread",
                               "cpu_us_per_msg", "cpu_ratio"])
-    benchlib.print_ratio("framing asyncrl / raw pyzmq, msgs/s (aim >= 0.8)", framing, s_load)
-    benchlib.print_ratio("framing raw / asyncrl, CPU us per message (both processes, all threads)", framing_cpu)
+    print_ratio("framing asyncrl / raw pyzmq, msgs/s (aim >= 0.8)", framing, s_load)
+    print_ratio("framing raw / asyncrl, CPU us per message (both processes, all threads)", framing_cpu)
     return sample_rows, {"framing_vs_raw": framing, "framing_cpu_vs_raw": framing_cpu, "load": s_load,
                          "per_round": s}
 
@@ -272,14 +269,14 @@ def run_weights(total_mb: int, rounds: int) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory() as tmp:
         paths = WeightPaths(total_mb, tmp)
         try:
-            w = benchlib.interleaved({"memcpy": paths.memcpy, "raw": paths.raw, "ours": paths.ours}, rounds)
+            w = interleaved({"memcpy": paths.memcpy, "raw": paths.raw, "ours": paths.ours}, rounds)
         finally:
             paths.close()
     wv = w["values"]
-    w_load = benchlib.load_average_stats(w["load"])
-    fetch = benchlib.ratio_stats(wv["raw"], wv["ours"])  # speed ratio = time(raw) / time(ours)
-    vs_mem = benchlib.ratio_stats(wv["memcpy"], wv["ours"])
-    raw_mem = benchlib.ratio_stats(wv["memcpy"], wv["raw"])
+    w_load = load_average_stats(w["load"])
+    fetch = ratio_stats(wv["raw"], wv["ours"])  # speed ratio = time(raw) / time(ours)
+    vs_mem = ratio_stats(wv["memcpy"], wv["ours"])
+    raw_mem = ratio_stats(wv["memcpy"], wv["raw"])
     gb = paths.nbytes / 2**30
     med = {k: statistics.median(v) for k, v in wv.items()}
     weight_rows = [
@@ -291,23 +288,20 @@ def run_weights(total_mb: int, rounds: int) -> tuple[list[dict], dict]:
          "speed_vs_memcpy": vs_mem["ratio_median"], "speed_vs_raw": fetch["ratio_median"],
          "ratio_min": fetch["ratio_min"], "ratio_max": fetch["ratio_max"], "spread": fetch["spread"]},
     ]
-    benchlib.print_table(f"weight publication ({paths.nbytes / 2**20:.0f} MB fp32 state, ipc, median of {rounds} interleaved "
+    print_table(f"weight publication ({paths.nbytes / 2**20:.0f} MB fp32 state, ipc, median of {rounds} interleaved "
                 "rounds; speed ratios are per-round time ratios)",
                 weight_rows, ["path", "seconds", "GB_per_s", "speed_vs_memcpy", "speed_vs_raw", "ratio_min",
                               "ratio_max", "spread"])
-    benchlib.print_ratio("weight fetch asyncrl / raw pyzmq speed (aim >= 0.8)", fetch, w_load)
+    print_ratio("weight fetch asyncrl / raw pyzmq speed (aim >= 0.8)", fetch, w_load)
     return weight_rows, {"fetch_vs_raw": fetch, "fetch_vs_memcpy": vs_mem, "load": w_load, "per_round": w}
 
 
 def main() -> int:
-    p = benchlib.parser("bench_transport", __doc__.splitlines()[0])
+    p = parser("bench_transport", __doc__)
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 21; --quick 11; min 5)")
     p.add_argument("--parts", default="samples,weights", help="which parts to run (default: %(default)s)")
     args = p.parse_args()
-    parts = [x for x in args.parts.split(",") if x]
-    bad = [x for x in parts if x not in ("samples", "weights")]
-    if bad:
-        raise SystemExit(f"unknown part(s) {bad}; choose from samples, weights")
+    parts = comma_list(args.parts, "--parts", ("samples", "weights"))
     n = 3_000 if args.quick else 10_000
     rounds = max(5, args.rounds or (11 if args.quick else 21))
     tables, ratios = {}, {}
@@ -315,7 +309,7 @@ def main() -> int:
         tables["samples"], ratios["samples"] = run_samples(n, rounds)
     if "weights" in parts:
         tables["weights"], ratios["weights"] = run_weights(100, rounds)
-    benchlib.write_json(args.json, "bench_transport", tables, args, rounds=rounds, messages_per_round=n, ratios=ratios)
+    write_json(args.json, "bench_transport", tables, args, rounds=rounds, messages_per_round=n, ratios=ratios)
     return 0
 
 

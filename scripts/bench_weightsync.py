@@ -47,34 +47,16 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts import benchlib  # noqa: E402
+from asyncrl.bench.measure import load_average_stats, print_ratio, ratio_stats  # noqa: E402
+from asyncrl.bench.models import build_qwen2_22m, load_fp32  # noqa: E402
+from asyncrl.bench.report import comma_list, parser, print_table, write_json  # noqa: E402
+from asyncrl.bench.runs import exit_on_sigterm  # noqa: E402
+from asyncrl.bench.weightsync import WorkerChild  # noqa: E402
 
 FORMATS = ("fp32", "bf16", "int8", "nvfp4")
-MODELS = ("qwen2-22m", "tiny")
+# fp32 models, the same in the parent and the child (seeded, or read from disk)
+MODELS = {"qwen2-22m": build_qwen2_22m, "tiny": lambda: load_fp32("tiny").eval()}
 STAGES = ("gather_s", "quantize_s", "send_s", "unpack_s", "load_s")
-
-
-def build_model(name: str):
-    """A freshly built fp32 model (identical in the parent and the child: seeded / read from disk)."""
-    import torch
-
-    if name == "tiny":
-        from transformers import AutoModelForCausalLM
-
-        from asyncrl.models import ensure_tiny_model
-
-        folder = ensure_tiny_model(benchlib.ROOT / ".cache" / "models" / "tiny-qwen2-char-seed0", seed=0)
-        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    if name != "qwen2-22m":
-        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from scripts.bench_quant import MODEL_CONFIG
-
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIG)).eval()
 
 
 def _worker(conn, model_name: str, formats: list[str]) -> None:
@@ -86,7 +68,7 @@ def _worker(conn, model_name: str, formats: list[str]) -> None:
     from asyncrl.transport.publication import from_wire
 
     torch.set_num_threads(1)
-    base = build_model(model_name)
+    base = MODELS[model_name]()
     actors = {f: quantize_model(copy.deepcopy(base), f) for f in formats}
     announce_addr, fetch_addr = conn.recv()
     client = WeightClient(announce_addr, fetch_addr, identity=b"bench-worker")
@@ -130,15 +112,15 @@ def bench_model(model_name: str, formats: list[str], repeats: int) -> tuple[list
     from asyncrl.transport.publication import to_wire
 
     info = init_distributed()
-    base = build_model(model_name)
+    base = MODELS[model_name]()
     n_params = sum(p.numel() for p in base.parameters())
     learner = shard_model(copy.deepcopy(base), info)
     del base
     server = WeightServer("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", keep_versions=2)
     raw: list[dict] = []
     try:
-        with benchlib.WorkerChild(_worker, (model_name, formats), (server.announce_address, server.fetch_address),
-                                  600) as child:
+        with WorkerChild(_worker, (model_name, formats), (server.announce_address, server.fetch_address),
+                         600) as child:
             pools = {f: BufferPool() for f in formats}  # one per format, as the learner's publisher keeps
             version = 0
             for rep in range(repeats + 1):  # repeat 0 warms every path up and is not reported
@@ -195,34 +177,31 @@ def headline_ratios(raw: list[dict], models: list[str], formats: list[str]) -> d
             return [by[(fmt, rep)][key] for rep in reps]
 
         if "int8" in formats:
-            out[(m, "int8 total / fp32 total")] = (benchlib.ratio_stats(series("int8", "total_s"),
-                                                                        series("fp32", "total_s")), "<= 0.4")
-            out[(m, "int8 total / memcpy of its bytes")] = (benchlib.ratio_stats(
+            out[(m, "int8 total / fp32 total")] = (ratio_stats(series("int8", "total_s"),
+                                                               series("fp32", "total_s")), "<= 0.4")
+            out[(m, "int8 total / memcpy of its bytes")] = (ratio_stats(
                 series("int8", "total_s"), series("int8", "memcpy_s")), "<= 20")
         if "int8" in formats and "nvfp4" in formats:
-            out[(m, "nvfp4 quantize / int8 quantize")] = (benchlib.ratio_stats(
+            out[(m, "nvfp4 quantize / int8 quantize")] = (ratio_stats(
                 series("nvfp4", "quantize_s"), series("int8", "quantize_s")), "<= 2")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a.split("=")[0] == "--bucket-mb" for a in argv):  # one piece vs buckets, whole and delta
-        from scripts import bench_buckets
-
-        return bench_buckets.main([a for a in argv if a != "--delta"])
-    if "--delta" in argv:  # whole vs delta sync on consecutive versions of a model being trained
-        from scripts import bench_delta
-
-        return bench_delta.main([a for a in argv if a != "--delta"])
-    p = benchlib.parser("bench_weightsync", __doc__.split("\n\n")[0], smoke=True)
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    # --bucket-mb: one piece vs buckets, whole and delta; --delta: whole vs delta sync on consecutive versions of a
+    # model being trained. Either becomes that script (same process, its own options; --delta dropped).
+    instead = "bench_buckets" if any(a.split("=")[0] == "--bucket-mb" for a in argv) else "bench_delta"
+    if instead == "bench_buckets" or "--delta" in argv:
+        script = str(Path(__file__).with_name(f"{instead}.py"))
+        os.execv(sys.executable, [sys.executable, script, *(a for a in argv if a != "--delta")])
+    p = parser("bench_weightsync", __doc__, smoke=True)
     p.add_argument("--formats", default=",".join(FORMATS), help="comma list (default: %(default)s)")
-    p.add_argument("--models", default=None, help=f"comma list of {MODELS} (default: both; --smoke: tiny)")
+    p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: both; --smoke: tiny)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per format (default 7, quick 3, "
                                                                   "smoke 1)")
     args = p.parse_args(argv)
-    benchlib.exit_on_sigterm()
+    exit_on_sigterm()
     import torch
 
     from asyncrl.learner import close_distributed
@@ -231,13 +210,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     bound_malloc_retention()  # the learner process's allocator settings (workers/learner.py), where publish runs
-    formats = [f for f in args.formats.split(",") if f]
-    bad = [f for f in formats if f not in ALL]
-    if bad:
-        raise SystemExit(f"unknown format(s) {bad}; choose from {ALL}")
+    formats = comma_list(args.formats, "--formats", ALL)
     if "fp32" not in formats:
         formats.insert(0, "fp32")  # the bytes_vs_fp32 baseline
-    models = [m for m in (args.models or ("tiny" if args.smoke else ",".join(MODELS))).split(",") if m]
+    models = comma_list(args.models or ("tiny" if args.smoke else ",".join(MODELS)), "--models", tuple(MODELS))
     repeats = args.repeats or (1 if args.smoke else 3 if args.quick else 7)
     rows, raw = [], []
     try:
@@ -249,19 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         close_distributed()
     ratios = headline_ratios(raw, models, formats)
-    benchlib.print_table(
+    print_table(
         f"weight sync per version: gather (FSDP2 full state dict) + quantize + send (tcp loopback, child process) "
         f"+ load (from_wire + load_published); median of {repeats}", rows,
         ["model", "params_M", "format", "MB", "bytes_vs_fp32", *STAGES, "total_s", "memcpy_s", "total_vs_memcpy",
          "send_vs_memcpy"])
     for (m, label), (st, aim) in ratios.items():
-        benchlib.print_ratio(f"{m}: {label} (aim {aim})", st)
-    load = benchlib.load_average_stats([r["load_avg"] for r in raw if "load_avg" in r])
+        print_ratio(f"{m}: {label} (aim {aim})", st)
+    load = load_average_stats([r["load_avg"] for r in raw if "load_avg" in r])
     print(f"load average during the rounds: {load['load_median']:.2f} (max {load['load_max']:.2f}) on "
           f"{int(load['cpus'])} cpus", flush=True)
-    benchlib.write_json(args.json, "bench_weightsync", {"sync": rows, "raw": raw}, args, repeats=repeats,
-                        formats=formats, models=models, load=load,
-                        ratios={f"{m}: {label}": {**st, "aim": aim} for (m, label), (st, aim) in ratios.items()})
+    write_json(args.json, "bench_weightsync", {"sync": rows, "raw": raw}, args, repeats=repeats,
+               formats=formats, models=models, load=load,
+               ratios={f"{m}: {label}": {**st, "aim": aim} for (m, label), (st, aim) in ratios.items()})
     return 0
 
 

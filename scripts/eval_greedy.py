@@ -23,15 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts.benchlib import wilson  # noqa: E402  (scripts/ runs as a package or from the repository root)
+from asyncrl.bench.measure import wilson
 
 
 def evaluate(model_dir: str | Path, overrides: list[str], *, threads: int = 1, max_batch_size: int = 64,

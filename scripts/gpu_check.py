@@ -48,11 +48,9 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from asyncrl.rundir import RunDir  # noqa: E402
-from scripts import benchlib  # noqa: E402
+from asyncrl.bench.measure import device_sync
+from asyncrl.bench.report import ROOT
+from asyncrl.rundir import RunDir
 
 SECTIONS = ("native", "quant", "bench_engine", "sglang", "gpu_tests", "train", "train_2gpu", "train_sglang",
             "bench_learner")
@@ -93,10 +91,10 @@ def check_native(model_dir: Path, device: str, batch: int, new_tokens: int) -> d
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from asyncrl.bench.models import kernel_counts
     from asyncrl.engine import GenRequest, SamplingParams
     from asyncrl.engine.native import NativeEngine
     from protocols.values import FORMATS
-    from scripts.bench_engine_shapes import kernel_counts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -108,10 +106,10 @@ def check_native(model_dir: Path, device: str, batch: int, new_tokens: int) -> d
         engine = NativeEngine(model, quant_format=fmt, device=device, max_batch_size=batch, num_threads=None)
         try:
             list(engine.generate([GenRequest(f"warm-{i}", prompt, params) for i in range(batch)]))  # warm-up
-            benchlib.device_sync(device)
+            device_sync(device)
             t0 = time.perf_counter()
             results = list(engine.generate([GenRequest(f"{fmt}-{i}", prompt, params) for i in range(batch)]))
-            benchlib.device_sync(device)
+            device_sync(device)
             dt = time.perf_counter() - t0
             diffs = np.concatenate([np.abs(r.behav_logp - reference_logp(ref, prompt, r.response_ids))
                                     for r in results[:8]])
@@ -140,13 +138,13 @@ def check_quant(device: str) -> dict:
     """Device kernels against the CPU reference (module docstring, section ``quant``)."""
     import torch
 
+    from asyncrl.bench.models import build_shape, kernel_counts
     from asyncrl.quant import load_published, publish, quantize_model
     from asyncrl.quant.kernels import select_kernel
     from protocols.values import FORMATS
-    from scripts.bench_engine_shapes import build_model, kernel_counts
 
-    base = build_model("smollm2-135m", "cpu", layers=2, seed=3)
-    nxt = build_model("smollm2-135m", "cpu", layers=2, seed=4)
+    base = build_shape("smollm2-135m", "cpu", layers=2, seed=3)
+    nxt = build_shape("smollm2-135m", "cpu", layers=2, seed=4)
     ids = torch.randint(0, base.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(5))
     cuda = device.startswith("cuda")
     out: dict = {"model": "smollm2-135m shape, 2 layers, random weights", "formats": {},
@@ -317,10 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         p.error(f"--device must be cuda, cuda:N or cpu, got {args.device!r}")
-    from asyncrl.models import ensure_smollm2, ensure_tiny_model
-
-    def folder(spec: str) -> Path:
-        return Path({"tiny": ensure_tiny_model, "smollm2": ensure_smollm2}.get(spec, lambda: spec)())
+    from asyncrl.bench.models import model_folder as folder
 
     report: dict = {"env": environment(args.device), "quick": args.quick, "sections": {}}
     if cuda and not report["env"]["cuda_available"]:

@@ -2,8 +2,8 @@
 """Where a run's memory goes over time: every process of one ``asyncrl train``, sampled side by side.
 
 Runs ``asyncrl train runs_dir=TMP run_name=timeline OVERRIDES...`` and samples the resident memory
-(RSS) of every process of its tree every ``--interval`` seconds (``benchlib.TreeMemory``). Processes
-are named by their command line (launcher, controller, learner, worker-N; anything else, such as the
+(RSS) of every process of its tree every ``--interval`` seconds (``asyncrl.bench.runs.TreeMemory``).
+Processes are named by their command line (launcher, controller, learner, worker-N; anything else, such as the
 short-lived preflight child, ``other``). Prints, per role, its peak and when it happened, and per ``--window`` seconds each
 role's lowest and highest RSS (a floor that rises is memory the process keeps; a peak that rises
 with it is a step that needs more each time); and the whole job's peak (the sum at one sample).
@@ -15,18 +15,16 @@ e.g. ``-- +experiment=smollm2_signed_sums quant.fmt=int8 learner.time_budget_s=6
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts import benchlib  # noqa: E402
+from asyncrl.bench.report import parser, print_table, write_json
+from asyncrl.bench.runs import run_measured, run_role, train_cmd, train_env
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("memory_timeline", __doc__.split("\n")[0])
+    p = parser("memory_timeline", __doc__)
     p.add_argument("--interval", type=float, default=0.2, help="seconds between samples (default %(default)s)")
     p.add_argument("--window", type=float, default=30.0, help="seconds per row of the timeline (default %(default)s)")
     p.add_argument("overrides", nargs="*", help="asyncrl train overrides (after --)")
@@ -35,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.json == p.get_default("json"):  # never over a full run's record
         args.json = args.json.replace(".json", ".quick.json")
     runs = Path(tempfile.mkdtemp(prefix="memory_timeline-"))
-    cmd = benchlib.train_cmd(overrides, runs_dir=runs, run_name="timeline")
-    mem = benchlib.run_measured(cmd, runs / "train.log", benchlib.run_role, "asyncrl train", benchlib.train_env(),
-                                interval_s=args.interval, timeline=True)
+    cmd = train_cmd(overrides, runs_dir=runs, run_name="timeline")
+    mem = run_measured(cmd, runs / "train.log", run_role, "asyncrl train", train_env(),
+                       interval_s=args.interval, timeline=True)
     samples = mem.timeline or []
     gb = 2**30
     roles = sorted({r for _, s in samples for r in s})
@@ -52,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"job peak {job / gb:.2f} GB at {t_job:.0f} s; per role: "
           + ", ".join(f"{r} {v / gb:.2f} GB at {t:.0f} s" for r, (t, v) in peaks.items()), flush=True)
     main_roles = [r for r in ("learner", "worker-0", "controller", "launcher") if r in roles]
-    benchlib.print_table(f"RSS GB per {args.window:.0f} s window (min / max)", rows,
-                         ["t_s", *[f"{r}_{m}_gb" for r in main_roles for m in ("min", "max")]])
-    benchlib.write_json(args.json, "memory_timeline", {"rows": rows}, args, overrides=overrides,
-                        job_peak_gb=job / gb, job_peak_t_s=t_job,
-                        role_peaks={r: {"gb": v / gb, "t_s": t} for r, (t, v) in peaks.items()})
+    print_table(f"RSS GB per {args.window:.0f} s window (min / max)", rows,
+                ["t_s", *[f"{r}_{m}_gb" for r in main_roles for m in ("min", "max")]])
+    write_json(args.json, "memory_timeline", {"rows": rows}, args, overrides=overrides,
+               job_peak_gb=job / gb, job_peak_t_s=t_job,
+               role_peaks={r: {"gb": v / gb, "t_s": t} for r, (t, v) in peaks.items()})
     return 0
 
 

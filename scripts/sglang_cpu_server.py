@@ -25,12 +25,9 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV, cpu_env, server_command
 
-from asyncrl.engine.sglang_server import SGLANG_PYTHON_ENV, cpu_env, server_command  # noqa: E402
-
-DEFAULT_PYTHON = REPO / ".cache" / "sglang-venv" / "bin" / "python"
+DEFAULT_PYTHON = REPO_ROOT / ".cache" / "sglang-venv" / "bin" / "python"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         max_total_tokens=args.max_total_tokens,
         extra_args=extra,
     )
-    env = cpu_env(shim_dir=REPO / ".cache" / "sglang-cpu-shim")
+    env = cpu_env(shim_dir=REPO_ROOT / ".cache" / "sglang-cpu-shim")
     if args.print_command:
         print("PYTHONPATH=" + env["PYTHONPATH"], "SGLANG_USE_CPU_ENGINE=1", " ".join(cmd))
         return

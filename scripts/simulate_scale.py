@@ -24,8 +24,7 @@ and write the tables. Three modes:
   trajectory-log bytes and fsyncs/s against an fsync measured on this disk now.
 
 Run: ``python scripts/simulate_scale.py [--quick] [--run DIR | --validate [--reuse DIR]] [--extrapolate]
-[--workers 1,2,4] [--etas 0,2,4] [--steps N] [--calibrate-cell 2,2] [--shrink N] [--json PATH]``
-(``benchlib`` is imported from this script's own folder, ``asyncrl`` from the installed checkout).
+[--workers 1,2,4] [--etas 0,2,4] [--steps N] [--calibrate-cell 2,2] [--shrink N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -39,14 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import benchlib
-
+from asyncrl.bench.report import ROOT, parser, print_table, write_json
+from asyncrl.bench.runs import exit_on_sigterm, run_train
 from asyncrl.rundir import RunDir
 from asyncrl.sim.cluster import controller_msg_s
 from asyncrl.sim.extrapolate import extrapolate
 from asyncrl.sim.predict import Cell, from_run, validate
 
-CONTROLLER_RESULTS = benchlib.ROOT / "benchmarks" / "results" / "bench_controller.json"
+CONTROLLER_RESULTS = ROOT / "benchmarks" / "results" / "bench_controller.json"
 
 
 def fsync_seconds(rounds: int = 20, record_bytes: int = 64 * 4096) -> float:
@@ -80,7 +79,7 @@ def run_grid(runs_dir: Path, workers: list[int], etas: list[int], steps: int, ex
                          "learner.eval_every=0", "learner.ckpt_every=0", *extra]
             t0 = time.time()
             print(f"  run {name}: asyncrl train {' '.join(overrides)}", flush=True)
-            out[(w, e)] = benchlib.run_train(overrides, runs_dir=runs_dir, run_name=name, log_path=runs_dir / f"{name}.log")
+            out[(w, e)] = run_train(overrides, runs_dir=runs_dir, run_name=name, log_path=runs_dir / f"{name}.log")
             print(f"    done in {time.time() - t0:.0f} s", flush=True)
     return out
 
@@ -100,8 +99,7 @@ def _cell(text: str) -> Cell:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = benchlib.parser("simulate_scale", __doc__.split("\n\n")[0])
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    p = parser("simulate_scale", __doc__)
     p.add_argument("--run", type=Path, help="calibrate from this finished run folder and predict the grid")
     p.add_argument("--validate", action="store_true", help="run the grid for real (or --reuse) and compare")
     p.add_argument("--reuse", type=Path, help="with --validate: read run folders DIR/w{W}-eta{E}, run the missing ones there")
@@ -115,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulate 1/N of each cluster (GPUs and prompts per step; the publisher link and controller "
                         "cost scaled to keep per-GPU loads; default 4, quick 8)")
     args = p.parse_args(argv)
-    benchlib.exit_on_sigterm()
+    exit_on_sigterm()
     try:
         workers, etas = _ints(args.workers, "--workers"), _ints(args.etas, "--etas")
         cal = _cell(args.calibrate_cell)
@@ -124,21 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (16 if args.quick else 30)
     tables: dict[str, Any] = {}
     if args.run:
-        tables["run"] = from_run(args.run, workers, etas, steps, benchlib.print_table)
+        tables["run"] = from_run(args.run, workers, etas, steps, print_table)
     if args.validate:
         if args.reuse:
             runs = run_grid(args.reuse, workers, etas, steps, args.set)
-            tables["validation"] = validate(runs, cal, steps, benchlib.print_table)
+            tables["validation"] = validate(runs, cal, steps, print_table)
         else:
             with tempfile.TemporaryDirectory(prefix="simulate_scale-") as tmp:
                 runs = run_grid(Path(tmp), workers, etas, steps, args.set)
-                tables["validation"] = validate(runs, cal, steps, benchlib.print_table)
+                tables["validation"] = validate(runs, cal, steps, print_table)
     if args.extrapolate or not (args.run or args.validate):
         tables["extrapolation"] = extrapolate(quick=args.quick, shrink=args.shrink or (8 if args.quick else 4),
                                               ctl_msg_s=controller_msg_s(CONTROLLER_RESULTS), fsync_s=fsync_seconds(),
-                                              show=benchlib.print_table)
-    benchlib.write_json(args.json, "simulate_scale", tables, args, steps=steps, workers=workers, etas=etas,
-                        cpus=os.cpu_count())
+                                              show=print_table)
+    write_json(args.json, "simulate_scale", tables, args, steps=steps, workers=workers, etas=etas,
+               cpus=os.cpu_count())
     return 0
 
 

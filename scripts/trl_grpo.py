@@ -25,8 +25,8 @@ first step end past ``time_budget_s`` (counted from the start of training, model
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -143,4 +143,7 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spec", help="the JSON spec bench_real.py writes")
+    raise SystemExit(main(ap.parse_args().spec))

@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["Params", "Result", "ShowTable", "fmt_hist", "warmup_steps", "window_rate", "window_staleness"]
 
 ShowTable = Callable[[str, list[dict[str, Any]], list[str]], None]
-"""``show(title, rows, columns)``: print (or otherwise present) one table; ``scripts/benchlib.print_table``."""
+"""``show(title, rows, columns)``: print (or otherwise present) one table; ``asyncrl.bench.report.print_table``."""
 
 
 def warmup_steps(n_versions: int) -> int:

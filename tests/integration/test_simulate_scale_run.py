@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from scripts import benchlib
+from asyncrl.bench.report import ROOT
+from asyncrl.bench.runs import train_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]  # above its two 600 s guards
 
@@ -32,15 +33,15 @@ def test_simulate_scale_quick_calibrates_from_a_real_run_predicts_validates_and_
     with open(log, "wb") as f:
         train = procs.spawn([sys.executable, "-m", "asyncrl", "train", f"runs_dir={runs}", "run_name=w2-eta2",
                              "learner.total_steps=8", "rollout.num_workers=2", "rollout.eta=2", "learner.eval_every=0",
-                             "learner.ckpt_every=0"], cwd=benchlib.ROOT, env=benchlib.train_env(), stdout=f,
+                             "learner.ckpt_every=0"], cwd=ROOT, env=train_env(), stdout=f,
                             stderr=subprocess.STDOUT)
         _wait(train, log, "asyncrl train", 600)
     out, slog = tmp_path / "simulate_scale.json", tmp_path / "simulate_scale.log"
     with open(slog, "wb") as f:
-        sim = procs.spawn([sys.executable, os.path.join(benchlib.ROOT, "scripts", "simulate_scale.py"), "--quick",
+        sim = procs.spawn([sys.executable, os.path.join(ROOT, "scripts", "simulate_scale.py"), "--quick",
                            "--run", str(runs / "w2-eta2"), "--validate", "--reuse", str(runs), "--workers", "2",
                            "--etas", "2", "--calibrate-cell", "2,2", "--extrapolate", "--shrink", "32",
-                           "--json", str(out)], cwd=benchlib.ROOT, env=benchlib.train_env(), stdout=f,
+                           "--json", str(out)], cwd=ROOT, env=train_env(), stdout=f,
                           stderr=subprocess.STDOUT)
         _wait(sim, slog, "simulate_scale.py", 600)
     data = json.loads(out.read_text())

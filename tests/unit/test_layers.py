@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("asyncrl.engine",),
     ("asyncrl.learner", "asyncrl.controller"),
     ("asyncrl.sim",),  # models the controller with its own code; nothing imports it
-    ("workers",),  # one file = one process, the CLI and the process parts
+    ("workers",),  # one package or file per process, the CLI and the process parts
+    ("asyncrl.bench",),  # what the benchmark scripts share: runs processes through workers' launcher
     ("scripts", "asyncrl.__main__"),  # entry points: benchmarks and tools; ``python -m asyncrl`` (workers/cli.py)
 ]
 LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}

@@ -41,7 +41,15 @@ def test_protocols_imports_only_msgspec_and_the_standard_library(path):
     assert not bad, f"{path.name} imports {bad}; protocols must stay msgspec + stdlib"
 
 
-@pytest.mark.parametrize("path", [p for p in python_files("asyncrl") if p.name != "__main__.py"],
+def in_bench(path: Path) -> bool:
+    """A module of asyncrl/bench: the benchmarks' shared code, at the top beside workers (not the library)."""
+    return path.relative_to(ROOT).parts[:2] == ("asyncrl", "bench")
+
+
+LIBRARY = [p for p in python_files("asyncrl") if not in_bench(p)]
+
+
+@pytest.mark.parametrize("path", [p for p in LIBRARY if p.name != "__main__.py"],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_library_never_imports_workers_or_scripts(path):
     # asyncrl/__main__.py is exempt: ``python -m asyncrl`` is an entry point, like the console script.
@@ -49,7 +57,20 @@ def test_library_never_imports_workers_or_scripts(path):
     assert not bad, f"{path} imports {bad}: dependency direction is scripts -> workers -> asyncrl -> protocols"
 
 
-LIBRARY = python_files("asyncrl")
+@pytest.mark.parametrize("path", [p for p in python_files("asyncrl", "workers", "protocols") if not in_bench(p)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_below_the_benchmarks_imports_their_package(path):
+    bad = {m for m in imported_modules(path) if m == "asyncrl.bench" or m.startswith("asyncrl.bench.")}
+    assert not bad, f"{path} imports {bad}: asyncrl/bench serves scripts/ and tests only"
+
+
+@pytest.mark.parametrize("path", python_files("scripts"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_scripts_are_scripts(path):
+    # What scripts share lives in asyncrl/bench; a script neither edits sys.path nor imports another script.
+    siblings = {p.stem for p in python_files("scripts")}
+    bad = {m for m in imported_modules(path) if _top(m) == "scripts" or m in siblings}
+    assert not bad, f"{path} imports {bad}: move what scripts share into asyncrl/bench"
+    assert "sys.path" not in path.read_text(), f"{path} edits sys.path; import the installed packages instead"
 ARGV_PARSERS = {"argparse", "optparse", "getopt", "click", "typer"}
 
 
@@ -61,7 +82,8 @@ def reads_sys_argv(path: Path) -> bool:
         for n in ast.walk(tree))
 
 
-@pytest.mark.parametrize("path", [p for p in LIBRARY if "transport" not in p.relative_to(ROOT / "asyncrl").parts],
+@pytest.mark.parametrize("path", [p for p in python_files("asyncrl")
+                                  if "transport" not in p.relative_to(ROOT / "asyncrl").parts],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_only_the_transport_package_imports_zmq(path):
     bad = {m for m in imported_modules(path) if _top(m) == "zmq"}
@@ -70,7 +92,8 @@ def test_only_the_transport_package_imports_zmq(path):
 
 @pytest.mark.parametrize("path", LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_argv_parsing_in_the_library(path):
-    # No exemption, not even asyncrl/__main__.py: it hands over to workers/cli.py, which reads argv.
+    # Not even asyncrl/__main__.py: it hands over to workers/cli.py, which reads argv. asyncrl/bench is not the
+    # library: it holds the benchmark scripts' shared options (asyncrl/bench/report.py).
     bad = {m for m in imported_modules(path) if _top(m) in ARGV_PARSERS}
     assert not bad and not reads_sys_argv(path), (
         f"{path} parses the command line ({bad or 'sys.argv'}); argv belongs in workers/ (e.g. workers/cli.py)")

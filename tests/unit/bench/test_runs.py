@@ -1,23 +1,31 @@
-"""The measuring parts of scripts/bench_real.py: the Wilson interval (scripts/benchlib.py) and the process-tree memory sampler."""
+"""asyncrl/bench/runs.py: a run's roles by command line, memory from /proc, and the process-tree memory
+sampler (scripts/bench_real.py, memory_timeline.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import pytest
-
-from scripts.benchlib import TreeMemory, wilson
+from asyncrl.bench.runs import TreeMemory, proc_status_bytes, run_role
 
 
-def test_wilson_interval_matches_the_closed_form_values():
-    lo, hi = wilson(5, 10)
-    assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
-    lo, hi = wilson(0, 10)  # never below 0, and not degenerate at p = 0 (the normal approximation is)
-    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
-    lo, hi = wilson(200, 200)
-    assert hi == pytest.approx(1.0) and lo == pytest.approx(0.9812, abs=1e-4)
-    assert all(x != x for x in wilson(0, 0))  # no data: NaN, not a made-up interval
+def test_run_role_names_each_process_of_a_run_from_its_command_line():
+    py = "/usr/bin/python3"
+    assert run_role(f"{py} -m workers.controller --run-dir /r --model-dir /m") == "controller"
+    assert run_role(f"{py} /repo/workers/learner.py --run-dir /r") == "learner"
+    assert run_role(f"{py} -m torch.distributed.run --standalone /repo/workers/learner.py") is None  # torchrun
+    assert run_role(f"{py} -m workers.generator controller=tcp://x:1 worker_id=w3") == "w3"
+    assert run_role(f"{py} -m workers.generator controller=tcp://x:1") == "worker"
+    assert run_role(f"{py} -m asyncrl train runs_dir=/t run_name=timeline") == "launcher"
+    assert run_role(f"{py} -c pass") is None
+
+
+def test_proc_status_bytes_reads_resident_memory_and_gives_0_for_a_process_that_is_gone():
+    rss, peak = proc_status_bytes("self", "VmRSS"), proc_status_bytes("self", "VmHWM")
+    assert 0 < rss <= peak
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)  # reaped: its /proc entry is gone
+    assert proc_status_bytes(child.pid, "VmRSS") == 0
 
 
 def test_tree_memory_sees_a_grandchild_and_its_peak(procs):
