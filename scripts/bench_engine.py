@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in (args.batch_sizes or ("1,16" if args.quick else "1,16,64")).split(",")]

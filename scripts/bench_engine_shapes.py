@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from asyncrl.engine.sglang_weights import FULL_PRECISION_PUBLICATIONS
+from asyncrl.engine.sglang.weights import FULL_PRECISION_PUBLICATIONS
 from scripts import benchlib
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -148,7 +148,7 @@ def hf_rate(model, prompts, new_tokens: int, device: str) -> float:
 def run_shapes(args) -> int:
     import torch
 
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
     from protocols.values import FORMATS
 
     torch.set_num_threads(args.threads)

@@ -4,10 +4,10 @@
 
 What it does (nothing else):
   * builds the ``launch_server`` command with ``--device cpu --attention-backend torch_native
-    --disable-overlap-schedule --dtype float32`` (asyncrl.engine.sglang_server.server_command);
+    --disable-overlap-schedule --dtype float32`` (asyncrl.engine.sglang.server.server_command);
   * sets ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's own switch for its CPU code path) and puts a package named
     ``sgl_kernel`` in front of site-packages via ``PYTHONPATH``. That package re-exports
-    ``asyncrl/engine/sglang_cpu_kernels.py``: pure-torch versions of the two kernels SGLang's CPU path
+    ``asyncrl/engine/sglang/cpu_kernels.py``: pure-torch versions of the two kernels SGLang's CPU path
     calls (``assign_req_to_token_pool_cpu``, ``copy_all_layer_kv_cache_cpu``) plus names that raise when
     called (speculative decoding, AMX). The PyPI ``sglang-kernel`` wheel is a CUDA build that cannot be
     imported without ``libcuda.so.1``. No installed file is changed;
@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from asyncrl.engine.sglang_server import SGLANG_PYTHON_ENV, cpu_env, server_command  # noqa: E402
+from asyncrl.engine.sglang.server import SGLANG_PYTHON_ENV, cpu_env, server_command  # noqa: E402
 
 DEFAULT_PYTHON = REPO / ".cache" / "sglang-venv" / "bin" / "python"
 

@@ -91,7 +91,7 @@ class Evaluator:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from asyncrl.controller.scoring import evaluate_greedy
-        from asyncrl.engine.native import NativeEngine
+        from asyncrl.engine.native.engine import NativeEngine
 
         config = AutoConfig.from_pretrained(self.model_dir)
         with torch.device("meta"):  # a skeleton: no memory, no initialisation

@@ -20,7 +20,7 @@ from asyncrl.config.health import HealthConfig, check_health
 from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.controller.prompts import PROMPT_FORMATS
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
-from asyncrl.engine.sglang_server import STARTUP_TIMEOUT_S
+from asyncrl.engine.sglang.server import STARTUP_TIMEOUT_S
 from asyncrl.learner.options import BASE_FORMATS, LR_SCHEDULES, StepConfig
 from asyncrl.log.trajectory import FSYNC_POLICIES
 from asyncrl.tasks.answers import ANSWER_FORMATS

@@ -9,7 +9,7 @@ Must never: import torch or any other engine module (``asyncrl.config.schema`` r
 from __future__ import annotations
 
 DECODE_STEPS = ("auto", "static", "eager")
-"""``static``: static shapes, no host sync (``asyncrl.engine.static_step``); ``eager``: the reference path
+"""``static``: static shapes, no host sync (``asyncrl.engine.native.static_step``); ``eager``: the reference path
 (``DecoderRunner.decode``); ``auto``: static for a natively supported model."""
 CUDA_GRAPHS = ("auto", "true", "false")
 """``auto``: CUDA graphs of the static step on CUDA devices; ``true``: CUDA only (refused on a CPU)."""

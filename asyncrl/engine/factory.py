@@ -11,7 +11,7 @@ Must never: import zmq/msgspec or know about controllers (the worker passes plai
 SGLang server for an ``url`` that is given (attach instead), or pick a device the caller did not allow.
 
 The native engine runs any causal LM ``AutoModelForCausalLM`` builds from the architecture: the native
-decoder where it is exact, else the model's own HF forward (``asyncrl.engine.hf_runner.make_runner``).
+decoder where it is exact, else the model's own HF forward (``asyncrl.engine.native.hf_runner.make_runner``).
 
 Invariants: the engine returned starts at version ``-1`` (it has no policy weights yet; the worker's first
 fetch installs version >= 0), so every token it ever produces carries a learner version.
@@ -29,7 +29,7 @@ from asyncrl.config.devices import parse_device
 from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig, sglang_wire_format
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
-from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV
+from asyncrl.engine.sglang.server import REPO_ROOT, SGLANG_PYTHON_ENV
 from protocols.values import require_choice
 
 __all__ = ["ENGINES", "SGLANG_SERVING", "EngineSpec", "build_engine", "resolve_device", "sglang_python"]
@@ -135,7 +135,7 @@ def _build_native(spec: EngineSpec) -> RolloutEngine:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
 
     if not spec.model_config_json:
         raise ValueError("a native engine needs the model architecture (model_config_json from the Welcome)")
@@ -161,7 +161,7 @@ class _SGLangEngineArgs(TypedDict):
 
 
 def _build_sglang(spec: EngineSpec) -> RolloutEngine:
-    from asyncrl.engine.sglang import SGLangEngine
+    from asyncrl.engine.sglang.engine import SGLangEngine
 
     common = _SGLangEngineArgs(quant_format=spec.quant_format, version=-1, max_batch_size=spec.slots,
                                eos_token_ids=spec.eos_token_ids or None)

@@ -377,7 +377,7 @@ def test_prompts_longer_than_the_model_takes_are_skipped_at_admission_and_counte
 
 def test_a_too_long_prompt_is_refused_up_front_or_reported_and_left_out_of_evaluation(tmp_path, model_dir):
     from asyncrl.controller.scoring import build_scorer, evaluate_greedy
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
     from asyncrl.models.prepare import check_prompt_lengths
 
     path = _long_prompt_dataset(tmp_path)

@@ -7,7 +7,7 @@ import torch
 
 from asyncrl.engine import GenRequest, SamplingParams
 from asyncrl.engine.factory import EngineSpec, build_engine, resolve_device, sglang_python
-from asyncrl.engine.sglang_server import SGLANG_PYTHON_ENV
+from asyncrl.engine.sglang.server import SGLANG_PYTHON_ENV
 
 
 def test_each_engine_fetches_the_format_it_can_load():

@@ -17,10 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.native import NativeEngine
-from asyncrl.engine.sampling import processed_logprobs, request_uniform, sample_static, sample_tokens
-from asyncrl.engine.static_step import row_truncates
-from asyncrl.engine.step_graphs import batch_bucket, batch_buckets, length_bucket, resolve_cuda_graphs
+from asyncrl.engine.native.engine import NativeEngine
+from asyncrl.engine.native.sampling import processed_logprobs, request_uniform, sample_static, sample_tokens
+from asyncrl.engine.native.static_step import row_truncates
+from asyncrl.engine.native.step_graphs import batch_bucket, batch_buckets, length_bucket, resolve_cuda_graphs
 
 
 def ids(text: str) -> list[int]:
@@ -278,7 +278,7 @@ def test_compiled_step_in_the_engine_gives_the_static_samples(tiny_hf):
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4"])
 def test_a_publication_load_keeps_every_parameter_and_buffer_where_it_was(tiny_hf, tiny_hf_v1, fmt):
     """Captured CUDA graphs read weights by address: a load must copy into the same storage."""
-    from asyncrl.engine.step_graphs import tensor_pointers
+    from asyncrl.engine.native.step_graphs import tensor_pointers
     from asyncrl.quant import publish
 
     engine = NativeEngine(copy.deepcopy(tiny_hf), quant_format=fmt, max_batch_size=2)

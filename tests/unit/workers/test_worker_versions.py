@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncrl.engine.base import GenRequest, SamplingParams
-from asyncrl.engine.native import NativeEngine
+from asyncrl.engine.native.engine import NativeEngine
 from asyncrl.models import ensure_tiny_model
 from asyncrl.quant import publish
 from asyncrl.transport.publication import to_wire

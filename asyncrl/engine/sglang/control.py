@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangRequestError
-from asyncrl.engine.sglang_requests import Pending
-from asyncrl.engine.sglang_weights import TensorUpdate, disk_body, tensor_bodies
+from asyncrl.engine.sglang.http import SGLangError, SGLangHTTP, SGLangRequestError
+from asyncrl.engine.sglang.requests import Pending
+from asyncrl.engine.sglang.weights import TensorUpdate, disk_body, tensor_bodies
 
 
 class Control(enum.Enum):

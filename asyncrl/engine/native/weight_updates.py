@@ -1,12 +1,12 @@
 """The native engine's weight updates: handed over and applied at a step boundary, or streamed in buckets.
 
-Owns: ``WeightUpdates``, the part of ``NativeEngine`` (asyncrl/engine/native.py, whose threading model
+Owns: ``WeightUpdates``, the part of ``NativeEngine`` (asyncrl/engine/native/engine.py, whose threading model
 applies) that takes new weights: ``update_weights`` (any thread: recorded, applied by the engine thread at its
 next step boundary, ``_apply_pending_weights``), ``load_stream`` (the calling thread loads a version as its
 buckets arrive, holding the step boundary) and ``take_delta_failure``.
 
 Must never: load weights while a forward runs (every load holds ``_step_lock``), or leave a version half
-loaded (the loaders are all or nothing: ``asyncrl.engine.weights``).
+loaded (the loaders are all or nothing: ``asyncrl.engine.native.weights``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from asyncrl.engine.base import EngineClosedError
-from asyncrl.engine.static_step import StaticStep
-from asyncrl.engine.swap_state import SwapState
-from asyncrl.engine.weights import apply_weights, check_weights, stream_weights
+from asyncrl.engine.native.static_step import StaticStep
+from asyncrl.engine.native.swap_state import SwapState
+from asyncrl.engine.native.weights import apply_weights, check_weights, stream_weights
 from asyncrl.quant import PublishedDelta, QuantError
 
-log = logging.getLogger("asyncrl.engine.native")
+log = logging.getLogger("asyncrl.engine.native.engine")
 
 
 class WeightUpdates:

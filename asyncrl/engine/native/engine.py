@@ -3,11 +3,11 @@
 Owns: the request life cycle (queued -> live row -> finished), the step loop, the thread-safe control
 surface (submit / update_weights / abort / pause / resume / close), the bookkeeping of every sampled
 token's behaviour log-prob and policy version, and the choice of decode path per step: the static step
-(``asyncrl.engine.static_step``, optionally as CUDA graphs) for a natively supported model, the eager
-reference path (``asyncrl.engine.forward.eager_forward``) with ``decode_step="eager"`` or forward AQN.
-Row state, the checks on submitted requests and batch admission are ``asyncrl.engine.rows``; taking new weights
-(``update_weights``, ``load_stream``) is ``asyncrl.engine.weight_updates``; what a weight load changes besides
-the weights (forward AQN, captured graphs' addresses) is ``asyncrl.engine.swap_state``.
+(``asyncrl.engine.native.static_step``, optionally as CUDA graphs) for a natively supported model, the eager
+reference path (``asyncrl.engine.native.forward.eager_forward``) with ``decode_step="eager"`` or forward AQN.
+Row state, the checks on submitted requests and batch admission are ``asyncrl.engine.native.rows``; taking new weights
+(``update_weights``, ``load_stream``) is ``asyncrl.engine.native.weight_updates``; what a weight load changes besides
+the weights (forward AQN, captured graphs' addresses) is ``asyncrl.engine.native.swap_state``.
 
 Must never: import zmq/msgspec or know about controllers and workers; call ``torch.manual_seed`` or use the
 global RNG (sampling randomness comes from ``sampling.request_uniform``); hold ``_lock`` while running the
@@ -44,15 +44,22 @@ import torch
 
 from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
 from asyncrl.engine.decode_options import DECODE_STEPS
-from asyncrl.engine.decoder import decoder_view
-from asyncrl.engine.forward import eager_forward, static_forward
-from asyncrl.engine.hf_runner import build_runner, fallback_reason
-from asyncrl.engine.rows import Seq, model_eos_ids, new_rows, own_memory, split_aborted, take_admissible
-from asyncrl.engine.static_step import StaticStep
-from asyncrl.engine.step_graphs import resolve_cuda_graphs
-from asyncrl.engine.swap_state import SwapState
-from asyncrl.engine.weight_updates import WeightUpdates
-from asyncrl.engine.weights import QUANT_FORMATS, quantize_actor
+from asyncrl.engine.native.decoder import decoder_view
+from asyncrl.engine.native.forward import eager_forward, static_forward
+from asyncrl.engine.native.hf_runner import build_runner, fallback_reason
+from asyncrl.engine.native.rows import (
+    Seq,
+    model_eos_ids,
+    new_rows,
+    own_memory,
+    split_aborted,
+    take_admissible,
+)
+from asyncrl.engine.native.static_step import StaticStep
+from asyncrl.engine.native.step_graphs import resolve_cuda_graphs
+from asyncrl.engine.native.swap_state import SwapState
+from asyncrl.engine.native.weight_updates import WeightUpdates
+from asyncrl.engine.native.weights import QUANT_FORMATS, quantize_actor
 from asyncrl.quant import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -85,7 +92,7 @@ class NativeEngine(WeightUpdates):
 
         ``num_threads``: torch intra-op threads for this process (None leaves torch's setting alone).
         ``eos_token_ids``: default stop tokens (requests with ``stop_token_ids=None``); default = model's EOS.
-        ``decode_step``: ``static`` (``asyncrl.engine.static_step``: static shapes, no host sync), ``eager``
+        ``decode_step``: ``static`` (``asyncrl.engine.native.static_step``: static shapes, no host sync), ``eager``
         (``DecoderRunner.decode``: the reference), ``auto`` = static for a natively supported model.
         ``cuda_graphs``: ``auto`` (on for CUDA), ``true`` (CUDA only, else ``ValueError``), ``false``: replay
         the static step per batch/length bucket as CUDA graphs. ``compile_step``: ``torch.compile`` the

@@ -2,9 +2,9 @@
 
 Owns: the request life cycle on the client side (queued here -> in flight as one ``/generate`` call ->
 finished), dispatch, and the any-thread control surface that records control operations. The mapping of
-requests and results onto SGLang's native API is ``asyncrl.engine.sglang_requests``; the ordered control
+requests and results onto SGLang's native API is ``asyncrl.engine.sglang.requests``; the ordered control
 channel that applies pause / resume / abort / weight updates / cache flush to the server is
-``asyncrl.engine.sglang_control``. docs/sglang.md is the long form.
+``asyncrl.engine.sglang.control``. docs/sglang.md is the long form.
 
 Must never: wait without a timeout, block a caller other than ``generate``/``close`` on the server, kill a
 process it did not start, or label a token with a version the server did not report for it.
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
-from asyncrl.engine.sglang_control import Control, ControlChannel, WeightUpdate
-from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangRequestError
-from asyncrl.engine.sglang_requests import (
+from asyncrl.engine.sglang.control import Control, ControlChannel, WeightUpdate
+from asyncrl.engine.sglang.http import SGLangError, SGLangHTTP, SGLangRequestError
+from asyncrl.engine.sglang.requests import (
     Pending,
     cut_at_stop,
     model_eos_ids,
@@ -42,8 +42,8 @@ from asyncrl.engine.sglang_requests import (
     request_rid,
     stop_set,
 )
-from asyncrl.engine.sglang_server import STARTUP_TIMEOUT_S, SGLangServerProcess, start_server
-from asyncrl.engine.sglang_weights import prepare_update
+from asyncrl.engine.sglang.server import STARTUP_TIMEOUT_S, SGLangServerProcess, start_server
+from asyncrl.engine.sglang.weights import prepare_update
 
 
 class SGLangEngine(ControlChannel):
