@@ -1,17 +1,16 @@
-"""The native engine's weight updates: handed over and applied at a step boundary, or streamed in buckets.
+"""The native engine's weight state: the version it serves, updates handed over and not applied yet, a failed delta.
 
-Owns: ``WeightUpdates``, the part of ``NativeEngine`` (asyncrl/engine/native/engine.py, whose threading model
-applies) that takes new weights: ``update_weights`` (any thread: recorded, applied by the engine thread at its
-next step boundary, ``_apply_pending_weights``), ``load_stream`` (the calling thread loads a version as its
-buckets arrive, holding the step boundary) and ``take_delta_failure``.
+Owns: ``WeightUpdates``, which a ``NativeEngine`` (engine.py, whose threading model applies) holds as ``weights``:
+``record`` (any thread, under the engine's ``_lock``: an update checked and queued), ``apply_pending`` (the engine
+thread loads it at its next step boundary), ``stream`` (a version loaded as its buckets arrive, the boundary held),
+``take_delta_failure``, and the loaded version's ``SwapState``.
 
-Must never: load weights while a forward runs (every load holds ``_step_lock``), or leave a version half
-loaded (the loaders are all or nothing: ``asyncrl.engine.native.weights``).
+Must never: load weights while a forward runs (the engine calls ``apply_pending`` and ``stream`` holding its
+``_step_lock``), or leave a version half loaded (the loaders are all or nothing: ``asyncrl.engine.native.weights``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections.abc import Iterable
@@ -19,117 +18,78 @@ from typing import Any
 
 import torch
 
-from asyncrl.engine.base import EngineClosedError
 from asyncrl.engine.native.static_step import StaticStep
 from asyncrl.engine.native.swap_state import SwapState
-from asyncrl.engine.native.weights import apply_weights, check_weights, stream_weights
+from asyncrl.engine.native.weights import apply_weights, stream_weights
 from asyncrl.quant import PublishedDelta, QuantError
 
-log = logging.getLogger("asyncrl.engine.native.engine")
+log = logging.getLogger(__name__)
 
 
 class WeightUpdates:
-    """Mixed into ``NativeEngine``, whose ``__init__`` sets these attributes."""
+    """The weights of one ``NativeEngine`` of ``quant_format``; ``lock`` is the engine's ``_lock``, which guards
+    ``pending`` and ``delta_failed`` (``version`` and ``swap`` change on the engine thread only)."""
 
-    quant_format: str
-    _model: torch.nn.Module | None
-    _lock: threading.Lock
-    _wake: threading.Condition
-    _step_lock: threading.Lock
-    _closed: bool
-    _version: int
-    _pending_weights: list[tuple[int, Any]]
-    _delta_failed: bool
-    _swap: SwapState
-    _static: StaticStep | None
+    def __init__(self, model: torch.nn.Module, quant_format: str, version: int, lock: threading.Lock) -> None:
+        self.quant_format = quant_format
+        self.version = int(version)  # of the weights the next forward uses (pending updates not counted)
+        # updates not yet applied, in order: a full version replaces them all, a delta (its base the one
+        # before it) is applied after them
+        self.pending: list[tuple[int, Any]] = []
+        self.delta_failed = False  # a delta did not apply: the holder must fetch a version whole
+        self.swap = SwapState(model)  # forward AQN and graph addresses, kept across weight loads
+        self._lock = lock
 
-    def update_weights(self, version: int, weights: Any) -> None:
-        """Record weights for ``version``; they are swapped in at the next step boundary.
-
-        ``weights``: a ``PublishedWeights`` from ``asyncrl.quant.publish`` in this engine's format, a
-        ``PublishedDelta`` from the version handed over before it (``asyncrl.quant.make_delta``), or a plain
-        state dict (fp32 engine: loaded as is; quantized engine: quantized here). If several full updates
-        arrive before a boundary only the newest is applied; deltas queued after it are applied in order.
-        ``version`` must exceed every earlier one.
-        """
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ValueError(f"version must be an int, got {version!r}")
-        with self._lock:
-            model = self._model
-        if model is None:
-            raise EngineClosedError("engine is closed; build a new one")
-        check_weights(weights, self.quant_format, model)
-        with self._lock:
-            if self._closed:
-                raise EngineClosedError("engine is closed; build a new one")
-            latest = self._pending_weights[-1][0] if self._pending_weights else self._version
-            if version <= latest:
-                raise ValueError(
-                    f"weight version {version} is not newer than {latest}; versions must increase"
-                )
-            if isinstance(weights, PublishedDelta):
-                if weights.base_version != latest:
-                    raise ValueError(f"a delta from version {weights.base_version} cannot follow version {latest}; "
-                                     "fetch the version whole")
-                self._pending_weights.append((version, weights))
-            else:
-                self._pending_weights = [(version, weights)]
-            self._wake.notify_all()
-
-    def load_stream(self, version: int, buckets: Iterable[Any]) -> Any:
-        """Load ``version`` as its buckets arrive (``buckets``: a ``WeightClient.stream``), on the calling thread,
-        at a step boundary: the first bucket is received while the engine decodes, then the load waits for the step
-        in progress and no forward runs until it ends (a token is never drawn from half a version), so the receive
-        buffers held are one bucket's instead of a model's. On any error (a check, a torn transfer) the weights are
-        the version before, bit for bit, and it propagates. Returns the ``asyncrl.quant.LoadedVersion``. Weights
-        handed to ``update_weights`` must be applied first."""
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ValueError(f"version must be an int, got {version!r}")
-        rest = iter(buckets)
-        first = next(rest, None)  # taken before the boundary: a version of one bucket stops decoding only to load
-        if first is not None:
-            rest = itertools.chain([first], rest)
-            del first
-        with self._step_lock:
-            with self._lock:
-                if self._closed or self._model is None:
-                    raise EngineClosedError("engine is closed; build a new one")
-                if self._pending_weights:
-                    raise ValueError("weights handed to update_weights are not applied yet; stream the next version "
-                                     "after the engine's next step")
-                if version <= self._version:
-                    raise ValueError(f"weight version {version} is not newer than {self._version}; versions must "
-                                     "increase")
-            loaded = stream_weights(self._model, rest, version)
-            self._version = version
-            self._swap.loaded(self._model, loaded, self._static)
-        return loaded
+    def record(self, version: int, weights: Any) -> None:
+        """Under the engine's lock: queue ``weights`` (checked against the model) for ``version``, which must be
+        newer than every version before it; a delta must follow the version it was made from."""
+        latest = self.pending[-1][0] if self.pending else self.version
+        if version <= latest:
+            raise ValueError(f"weight version {version} is not newer than {latest}; versions must increase")
+        if isinstance(weights, PublishedDelta):
+            if weights.base_version != latest:
+                raise ValueError(f"a delta from version {weights.base_version} cannot follow version {latest}; "
+                                 "fetch the version whole")
+            self.pending.append((version, weights))
+        else:
+            self.pending = [(version, weights)]
 
     def take_delta_failure(self) -> bool:
         """True once after a delta failed to apply (the engine kept its version; fetch the next one whole)."""
         with self._lock:
-            failed, self._delta_failed = self._delta_failed, False
+            failed, self.delta_failed = self.delta_failed, False
         return failed
 
-    def _apply_pending_weights(self) -> None:
-        """Engine thread, under ``_step_lock``, at a step boundary: load the updates handed over, in order (a
-        full one's error propagates; a delta that fails leaves the version before and is reported once by
-        ``take_delta_failure``)."""
+    def apply_pending(self, model: torch.nn.Module | None, static: StaticStep | None) -> None:
+        """Engine thread, at a step boundary: load the updates handed over, in order (a full one's error
+        propagates; a delta that fails leaves the version before and is reported once by ``take_delta_failure``)."""
         with self._lock:
-            updates, self._pending_weights = self._pending_weights, []
+            updates, self.pending = self.pending, []
         for version, weights in updates:
-            if self._model is None:
+            if model is None:
                 break
             if isinstance(weights, PublishedDelta):
                 try:
-                    apply_weights(self._model, weights, self.quant_format, version)
+                    apply_weights(model, weights, self.quant_format, version)
                 except QuantError as e:  # the model is unchanged: keep serving, and ask for the version whole
-                    log.error("could not apply the delta to weights v%d (keeping v%d): %s", version,
-                              self._version, e)
+                    log.error("could not apply the delta to weights v%d (keeping v%d): %s", version, self.version, e)
                     with self._lock:
-                        self._delta_failed = True
+                        self.delta_failed = True
                     break
             else:
-                apply_weights(self._model, weights, self.quant_format, version)
-            self._version = version
-            self._swap.loaded(self._model, weights, self._static)
+                apply_weights(model, weights, self.quant_format, version)
+            self.version = version
+            self.swap.loaded(model, weights, static)
+
+    def stream(self, model: torch.nn.Module, version: int, buckets: Iterable[Any], static: StaticStep | None) -> Any:
+        """Engine's step boundary held: load ``version`` from ``buckets`` as they arrive (all or nothing)."""
+        with self._lock:
+            if self.pending:
+                raise ValueError("weights handed to update_weights are not applied yet; stream the next version "
+                                 "after the engine's next step")
+            if version <= self.version:
+                raise ValueError(f"weight version {version} is not newer than {self.version}; versions must increase")
+        loaded = stream_weights(model, buckets, version)
+        self.version = version
+        self.swap.loaded(model, loaded, static)
+        return loaded

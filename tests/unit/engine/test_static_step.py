@@ -294,7 +294,7 @@ def test_a_publication_load_keeps_every_parameter_and_buffer_where_it_was(tiny_h
     after = {name: t.data_ptr() for name, t in [*engine._model.named_parameters(), *engine._model.named_buffers()]}
     assert after == before
     assert any(not torch.equal(t, values[name]) for name, t in named), "the load changed the weights"
-    assert tensor_pointers(engine._model) == engine._swap.pointers
+    assert tensor_pointers(engine._model) == engine.weights.swap.pointers
     engine.close()
 
 
@@ -309,7 +309,7 @@ def test_a_load_that_moves_a_parameter_drops_the_bucket_runners(tiny_hf, caplog)
         weight = engine._model.model.norm.weight
         weight.data = weight.data.clone()  # what a load that reallocates leaves behind
     with caplog.at_level("WARNING"):
-        engine._swap.check_pointers(engine._model, engine._static)
+        engine.weights.swap.check_pointers(engine._model, engine._static)
     assert not engine._static.graphs.runners and "rebuilt" in caplog.text
     (res,) = engine.generate()
     assert len(res.response_ids) == 8
