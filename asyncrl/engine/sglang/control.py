@@ -1,12 +1,13 @@
 """The SGLang engine's ordered control channel: typed operations and the thread that applies them.
 
-Owns: the control operations (``Control`` without arguments, ``WeightUpdate`` with a version and its
-payload), ``ControlChannel`` -- the part of ``SGLangEngine`` that applies them one by one, in the order
-they were recorded, on its *control* thread (so pause -> update -> resume reach SGLang in that order).
+Owns: the control operations (``Control`` without arguments, ``WeightUpdate`` with a version and its payload)
+and ``ControlChannel``, which an ``SGLangEngine`` holds as ``control``: the operations not yet applied, the
+caller's pause, the updates that hold dispatch, the versions, the aborts wanted, and the *control* thread that
+applies the operations in the order recorded (so pause -> update -> resume reach SGLang in that order).
 
-Must never: record an operation (``SGLangEngine``'s any-thread methods do that, under ``_lock``), send a
-``/generate`` call, hold ``_lock`` during an HTTP call, or end on an error of one operation (the error is
-queued for the engine thread, which raises it from ``generate``/``poll``; the channel carries on).
+Must never: be used without the engine's lock (its recording methods run under it; the thread takes it),
+send a ``/generate`` call, hold the lock during an HTTP call, or end on an error of one operation (the
+error is queued for the engine thread, which raises it from ``generate``/``poll``; the channel carries on).
 
 Mid-generation weight updates (SGLang 0.5.23): ``/pause_generation`` ``mode="in_place"`` (running
 requests keep their KV cache), ``/begin_weight_update``, ``/update_weights_from_tensor`` chunks (last one
@@ -21,14 +22,12 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from asyncrl.engine.sglang.http import SGLangError, SGLangHTTP, SGLangRequestError
-from asyncrl.engine.sglang.requests import Pending
 from asyncrl.engine.sglang.weights import TensorUpdate, disk_body, tensor_bodies
 
 
@@ -54,51 +53,74 @@ class WeightUpdate:
 ControlOp = Control | WeightUpdate
 
 
-class ControlChannel(ABC):
-    """Applies the operations in ``_controls`` to the server (see module docstring); ``SGLangEngine``
-    builds on it, sets the state declared below in its ``__init__`` and runs ``_control_loop`` on its
-    control thread. ``_pump`` (the engine's dispatch) runs after every operation, under ``_lock``."""
+class ControlChannel:
+    """The ordered control channel of one ``SGLangEngine`` (see module docstring). ``cond`` is the engine's
+    condition, whose lock guards every field here; ``errors`` is the engine's queue of errors for its thread;
+    ``dispatch`` (the engine's, under the lock) runs after every operation."""
 
-    http: SGLangHTTP
-    server_info: dict[str, Any]
-    max_chunk_bytes: int
-    abort_retry_s: float
-    _lock: threading.Lock
-    _cond: threading.Condition
-    _controls: deque[ControlOp]
-    _aborts: set[str]  # in flight, abort wanted, result not back yet
-    _inflight: dict[str, Pending]  # sample id -> sent request
-    _errors: deque[BaseException]
-    _closed: bool
-    _paused: bool  # what callers asked for
-    _updates: int  # weight updates queued or being applied: dispatch is held until they are done
-    _version: int
+    def __init__(self, http: SGLangHTTP, cond: threading.Condition, *, version: int, tp_size: int,
+                 max_chunk_bytes: int, abort_retry_s: float, errors: deque[BaseException],
+                 dispatch: Callable[[], None]) -> None:
+        self.http, self.tp_size = http, tp_size
+        self.max_chunk_bytes, self.abort_retry_s = max_chunk_bytes, abort_retry_s
+        self._cond, self._errors, self._dispatch = cond, errors, dispatch
+        self.ops: deque[ControlOp] = deque()
+        self.aborts: dict[str, str] = {}  # sample id -> rid: in flight, abort wanted, result not back yet
+        self.version = self.latest_version = version  # served by the server; newest recorded
+        self.paused = False  # what callers asked for
+        self.updates = 0  # weight updates queued or being applied: dispatch is held until they are done
+        self.thread = threading.Thread(target=self._loop, name="sglang-control", daemon=True)
+        self.thread.start()
 
-    @abstractmethod
-    def _pump(self) -> None:
-        """Under ``_lock``: send queued requests while there is room and nothing holds dispatch."""
+    # ------------------------------------------------------- recording (any thread, under the engine's lock)
 
-    def _control_loop(self) -> None:
+    def push(self, *ops: ControlOp) -> None:
+        self.ops.extend(ops)
+        self._cond.notify_all()
+
+    def update(self, version: int, payload: TensorUpdate | Path) -> None:
+        """Move to ``version`` after what was recorded before; an update still waiting is dropped for it."""
+        if version <= self.latest_version:
+            raise ValueError(f"weight version {version} is not newer than {self.latest_version}")
+        kept: deque[ControlOp] = deque(c for c in self.ops if not isinstance(c, WeightUpdate))
+        self.updates -= len(self.ops) - len(kept)
+        self.ops = kept
+        self.updates += 1
+        self.latest_version = version
+        self.push(WeightUpdate(version, payload))
+
+    def abort(self, rids: dict[str, str]) -> None:
+        """Abort these in-flight samples (sample id -> rid) at the server; re-sent until their results return."""
+        if rids.keys() - self.aborts.keys():
+            self.aborts |= rids
+            self.push(Control.ABORT)
+
+    def set_paused(self, paused: bool) -> None:
+        if paused != self.paused:
+            self.paused = paused
+            self.push(Control.PAUSE if paused else Control.RESUME)
+
+    # ------------------------------------------------------- the control thread
+
+    def _loop(self) -> None:
         while True:
-            with self._lock:
-                while not self._controls:
-                    if self._aborts and not self._closed:
-                        break  # re-send pending aborts (SGLang ignores one for a rid it has not seen yet)
-                    self._cond.wait(timeout=1.0)
-                op = self._controls.popleft() if self._controls else Control.ABORT
+            with self._cond:
+                while not self.ops and not self.aborts:  # re-send pending aborts (SGLang ignores one for a
+                    self._cond.wait(timeout=1.0)  # rid it has not seen yet)
+                op = self.ops.popleft() if self.ops else Control.ABORT
             try:
                 if op is Control.STOP:
                     return
                 self._apply(op)
             except (SGLangError, ValueError) as exc:
-                with self._lock:
+                with self._cond:
                     self._errors.append(exc)
                     self._cond.notify_all()
             finally:
-                with self._lock:
+                with self._cond:
                     if isinstance(op, WeightUpdate):
-                        self._updates -= 1
-                    self._pump()
+                        self.updates -= 1
+                    self._dispatch()
             if op is Control.ABORT:
                 time.sleep(self.abort_retry_s)
 
@@ -108,11 +130,11 @@ class ControlChannel(ABC):
         elif op is Control.PAUSE:
             self.http.post("/pause_generation", {"mode": "in_place"})
         elif op is Control.RESUME or op is Control.RESUME_FOR_CLOSE:
-            if op is Control.RESUME or self._paused:
+            if op is Control.RESUME or self.paused:
                 self.http.post("/continue_generation", {})
         elif op is Control.ABORT:
-            with self._lock:
-                rids = [self._inflight[s].rid for s in self._aborts if s in self._inflight]
+            with self._cond:
+                rids = list(self.aborts.values())
             for rid in rids:
                 self.http.post("/abort_request", {"rid": rid}, expect_json=False)
         elif op is Control.FLUSH:
@@ -123,21 +145,21 @@ class ControlChannel(ABC):
                     raise
 
     def _apply_update(self, version: int, payload: TensorUpdate | Path) -> None:
-        user_paused = self._paused
+        user_paused = self.paused
         if not user_paused:
             self.http.post("/pause_generation", {"mode": "in_place"})
         try:
             if isinstance(payload, Path):
                 self.http.post("/update_weights_from_disk", disk_body(payload, version))
             else:
-                tp_size = int(self.server_info.get("tp_size", 1) or 1)
                 self.http.post("/begin_weight_update", {})
                 try:
-                    for body in tensor_bodies(payload, version, tp_size=tp_size, max_chunk_bytes=self.max_chunk_bytes):
+                    for body in tensor_bodies(payload, version, tp_size=self.tp_size,
+                                              max_chunk_bytes=self.max_chunk_bytes):
                         self.http.post("/update_weights_from_tensor", body)
                 finally:
                     self.http.post("/end_weight_update", {})
-            self._version = version
+            self.version = version
         finally:
             if not user_paused:
                 self.http.post("/continue_generation", {})
