@@ -29,8 +29,8 @@ from asyncrl.config.roles import (
 )
 from asyncrl.config.schema import SGLangConfig
 from asyncrl.engine.factory import EngineSpec
+from workers.generator.args import engine_spec, parse_args
 from workers.launcher import Launcher
-from workers.worker_args import engine_spec, parse_args
 
 ROOT = Path(__file__).resolve().parents[3]
 SETUP = P.WorkerSetup(samples_address="tcp://h:1", weights_announce="tcp://h:2", weights_fetch="tcp://h:3",

@@ -13,8 +13,8 @@ from asyncrl.engine.native.engine import NativeEngine
 from asyncrl.models import ensure_tiny_model
 from asyncrl.quant import publish
 from asyncrl.transport.publication import to_wire
-from workers.generator import GeneratorWorker
-from workers.worker_args import parse_args
+from workers.generator.args import parse_args
+from workers.generator.process import GeneratorWorker
 
 
 @pytest.fixture(scope="module")

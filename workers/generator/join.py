@@ -6,8 +6,8 @@ controller answers (a controller still starting answers ``not_ready``; one that 
 first), the control socket and its context, the checks of the Welcome (a controller at protocol 1.4 or
 later, this worker's slots can hold a group), and the heartbeats a second thread sends while the engine
 is built and its first weights load.
-Never: builds the engine, fetches weights or speaks the work protocol (``workers/generator.py``); follows
-a controller or learner that restarted under a joined worker (``workers/worker_rejoin.py``).
+Never: builds the engine, fetches weights or speaks the work protocol (``workers/generator/process.py``); follows
+a controller or learner that restarted under a joined worker (``workers/generator/rejoin.py``).
 
 Invariant: the control socket has one user at a time: ``_join``, then the start-up heartbeat thread
 (``_heartbeats_while_starting``), then the comms thread.

@@ -14,9 +14,9 @@ Threads: the *main thread* drives the engine (``poll``); the *comms thread* owns
 (control DEALER, sample PUSH, weight SUB/DEALER) and talks to the engine only through its
 thread-safe surface (submit / update_weights / abort). Weight swaps land at a decode-step boundary.
 
-Parts in their own modules: joining (Hello until Welcome, start-up heartbeats: ``workers/worker_join.py``),
-the samples (assigned, streamed back, handed back: ``workers/worker_samples.py``), following a controller
-or learner that restarted (``workers/worker_rejoin.py``), the command line (``workers/worker_args.py``).
+Parts in their own modules: joining (Hello until Welcome, start-up heartbeats: ``workers/generator/join.py``),
+the samples (assigned, streamed back, handed back: ``workers/generator/samples.py``), following a controller
+or learner that restarted (``workers/generator/rejoin.py``), the command line (``workers/generator/args.py``).
 
 No thread dies while the process lives: an exception in any thread of the worker (an engine that fails,
 a request it refuses, a broken socket) is fatal. The worker then hands its unfinished samples back in a
@@ -65,10 +65,10 @@ from asyncrl.transport import (
     load_client_keys,
 )
 from protocols.values import QUARANTINED
-from workers.worker_args import built, engine_spec, parse_args
-from workers.worker_join import ERROR_BACKOFF_S, HELLO_TIMEOUT_S, JoinMixin
-from workers.worker_rejoin import RejoinMixin
-from workers.worker_samples import SampleStream
+from workers.generator.args import built, engine_spec, parse_args
+from workers.generator.join import ERROR_BACKOFF_S, HELLO_TIMEOUT_S, JoinMixin
+from workers.generator.rejoin import RejoinMixin
+from workers.generator.samples import SampleStream
 
 log = logging.getLogger("asyncrl.worker")
 
@@ -438,7 +438,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush()
         os._exit(rc)
     return rc
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""A generation worker's command line and what it derives from it (``workers/generator.py`` runs it).
+"""A generation worker's command line and what it derives from it (``workers/generator/process.py`` runs it).
 
 Owns: ``parse_args`` (``asyncrl worker key=value ...`` -> a checked ``WorkerRoleConfig``, parsed by
 ``asyncrl.config.roles.parse_role`` like ``asyncrl train``'s overrides; ``--help``: ``workers.role_cli.role_argv``), the ``EngineSpec`` a worker builds from the run's ``WorkerSetup`` and its own settings, and

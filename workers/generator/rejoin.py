@@ -6,7 +6,7 @@ its weights from a new server, and the controller tells every worker), the first
 weight server, and the worker's bounded wait for a controller without a learner. Where the worker
 cannot go on (the learner came back at a version older than the weights this worker's engine already
 holds, or no learner came back at all), it leaves with one line that says which role to start again.
-Never: runs the engine loop or speaks the work protocol (``workers/generator.py``).
+Never: runs the engine loop or speaks the work protocol (``workers/generator/process.py``).
 
 Invariant: the comms thread alone calls these methods (it owns every socket).
 """
