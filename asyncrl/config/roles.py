@@ -54,6 +54,20 @@ class RoleQuantConfig:
 
 
 @dataclass(kw_only=True)
+class RoleRolloutConfig:
+    """The run's ``rollout.*`` settings a worker sets for itself, under the run's names."""
+
+    worker_slots: int = 0
+    """``N``: concurrent samples (0: the run's rollout.worker_slots)."""
+    decode_step: str = "auto"
+    """``auto|static|eager``: native decode step."""
+    cuda_graphs: str = "auto"
+    """``auto|true|false``: native engine CUDA graphs of the static step."""
+    compile: bool = False
+    """``false|true``: native engine ``torch.compile`` of the static step."""
+
+
+@dataclass(kw_only=True)
 class RoleTransportConfig:
     keys_dir: str = ""
     """``DIR``: CurveZMQ client keys from ``asyncrl keys generate`` (docs/security.md)."""
@@ -73,8 +87,6 @@ class WorkerRoleConfig:
     """``native|sglang``: rollout engine (default native)."""
     device: str = "auto"
     """``auto|cpu|cuda[:N]``: native engine device (default auto: a GPU when one is visible)."""
-    slots: int = 0
-    """``N``: concurrent samples (0: the run's rollout.worker_slots)."""
     drain_s: float = 10.0
     """``S``: on SIGTERM or Shutdown, how long in-flight samples may finish before the rest is aborted and
     handed back."""
@@ -86,14 +98,9 @@ class WorkerRoleConfig:
     """``DEBUG|INFO|WARNING|ERROR``: logging level."""
     log_dir: str = ""
     """``DIR``: where a started SGLang server writes its log (default: the temp folder)."""
+    rollout: RoleRolloutConfig = field(default_factory=RoleRolloutConfig)
     quant: RoleQuantConfig = field(default_factory=RoleQuantConfig)
     transport: RoleTransportConfig = field(default_factory=RoleTransportConfig)
-    decode_step: str = "auto"
-    """``auto|static|eager``: native decode step (``rollout.decode_step``)."""
-    cuda_graphs: str = "auto"
-    """``auto|true|false``: native engine CUDA graphs of the static step (``rollout.cuda_graphs``)."""
-    compile: bool = False
-    """``false|true``: native engine ``torch.compile`` of the static step (``rollout.compile``)."""
     sglang: WorkerSGLangConfig = field(default_factory=WorkerSGLangConfig)
 
 
@@ -133,7 +140,7 @@ def _quoted(text: str) -> bool:
 
 def _yaml_value(kind: Any, text: str) -> str:
     """The YAML that OmegaConf reads back as ``text`` means: strings verbatim (``log_dir=`` is empty, not
-    null; ``cuda_graphs=false`` the word), lists ``[a,b]`` as YAML or ``a,b`` split at commas."""
+    null; ``rollout.cuda_graphs=false`` the word), lists ``[a,b]`` as YAML or ``a,b`` split at commas."""
     if kind is str and not _quoted(text):
         return "'" + text.replace("'", "''") + "'"
     if _is_list(kind) and not text.startswith("["):
@@ -187,9 +194,9 @@ def check_worker_role(cfg: WorkerRoleConfig) -> WorkerRoleConfig:
     require_choice("engine", cfg.engine, ENGINES)
     parse_device(cfg.device, key="device")
     parse_device(cfg.sglang.device, key="sglang.device", indexed=False)
-    require_choice("decode_step", cfg.decode_step, DECODE_STEPS)
-    cfg.cuda_graphs = cfg.cuda_graphs.lower()
-    require_choice("cuda_graphs", cfg.cuda_graphs, CUDA_GRAPHS)
+    require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
+    cfg.rollout.cuda_graphs = cfg.rollout.cuda_graphs.lower()
+    require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
     cfg.log_level = cfg.log_level.upper()
     require_choice("log_level", cfg.log_level, LOG_LEVELS)
     if cfg.quant.fmt:
@@ -216,7 +223,7 @@ def worker_role_for_run(cfg: TrainConfig, *, controller: str, worker_id: str, lo
         controller=controller, worker_id=worker_id, engine=r.engine, device=r.device, log_dir=log_dir,
         quant=RoleQuantConfig(fmt=cfg.quant.fmt if r.engine == "sglang" else ""),
         transport=RoleTransportConfig(keys_dir=cfg.transport.keys_dir),
-        decode_step=r.decode_step, cuda_graphs=r.cuda_graphs, compile=r.compile,
+        rollout=RoleRolloutConfig(decode_step=r.decode_step, cuda_graphs=r.cuda_graphs, compile=r.compile),
         sglang=WorkerSGLangConfig(**dataclasses.asdict(cfg.sglang)))
 
 

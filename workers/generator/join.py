@@ -154,8 +154,8 @@ class ControlLink:
             slots = self.slots or setup.worker_slots
             if slots < setup.group_size:
                 raise ValueError(f"{slots} slots cannot hold a group of {setup.group_size} samples, so this "
-                                 f"worker would never be given work; start it with slots={setup.group_size} or "
-                                 "more, or without slots= to take the run's rollout.worker_slots")
+                                 f"worker would never be given work; start it with rollout.worker_slots="
+                                 f"{setup.group_size} or more, or without it to take the run's")
         except ValueError as e:
             self.ctl.close()
             raise SystemExit(f"worker {self.worker_id}: {e}") from None

@@ -93,7 +93,7 @@ class GeneratorWorker:
         self.drain_s = role.drain_s
         self.stop = threading.Event()
         self.link = ControlLink(self.controller, self.worker_id, self.identity, curve, engine=role.engine,
-                                fmt=self._wire_format(role.quant.fmt), slots=role.slots,
+                                fmt=self._wire_format(role.quant.fmt), slots=role.rollout.worker_slots,
                                 hello_timeout_s=hello_timeout_s)
         self.samples = SampleStream(self.worker_id, role.engine)  # assigned, streamed back, handed back
         self.asked_version = -1  # the version the last WorkRequest named (the engine's applied one then)
