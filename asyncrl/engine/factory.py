@@ -3,7 +3,7 @@
 Owns: the choice between the two ``RolloutEngine`` implementations (a generation worker calls
 ``build_engine`` and from then on only the interface), device resolution (``auto`` / ``cpu`` / ``cuda`` /
 ``cuda:N`` against the GPUs torch sees; the grammar is ``asyncrl.config.devices``'), the default SGLang
-interpreter, and which published weight format each engine fetches. An ``EngineSpec`` carries the
+interpreter. An ``EngineSpec`` carries the
 SGLang settings as the run's own ``SGLangConfig`` (``asyncrl.config.schema``), so a key added there
 reaches ``_build_sglang`` with no other edit.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from asyncrl.config.devices import parse_device
-from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig, sglang_wire_format
+from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.decode_options import CUDA_GRAPHS, DECODE_STEPS
 from asyncrl.engine.sglang.server import REPO_ROOT, SGLANG_PYTHON_ENV
@@ -81,13 +81,6 @@ class EngineSpec:
                 f"{self.quant_format}; start it with quant.fmt=fp32 (the run must publish fp32: "
                 "quant.extra_formats=[fp32])"
             )
-
-    @property
-    def wire_format(self) -> str:
-        """The published format this engine fetches (SGLang takes full-precision updates only)."""
-        if self.kind == "native":
-            return self.quant_format
-        return sglang_wire_format(self.quant_format)
 
 
 def resolve_device(spec: str) -> str:

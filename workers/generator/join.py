@@ -1,8 +1,8 @@
 """A generation worker's control link to its controller: Hello until Welcome, the Welcome's setup checked,
 heartbeats while its engine starts, and every control message after.
 
-Owns: ``ControlLink``, the worker's control socket and its context, its ``Hello`` (engine, the format it
-asks for, slots, pid, host), saying it until the controller answers (a controller still starting answers
+Owns: ``ControlLink``, the worker's control socket and its context, its ``Hello`` (engine, its own quant.fmt,
+slots, pid, host), saying it until the controller answers (a controller still starting answers
 ``not_ready``; one that restarted never saw the first), the checks of the Welcome (a controller at protocol
 1.4 or later, this worker's slots can hold a group), its heartbeats (a second thread sends them while the
 engine is built and its first weights load), and sending a control message that may be dropped.
@@ -50,7 +50,8 @@ logged (a stalled controller)."""
 
 class ControlLink:
     """The control link of worker ``worker_id`` (socket identity ``identity``) to the controller at ``controller``;
-    its Hello asks for ``engine``, the actor format ``fmt`` ("" = the run's) and ``slots`` (0 = the run's)."""
+    its Hello names ``engine``, the worker's own ``quant.fmt`` (``fmt``, "" = none: the controller decides the formats
+    and states them in its Welcome) and ``slots`` (0 = the run's)."""
 
     ctx: zmq.Context
     ctl: ZmqChannel

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import protocols as P
 from asyncrl.config.roles import WorkerRoleConfig, check_worker_role
 from asyncrl.engine.base import RolloutEngine
-from asyncrl.engine.factory import EngineSpec, build_engine
+from asyncrl.engine.factory import build_engine
 from asyncrl.learner.memory import bound_kernel_caches
 from asyncrl.machine import describe
 from asyncrl.transport import WeightFetchCancelled, end_context, load_client_keys
@@ -93,7 +93,7 @@ class GeneratorWorker:
         self.drain_s = role.drain_s
         self.stop = threading.Event()
         self.link = ControlLink(self.controller, self.worker_id, self.identity, curve, engine=role.engine,
-                                fmt=self._wire_format(role.quant.fmt), slots=role.rollout.worker_slots,
+                                fmt=role.quant.fmt, slots=role.rollout.worker_slots,
                                 hello_timeout_s=hello_timeout_s)
         self.samples = SampleStream(self.worker_id, role.engine)  # assigned, streamed back, handed back
         self.asked_version = -1  # the version the last WorkRequest named (the engine's applied one then)
@@ -107,17 +107,10 @@ class GeneratorWorker:
     def _engine(self) -> RolloutEngine:
         return built(self.engine, "engine")
 
-    def _wire_format(self, fmt: str) -> str:
-        """The published format to fetch: a native actor fetches its own; SGLang fetches fp32/bf16."""
-        if self.engine_kind != "sglang":
-            return fmt
-        return EngineSpec(kind="sglang", quant_format=fmt or "fp32").wire_format
-
     # ------------------------------------------------------------------------------------ run
     def run(self) -> int:
         setup, self.slots = self.link.join(self.stop)
-        self.fmt = self.role.quant.fmt or (setup.quant_format if self.engine_kind == "native" else "fp32")
-        self.link.fmt = wire_fmt = self._wire_format(self.fmt)
+        self.fmt = setup.actor_format or setup.quant_format  # the controller decided both (worker_formats)
         self.min_credits = max(1, setup.group_size)  # free slots worth asking with: groups are assigned whole
         self.heartbeat_s = setup.heartbeat_s
         comms = None
@@ -126,7 +119,7 @@ class GeneratorWorker:
         try:
             with self.link.heartbeats_while_starting(self.heartbeat_s, self.stop):  # an SGLang server takes minutes
                 self.engine = build_engine(engine_spec(setup, self.role, fmt=self.fmt, slots=self.slots))
-                self.weights = WeightSync(self.engine, wire_fmt, worker_id=self.worker_id, controller=self.controller,
+                self.weights = WeightSync(self.engine, setup.quant_format, worker_id=self.worker_id, controller=self.controller,
                                           identity=self.identity, curve=self.curve, give_up=self._give_up)
                 self.peers = Peers(setup, self.weights, worker_id=self.worker_id, controller=self.controller,
                                    curve=self.curve, ctx=self.link.ctx, no_learner_s=self.role.no_learner_s)
