@@ -2,10 +2,9 @@
 heartbeats while its engine starts, and every control message after.
 
 Owns: ``ControlLink``, the worker's control socket and its context, its ``Hello`` (engine, its own quant.fmt,
-slots, pid, host), saying it until the controller answers (a controller still starting answers
-``not_ready``; one that restarted never saw the first), the checks of the Welcome (a controller at protocol
-1.4 or later, this worker's slots can hold a group), its heartbeats (a second thread sends them while the
-engine is built and its first weights load), and sending a control message that may be dropped.
+slots, pid, host), said until the controller answers (a controller still starting answers ``not_ready``; one
+that restarted never saw the first), the checks of the Welcome (protocol 1.4 or later, slots that hold a
+group), its heartbeats (from a second thread while the engine starts), and control messages that may drop.
 Never: builds the engine, fetches weights or speaks the work protocol (``workers/generator/process.py``); follows
 a controller or learner that restarted under a joined worker (``workers/generator/rejoin.py``).
 
@@ -76,9 +75,6 @@ class ControlLink:
             self.ctl.send(msg, timeout_s=CONTROL_SEND_TIMEOUT_S)
         except ChannelTimeout:
             log.warning("control channel stalled; dropped %s", type(msg).__name__)
-
-    def recv(self, timeout_s: float) -> Any:
-        return self.ctl.recv(timeout_s)
 
     def _handshake(self, stop: threading.Event) -> P.Welcome:
         hello = self.hello()

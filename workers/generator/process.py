@@ -81,19 +81,16 @@ as soon as they have; this bounds only a controller that is gone)."""
 class GeneratorWorker:
     def __init__(self, role: WorkerRoleConfig, *, hello_timeout_s: float = HELLO_TIMEOUT_S, curve=None) -> None:
         self.role = check_worker_role(role)  # its settings (asyncrl worker key=value ...), checked before any socket
-        self.curve = curve  # CurveConfig (client keys) when the job runs with transport.keys_dir
         self.engine_kind = role.engine
         self.fatal: BaseException | None = None  # the first error of any thread; the process exits with 1
         self.gave_up = ""  # why the worker left a run it cannot serve any more (exit 1, one line, no traceback)
         self.left = False
-        self.controller = role.controller
         self.worker_id = role.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        # this process's own socket identity: a second process under the same id is refused by name, not parked
-        self.identity = f"{self.worker_id}/{os.getpid()}-{secrets.token_hex(4)}"
         self.drain_s = role.drain_s
         self.stop = threading.Event()
-        self.link = ControlLink(self.controller, self.worker_id, self.identity, curve, engine=role.engine,
-                                fmt=role.quant.fmt, slots=role.rollout.worker_slots,
+        # the socket identity is this process's own: a second process under the same id is refused by name, not parked
+        self.link = ControlLink(role.controller, self.worker_id, f"{self.worker_id}/{os.getpid()}-{secrets.token_hex(4)}",
+                                curve, engine=role.engine, fmt=role.quant.fmt, slots=role.rollout.worker_slots,
                                 hello_timeout_s=hello_timeout_s)
         self.samples = SampleStream(self.worker_id, role.engine)  # assigned, streamed back, handed back
         self.asked_version = -1  # the version the last WorkRequest named (the engine's applied one then)
@@ -119,10 +116,8 @@ class GeneratorWorker:
         try:
             with self.link.heartbeats_while_starting(self.heartbeat_s, self.stop):  # an SGLang server takes minutes
                 self.engine = build_engine(engine_spec(setup, self.role, fmt=self.fmt, slots=self.slots))
-                self.weights = WeightSync(self.engine, setup.quant_format, worker_id=self.worker_id, controller=self.controller,
-                                          identity=self.identity, curve=self.curve, give_up=self._give_up)
-                self.peers = Peers(setup, self.weights, worker_id=self.worker_id, controller=self.controller,
-                                   curve=self.curve, ctx=self.link.ctx, no_learner_s=self.role.no_learner_s)
+                self.weights = WeightSync(self.engine, setup.quant_format, self.link, self._give_up)
+                self.peers = Peers(setup, self.weights, self.link, self.role.no_learner_s)
                 try:
                     self.weights.load(-1, cancel=self.stop)  # the newest the learner serves (the controller's view can lag)
                 except WeightFetchCancelled:
@@ -158,8 +153,8 @@ class GeneratorWorker:
                 self._leave(reason=f"fatal: {self.fatal!r}"[:200])  # no-op when the comms thread already left
             if self.engine is not None:
                 self.engine.close()
-            if self.weights is not None:
-                self.weights.close()
+            if self.weights is not None and self.weights.client is not None:
+                self.weights.client.close()
             for ch in (self.link.ctl, self.peers.push if self.peers else None):
                 if ch is not None:
                     ch.close(linger_s=FLUSH_S)  # what was sent (samples, the Goodbye) may still leave
@@ -228,7 +223,7 @@ class GeneratorWorker:
                     request = self._work_request(free)
                     self.link.send(request)
                     self.asked_version, request_in_flight = request.version, True
-            env = self.link.recv(COMMS_RECV_S)
+            env = self.link.ctl.recv(COMMS_RECV_S)
             if env is None:
                 continue
             msg = env.msg

@@ -1,10 +1,9 @@
 """A generation worker's side of a controller or learner that restarted under it.
 
-Owns: ``Peers``, where the worker's sample and weight sockets point (the setup of the last ``Welcome``), and
-following them when a ``Welcome`` names new ones (a controller that restarted binds a new sample port; a
-learner that restarted serves its weights from a new server, and the controller tells every worker: its
-``WeightSync`` fetches from there, the newest version first), and the worker's bounded wait for a controller
-without a learner: when no learner came back at all, the reason to leave, saying which role to start again.
+Owns: ``Peers``, where the worker's sample and weight sockets point (the last ``Welcome``'s setup), followed when
+a ``Welcome`` names new ones (a restarted controller's sample port; a restarted learner's weight server, which
+its ``WeightSync`` fetches from, the newest version first), and the bounded wait for a controller without a
+learner: when none came back, the reason to leave, saying which role to start again.
 Never: runs the engine loop or speaks the work protocol (``workers/generator/process.py``).
 
 Invariant: after start-up, the comms thread alone calls these methods (it owns every socket).
@@ -13,36 +12,31 @@ Invariant: after start-up, the comms thread alone calls these methods (it owns e
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import zmq
 
 import protocols as P
 from asyncrl.transport import ZmqChannel
+from workers.generator.join import ControlLink
 from workers.generator.weights import WeightSync
-
-if TYPE_CHECKING:
-    from asyncrl.transport import CurveConfig
 
 log = logging.getLogger("asyncrl.worker")
 
 
 class Peers:
-    """The sample socket of worker ``worker_id`` (in context ``ctx``) and the weight server ``weights`` fetches
-    from, as ``setup`` names them; ``no_learner_s``: how long to wait for a learner a restarted controller lacks."""
+    """The sample socket of the worker of ``link`` and the weight server ``weights`` fetches from, as ``setup``
+    names them; ``no_learner_s``: how long to wait for a learner a restarted controller lacks."""
 
-    def __init__(self, setup: P.WorkerSetup, weights: WeightSync, *, worker_id: str, controller: str,
-                 curve: CurveConfig | None, ctx: zmq.Context, no_learner_s: float) -> None:
-        self.worker_id, self.controller, self.curve, self.ctx = worker_id, controller, curve, ctx
-        self.no_learner_s = no_learner_s
+    def __init__(self, setup: P.WorkerSetup, weights: WeightSync, link: ControlLink, no_learner_s: float) -> None:
+        self.setup, self.weights, self.link, self.no_learner_s = setup, weights, link, no_learner_s
+        self.worker_id, self.controller = link.worker_id, link.controller
         self.not_ready_since: float | None = None
-        self.setup, self.weights = setup, weights
         self.push = self._connect(setup)
         weights.connect(setup)
 
     def _connect(self, setup: P.WorkerSetup) -> ZmqChannel:
-        return ZmqChannel.connect(zmq.PUSH, setup.samples_address, name="worker-samples", curve=self.curve,
-                                  context=self.ctx)
+        return ZmqChannel.connect(zmq.PUSH, setup.samples_address, name="worker-samples", curve=self.link.curve,
+                                  context=self.link.ctx)
 
     def rejoined(self, welcome: P.Welcome) -> None:
         """A Welcome after the worker joined: the controller took it back after it restarted, or tells it

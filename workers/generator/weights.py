@@ -1,11 +1,9 @@
-"""A generation worker's weights: the newest version fetched from the learner's weight server and handed to the
-engine (whole, as a delta from the version it holds, or bucket by bucket as it arrives), and following a weight
-server that moved (a learner that restarted).
+"""A generation worker's weights: the newest version fetched and handed to the engine (whole, as a delta from
+the version it holds, or bucket by bucket as it arrives), also from the new server of a learner that restarted.
 
-Owns: ``WeightSync``, the worker's weight client, the format it fetches, the version (and checksum) handed to
-the engine, whether the next fetch goes to a new server first, and the weight counters of the worker's
-heartbeats and Goodbye. Where the worker cannot go on (the learner came back at a version older than the
-weights its engine already holds), it gives up with one line that says which role to start again.
+Owns: ``WeightSync``, the weight client, the format fetched, the version (and checksum) handed to the engine,
+whether the next fetch goes to a new server first, and the weight counters of the heartbeats and Goodbye. A
+learner that came back older than the weights the engine holds cannot be followed: the worker gives up, saying so.
 Never: opens the control socket or speaks the work protocol (``workers/generator/process.py``).
 
 Invariant: after start-up, the comms thread alone calls these methods (it owns every socket).
@@ -17,16 +15,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import protocols as P
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.learner.memory import malloc_trim
 from asyncrl.transport import WeightClient, WeightFetchCancelled, WeightFetchError
 from workers.generator.args import built
-
-if TYPE_CHECKING:
-    from asyncrl.transport import CurveConfig
+from workers.generator.join import ControlLink
 
 log = logging.getLogger("asyncrl.worker")
 
@@ -39,15 +35,13 @@ REFETCH_TIMEOUT_S = 60.0
 
 
 class WeightSync:
-    """The weights worker ``worker_id`` hands to ``engine``, fetched in format ``fmt`` (see module docstring);
+    """The weights the worker of ``link`` hands to ``engine``, fetched in format ``fmt`` (see module docstring);
     ``give_up(reason)`` makes the worker leave (a learner it cannot follow)."""
 
     client: WeightClient | None = None
 
-    def __init__(self, engine: RolloutEngine, fmt: str, *, worker_id: str, controller: str, identity: str,
-                 curve: CurveConfig | None, give_up: Callable[[str], None]) -> None:
-        self.engine, self.fmt, self.worker_id, self.controller = engine, fmt, worker_id, controller
-        self.identity, self.curve, self.give_up = identity, curve, give_up
+    def __init__(self, engine: RolloutEngine, fmt: str, link: ControlLink, give_up: Callable[[str], None]) -> None:
+        self.engine, self.fmt, self.link, self.give_up = engine, fmt, link, give_up
         self.version = -1  # newest version handed to the engine (applied at its next step)
         self.checksum = ""  # of that version (WeightAnnounce.checksum)
         self.refetch = False  # a new weight server: fetch its newest version before polling its announcements
@@ -66,12 +60,8 @@ class WeightSync:
         if self.client is not None:
             self.client.close()
             self.refetch = True
-        self.client = WeightClient(setup.weights_announce, setup.weights_fetch, identity=f"{self.identity}-w".encode(),
-                                   curve=self.curve)
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        self.client = WeightClient(setup.weights_announce, setup.weights_fetch,
+                                   identity=f"{self.link.identity}-w".encode(), curve=self.link.curve)
 
     @property
     def _client(self) -> WeightClient:
@@ -146,7 +136,7 @@ class WeightSync:
             return self._from_new_server(stop)
         if getattr(self.engine, "take_delta_failure", lambda: False)():
             # the engine kept the version before the delta: fetch the newest whole, from what it holds
-            log.error("worker %s: a weight delta did not apply; fetching the newest version whole", self.worker_id)
+            log.error("worker %s: a weight delta did not apply; fetching the newest version whole", self.link.worker_id)
             self.version, self.checksum = self.engine.version, ""
             try:
                 self.load(-1, timeout_s=WEIGHTS_TIMEOUT_S)
@@ -173,7 +163,7 @@ class WeightSync:
         except WeightFetchCancelled:
             return False
         except (WeightFetchError, ValueError) as e:  # tried again next turn
-            log.error("worker %s: no weights from the learner's new server yet: %s", self.worker_id, e)
+            log.error("worker %s: no weights from the learner's new server yet: %s", self.link.worker_id, e)
             return False
         self.refetch = False
         same = ann.version == self.version and ann.checksum == self.checksum
@@ -182,7 +172,7 @@ class WeightSync:
             # by a version that is not newer
             self.give_up(f"the learner came back at version {ann.version}, and this worker holds other weights of "
                          f"version {self.version} (it resumed from an older checkpoint); its engine cannot go "
-                         f"back: start this worker again (`asyncrl worker controller={self.controller}` with its settings)")
+                         f"back: start this worker again (`asyncrl worker controller={self.link.controller}` with its settings)")
             return False
         if same:  # the learner stopped with a checkpoint of the version this worker holds, and came back there
             return False

@@ -28,7 +28,7 @@ def test_a_work_request_names_the_applied_version_not_one_still_pending_in_the_e
 
     worker = GeneratorWorker(parse_args(["controller=tcp://127.0.0.1:1", "worker_id=w"]))
     worker.engine = engine = NativeEngine.from_pretrained(model_dir, quant_format="fp32", version=0, max_batch_size=4)
-    weights = WeightSync(engine, "fp32", worker_id="w", controller="", identity="w", curve=None, give_up=print)
+    weights = WeightSync(engine, "fp32", worker.link, give_up=print)
     weights.version = 0
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
