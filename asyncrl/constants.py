@@ -18,14 +18,14 @@ TASK_NAMES = ("addition", "addition2", "jsonl_math", "reasoning_gym")
 
 DECODE_STEPS = ("auto", "static", "eager")
 """``rollout.decode_step`` / ``NativeEngine(decode_step=...)``. ``static``: static shapes, no host sync
-(``asyncrl.engine.static_step``); ``eager``: the reference path (``DecoderRunner.decode``); ``auto``: static for a
+(``asyncrl.engine.native.static_step``); ``eager``: the reference path (``DecoderRunner.decode``); ``auto``: static for a
 natively supported model."""
 CUDA_GRAPHS = ("auto", "true", "false")
 """``rollout.cuda_graphs`` / ``NativeEngine(cuda_graphs=...)``. ``auto``: CUDA graphs of the static step on CUDA
 devices; ``true``: CUDA only (refused on a CPU)."""
 STARTUP_TIMEOUT_S = 600.0
 """How long a started SGLang server may take to generate its first token: the default of
-``sglang.startup_timeout_s`` (``asyncrl.engine.sglang_server``, which ``scripts/sglang_cpu_server.py`` imports
+``sglang.startup_timeout_s`` (``asyncrl.engine.sglang.server``, which ``scripts/sglang_cpu_server.py`` imports
 under SGLang's own interpreter)."""
 
 LR_SCHEDULES = ("constant", "linear", "cosine")

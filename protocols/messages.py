@@ -49,8 +49,9 @@ PROTOCOL_MAJOR = 1
 # 1.4: WorkerSetup.group_size; 1.5: WeightFetch.base_version/base_checksum, WeightDelta (a worker of 1.4 never
 # asks for a delta, and a server of 1.4 ignores the base and sends the full version); 1.6: WeightFetch.bucket_bytes/
 # bucket, WeightChunk.offset, WeightBucket (a worker of 1.5 never asks for buckets, and a server of 1.5 ignores
-# bucket_bytes and answers in one piece, which a worker of 1.6 takes as before)
-PROTOCOL_MINOR = 6
+# bucket_bytes and answers in one piece, which a worker of 1.6 takes as before); 1.7: WorkerSetup.actor_format, and a
+# worker's Hello names its own quant.fmt, not the fetched one (the controller decides both; 1.6 named one it serves)
+PROTOCOL_MINOR = 7
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 PROTOCOL_FLOOR_MINOR = 4
 """The oldest minor a peer may speak (evolution rule 5); older peers are refused at ``Hello``."""

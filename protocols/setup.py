@@ -31,8 +31,8 @@ class WorkerSetup(_Struct, tag="worker_setup"):
     """Everything a generation worker learns from the controller when it joins.
 
     ``model_config`` is the model's Hugging Face ``config.json`` text (the architecture a native engine
-    builds); ``quant_format`` is the published format this worker fetches; ``max_seq_len`` 0 means the
-    model's own limit; ``model_dir`` is the controller's model folder (an SGLang server started by the
+    builds); ``quant_format`` is the published format this worker fetches (``actor_format``: the one it
+    runs); ``max_seq_len`` 0 means the model's own limit; ``model_dir`` is the controller's model folder (an SGLang server started by the
     worker loads it when the folder is shared)."""
 
     samples_address: str
@@ -53,6 +53,9 @@ class WorkerSetup(_Struct, tag="worker_setup"):
     """Samples per group (``algo.group_size``, since 1.4). Groups are assigned whole, so a worker asks for
     work only with at least this many free slots, and one with fewer slots in all can never be given
     any. 0: no such bound."""
+    actor_format: str = ""
+    """The format the worker's actor runs (since 1.7; empty: ``quant_format``), decided with it by the controller
+    (``asyncrl.config.roles.worker_formats``: the worker's engine, its ``quant.fmt`` and the run's)."""
 
     def __post_init__(self) -> None:
         _nonempty("WorkerSetup", samples_address=self.samples_address, weights_announce=self.weights_announce,

@@ -38,7 +38,7 @@ def sample(model, fmt: str, prompts: list[list[int]], stops: tuple[int, ...], *,
     import numpy as np
 
     from asyncrl.engine import GenRequest, SamplingParams
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
     from asyncrl.learner import LearnerBatch
 
     engine = NativeEngine(copy.deepcopy(model), quant_format=fmt, max_batch_size=len(prompts), num_threads=None,

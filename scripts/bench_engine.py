@@ -54,7 +54,7 @@ from typing import Any
 from asyncrl.bench.measure import device_sync, interleaved, load_average_stats, print_ratio, ratio_stats
 from asyncrl.bench.models import SHAPES, RolloutPrompts, build_shape, kernel_counts, load_model
 from asyncrl.bench.report import comma_list, parser, print_table, write_json
-from asyncrl.engine.sglang_weights import FULL_PRECISION_PUBLICATIONS
+from asyncrl.engine.sglang.weights import FULL_PRECISION_PUBLICATIONS
 from protocols.values import FORMATS
 
 HF_FORMATS = ("fp32", "int8")
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in (args.batch_sizes or ("1,16" if args.quick else "1,16,64")).split(",")]
@@ -391,7 +391,7 @@ def hf_rate(model, prompts, new_tokens: int, device: str) -> float:
 def run_shapes(args) -> int:
     import torch
 
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
     from protocols.values import FORMATS
 
     torch.set_num_threads(args.threads)

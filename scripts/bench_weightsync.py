@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Whole weight-sync cost per policy version, stage by stage, next to a plain memory copy of the same bytes.
 
-One version travels the path a training run uses (workers/learner.py -> workers/generator.py):
+One version travels the path a training run uses (workers/learner/process.py -> workers/generator/process.py):
 
 1. gather   -- ``asyncrl.learner.full_state_dict`` of an FSDP2-sharded fp32 model (world size 1,
                one-rank gloo group in this process: the learner's own code path, DTensor parameters
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.quant import FORMATS as ALL
 
     torch.set_num_threads(1)
-    bound_malloc_retention()  # the learner process's allocator settings (workers/learner.py), where publish runs
+    bound_malloc_retention()  # the learner process's allocator settings (workers/learner/process.py), where publish runs
     formats = comma_list(args.formats, "--formats", ALL)
     if "fp32" not in formats:
         formats.insert(0, "fp32")  # the bytes_vs_fp32 baseline

@@ -39,7 +39,7 @@ def evaluate(model_dir: str | Path, overrides: list[str], *, threads: int = 1, m
 
     from asyncrl.config.loader import load_train_config
     from asyncrl.engine import GenRequest, SamplingParams
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
     from asyncrl.models.prepare import prepare_model
     from asyncrl.tasks.scoring import build_scorer
 

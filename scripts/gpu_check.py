@@ -93,7 +93,7 @@ def check_native(model_dir: Path, device: str, batch: int, new_tokens: int) -> d
 
     from asyncrl.bench.models import kernel_counts
     from asyncrl.engine import GenRequest, SamplingParams
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
     from protocols.values import FORMATS
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -249,7 +249,7 @@ def check_sglang(model_dir: Path, serving: str, tmp: Path) -> dict:
 
     from asyncrl.engine import GenRequest, SamplingParams
     from asyncrl.engine.factory import sglang_python
-    from asyncrl.engine.sglang import SGLangEngine
+    from asyncrl.engine.sglang.engine import SGLangEngine
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = tok(PROMPT).input_ids

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from asyncrl.engine import GenRequest, SamplingParams
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
     from asyncrl.models import ensure_smollm2
     from asyncrl.tasks import make_task
     from asyncrl.tasks.prompts import PromptEncoder, stop_token_ids

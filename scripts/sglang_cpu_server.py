@@ -4,10 +4,10 @@
 
 What it does (nothing else):
   * builds the ``launch_server`` command with ``--device cpu --attention-backend torch_native
-    --disable-overlap-schedule --dtype float32`` (asyncrl.engine.sglang_server.server_command);
+    --disable-overlap-schedule --dtype float32`` (asyncrl.engine.sglang.server.server_command);
   * sets ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's own switch for its CPU code path) and puts a package named
     ``sgl_kernel`` in front of site-packages via ``PYTHONPATH``. That package re-exports
-    ``asyncrl/engine/sglang_cpu_kernels.py``: pure-torch versions of the two kernels SGLang's CPU path
+    ``asyncrl/engine/sglang/cpu_kernels.py``: pure-torch versions of the two kernels SGLang's CPU path
     calls (``assign_req_to_token_pool_cpu``, ``copy_all_layer_kv_cache_cpu``) plus names that raise when
     called (speculative decoding, AMX). The PyPI ``sglang-kernel`` wheel is a CUDA build that cannot be
     imported without ``libcuda.so.1``. No installed file is changed;
@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV, cpu_env, server_command
+from asyncrl.engine.sglang.server import REPO_ROOT, SGLANG_PYTHON_ENV, cpu_env, server_command
 
 DEFAULT_PYTHON = REPO_ROOT / ".cache" / "sglang-venv" / "bin" / "python"
 

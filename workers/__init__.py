@@ -1,4 +1,4 @@
-"""Processes: one file = one process (controller, generator, learner entry, launcher).
+"""Processes: one file or package = one process (controller, generator/, learner/ (the torchrun entry), launcher).
 
 Only here: argv/env parsing, sockets from config, process spawning, signal handling.
 Library code in ``asyncrl`` never imports this package.

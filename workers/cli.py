@@ -73,7 +73,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from workers.generator import main as worker_main
+    from workers.generator.process import main as worker_main
 
     return worker_main(args.overrides)
 

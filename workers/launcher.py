@@ -59,10 +59,10 @@ def learner_command(world_size: int, args: list[str]) -> list[str]:
     SIGTERM is a stop, not a crash), or at world size 1 the one rank itself (a one-rank group on an
     in-process store, ``init_distributed``), which saves the agent's process and its copy of torch beside a
     small run (docs/benchmarks.md §8)."""
-    script = [str(ROOT / "workers" / "learner.py"), *args]
+    module = ["-m", "workers.learner", *args]
     if world_size == 1:
-        return [sys.executable, "-u", *script]
-    return [sys.executable, "-m", "workers.torchrun", "--standalone", f"--nproc_per_node={world_size}", *script]
+        return [sys.executable, "-u", *module]
+    return [sys.executable, "-m", "workers.torchrun", "--standalone", f"--nproc_per_node={world_size}", *module]
 
 
 class ChildStartError(RuntimeError):

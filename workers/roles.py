@@ -3,7 +3,7 @@
   asyncrl controller [key=value ...]        prepare the run folder and model, bind, print the addresses,
                                              serve until the learner finishes (foreground)
   asyncrl learner controller=ADDR [...]     one learner rank; run it under torchrun, any number of nodes
-  asyncrl worker controller=ADDR [...]      a generation worker (workers/generator.py)
+  asyncrl worker controller=ADDR [...]      a generation worker (workers/generator/process.py)
 
 ``asyncrl train`` (workers/launcher.py) is the one-machine launcher built from the same pieces:
 ``prepare_run`` (workers/prepare.py), then the controller, learner and worker entry points as child
@@ -74,7 +74,7 @@ def run_learner(argv: Sequence[str]) -> int:
             raise ValueError(f"{name} {folder} (from the controller) is not readable on this host "
                              f"({socket.gethostname()}); put the run folder on a filesystem shared with the "
                              f"controller, or pass {name}=DIR")
-    from workers.learner import main as learner_main
+    from workers.learner.process import main as learner_main
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     return learner_main(["--run-dir", str(run_dir), "--model-dir", str(model_dir), "--controller", role.controller,

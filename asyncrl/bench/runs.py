@@ -123,7 +123,7 @@ def run_role(cmdline: str) -> str | None:
     """The run's role a process plays, from its command line (``workers/launcher.py`` starts them)."""
     if "workers.controller" in cmdline:
         return "controller"
-    if "workers/learner.py" in cmdline and "torch.distributed.run" not in cmdline:
+    if "-m workers.learner" in cmdline and "torchrun" not in cmdline:
         return "learner"
     if "workers.generator" in cmdline:
         ids = [w.split("=", 1)[1] for w in cmdline.split() if w.startswith("worker_id=")]

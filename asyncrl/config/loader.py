@@ -43,7 +43,8 @@ def schema_keys(schema: type = TrainConfig, prefix: str = "") -> dict[str, type 
 
 
 def nearest_key(key: str, known: Sequence[str]) -> str | None:
-    """The valid key closest to ``key`` (same section first, then by leaf name, then anywhere)."""
+    """The valid key closest to ``key`` (same section first, then by leaf name, then anywhere); a leaf that only
+    lacks a prefix (``slots`` of ``rollout.worker_slots``) is close."""
     section, _, leaf = key.rpartition(".")
     same = [k for k in known if k.rpartition(".")[0] == section]
     for pool, word, name in ((same, key, lambda k: k), (list(known), leaf, lambda k: k.rpartition(".")[2]),
@@ -52,7 +53,7 @@ def nearest_key(key: str, known: Sequence[str]) -> str | None:
         hit = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
         if hit:
             return names[hit[0]]
-    return None
+    return next((k for k in known if k.endswith(f"_{leaf}")), None)
 
 
 def check_known_keys(tree: Any, *, source: str = "configuration", schema: type = TrainConfig,

@@ -125,7 +125,7 @@ RANGES: dict[str, tuple[str, str]] = {
 }
 
 WORKER_RANGES: dict[str, tuple[str, str]] = {
-    "slots": ("[0, inf)", "concurrent samples; 0 = the run's rollout.worker_slots"),
+    "rollout.worker_slots": ("[0, inf)", "concurrent samples; 0 = the run's rollout.worker_slots"),
     "drain_s": ("[0, inf)", "seconds in-flight samples may finish when the worker stops"),
     "no_learner_s": ("(0, inf)", "seconds to wait for a learner (default 120)"),
     "sglang.max_total_tokens": RANGES["sglang.max_total_tokens"],

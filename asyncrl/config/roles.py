@@ -4,7 +4,8 @@ Owns: ``WorkerRoleConfig`` and ``LearnerRoleConfig`` (every ``key=value`` settin
 default and a docstring under it), ``parse_role`` (``key=value`` -> a checked role config, through the
 OmegaConf dotlist and ``asyncrl.config.loader``'s unknown-key check with its "did you mean"),
 ``role_dotlist`` (its inverse: the ``key=value`` list that parses back to the same config),
-``worker_role_for_run`` (the worker a launcher starts for a ``TrainConfig``) and ``settings_help``
+``worker_role_for_run`` (the worker a launcher starts for a ``TrainConfig``), ``worker_formats`` (a worker's
+actor and fetched formats, decided by the controller) and ``settings_help``
 (the one line per key of ``--help``, from the field docstrings here).
 Never: parses argv with argparse (``--help`` is workers/role_cli.py's), imports torch or zmq, or keeps a second
 copy of a run setting: the worker's ``sglang`` section is the run's ``SGLangConfig`` plus ``model_path``.
@@ -29,7 +30,14 @@ from typing import Any, TypeVar
 from asyncrl.config.devices import parse_device
 from asyncrl.config.loader import check_known_keys, schema_keys, structured, type_error
 from asyncrl.config.ranges import WORKER_RANGES, check_ranges
-from asyncrl.config.schema import ENGINES, SGLangConfig, TrainConfig, check_serving
+from asyncrl.config.schema import (
+    ENGINES,
+    SGLANG_SERVING,
+    SGLangConfig,
+    TrainConfig,
+    check_serving,
+    sglang_wire_format,
+)
 from asyncrl.constants import CUDA_GRAPHS, DECODE_STEPS
 from protocols.values import FORMATS as QUANT_FORMATS
 from protocols.values import require_choice
@@ -50,7 +58,19 @@ class WorkerSGLangConfig(SGLangConfig):
 class RoleQuantConfig:
     fmt: str = ""
     """``FMT``: actor format (native: a published format; sglang: fp32, bf16 or fp8). Default: the run's
-    ``quant.fmt`` for a native worker, fp32 for an SGLang one."""
+    ``quant.fmt`` (an SGLang worker: fp32 when SGLang does not serve the run's); see ``worker_formats``."""
+
+
+@dataclass(kw_only=True)
+class RoleRolloutConfig:
+    worker_slots: int = 0
+    """``N``: concurrent samples (0: the run's rollout.worker_slots)."""
+    decode_step: str = "auto"
+    """``auto|static|eager``: native decode step."""
+    cuda_graphs: str = "auto"
+    """``auto|true|false``: native engine CUDA graphs of the static step."""
+    compile: bool = False
+    """``false|true``: native engine ``torch.compile`` of the static step."""
 
 
 @dataclass(kw_only=True)
@@ -73,8 +93,6 @@ class WorkerRoleConfig:
     """``native|sglang``: rollout engine (default native)."""
     device: str = "auto"
     """``auto|cpu|cuda[:N]``: native engine device (default auto: a GPU when one is visible)."""
-    slots: int = 0
-    """``N``: concurrent samples (0: the run's rollout.worker_slots)."""
     drain_s: float = 10.0
     """``S``: on SIGTERM or Shutdown, how long in-flight samples may finish before the rest is aborted and
     handed back."""
@@ -86,14 +104,9 @@ class WorkerRoleConfig:
     """``DEBUG|INFO|WARNING|ERROR``: logging level."""
     log_dir: str = ""
     """``DIR``: where a started SGLang server writes its log (default: the temp folder)."""
+    rollout: RoleRolloutConfig = field(default_factory=RoleRolloutConfig)
     quant: RoleQuantConfig = field(default_factory=RoleQuantConfig)
     transport: RoleTransportConfig = field(default_factory=RoleTransportConfig)
-    decode_step: str = "auto"
-    """``auto|static|eager``: native decode step (``rollout.decode_step``)."""
-    cuda_graphs: str = "auto"
-    """``auto|true|false``: native engine CUDA graphs of the static step (``rollout.cuda_graphs``)."""
-    compile: bool = False
-    """``false|true``: native engine ``torch.compile`` of the static step (``rollout.compile``)."""
     sglang: WorkerSGLangConfig = field(default_factory=WorkerSGLangConfig)
 
 
@@ -133,7 +146,7 @@ def _quoted(text: str) -> bool:
 
 def _yaml_value(kind: Any, text: str) -> str:
     """The YAML that OmegaConf reads back as ``text`` means: strings verbatim (``log_dir=`` is empty, not
-    null; ``cuda_graphs=false`` the word), lists ``[a,b]`` as YAML or ``a,b`` split at commas."""
+    null; ``rollout.cuda_graphs=false`` the word), lists ``[a,b]`` as YAML or ``a,b`` split at commas."""
     if kind is str and not _quoted(text):
         return "'" + text.replace("'", "''") + "'"
     if _is_list(kind) and not text.startswith("["):
@@ -185,20 +198,25 @@ def check_worker_role(cfg: WorkerRoleConfig) -> WorkerRoleConfig:
     require_choice("engine", cfg.engine, ENGINES)
     parse_device(cfg.device, key="device")
     parse_device(cfg.sglang.device, key="sglang.device", indexed=False)
-    require_choice("decode_step", cfg.decode_step, DECODE_STEPS)
-    cfg.cuda_graphs = cfg.cuda_graphs.lower()
-    require_choice("cuda_graphs", cfg.cuda_graphs, CUDA_GRAPHS)
+    require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
+    cfg.rollout.cuda_graphs = cfg.rollout.cuda_graphs.lower()
+    require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
     cfg.log_level = cfg.log_level.upper()
     require_choice("log_level", cfg.log_level, LOG_LEVELS)
     if cfg.quant.fmt:
         require_choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
-    check_serving(cfg.engine, default_format(cfg))
+    check_serving(cfg.engine, cfg.quant.fmt or "fp32")
     return cfg
 
 
-def default_format(cfg: WorkerRoleConfig) -> str:
-    """The actor format a worker asks for before the controller tells it the run's (``quant.fmt=`` empty)."""
-    return cfg.quant.fmt or ("fp32" if cfg.engine == "sglang" else "int8")
+def worker_formats(engine: str, fmt: str, run_fmt: str) -> tuple[str, str]:
+    """The one place a worker's (actor format, fetched format) are decided, by the controller at its Hello (the
+    Welcome states both): a native actor runs and fetches its own ``quant.fmt`` or the run's; an SGLang one serves
+    its own, else the run's if SGLang serves it, else fp32, and fetches full precision (fp8 quantizes bf16)."""
+    if engine != "sglang":
+        return fmt or run_fmt, fmt or run_fmt
+    actor = fmt or (run_fmt if run_fmt in SGLANG_SERVING else "fp32")
+    return actor, sglang_wire_format(actor)
 
 
 def server_settings(cfg: WorkerSGLangConfig) -> SGLangConfig:
@@ -208,13 +226,12 @@ def server_settings(cfg: WorkerSGLangConfig) -> SGLangConfig:
 
 def worker_role_for_run(cfg: TrainConfig, *, controller: str, worker_id: str, log_dir: str) -> WorkerRoleConfig:
     """The settings of a worker a launcher starts for run ``cfg``: its engine, device, decode options,
-    transport keys and every ``sglang.*`` setting (an SGLang worker also gets the run's format)."""
+    transport keys and every ``sglang.*`` setting (its formats are the controller's, ``worker_formats``)."""
     r = cfg.rollout
     return WorkerRoleConfig(
         controller=controller, worker_id=worker_id, engine=r.engine, device=r.device, log_dir=log_dir,
-        quant=RoleQuantConfig(fmt=cfg.quant.fmt if r.engine == "sglang" else ""),
         transport=RoleTransportConfig(keys_dir=cfg.transport.keys_dir),
-        decode_step=r.decode_step, cuda_graphs=r.cuda_graphs, compile=r.compile,
+        rollout=RoleRolloutConfig(decode_step=r.decode_step, cuda_graphs=r.cuda_graphs, compile=r.compile),
         sglang=WorkerSGLangConfig(**dataclasses.asdict(cfg.sglang)))
 
 

@@ -174,7 +174,7 @@ class ControllerCore:
             return [(peer, refused)]
         if msg.role != "learner":
             w = self.members.worker_hello(peer, msg, now)
-            return [(peer, self._welcome(setup=self.worker_setup(w.quant_format)) if isinstance(w, WorkerInfo) else w)]
+            return [(peer, self._welcome(setup=self.worker_setup(w)) if isinstance(w, WorkerInfo) else w)]
         m, asm = self.members, self.assembler
         if (reason := m.learner_refusal(peer, msg, version=self.version.version, next_step=asm.next_step,
                                         retained=asm.retained_steps())) is not None:
@@ -189,23 +189,24 @@ class ControllerCore:
             self.counters["control/learner_rejoined"] += 1
             log.info("learner rejoined at version %d with a new weight server; telling %d workers", msg.version,
                      len(m.workers))
-            out += [(w.peer, self._welcome(setup=self.worker_setup(w.quant_format))) for w in m.workers.values()]
+            out += [(w.peer, self._welcome(setup=self.worker_setup(w))) for w in m.workers.values()]
         return out
 
     def _welcome(self, **fields: Any) -> P.Welcome:
         return P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="controller",
                          latest_version=self.version.version, **fields)
 
-    def worker_setup(self, fmt: str) -> P.WorkerSetup:
-        """What a worker that fetches ``fmt`` is told when it joins (the one place a ``WorkerSetup`` is filled)."""
+    def worker_setup(self, w: WorkerInfo) -> P.WorkerSetup:
+        """What worker ``w`` is told when it joins (the one place a ``WorkerSetup`` is filled): its formats too."""
         weights = self.members.weights_addresses
         assert weights is not None, "workers are welcomed only once the learner has registered"
         r, m = self.cfg.rollout, self.model
         return P.WorkerSetup(samples_address=self.samples_address, weights_announce=weights[0],
                              weights_fetch=weights[1], model_config=m.config_json,
-                             worker_slots=r.worker_slots, heartbeat_s=r.heartbeat_s, quant_format=fmt,
+                             worker_slots=r.worker_slots, heartbeat_s=r.heartbeat_s, quant_format=w.quant_format,
                              eos_token_ids=list(m.eos_token_ids), model_id=m.model_id, model_dir=m.model_dir,
-                             quantize_head=self.cfg.quant.lm_head, group_size=self.cfg.algo.group_size)
+                             quantize_head=self.cfg.quant.lm_head, group_size=self.cfg.algo.group_size,
+                             actor_format=w.actor_format)
 
     def _work(self, peer: bytes, msg: P.WorkRequest, now: float) -> list[Reply]:
         w = self.members.heard(peer, msg.worker_id, now, before="asking for work")

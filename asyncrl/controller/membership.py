@@ -25,6 +25,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import protocols as P
+from asyncrl.config.roles import worker_formats
 from asyncrl.controller.buffer import GroupBuffer
 from asyncrl.controller.quarantine import Quarantine
 from asyncrl.controller.workers import WorkerInfo, WorkerRegistry
@@ -98,8 +99,8 @@ class Membership:
             return P.Reject(reason=f"role {msg.role!r} cannot join; expected generator or learner")
         if self.learner_peer is None:
             return P.Error(code="not_ready", message="the learner has not published weights yet; retry")
-        formats = self.publish_formats
-        fmt = msg.capabilities.get("quant_format") or formats[0]
+        formats, caps = self.publish_formats, msg.capabilities
+        actor, fmt = worker_formats(caps.get("engine", "native"), caps.get("quant_format", ""), formats[0])
         if fmt not in formats:
             self.counters["control/rejected_format"] += 1
             return P.Reject(reason=f"this run publishes weights as {formats}; start the worker with "
@@ -113,9 +114,9 @@ class Membership:
             return P.Reject(reason=conflict)
         if msg.peer_id in self.workers:  # joined again (restart, lost Welcome): its old work is reissued
             self.forget(msg.peer_id, reason="joined again")
-        caps = msg.capabilities
         w = self.workers.join(msg.peer_id, peer=peer, quant_format=fmt, now=now, host=caps.get("host", ""),
                               pid=caps.get("pid", ""))
+        w.actor_format = actor
         self.log.append(EventRecord(event="worker_joined", data={"worker": msg.peer_id, "fmt": fmt},
                                     logged_at=time.time()))
         log.info("worker %s joined (%s)", msg.peer_id, fmt)

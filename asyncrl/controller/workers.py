@@ -1,6 +1,6 @@
 """The generation workers a controller knows: who they are, where to reach them, when they spoke last.
 
-Owns: ``WorkerInfo`` (reply address, actor format, last heartbeat, newest weights version, samples,
+Owns: ``WorkerInfo`` (reply address, fetched and actor formats, last heartbeat, newest weights version, samples,
 tokens/s) and ``WorkerRegistry`` (worker id -> info): joining, the workers behind one reply address,
 the silent ones, and the fleet's throughput. Standard library only (checked by tests/unit/test_layout.py).
 Never: decides what happens to a worker's work (``Membership.forget`` reissues it) or reads messages.
@@ -15,8 +15,9 @@ import math
 @dataclasses.dataclass
 class WorkerInfo:
     peer: bytes
-    quant_format: str
+    quant_format: str  # the published format it fetches
     last_seen: float
+    actor_format: str = ""  # the format its actor runs (asyncrl.config.roles.worker_formats)
     version: int = -1
     samples: int = 0
     tokens_per_s: float = 0.0

@@ -3,7 +3,7 @@
 Owns: the choice between the two ``RolloutEngine`` implementations (a generation worker calls
 ``build_engine`` and from then on only the interface), device resolution (``auto`` / ``cpu`` / ``cuda`` /
 ``cuda:N`` against the GPUs torch sees; the grammar is ``asyncrl.config.devices``'), the default SGLang
-interpreter, and which published weight format each engine fetches. An ``EngineSpec`` carries the
+interpreter. An ``EngineSpec`` carries the
 SGLang settings as the run's own ``SGLangConfig`` (``asyncrl.config.schema``), so a key added there
 reaches ``_build_sglang`` with no other edit.
 
@@ -11,7 +11,7 @@ Must never: import zmq/msgspec or know about controllers (the worker passes plai
 SGLang server for an ``url`` that is given (attach instead), or pick a device the caller did not allow.
 
 The native engine runs any causal LM ``AutoModelForCausalLM`` builds from the architecture: the native
-decoder where it is exact, else the model's own HF forward (``asyncrl.engine.hf_runner.make_runner``).
+decoder where it is exact, else the model's own HF forward (``asyncrl.engine.native.hf_runner.make_runner``).
 
 Invariants: the engine returned starts at version ``-1`` (it has no policy weights yet; the worker's first
 fetch installs version >= 0), so every token it ever produces carries a learner version.
@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from asyncrl.config.devices import parse_device
-from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig, check_serving, sglang_wire_format
+from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig, check_serving
 from asyncrl.constants import CUDA_GRAPHS, DECODE_STEPS
 from asyncrl.engine.base import RolloutEngine
-from asyncrl.engine.sglang_server import REPO_ROOT, SGLANG_PYTHON_ENV
+from asyncrl.engine.sglang.server import REPO_ROOT, SGLANG_PYTHON_ENV
 from protocols.values import require_choice
 
 __all__ = ["ENGINES", "SGLANG_SERVING", "EngineSpec", "build_engine", "resolve_device", "sglang_python"]
@@ -77,13 +77,6 @@ class EngineSpec:
         require_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         check_serving(self.kind, self.quant_format)
 
-    @property
-    def wire_format(self) -> str:
-        """The published format this engine fetches (SGLang takes full-precision updates only)."""
-        if self.kind == "native":
-            return self.quant_format
-        return sglang_wire_format(self.quant_format)
-
 
 def resolve_device(spec: str) -> str:
     """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda[:N]`` is checked against the GPUs.
@@ -130,7 +123,7 @@ def _build_native(spec: EngineSpec) -> RolloutEngine:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
 
     if not spec.model_config_json:
         raise ValueError("a native engine needs the model architecture (model_config_json from the Welcome)")
@@ -156,7 +149,7 @@ class _SGLangEngineArgs(TypedDict):
 
 
 def _build_sglang(spec: EngineSpec) -> RolloutEngine:
-    from asyncrl.engine.sglang import SGLangEngine
+    from asyncrl.engine.sglang.engine import SGLangEngine
 
     common = _SGLangEngineArgs(quant_format=spec.quant_format, version=-1, max_batch_size=spec.slots,
                                eos_token_ids=spec.eos_token_ids or None)

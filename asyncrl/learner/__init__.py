@@ -1,6 +1,6 @@
 """The learner library: batch layout, log-probs, FSDP2 setup, the training step, checkpoints.
 
-Owns everything the learner *process* (workers/learner.py) needs to train, save and export a
+Owns everything the learner *process* (workers/learner/process.py) needs to train, save and export a
 policy; it never opens sockets, reads argv/env beyond torchrun's variables, or computes an
 objective (that is ``asyncrl.algo``). The options (``StepConfig``, the run schema's, and ``LRSchedule``,
 ``asyncrl.learner.options``) import without torch; every other name loads (with torch) on first use.

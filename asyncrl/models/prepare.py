@@ -28,8 +28,8 @@ def model_id(cfg, model_dir: Path) -> str:
 
 
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-"""Families the native engine's own decoder implements exactly (``asyncrl.engine.decoder.check_supported``).
-Every other causal LM trains as well; its workers run the model's HF forward (``asyncrl.engine.hf_runner``)."""
+"""Families the native engine's own decoder implements exactly (``asyncrl.engine.native.decoder.check_supported``).
+Every other causal LM trains as well; its workers run the model's HF forward (``asyncrl.engine.native.hf_runner``)."""
 
 
 @functools.cache

@@ -9,7 +9,7 @@ controller (it calls the controller's own code); all randomness comes from ``Par
 
 The model, stage by stage (each a plain reading of the code it stands for):
 
-* **Learner** (``workers/learner.py``), one process: batch k arrives -> ``other_s`` (batch transfer,
+* **Learner** (``workers/learner/process.py``), one process: batch k arrives -> ``other_s`` (batch transfer,
   decode, broadcast, gather, report) -> ``train_s`` (+ ``train_s_per_token`` x response tokens of the
   batch) -> ``publish_s`` (quantize + send) -> the new version is announced to every worker and reported
   to the controller together with the request for batch k+1 (``msg_s`` one-way each).
@@ -21,7 +21,7 @@ The model, stage by stage (each a plain reading of the code it stands for):
   (whole groups for the request's credits, admitted as the gate allows beyond those already pending,
   assigned as the worker's weights allow); no assignment is a NoWork (the worker retries after
   ``nowork_retry_s``).
-* **Workers** (``workers/generator.py``, modelled in ``asyncrl/sim/worker.py``): a credit window of
+* **Workers** (``workers/generator/process.py``, modelled in ``asyncrl/sim/worker.py``): a credit window of
   ``slots`` samples; a request whenever slots are free and none is in flight; an engine that decodes all
   its samples in lock step, one token per sample per step of ``step_a + step_c * active`` seconds
   (continuous batching); each sample's length is drawn from ``lengths``; a finished sample reaches the

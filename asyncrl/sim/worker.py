@@ -1,6 +1,6 @@
 """A generation worker in the scale simulator: its credit window, its engine's step loop, its weight fetches.
 
-Owns: ``WorkerModel``, a plain reading of ``workers/generator.py`` (and of the native engine's loop) on
+Owns: ``WorkerModel``, a plain reading of ``workers/generator/process.py`` (and of the native engine's loop) on
 the event kernel: a credit window of ``slots`` samples; a work request whenever slots are free and none
 is in flight; an engine that decodes all its samples in lock step; results sent by the comms thread,
 which also fetches new weights (and, while it fetches, neither sends results nor asks for work).
@@ -53,7 +53,7 @@ class _Row:
 
 
 class WorkerModel:
-    """One generation worker (``workers/generator.py`` with its engine); ``i`` numbers it ``w{i}``."""
+    """One generation worker (``workers/generator/process.py`` with its engine); ``i`` numbers it ``w{i}``."""
 
     def __init__(self, job: Job, i: int) -> None:
         self.job, self.id = job, f"w{i}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.engine.sglang_server import free_port
+from asyncrl.engine.sglang.server import free_port
 from asyncrl.log import BatchRecord, SampleRecord, read_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -39,10 +40,11 @@ def test_fp32_and_int8_workers_stream_every_sample_once_across_a_weight_update(p
             env = ctl.recv(0.01)
             if env is not None:
                 m = env.msg
-                if isinstance(m, P.Hello):
-                    joined[m.peer_id] = m.capabilities["quant_format"]
+                if isinstance(m, P.Hello):  # a native worker runs and fetches its own quant.fmt, as a controller says
+                    joined[m.peer_id] = fmt = m.capabilities["quant_format"]
+                    setup = msgspec.structs.replace(stand.setup, quant_format=fmt, actor_format=fmt)
                     ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in",
-                                       latest_version=server.latest_version, setup=stand.setup), to=env.peer)
+                                       latest_version=server.latest_version, setup=setup), to=env.peer)
                 elif isinstance(m, P.WorkRequest):
                     # half the groups for each worker, however late one of them starts
                     n = min(m.credits // GROUP, len(todo), N_GROUPS // 2 - given.get(m.worker_id, 0))

@@ -75,7 +75,7 @@ def test_learner_ranks_die_with_a_killed_torchrun_agent(tmp_path, procs):
     from asyncrl.config.loader import load_train_config, save_config
     from asyncrl.models import ensure_tiny_model
     from asyncrl.transport import ZmqChannel
-    from workers.learner_link import WELCOME_TIMEOUT_S
+    from workers.learner.link import WELCOME_TIMEOUT_S
 
     model_dir = ensure_tiny_model(tmp_path / "tiny")
     save_config(load_train_config([]), tmp_path / "config.json")
@@ -83,7 +83,7 @@ def test_learner_ranks_die_with_a_killed_torchrun_agent(tmp_path, procs):
     log = tmp_path / "agent.log"
     with open(log, "wb") as out:  # the rank writes here too (it inherits the agent's output)
         agent = procs.python("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                             str(REPO / "workers" / "learner.py"), "--controller", silent.address, "--run-dir",
+                             "-m", "workers.learner", "--controller", silent.address, "--run-dir",
                              str(tmp_path), "--model-dir", str(model_dir), env={"PYTHONPATH": str(REPO)},
                              start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
     env = silent.recv(300.0)  # the rank is up and talking

@@ -46,7 +46,7 @@ def test_a_spent_time_budget_ends_the_run_with_checkpoint_export_and_final_eval(
     assert "libtorch" not in maps, "the asyncrl train process loaded torch"
     learner = psutil.Process(launched["learner"])
     assert "torch.distributed.run" not in learner.cmdline()
-    assert Path(learner.cmdline()[2]).name == "learner.py"
+    assert learner.cmdline()[2:4] == ["-m", "workers.learner"]
     # Nor does the controller: it tokenizes, scores and computes advantages without torch
     # (``load_tokenizer``, ``asyncrl.algo.outcome``); watched until it exits.
     controller_maps = Path(f"/proc/{launched['controller']}/maps")

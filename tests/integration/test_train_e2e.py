@@ -184,7 +184,7 @@ def _learner_rank_pids(root_pid: int) -> list[int]:
             cmd = " ".join(p.cmdline())
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             continue
-        if "workers/learner.py" in cmd and "torch.distributed.run" not in cmd:
+        if "-m workers.learner" in cmd and "torchrun" not in cmd:
             pids.append(p.pid)
     return pids
 

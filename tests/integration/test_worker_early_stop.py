@@ -19,7 +19,7 @@ from transformers import AutoConfig
 import protocols as P
 from asyncrl.models import ensure_tiny_model
 from asyncrl.transport import ZmqChannel
-from workers.generator import FIRST_WEIGHTS_TIMEOUT_S
+from workers.generator.weights import FIRST_WEIGHTS_TIMEOUT_S
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.engine.sglang import SGLangEngine
-from asyncrl.engine.sglang_http import SGLangHTTP
-from asyncrl.engine.sglang_server import (
+from asyncrl.engine.sglang.engine import SGLangEngine
+from asyncrl.engine.sglang.http import SGLangHTTP
+from asyncrl.engine.sglang.server import (
     SGLANG_PYTHON_ENV,
     SGLangServerProcess,
     cpu_env,

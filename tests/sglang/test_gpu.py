@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.sglang import SGLangEngine
+from asyncrl.engine.sglang.engine import SGLangEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 GPU_SERVER_ARGS = {"max_total_tokens": 16384, "extra_args": ["--attention-backend", "triton"]}

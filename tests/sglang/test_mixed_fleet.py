@@ -53,11 +53,11 @@ def test_native_and_sglang_workers_feed_one_run(procs, tmp_path, sglang_url):
     assert address, "".join(lines[-30:])
     sglang_log = tmp_path / "sglang-worker.log"
     worker = procs.python("-m", "asyncrl", "worker", f"controller={address}", "engine=sglang", "quant.fmt=fp32",
-                          f"sglang.url={sglang_url}", "worker_id=sglang-0", "slots=8",
+                          f"sglang.url={sglang_url}", "worker_id=sglang-0", "rollout.worker_slots=8",
                           stdout=open(sglang_log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     _wait_for(sglang_log, "worker sglang-0 ready", worker, 900)
     native = procs.python("-m", "asyncrl", "worker", f"controller={address}", "quant.fmt=int8", "device=cpu",
-                          "worker_id=native-0", "slots=8",
+                          "worker_id=native-0", "rollout.worker_slots=8",
                           stdout=open(tmp_path / "native-worker.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     out, _ = train.communicate(timeout=1500)
     assert train.returncode == 0, "".join(lines) + out.decode(errors="replace")[-4000:]

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.sglang import SGLangEngine
-from asyncrl.engine.sglang_server import SGLangServerProcess, cpu_env, free_port, server_command
+from asyncrl.engine.sglang.engine import SGLangEngine
+from asyncrl.engine.sglang.server import SGLangServerProcess, cpu_env, free_port, server_command
 from asyncrl.models.families import build_family_model, make_family_model
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(1500)]

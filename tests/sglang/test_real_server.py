@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.sglang import SGLangEngine
+from asyncrl.engine.sglang.engine import SGLangEngine
 
 pytestmark = pytest.mark.sglang
 

@@ -12,8 +12,8 @@ from asyncrl.bench.runs import TreeMemory, proc_status_bytes, run_role
 def test_run_role_names_each_process_of_a_run_from_its_command_line():
     py = "/usr/bin/python3"
     assert run_role(f"{py} -m workers.controller --run-dir /r --model-dir /m") == "controller"
-    assert run_role(f"{py} /repo/workers/learner.py --run-dir /r") == "learner"
-    assert run_role(f"{py} -m torch.distributed.run --standalone /repo/workers/learner.py") is None  # torchrun
+    assert run_role(f"{py} -u -m workers.learner --run-dir /r") == "learner"
+    assert run_role(f"{py} -m workers.torchrun --standalone -m workers.learner") is None  # torchrun
     assert run_role(f"{py} -m workers.generator controller=tcp://x:1 worker_id=w3") == "w3"
     assert run_role(f"{py} -m workers.generator controller=tcp://x:1") == "worker"
     assert run_role(f"{py} -m asyncrl train runs_dir=/t run_name=timeline") == "launcher"

@@ -24,7 +24,7 @@ from asyncrl.config.schema import to_dict
 ROOT = Path(__file__).resolve().parents[3]
 BEFORE = json.loads((Path(__file__).parent / "data" / "algo_groups_at_886df6d.json").read_text())
 """What each ``configs/algo`` file resolved to before the run schema held ``AlgoConfig`` (commit 886df6d,
-``workers/learner.objective_config`` then copied the fields by hand), with the values in effect."""
+``workers/learner/process.objective_config`` then copied the fields by hand), with the values in effect."""
 
 
 def in_effect(cfg) -> dict:
@@ -133,10 +133,10 @@ def test_an_override_changes_the_value_the_library_sees(name):
 
 
 def test_the_learner_hands_the_runs_algo_config_to_the_training_step():
-    tree = ast.parse((ROOT / "workers" / "learner.py").read_text())
+    tree = ast.parse((ROOT / "workers" / "learner" / "process.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "train_step"]
     assert calls and all(ast.unparse(c.args[2]) in ("cfg.algo", "self.cfg.algo") for c in calls)
-    assert "ObjectiveConfig(" not in (ROOT / "workers" / "learner.py").read_text()
+    assert "ObjectiveConfig(" not in (ROOT / "workers" / "learner" / "process.py").read_text()
 
 
 @pytest.mark.parametrize(("override", "message"), [

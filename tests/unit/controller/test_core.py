@@ -101,7 +101,7 @@ def test_peers_cannot_speak_for_others(tmp_path, model_dir):
 def test_workers_learn_the_group_size_and_no_work_backs_off_with_the_fleet(tmp_path, model_dir):
     core = make_core(tmp_path, model_dir)
     register(core)
-    assert core.worker_setup("fp32").group_size == G  # what a worker needs free before it asks
+    assert core.worker_setup(core.members.workers["w"]).group_size == G  # what a worker needs free before it asks
     (_, nw), = core.handle(b"W", P.WorkRequest(worker_id="w", credits=G - 1))  # less than one group
     assert isinstance(nw, P.NoWork) and nw.retry_after_s == NO_WORK_RETRY_MIN_S
     # the whole fleet's empty polls stay near 200/s: 10 workers 50 ms, 100 workers 0.5 s, capped at 1 s
@@ -376,7 +376,7 @@ def test_prompts_longer_than_the_model_takes_are_skipped_at_admission_and_counte
 
 
 def test_a_too_long_prompt_is_refused_up_front_or_reported_and_left_out_of_evaluation(tmp_path, model_dir):
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
     from asyncrl.learner.evaluate import evaluate_greedy
     from asyncrl.models.prepare import check_prompt_lengths
 

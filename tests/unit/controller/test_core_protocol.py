@@ -49,7 +49,7 @@ def test_a_worker_is_welcomed_with_one_typed_setup_filled_from_the_run(core, mod
     assert (s.samples_address, s.weights_announce, s.weights_fetch) == ("tcp://c:9", "tcp://l:1", "tcp://l:2")
     assert (s.worker_slots, s.heartbeat_s, s.quant_format, s.eos_token_ids) == (8, 0.25, "fp32", [2])
     assert s.model_id == "tiny:test" and s.vocab_size() == json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    assert s == core.worker_setup("fp32")
+    assert s == core.worker_setup(core.members.workers["w"]) and s.actor_format == "fp32"
 
 
 @pytest.mark.parametrize("proto", ["1.0", "1.2", "1.3"])

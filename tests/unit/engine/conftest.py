@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from asyncrl.engine.native import NativeEngine
+from asyncrl.engine.native.engine import NativeEngine
 from asyncrl.models import ensure_tiny_model
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncrl.engine.base import GenRequest, SamplingParams
-from asyncrl.engine.native import NativeEngine
+from asyncrl.engine.native.engine import NativeEngine
 from asyncrl.quant import ForwardAqn, QuantError, publish
 from asyncrl.quant.aqn import forward_noise
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.engine.base import GenRequest
-from asyncrl.engine.native import NativeEngine
+from asyncrl.engine.native.engine import NativeEngine
 from asyncrl.quant import load_published, quantize_model
 from asyncrl.transport import WeightClient, WeightFetchError, WeightServer
 from asyncrl.transport.publication import publish_streamed

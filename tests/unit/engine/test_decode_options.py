@@ -30,7 +30,7 @@ def test_config_checks_the_decode_options_and_the_launcher_passes_them_on(tmp_pa
     launcher = Launcher(cfg, tmp_path, tmp_path)
     launcher.address = "tcp://127.0.0.1:5555"
     args = launcher.worker_args("w")
-    assert {"decode_step=eager", "cuda_graphs=false", "compile=true"} <= set(args)
+    assert {"rollout.decode_step=eager", "rollout.cuda_graphs=false", "rollout.compile=true"} <= set(args)
     assert load_train_config([]).rollout.cuda_graphs == "auto"
     with pytest.raises(ValueError, match="rollout.cuda_graphs=auto"):
         load_train_config(["rollout.device=cpu", "rollout.cuda_graphs=true"])
@@ -68,13 +68,13 @@ def _serve_one_group(procs, stand, err_path, *worker_args: str) -> subprocess.Po
 
 def test_a_worker_runs_the_decode_step_it_is_given_and_refuses_cuda_graphs_on_a_cpu(procs, tmp_path):
     with worker_standin(tmp_path, worker_slots=GROUP) as stand:
-        worker, got = _serve_one_group(procs, stand, tmp_path / "ok.err", "device=cpu", "decode_step=eager",
-                                       "cuda_graphs=false", "compile=false")
+        worker, got = _serve_one_group(procs, stand, tmp_path / "ok.err", "device=cpu", "rollout.decode_step=eager",
+                                       "rollout.cuda_graphs=false", "rollout.compile=false")
         assert sorted(got) == [f"g/{i}" for i in range(GROUP)]
         assert all(len(fs.behav_logp.to_numpy()) == 8 for fs in got.values())
         worker.send_signal(15)
         assert worker.wait(timeout=60) == 0
-        bad, got = _serve_one_group(procs, stand, tmp_path / "bad.err", "device=cpu", "cuda_graphs=true")
+        bad, got = _serve_one_group(procs, stand, tmp_path / "bad.err", "device=cpu", "rollout.cuda_graphs=true")
         bad.wait(timeout=60)
         text = (tmp_path / "bad.err").read_text(errors="replace")
         assert bad.returncode == 1 and not got, text[-2000:]

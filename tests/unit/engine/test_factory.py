@@ -1,20 +1,23 @@
-"""Engine selection for a worker: specs, wire formats, device resolution, SGLang interpreter, ``poll``."""
+"""Engine selection for a worker: specs, its formats, device resolution, SGLang interpreter, ``poll``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from asyncrl.config.roles import worker_formats
 from asyncrl.engine import GenRequest, SamplingParams
 from asyncrl.engine.factory import EngineSpec, build_engine, resolve_device, sglang_python
-from asyncrl.engine.sglang_server import SGLANG_PYTHON_ENV
+from asyncrl.engine.sglang.server import SGLANG_PYTHON_ENV
 
 
-def test_each_engine_fetches_the_format_it_can_load():
-    assert EngineSpec(kind="native", quant_format="nvfp4").wire_format == "nvfp4"
-    assert EngineSpec(kind="sglang", quant_format="fp32").wire_format == "fp32"
-    assert EngineSpec(kind="sglang", quant_format="bf16").wire_format == "bf16"
-    assert EngineSpec(kind="sglang", quant_format="fp8").wire_format == "bf16"  # quantized on load by SGLang
+def test_one_place_decides_what_each_engine_runs_and_the_format_it_fetches():
+    assert worker_formats("native", "", "int8") == ("int8", "int8")  # the run's
+    assert worker_formats("native", "nvfp4", "int8") == ("nvfp4", "nvfp4")  # its own
+    assert worker_formats("sglang", "", "int8") == ("fp32", "fp32")  # SGLang does not serve int8
+    assert worker_formats("sglang", "", "bf16") == ("bf16", "bf16")
+    assert worker_formats("sglang", "fp32", "bf16") == ("fp32", "fp32")
+    assert worker_formats("sglang", "", "fp8") == ("fp8", "bf16")  # quantized on load by SGLang
 
 
 def test_unknown_engine_or_unservable_format_is_refused_with_the_fix():

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.decoder import NATIVE_MODEL_TYPES, check_supported, native_unsupported_reason
-from asyncrl.engine.native import NativeEngine
+from asyncrl.engine.native.decoder import NATIVE_MODEL_TYPES, check_supported, native_unsupported_reason
+from asyncrl.engine.native.engine import NativeEngine
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)

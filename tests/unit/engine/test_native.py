@@ -11,7 +11,7 @@ import torch
 
 from asyncrl.engine import GenRequest, SamplingParams
 from asyncrl.engine.base import EngineClosedError
-from asyncrl.engine.native import NativeEngine
+from asyncrl.engine.native.engine import NativeEngine
 
 
 def ids(text: str) -> list[int]:
@@ -191,7 +191,7 @@ def test_unknown_quant_format_is_rejected(tiny_hf):
 
 
 def test_architecture_the_native_decoder_lacks_runs_on_the_hf_fallback(tiny_hf):
-    from asyncrl.engine.hf_runner import HFRunner
+    from asyncrl.engine.native.hf_runner import HFRunner
 
     model = copy.deepcopy(tiny_hf)
     model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)

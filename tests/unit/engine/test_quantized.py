@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.native import NativeEngine
+from asyncrl.engine.native.engine import NativeEngine
 
 quant = pytest.importorskip("asyncrl.quant")
 

@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 
 from asyncrl.engine.base import GenRequest, SamplingParams
-from asyncrl.engine.rows import new_rows, split_aborted, take_admissible
+from asyncrl.engine.native.rows import new_rows, split_aborted, take_admissible
 
 
 def req(sid: str, n_prompt: int, max_new: int = 4, stop: tuple[int, ...] | None = None) -> GenRequest:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.engine.sampling import processed_logprobs, request_uniform, sample_tokens
+from asyncrl.engine.native.sampling import processed_logprobs, request_uniform, sample_tokens
 
 
 def test_request_uniform_is_a_stable_function_of_seed_id_and_index():

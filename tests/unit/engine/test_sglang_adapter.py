@@ -21,11 +21,11 @@ import torch
 
 from asyncrl.engine import GenRequest, RolloutEngine, SamplingParams
 from asyncrl.engine.base import EngineClosedError
-from asyncrl.engine.sglang import SGLangEngine
-from asyncrl.engine.sglang_http import SGLangHTTP, SGLangRequestError, SGLangUnavailableError, parse_base_url
-from asyncrl.engine.sglang_requests import parse_generate_output, request_seed
-from asyncrl.engine.sglang_server import cpu_env, server_command
-from asyncrl.engine.sglang_weights import chunk_update, prepare_update, tensor_bodies
+from asyncrl.engine.sglang.engine import SGLangEngine
+from asyncrl.engine.sglang.http import SGLangHTTP, SGLangRequestError, SGLangUnavailableError, parse_base_url
+from asyncrl.engine.sglang.requests import parse_generate_output, request_seed
+from asyncrl.engine.sglang.server import cpu_env, server_command
+from asyncrl.engine.sglang.weights import chunk_update, prepare_update, tensor_bodies
 
 WAIT_S = 60.0
 """Bounds a wait for something the adapter's threads do at once (a hang guard, never a speed claim)."""
@@ -149,7 +149,7 @@ def test_url_parsing_rejects_paths_and_other_schemes():
 
 
 def test_server_down_raises_unavailable_naming_the_fix():
-    from asyncrl.engine.sglang_server import free_port
+    from asyncrl.engine.sglang.server import free_port
 
     http = SGLangHTTP(f"http://127.0.0.1:{free_port()}", timeout_s=2)
     with pytest.raises(SGLangUnavailableError, match="start one"):
@@ -238,7 +238,7 @@ def test_request_seeds_differ_per_sample_and_are_stable():
 
 
 def test_stop_cut_and_rids_of_the_request_mapping():
-    from asyncrl.engine.sglang_requests import cut_at_stop, request_rid, stop_set
+    from asyncrl.engine.sglang.requests import cut_at_stop, request_rid, stop_set
 
     assert stop_set(req(0), None) is None and stop_set(req(0), (2, 3)) == {2, 3}
     assert stop_set(req(0, stop_token_ids=()), (2,)) == frozenset()  # explicit empty set: no stop token
@@ -416,7 +416,7 @@ def test_close_aborts_everything_and_refuses_new_work(stub):
 def test_both_engines_raise_the_one_base_engine_closed_error_after_close(stub, tiny_hf):
     """Native (tiny model) and SGLang (stub server) refuse work after close with the same class, so one
     ``except EngineClosedError`` in a worker covers either engine."""
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
 
     engines = {"native": NativeEngine(copy.deepcopy(tiny_hf)), "sglang": SGLangEngine(stub.url)}
     for name, engine in engines.items():
@@ -457,11 +457,11 @@ def test_server_command_uses_documented_flags_and_cpu_env(tmp_path):
         server_command("/m", port=1, quant_format="int8")
     env = cpu_env({"PYTHONPATH": "/x"}, shim_dir=tmp_path)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"].split(":")[0] == str(tmp_path)
-    assert "sglang_cpu_kernels" in (tmp_path / "sgl_kernel" / "__init__.py").read_text()
+    assert "asyncrl.engine.sglang.cpu_kernels" in (tmp_path / "sgl_kernel" / "__init__.py").read_text()
 
 
 def test_cpu_kernel_stand_ins_match_their_sglang_contracts():
-    from asyncrl.engine import sglang_cpu_kernels as k
+    from asyncrl.engine.sglang import cpu_kernels as k
 
     table = torch.zeros(3, 6, dtype=torch.int64)
     k.assign_req_to_token_pool_cpu(

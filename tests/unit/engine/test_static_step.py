@@ -17,10 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.native import NativeEngine
-from asyncrl.engine.sampling import processed_logprobs, request_uniform, sample_static, sample_tokens
-from asyncrl.engine.static_step import row_truncates
-from asyncrl.engine.step_graphs import batch_bucket, batch_buckets, length_bucket, resolve_cuda_graphs
+from asyncrl.engine.native.engine import NativeEngine
+from asyncrl.engine.native.sampling import processed_logprobs, request_uniform, sample_static, sample_tokens
+from asyncrl.engine.native.static_step import row_truncates
+from asyncrl.engine.native.step_graphs import batch_bucket, batch_buckets, length_bucket, resolve_cuda_graphs
 
 
 def ids(text: str) -> list[int]:
@@ -278,7 +278,7 @@ def test_compiled_step_in_the_engine_gives_the_static_samples(tiny_hf):
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4"])
 def test_a_publication_load_keeps_every_parameter_and_buffer_where_it_was(tiny_hf, tiny_hf_v1, fmt):
     """Captured CUDA graphs read weights by address: a load must copy into the same storage."""
-    from asyncrl.engine.step_graphs import tensor_pointers
+    from asyncrl.engine.native.step_graphs import tensor_pointers
     from asyncrl.quant import publish
 
     engine = NativeEngine(copy.deepcopy(tiny_hf), quant_format=fmt, max_batch_size=2)
@@ -294,7 +294,7 @@ def test_a_publication_load_keeps_every_parameter_and_buffer_where_it_was(tiny_h
     after = {name: t.data_ptr() for name, t in [*engine._model.named_parameters(), *engine._model.named_buffers()]}
     assert after == before
     assert any(not torch.equal(t, values[name]) for name, t in named), "the load changed the weights"
-    assert tensor_pointers(engine._model) == engine._swap.pointers
+    assert tensor_pointers(engine._model) == engine.weights.swap.pointers
     engine.close()
 
 
@@ -309,7 +309,7 @@ def test_a_load_that_moves_a_parameter_drops_the_bucket_runners(tiny_hf, caplog)
         weight = engine._model.model.norm.weight
         weight.data = weight.data.clone()  # what a load that reallocates leaves behind
     with caplog.at_level("WARNING"):
-        engine._swap.check_pointers(engine._model, engine._static)
+        engine.weights.swap.check_pointers(engine._model, engine._static)
     assert not engine._static.graphs.runners and "rebuilt" in caplog.text
     (res,) = engine.generate()
     assert len(res.response_ids) == 8

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.native import NativeEngine
+from asyncrl.engine.native.engine import NativeEngine
 from asyncrl.learner import LRSchedule, StepConfig, TrainState, build_optimizer, build_scheduler, train_step
 from asyncrl.learner.fsdp import decoder_layers, shard_model
 from asyncrl.learner.policy import (

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from asyncrl.engine import GenRequest, SamplingParams
-from asyncrl.engine.decoder import DecoderRunner
-from asyncrl.engine.hf_runner import HFRunner, make_runner
-from asyncrl.engine.native import NativeEngine
+from asyncrl.engine.native.decoder import DecoderRunner
+from asyncrl.engine.native.engine import NativeEngine
+from asyncrl.engine.native.hf_runner import HFRunner, make_runner
 from asyncrl.models.families import FAMILIES, build_family_model, tiny_family_config
 
 MOE = ("qwen3_moe", "mixtral")
@@ -118,7 +118,7 @@ def test_fallback_runner_applies_a_sliding_window_beyond_the_window():
 
 
 def test_native_families_stay_native_and_the_fallback_is_announced_once(caplog):
-    from asyncrl.engine import hf_runner
+    from asyncrl.engine.native import hf_runner
 
     assert isinstance(make_runner(build_family_model("llama"), 2, 32), DecoderRunner)
     hf_runner._ANNOUNCED.discard("mixtral")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.engine.sglang_weights import (
+from asyncrl.engine.sglang.weights import (
     TensorUpdate,
     checkpoint_named_tensors,
     prepare_update,

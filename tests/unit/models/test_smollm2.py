@@ -64,7 +64,7 @@ def test_converted_folder_is_a_plain_fp32_hf_model(smol_folder, smol_model_and_t
 @pytest.mark.slow
 def test_greedy_answer_to_simple_arithmetic_is_right(smol_model_and_tok):
     from asyncrl.engine import GenRequest, SamplingParams
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
 
     model, tok = smol_model_and_tok
     engine = NativeEngine(copy.deepcopy(model))
@@ -87,7 +87,7 @@ def test_greedy_answer_to_simple_arithmetic_is_right(smol_model_and_tok):
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_smollm2_behav_logp_equals_hf_forward(smol_model_and_tok, temperature):
     from asyncrl.engine import GenRequest, SamplingParams
-    from asyncrl.engine.native import NativeEngine
+    from asyncrl.engine.native.engine import NativeEngine
 
     model, tok = smol_model_and_tok
     engine = NativeEngine(copy.deepcopy(model), max_batch_size=2)

@@ -348,7 +348,7 @@ def test_malformed_header_is_a_manifest_error():
 
 @pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
 def test_a_quantized_head_is_published_beside_its_tied_embedding_and_loads_bit_identically(fmt, probe_ids):
-    from asyncrl.engine.weights import apply_weights
+    from asyncrl.engine.native.weights import apply_weights
     from asyncrl.quant import quantizes_head
 
     learner = make_tiny_qwen2(seed=1, tie=True)

@@ -82,8 +82,8 @@ PREFIXES = {"step_", "controller-"}  # the constant parts of f"step_{version:08d
 HF_MODEL_FOLDER = {  # "config.json" of a Hugging Face model folder, not of the run folder
     ("asyncrl/models/_files.py", "config.json"),
     ("asyncrl/models/prepare.py", "config.json"),
-    ("asyncrl/engine/sglang_requests.py", "config.json"),  # the served model's EOS ids
-    ("asyncrl/engine/sglang_weights.py", "config.json"),  # the served model's names (tied head, experts)
+    ("asyncrl/engine/sglang/requests.py", "config.json"),  # the served model's EOS ids
+    ("asyncrl/engine/sglang/weights.py", "config.json"),  # the served model's names (tied head, experts)
     ("asyncrl/tasks/prompts.py", "config.json"),
     ("asyncrl/tasks/scoring.py", "config.json"),
     ("workers/roles.py", "config.json"),  # `asyncrl learner` checks the model folder is readable

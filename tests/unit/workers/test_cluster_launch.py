@@ -49,7 +49,7 @@ def test_worker_command_carries_the_runs_engine_device_and_sglang_settings(tmp_p
     launcher.address = "tcp://127.0.0.1:5555"
     argv = launcher.worker_args("worker-0")
     assert argv[1:3] == ["-m", "workers.generator"]
-    for item in ("controller=tcp://127.0.0.1:5555", "engine=sglang", "quant.fmt=bf16", "sglang.url=http://h:1",
+    for item in ("controller=tcp://127.0.0.1:5555", "engine=sglang", "quant.fmt=", "sglang.url=http://h:1",
                  "sglang.python=/opt/sgl/bin/python", "sglang.extra_args=--attention-backend,triton"):
         assert item in argv
     native = Launcher(_cfg("rollout.device=cpu"), tmp_path, tmp_path)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import sys
 
 from workers.gpus import visible_gpus
-from workers.launcher import ROOT, learner_command
+from workers.launcher import learner_command
 
 
 def test_one_rank_runs_alone_and_several_under_torchrun():
     one = learner_command(1, ["--run-dir", "R"])
-    assert one == [sys.executable, "-u", str(ROOT / "workers" / "learner.py"), "--run-dir", "R"]
+    assert one == [sys.executable, "-u", "-m", "workers.learner", "--run-dir", "R"]
     two = learner_command(2, ["--run-dir", "R"])
     assert two[:4] == [sys.executable, "-m", "workers.torchrun", "--standalone"]  # torchrun with a clean stop
-    assert "--nproc_per_node=2" in two and two[-3:] == [str(ROOT / "workers" / "learner.py"), "--run-dir", "R"]
+    assert "--nproc_per_node=2" in two and two[-4:] == ["-m", "workers.learner", "--run-dir", "R"]
 
 
 def test_gpus_come_from_an_inherited_cuda_visible_devices(monkeypatch):

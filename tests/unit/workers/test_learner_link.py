@@ -1,4 +1,4 @@
-"""Rank 0's link to the controller (``workers/learner_link.py``) against a controller stand-in on loopback:
+"""Rank 0's link to the controller (``workers/learner/link.py``) against a controller stand-in on loopback:
 it rejoins a controller that no longer knows it, stops with one line naming the fix when refused or when
 the controller is gone, and drops a second copy of a batch it already trained on."""
 
@@ -12,8 +12,8 @@ import zmq
 import protocols as P
 from asyncrl.config.loader import load_train_config
 from asyncrl.transport import WeightServer, ZmqChannel
-from workers import learner_link
-from workers.learner_link import ControllerSource
+from workers.learner import link as learner_link
+from workers.learner.link import ControllerSource
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ from asyncrl.engine.base import GenResult
 from asyncrl.rundir.lock import acquire_run_lock
 from asyncrl.transport import ZmqChannel
 from tests.conftest import REPO_ROOT
+from workers.generator.samples import SampleStream
 from workers.prepare import new_run_dir, prepare_replay
 from workers.run_setup import SETUP_REQUEST, ask_run_setup, setup_reply
-from workers.worker_samples import SampleStream
 
 
 def _assignment(group: str, n: int = 2) -> P.RolloutAssignment:

@@ -29,8 +29,8 @@ from asyncrl.config.roles import (
 )
 from asyncrl.config.schema import SGLangConfig
 from asyncrl.engine.factory import EngineSpec
+from workers.generator.args import engine_spec, parse_args
 from workers.launcher import Launcher
-from workers.worker_args import engine_spec, parse_args
 
 ROOT = Path(__file__).resolve().parents[3]
 SETUP = P.WorkerSetup(samples_address="tcp://h:1", weights_announce="tcp://h:2", weights_fetch="tcp://h:3",
@@ -80,15 +80,15 @@ def test_every_sglang_setting_of_the_run_reaches_a_launched_workers_engine(tmp_p
                               max_seq_len=64, model_config_json='{"model_type": "qwen2"}', model_path="/models/run",
                               sglang=cfg.sglang, log_dir=str(tmp_path / "logs"))
     assert spec.sglang.extra_args == ['--json-model-override-args={"a": [1, 2]}', "x,y", "true", ""]
-    assert role.transport.keys_dir == str(tmp_path) and role.quant.fmt == "bf16"
+    assert role.transport.keys_dir == str(tmp_path) and role.quant.fmt == ""  # the controller decides it
 
 
 def test_a_native_workers_decode_options_and_device_round_trip(tmp_path: Path):
     cfg = load_train_config(["rollout.device=cpu", "rollout.decode_step=eager", "rollout.cuda_graphs=false",
                              "rollout.compile=true"])
     argv = _argv(cfg, tmp_path, name="w:1")
-    assert {"engine=native", "device=cpu", "decode_step=eager", "cuda_graphs=false", "compile=true",
-            "worker_id=w:1", "quant.fmt="} <= set(argv)
+    assert {"engine=native", "device=cpu", "rollout.decode_step=eager", "rollout.cuda_graphs=false",
+            "rollout.compile=true", "worker_id=w:1", "quant.fmt="} <= set(argv)
     role = parse_args(argv)
     assert role == worker_role_for_run(cfg, controller="tcp://127.0.0.1:5555", worker_id="w:1",
                                        log_dir=str(tmp_path / "logs"))
@@ -105,11 +105,12 @@ def test_a_native_workers_decode_options_and_device_round_trip(tmp_path: Path):
     (["sglang.extra_args=[--attention-backend,triton]"], {"sglang.extra_args": ["--attention-backend", "triton"]}),
     (["sglang.extra_args=--attention-backend,triton"], {"sglang.extra_args": ["--attention-backend", "triton"]}),
     (["sglang.extra_args="], {"sglang.extra_args": []}),
-    (["compile=false", "device=cpu", "cuda_graphs=true"], {"compile": False, "device": "cpu", "cuda_graphs": "true"}),
+    (["rollout.compile=false", "device=cpu", "rollout.cuda_graphs=true"],
+     {"rollout.compile": False, "device": "cpu", "rollout.cuda_graphs": "true"}),
     (["sglang.url=http://gen-3:30000", "engine=sglang", "quant.fmt=fp8"],
      {"sglang.url": "http://gen-3:30000", "engine": "sglang", "quant.fmt": "fp8"}),
-    (["device=cuda:1", "slots=64", "worker_id=gpu-3", "log_level=debug", "no_learner_s=2"],
-     {"device": "cuda:1", "slots": 64, "worker_id": "gpu-3", "log_level": "DEBUG", "no_learner_s": 2.0}),
+    (["device=cuda:1", "rollout.worker_slots=64", "worker_id=gpu-3", "log_level=debug", "no_learner_s=2"],
+     {"device": "cuda:1", "rollout.worker_slots": 64, "worker_id": "gpu-3", "log_level": "DEBUG", "no_learner_s": 2.0}),
     (["sglang.model_path=/data/m", "transport.keys_dir=~/keys", "transport.key_name=gen", "log_dir="],
      {"sglang.model_path": "/data/m", "transport.keys_dir": "~/keys", "transport.key_name": "gen", "log_dir": ""}),
 ])
@@ -123,18 +124,20 @@ def test_the_command_lines_of_the_docs_and_tests_keep_their_meaning(settings, ex
 
 
 @pytest.mark.parametrize("settings, message", [
-    (["controller=tcp://h:1", "slotz=4"], "unknown configuration key 'slotz'.*did you mean slots\\?"),
+    (["controller=tcp://h:1", "slots=4"], "unknown configuration key 'slots'.*did you mean rollout.worker_slots\\?"),
+    (["controller=tcp://h:1", "decode_step=eager"], "did you mean rollout.decode_step\\?"),
     (["controller=tcp://h:1", "sglang.urll=x"], "did you mean sglang.url\\?.*`asyncrl worker --help`"),
-    (["controller=tcp://h:1", "compile"], "'compile' is not key=value"),
-    (["controller=tcp://h:1", "slots=many"], "slots=many is not an int; it must be a whole number.*allowed: >= 0"),
-    (["controller=tcp://h:1", "compile=maybe"], "compile=maybe is not a bool; allowed: true or false"),
-    (["controller=tcp://h:1", "slots=-1"], "slots=-1 must be >= 0"),
+    (["controller=tcp://h:1", "rollout.compile"], "'rollout.compile' is not key=value"),
+    (["controller=tcp://h:1", "rollout.worker_slots=many"],
+     "rollout.worker_slots=many is not an int; it must be a whole number.*allowed: >= 0"),
+    (["controller=tcp://h:1", "rollout.compile=maybe"], "rollout.compile=maybe is not a bool; allowed: true or false"),
+    (["controller=tcp://h:1", "rollout.worker_slots=-1"], "rollout.worker_slots=-1 must be >= 0"),
     (["controller=tcp://h:1", "sglang.startup_timeout_s=0"], "sglang.startup_timeout_s=0.0 must be > 0"),
     (["controller=tcp://h:1", "no_learner_s=nan"], "no_learner_s=nan is not a finite number"),
     (["controller=tcp://h:1", "device=gpu1"], "device='gpu1' is not a device; choose auto, cpu, cuda or cuda:N"),
     (["controller=tcp://h:1", "sglang.device=cuda:0"], "sglang.device='cuda:0' is not a device; choose auto, cpu or"),
     (["controller=tcp://h:1", "engine=vllm"], "engine='vllm' is not valid; choose one of: native, sglang"),
-    (["controller=tcp://h:1", "decode_step=fast"], "decode_step='fast' is not valid"),
+    (["controller=tcp://h:1", "rollout.decode_step=fast"], "rollout.decode_step='fast' is not valid"),
     (["controller=tcp://h:1", "quant.fmt=int3"], "quant.fmt='int3' is not valid"),
     (["controller=tcp://h:1", "engine=sglang", "quant.fmt=int8"], "start it with quant.fmt=fp32"),
     (["controller=tcp://h:1", "log_level=loud"], "log_level='LOUD' is not valid"),
@@ -172,8 +175,10 @@ def test_help_lists_every_key_with_its_meaning(command, schema, capsys):
 
 
 @pytest.mark.parametrize("entry, command, settings, message", [
-    (["-m", "asyncrl", "worker"], "worker", ["controller=tcp://127.0.0.1:9", "slotz=4"], "did you mean slots?"),
-    (["-m", "workers.generator"], "worker", ["controller=tcp://127.0.0.1:9", "slotz=4"], "did you mean slots?"),
+    (["-m", "asyncrl", "worker"], "worker", ["controller=tcp://127.0.0.1:9", "slots=4"],
+     "did you mean rollout.worker_slots?"),
+    (["-m", "workers.generator"], "worker", ["controller=tcp://127.0.0.1:9", "rollout.slotz=4"],
+     "did you mean rollout.worker_slots?"),
     (["-m", "asyncrl", "learner"], "learner", ["controller=tcp://127.0.0.1:9", "rundir=/r"], "did you mean run_dir?"),
 ])
 def test_a_role_command_with_a_bad_key_exits_2_saying_the_fix(procs, entry, command, settings, message):

@@ -107,6 +107,6 @@ del _name
 
 def __getattr__(name: str):
     raise AttributeError(
-        f"sgl_kernel.{name} is not provided by asyncrl's CPU stand-in (asyncrl/engine/sglang_cpu_kernels.py); "
+        f"sgl_kernel.{name} is not provided by asyncrl's CPU stand-in (asyncrl/engine/sglang/cpu_kernels.py); "
         "this SGLang code path needs the real sgl-kernel CPU build or a GPU"
     )

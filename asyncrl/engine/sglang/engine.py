@@ -1,10 +1,10 @@
 """SGLang rollout engine: the ``RolloutEngine`` Protocol over one SGLang 0.5.23 HTTP server.
 
 Owns: the request life cycle on the client side (queued here -> in flight as one ``/generate`` call ->
-finished), dispatch, and the any-thread control surface that records control operations. The mapping of
-requests and results onto SGLang's native API is ``asyncrl.engine.sglang_requests``; the ordered control
-channel that applies pause / resume / abort / weight updates / cache flush to the server is
-``asyncrl.engine.sglang_control``. docs/sglang.md is the long form.
+finished), dispatch, and the any-thread control surface, which records control operations in the engine's
+``control`` (``asyncrl.engine.sglang.control.ControlChannel``: the ordered channel that applies pause / resume /
+abort / weight updates / cache flush to the server, with the state of each). The mapping of requests and
+results onto SGLang's native API is ``asyncrl.engine.sglang.requests``. docs/sglang.md is the long form.
 
 Must never: wait without a timeout, block a caller other than ``generate``/``close`` on the server, kill a
 process it did not start, or label a token with a version the server did not report for it.
@@ -32,9 +32,9 @@ import numpy as np
 
 from asyncrl.constants import STARTUP_TIMEOUT_S
 from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
-from asyncrl.engine.sglang_control import Control, ControlChannel, WeightUpdate
-from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangRequestError
-from asyncrl.engine.sglang_requests import (
+from asyncrl.engine.sglang.control import Control, ControlChannel
+from asyncrl.engine.sglang.http import SGLangError, SGLangHTTP, SGLangRequestError
+from asyncrl.engine.sglang.requests import (
     Pending,
     cut_at_stop,
     model_eos_ids,
@@ -43,11 +43,11 @@ from asyncrl.engine.sglang_requests import (
     request_rid,
     stop_set,
 )
-from asyncrl.engine.sglang_server import SGLangServerProcess, start_server
-from asyncrl.engine.sglang_weights import prepare_update
+from asyncrl.engine.sglang.server import SGLangServerProcess, start_server
+from asyncrl.engine.sglang.weights import prepare_update
 
 
-class SGLangEngine(ControlChannel):
+class SGLangEngine:
     """``RolloutEngine`` over an SGLang server (see module docstring). Build with ``launch`` or ``attach``."""
 
     def __init__(
@@ -78,8 +78,6 @@ class SGLangEngine(ControlChannel):
         self.quant_format = quant_format
         self.max_batch_size = max_batch_size
         self.request_timeout_s = float(request_timeout_s)
-        self.max_chunk_bytes = int(max_chunk_bytes)
-        self.abort_retry_s = float(abort_retry_s)
         self.eos_token_ids = None if eos_token_ids is None else tuple(int(t) for t in eos_token_ids)
         info = self.http.get("/model_info")
         if not isinstance(info, dict) or not info.get("is_generation", False):
@@ -90,7 +88,6 @@ class SGLangEngine(ControlChannel):
         self.http.post(
             "/update_weight_version", {"new_version": str(int(version)), "abort_all_requests": False}
         )
-        self._version = int(version)
         self._token = hashlib.blake2b(f"{id(self)}{time.time_ns()}".encode(), digest_size=4).hexdigest()
 
         self._lock = threading.Lock()
@@ -99,16 +96,12 @@ class SGLangEngine(ControlChannel):
         self._inflight: dict[str, Pending] = {}  # sample id -> sent request
         self._live: set[str] = set()
         self._results: deque[GenResult] = deque()
-        self._aborts: set[str] = set()  # in flight, abort wanted, result not back yet
-        self._controls = deque()
         self._errors: deque[BaseException] = deque()
-        self._latest_version = self._version
-        self._paused = False  # what callers asked for
-        self._updates = 0  # weight updates queued or being applied: dispatch is held until they are done
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=max_batch_size, thread_name_prefix="sglang-gen")
-        self._control = threading.Thread(target=self._control_loop, name="sglang-control", daemon=True)
-        self._control.start()
+        self.control = ControlChannel(self.http, self._cond, version=int(version), errors=self._errors,
+                                      tp_size=int(self.server_info.get("tp_size", 1) or 1), dispatch=self._pump,
+                                      max_chunk_bytes=int(max_chunk_bytes), abort_retry_s=float(abort_retry_s))
 
     # ----------------------------------------------------------------- construction
 
@@ -190,15 +183,7 @@ class SGLangEngine(ControlChannel):
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed; build a new one")
-            if version <= self._latest_version:
-                raise ValueError(f"weight version {version} is not newer than {self._latest_version}")
-            kept: deque[Control | WeightUpdate] = deque(c for c in self._controls if not isinstance(c, WeightUpdate))
-            self._updates -= len(self._controls) - len(kept)
-            self._controls = kept
-            self._updates += 1
-            self._latest_version = version
-            self._controls.append(WeightUpdate(version, payload))
-            self._cond.notify_all()
+            self.control.update(version, payload)
 
     def abort(self, sample_ids: Sequence[str]) -> None:
         """Finish live samples with ``"abort"``: a queued one at once (no tokens), one in flight when SGLang
@@ -212,32 +197,22 @@ class SGLangEngine(ControlChannel):
                 else:
                     keep.append(p)
             self._queue = keep
-            hit = wanted & set(self._inflight) - self._aborts
-            if hit:
-                self._aborts |= hit
-                self._controls.append(Control.ABORT)
+            self.control.abort({s: self._inflight[s].rid for s in wanted & self._inflight.keys()})
             self._cond.notify_all()
 
     def pause(self) -> None:
         """No new tokens until ``resume``: SGLang pauses in place (KV kept), nothing new is sent."""
         with self._lock:
-            if not self._paused:
-                self._paused = True
-                self._controls.append(Control.PAUSE)
-                self._cond.notify_all()
+            self.control.set_paused(True)
 
     def resume(self) -> None:
         with self._lock:
-            if self._paused:
-                self._paused = False
-                self._controls.append(Control.RESUME)
-                self._cond.notify_all()
+            self.control.set_paused(False)
 
     def flush_cache(self) -> None:
         """Queue a ``/flush_cache`` (SGLang refuses it while requests run; the refusal is ignored)."""
         with self._lock:
-            self._controls.append(Control.FLUSH)
-            self._cond.notify_all()
+            self.control.push(Control.FLUSH)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Abort everything live (yielded as ``"abort"`` by the next ``generate``), wait up to ``timeout_s``
@@ -249,13 +224,12 @@ class SGLangEngine(ControlChannel):
             for p in list(self._queue):
                 self._finish_locked(p, [], [], [], "abort")
             self._queue.clear()
-            self._aborts |= set(self._inflight)
-            self._controls.extend((Control.RESUME_FOR_CLOSE, Control.ABORT, Control.STOP))
-            self._cond.notify_all()
+            self.control.aborts |= {s: p.rid for s, p in self._inflight.items()}
+            self.control.push(Control.RESUME_FOR_CLOSE, Control.ABORT, Control.STOP)
             deadline = time.monotonic() + timeout_s
             while self._inflight and self._cond.wait(max(0.0, deadline - time.monotonic())):
                 pass
-        self._control.join(timeout=max(1.0, deadline - time.monotonic()))
+        self.control.thread.join(timeout=max(1.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:  # whatever did not come back in time is still yielded, with no tokens
             for p in list(self._inflight.values()):
@@ -286,11 +260,11 @@ class SGLangEngine(ControlChannel):
     @property
     def version(self) -> int:
         """Version of the weights the server serves (pending updates not counted)."""
-        return self._version
+        return self.control.version
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self.control.paused
 
     def has_work(self) -> bool:
         with self._lock:
@@ -339,7 +313,7 @@ class SGLangEngine(ControlChannel):
         while (
             self._queue
             and len(self._inflight) < self.max_batch_size
-            and not (self._paused or self._updates or self._closed)
+            and not (self.control.paused or self.control.updates or self._closed)
         ):
             p = self._queue.popleft()
             p.t_sent = time.monotonic()
@@ -376,7 +350,7 @@ class SGLangEngine(ControlChannel):
         )
         self._live.discard(p.req.sample_id)
         self._inflight.pop(p.req.sample_id, None)
-        self._aborts.discard(p.req.sample_id)
+        self.control.aborts.pop(p.req.sample_id, None)
         self._cond.notify_all()
 
     def _run_one(self, p: Pending) -> None:

@@ -6,7 +6,7 @@ parsing of the answer into (tokens, behaviour log-probs, versions, finish reason
 stops on by default. Every field below was read in SGLang 0.5.23's source (entrypoints/http_server.py,
 managers/io_struct.py, layers/sampler.py, utils/weight_versions.py); docs/sglang.md is the long form.
 
-Must never: send anything, hold a lock or touch engine state (``asyncrl.engine.sglang`` owns the request
+Must never: send anything, hold a lock or touch engine state (``asyncrl.engine.sglang.engine`` owns the request
 life cycle); every function here is a pure mapping of its arguments (``model_eos_ids`` reads files).
 
 Mapping (SGLang 0.5.23):

@@ -4,7 +4,7 @@ Owns: the worker's outstanding samples (sample id -> group id, assigned and not 
 finished ones between the engine thread (which puts) and the comms thread (which sends), turning an
 assignment into engine requests, streaming each finished sample to the controller's sample socket at
 once, and the list of unfinished samples a leaving worker hands back in its ``Goodbye``.
-Never: talks to the engine or opens a socket itself (``workers/generator.py`` submits the requests and
+Never: talks to the engine or opens a socket itself (``workers/generator/process.py`` submits the requests and
 owns the sockets; the channel to send on is passed in).
 
 Invariants: a sample leaves this worker once, as a ``FinishedSample``, or is handed back; an aborted

@@ -1,10 +1,10 @@
 """Batched prefill/decode of a Hugging Face Llama/Qwen2/Qwen3/Mistral causal LM over a per-row KV cache.
 
 Owns: the eager forward pass the native engine runs (``DecoderRunner``: prefill of joining rows, and the
-reference decode step the static step of ``asyncrl.engine.static_step`` is tested against and that forward
+reference decode step the static step of ``asyncrl.engine.native.static_step`` is tested against and that forward
 AQN runs on), the per-layer maths both paths share (``qkv``: projections, Qwen3's per-head q/k norm, RoPE),
 and which HF configs it runs exactly (``native_unsupported_reason`` says why not). Row ``r`` of the cache
-(``asyncrl.engine.kv_cache.StaticKVCache``) belongs to one live sequence; sequences join by being prefilled
+(``asyncrl.engine.native.kv_cache.StaticKVCache``) belongs to one live sequence; sequences join by being prefilled
 into fresh rows and leave by ``move_row`` (the last row is moved into the hole), so the live batch is always
 rows ``[0, B)`` and requests can join and leave between decode steps.
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 import torch.nn.functional as F
 
-from asyncrl.engine.kv_cache import StaticKVCache
+from asyncrl.engine.native.kv_cache import StaticKVCache
 from asyncrl.models.prepare import NATIVE_MODEL_TYPES
 
 if TYPE_CHECKING:

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.constants import STARTUP_TIMEOUT_S
-from asyncrl.engine.sglang_http import SGLangError, SGLangHTTP, SGLangUnavailableError
+from asyncrl.engine.sglang.http import SGLangError, SGLangHTTP, SGLangUnavailableError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SGLANG_PYTHON_ENV = "ASYNCRL_SGLANG_PYTHON"
 """Interpreter with SGLang installed (e.g. ``.cache/sglang-venv/bin/python``); default: this one."""
 
@@ -45,9 +45,9 @@ SERVING_FLAGS: dict[str, tuple[str, ...]] = {
     "fp8": ("--dtype", "bfloat16", "--quantization", "fp8", "--load-format", "flash_rl"),
 }
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule")
-_SHIM_INIT = '''"""sgl_kernel stand-in written by asyncrl (asyncrl/engine/sglang_server.py); see sglang_cpu_kernels."""
-from asyncrl.engine.sglang_cpu_kernels import *  # noqa: F401,F403
-from asyncrl.engine.sglang_cpu_kernels import __getattr__, __version__  # noqa: F401
+_SHIM_INIT = '''"""sgl_kernel stand-in written by asyncrl (asyncrl/engine/sglang/server.py); see its cpu_kernels.py."""
+from asyncrl.engine.sglang.cpu_kernels import *  # noqa: F401,F403
+from asyncrl.engine.sglang.cpu_kernels import __getattr__, __version__  # noqa: F401
 '''
 
 
@@ -116,7 +116,7 @@ def cpu_env(base: dict[str, str] | None = None, shim_dir: str | Path | None = No
     """Environment for a CPU server: ``SGLANG_USE_CPU_ENGINE=1`` and the ``sgl_kernel`` stand-in on the path.
 
     The stand-in package is written to ``shim_dir`` (default: a fresh temporary folder); it only re-exports
-    ``asyncrl.engine.sglang_cpu_kernels``, so the repository root is put on ``PYTHONPATH`` too.
+    ``asyncrl.engine.sglang.cpu_kernels``, so the repository root is put on ``PYTHONPATH`` too.
     """
     env = dict(os.environ if base is None else base)
     root = Path(shim_dir) if shim_dir is not None else Path(tempfile.mkdtemp(prefix="asyncrl-sglcpu-"))

@@ -3,11 +3,11 @@
 Owns: the request life cycle (queued -> live row -> finished), the step loop, the thread-safe control
 surface (submit / update_weights / abort / pause / resume / close), the bookkeeping of every sampled
 token's behaviour log-prob and policy version, and the choice of decode path per step: the static step
-(``asyncrl.engine.static_step``, optionally as CUDA graphs) for a natively supported model, the eager
-reference path (``asyncrl.engine.forward.eager_forward``) with ``decode_step="eager"`` or forward AQN.
-Row state, the checks on submitted requests and batch admission are ``asyncrl.engine.rows``; taking new weights
-(``update_weights``, ``load_stream``) is ``asyncrl.engine.weight_updates``; what a weight load changes besides
-the weights (forward AQN, captured graphs' addresses) is ``asyncrl.engine.swap_state``.
+(``asyncrl.engine.native.static_step``, optionally as CUDA graphs) for a natively supported model, the eager
+reference path (``asyncrl.engine.native.forward.eager_forward``) with ``decode_step="eager"`` or forward AQN.
+Row state, the checks on submitted requests and batch admission are ``asyncrl.engine.native.rows``; the weight
+state (the version served, updates handed over, what a load changes besides the weights) is the engine's
+``weights``, a ``asyncrl.engine.native.weight_updates.WeightUpdates``.
 
 Must never: import zmq/msgspec or know about controllers and workers; call ``torch.manual_seed`` or use the
 global RNG (sampling randomness comes from ``sampling.request_uniform``); hold ``_lock`` while running the
@@ -32,11 +32,12 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,21 +45,20 @@ import torch
 
 from asyncrl.constants import DECODE_STEPS
 from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
-from asyncrl.engine.decoder import decoder_view
-from asyncrl.engine.forward import eager_forward, static_forward
-from asyncrl.engine.hf_runner import build_runner, fallback_reason
-from asyncrl.engine.rows import Seq, model_eos_ids, new_rows, own_memory, split_aborted, take_admissible
-from asyncrl.engine.static_step import StaticStep
-from asyncrl.engine.step_graphs import resolve_cuda_graphs
-from asyncrl.engine.swap_state import SwapState
-from asyncrl.engine.weight_updates import WeightUpdates
-from asyncrl.engine.weights import QUANT_FORMATS, quantize_actor
+from asyncrl.engine.native.decoder import decoder_view
+from asyncrl.engine.native.forward import eager_forward, static_forward
+from asyncrl.engine.native.hf_runner import build_runner, fallback_reason
+from asyncrl.engine.native.rows import Seq, model_eos_ids, new_rows, split_aborted, take_admissible
+from asyncrl.engine.native.static_step import StaticStep
+from asyncrl.engine.native.step_graphs import resolve_cuda_graphs
+from asyncrl.engine.native.weight_updates import WeightUpdates
+from asyncrl.engine.native.weights import QUANT_FORMATS, check_weights, quantize_actor
 from asyncrl.quant import QuantLinear
 
 log = logging.getLogger(__name__)
 
 
-class NativeEngine(WeightUpdates):
+class NativeEngine:
     """``RolloutEngine`` for HF Llama/Qwen2/Qwen3/Mistral causal LMs on CPU or one GPU (see module docstring)."""
 
     def __init__(
@@ -85,7 +85,7 @@ class NativeEngine(WeightUpdates):
 
         ``num_threads``: torch intra-op threads for this process (None leaves torch's setting alone).
         ``eos_token_ids``: default stop tokens (requests with ``stop_token_ids=None``); default = model's EOS.
-        ``decode_step``: ``static`` (``asyncrl.engine.static_step``: static shapes, no host sync), ``eager``
+        ``decode_step``: ``static`` (``asyncrl.engine.native.static_step``: static shapes, no host sync), ``eager``
         (``DecoderRunner.decode``: the reference), ``auto`` = static for a natively supported model.
         ``cuda_graphs``: ``auto`` (on for CUDA), ``true`` (CUDA only, else ``ValueError``), ``false``: replay
         the static step per batch/length bucket as CUDA graphs. ``compile_step``: ``torch.compile`` the
@@ -127,20 +127,15 @@ class NativeEngine(WeightUpdates):
         elif graphs and str(cuda_graphs).lower() == "true":
             why = "drop decode_step=eager" if reason is None else f"this model runs on the HF fallback ({reason})"
             raise ValueError(f"cuda_graphs=true replays the static decode step; {why}")
-        self._swap = SwapState(model)  # forward AQN and graph addresses, kept across weight loads
-        self._version = int(version)
         self._eager_notice = False
 
         self._lock = threading.Lock()
+        self.weights = WeightUpdates(model, quant_format, version, self._lock)
         self._wake = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
         self._inbox: deque[Seq] = deque()
         self._live_ids: set[str] = set()
         self._aborts: set[str] = set()
-        # updates not yet applied, in order: a full version replaces them all, a delta (its base the one
-        # before it) is applied after them
-        self._pending_weights: list[tuple[int, Any]] = []
-        self._delta_failed = False  # a delta did not apply: the holder must fetch a version whole
         self._paused = False
         self._closed = False
         self._active: list[Seq] = []  # row r of the KV cache <-> _active[r]; engine thread only
@@ -151,6 +146,8 @@ class NativeEngine(WeightUpdates):
     ) -> NativeEngine:
         """Load an HF folder (config + safetensors) and build an engine; ``kwargs`` go to ``__init__``."""
         from transformers import AutoModelForCausalLM
+
+        from asyncrl.engine.native.rows import own_memory
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         engine = cls(model, **kwargs)
@@ -183,6 +180,52 @@ class NativeEngine(WeightUpdates):
             self._aborts |= set(sample_ids) & self._live_ids
             self._wake.notify_all()
 
+    def update_weights(self, version: int, weights: Any) -> None:
+        """Record weights for ``version``; they are swapped in at the next step boundary.
+
+        ``weights``: a ``PublishedWeights`` from ``asyncrl.quant.publish`` in this engine's format, a
+        ``PublishedDelta`` from the version handed over before it (``asyncrl.quant.make_delta``), or a plain
+        state dict (fp32 engine: loaded as is; quantized engine: quantized here). If several full updates
+        arrive before a boundary only the newest is applied; deltas queued after it are applied in order.
+        ``version`` must exceed every earlier one.
+        """
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        with self._lock:
+            model = self._model
+        if model is None:
+            raise EngineClosedError("engine is closed; build a new one")
+        check_weights(weights, self.quant_format, model)
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("engine is closed; build a new one")
+            self.weights.record(version, weights)
+            self._wake.notify_all()
+
+    def load_stream(self, version: int, buckets: Iterable[Any]) -> Any:
+        """Load ``version`` as its buckets arrive (``buckets``: a ``WeightClient.stream``), on the calling thread,
+        at a step boundary: the first bucket is received while the engine decodes, then the load waits for the step
+        in progress and no forward runs until it ends (a token is never drawn from half a version), so the receive
+        buffers held are one bucket's instead of a model's. On any error (a check, a torn transfer) the weights are
+        the version before, bit for bit, and it propagates. Returns the ``asyncrl.quant.LoadedVersion``. Weights
+        handed to ``update_weights`` must be applied first."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        rest = iter(buckets)
+        first = next(rest, None)  # taken before the boundary: a version of one bucket stops decoding only to load
+        if first is not None:
+            rest = itertools.chain([first], rest)
+            del first
+        with self._step_lock:
+            with self._lock:
+                if self._closed or self._model is None:
+                    raise EngineClosedError("engine is closed; build a new one")
+            return self.weights.stream(self._model, version, rest, self._static)
+
+    def take_delta_failure(self) -> bool:
+        """True once after a delta failed to apply (the engine kept its version; fetch the next one whole)."""
+        return self.weights.take_delta_failure()
+
     def pause(self) -> None:
         """After the step in progress, run no forward until ``resume``; queued and live samples are kept."""
         with self._lock:
@@ -201,7 +244,7 @@ class NativeEngine(WeightUpdates):
         """
         with self._lock:
             self._closed = True
-            self._pending_weights = []
+            self.weights.pending = []
             self._wake.notify_all()
         with self._step_lock:
             if self._runner is not None:
@@ -234,7 +277,7 @@ class NativeEngine(WeightUpdates):
     @property
     def version(self) -> int:
         """Version of the weights the next forward will use (pending updates not counted)."""
-        return self._version
+        return self.weights.version
 
     @property
     def paused(self) -> bool:
@@ -287,7 +330,7 @@ class NativeEngine(WeightUpdates):
         the previous version and the next ``step`` carries on.
         """
         with self._step_lock:
-            self._apply_pending_weights()
+            self.weights.apply_pending(self._model, self._static)
             finished: list[GenResult] = []
             with self._lock:
                 aborts, self._aborts = self._aborts, set()
@@ -313,13 +356,13 @@ class NativeEngine(WeightUpdates):
 
     def _runnable(self) -> bool:
         """Under ``_lock``: is there anything for ``step`` to do?"""
-        if self._closed or self._aborts or self._pending_weights:
+        if self._closed or self._aborts or self.weights.pending:
             return True
         return not self._paused and bool(self._inbox or self._active)
 
     def _forward_and_sample(self, admitted: list[Seq], finished: list[GenResult]) -> None:
         assert self._runner is not None
-        aqn = self._swap.forward_aqn()
+        aqn = self.weights.swap.forward_aqn()
         if self._static is not None and aqn is None:
             tokens, behav = static_forward(self._static, self._runner, self._active, admitted, self._join)
         else:
@@ -332,7 +375,7 @@ class NativeEngine(WeightUpdates):
         now = time.monotonic()
         done: list[tuple[int, str]] = []
         for row, s in enumerate(self._active):
-            reason = s.record(tokens[row], behav[row], self._version, now)
+            reason = s.record(tokens[row], behav[row], self.weights.version, now)
             if reason is not None:
                 done.append((row, reason))
         for row, reason in reversed(done):

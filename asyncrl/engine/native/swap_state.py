@@ -4,7 +4,7 @@ Owns: ``SwapState`` -- the per-forward AQN noise of the version just loaded (``a
 built on first use, for a publication with ``aqn_resample="forward"``) and the weights' addresses that
 captured decode graphs read (a load that moved a tensor drops the graphs, which are then captured again).
 
-Must never: load weights (``asyncrl.engine.weights.apply_weights`` does, before ``loaded`` is called), take
+Must never: load weights (``asyncrl.engine.native.weights.apply_weights`` does, before ``loaded`` is called), take
 an engine lock, or run anywhere but on the engine thread at a step boundary (``NativeEngine.step``).
 
 Invariant: after ``loaded``, ``pointers`` are the addresses of the model's parameters and buffers, and
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.engine.static_step import StaticStep
-from asyncrl.engine.step_graphs import tensor_pointers
+from asyncrl.engine.native.static_step import StaticStep
+from asyncrl.engine.native.step_graphs import tensor_pointers
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The native engine's K/V storage: one tensor per engine, ``kv[n_layers, 2, rows, n_kv_heads, cap_len, head_dim]``.
 
 Owns: the single K/V allocation both decode paths (the eager ``DecoderRunner`` and the static step of
-``asyncrl.engine.static_step``) read and write, its sizing, and moving a row.
+``asyncrl.engine.native.static_step``) read and write, its sizing, and moving a row.
 
 Must never: grow or reallocate inside a forward (``reserve`` is called between steps, at a step boundary),
 know about requests, or sample.

@@ -1,6 +1,6 @@
 """The two ways one engine step turns live and joining rows into sampled tokens: static and eager.
 
-Owns: ``static_forward`` (the static step of ``asyncrl.engine.static_step`` for the live rows, eager prefill
+Owns: ``static_forward`` (the static step of ``asyncrl.engine.native.static_step`` for the live rows, eager prefill
 plus static sampling for the joining rows, one device-to-host copy) and ``eager_forward`` (the reference:
 ``DecoderRunner.decode`` + prefill, ``sampling.processed_logprobs`` + ``sampling.sample_tokens``; forward
 AQN runs here).
@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncrl.engine.decoder import DecoderRunner
-from asyncrl.engine.rows import Seq
-from asyncrl.engine.sampling import processed_logprobs, request_uniform, sample_tokens
-from asyncrl.engine.static_step import RowState, StaticStep, row_truncates
+from asyncrl.engine.native.decoder import DecoderRunner
+from asyncrl.engine.native.rows import Seq
+from asyncrl.engine.native.sampling import processed_logprobs, request_uniform, sample_tokens
+from asyncrl.engine.native.static_step import RowState, StaticStep, row_truncates
 
 Join = Callable[[list[Seq]], int]
 

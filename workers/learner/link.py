@@ -8,7 +8,7 @@ while a batch request goes unanswered for ``PROBE_S``), and goes on if the contr
 the controller refuses it (it resumed from an older checkpoint than this learner's state) or stays
 silent for ``CONTROLLER_SILENT_S``, the learner stops with ``lost`` set to one line that says what to
 restart, instead of a traceback or an endless wait.
-Never: trains, publishes weights or touches torch (``workers/learner.py``).
+Never: trains, publishes weights or touches torch (``workers/learner/process.py``).
 
 Invariant: the learner trains only on batches the controller logged for the step it asks for; a
 duplicate of an earlier batch (a request sent again while its answer was on the way) is dropped.

@@ -215,7 +215,7 @@ def native_gaps(model: torch.nn.Module) -> list[str]:
     that owns parameters or buffers. A skipped module (a router, an extra norm) means the native forward is
     not the model's forward. Call it on the model as loaded (before ``quantize_actor`` rewrites its linears)
     and only for a config whose ``native_unsupported_reason`` is None."""
-    from asyncrl.engine.decoder import DecoderRunner
+    from asyncrl.engine.native.decoder import DecoderRunner
 
     owners = [name for name, m in model.named_modules() if _holds_tensors(m)]
     called: set[str] = set()
@@ -239,7 +239,7 @@ def fallback_reason(model: torch.nn.Module, max_len: int) -> str | None:
     """``None`` when the native decoder is exact for ``model`` (``native_unsupported_reason`` is None for its config
     at ``max_len`` and its forward calls every module that holds weights), else why the model needs the HF
     fallback."""
-    from asyncrl.engine.decoder import native_unsupported_reason
+    from asyncrl.engine.native.decoder import native_unsupported_reason
 
     reason = native_unsupported_reason(model.config, max_len)
     if reason is None:
@@ -251,7 +251,7 @@ def fallback_reason(model: torch.nn.Module, max_len: int) -> str | None:
 def build_runner(model: torch.nn.Module, max_rows: int, max_len: int, reason: str | None) -> Any:
     """The native ``DecoderRunner`` when ``reason`` (``fallback_reason`` of the model as loaded) is ``None``,
     else ``HFRunner``; the fallback is announced once per model type."""
-    from asyncrl.engine.decoder import DecoderRunner
+    from asyncrl.engine.native.decoder import DecoderRunner
 
     if reason is None:
         return DecoderRunner(model, max_rows, max_len)

@@ -11,7 +11,7 @@ construction, know about requests, or draw randomness (the uniforms come from th
 ``sampling.request_uniform``).
 
 Invariants:
-  * a step runs a padded batch of ``rows`` (a bucket, ``asyncrl.engine.step_graphs``; the exact batch
+  * a step runs a padded batch of ``rows`` (a bucket, ``asyncrl.engine.native.step_graphs``; the exact batch
     when nothing is captured or compiled, ``pad``) over an attention span of ``length`` positions; padding rows have ``live = False``, ``tok = pos = 0``, ``greedy`` on, write
     K/V only into their own unused rows (re-prefilled before use) and their outputs are never read;
   * the step feeds ``tok[r]`` at ``pos[r]``, then writes ``out[:, r]`` and, for live rows, ``tok[r] = next``
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.engine.decoder import DecoderRunner, attend_one, qkv
-from asyncrl.engine.sampling import sample_static
-from asyncrl.engine.step_graphs import StepGraphs, batch_bucket, length_bucket
+from asyncrl.engine.native.decoder import DecoderRunner, attend_one, qkv
+from asyncrl.engine.native.sampling import sample_static
+from asyncrl.engine.native.step_graphs import StepGraphs, batch_bucket, length_bucket
 
 _FIELDS = ("tok", "pos", "temp", "greedy", "live", "top_k", "top_p", "trunc", "u", "plen")
 _F = {name: i for i, name in enumerate(_FIELDS)}

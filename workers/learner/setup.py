@@ -4,7 +4,7 @@ Owns: the allocator and kernel-cache bounds set before any tensor exists, the pr
 (``init_distributed``), threads and seed (``start_rank``); the policy loaded from the model folder in
 fp32, UAQ folded, sharded with FSDP2, with LoRA adapters, the frozen KL reference and the rollout-aligned
 forward when asked (``load_policy``); the optimizer, learning-rate schedule and the resumed checkpoint (``training_state``).
-Never: opens a socket, talks to the controller or runs a step (``workers/learner.py``).
+Never: opens a socket, talks to the controller or runs a step (``workers/learner/process.py``).
 
 Invariant: every rank builds the same things in the same order (each of these is collective where the
 policy is sharded), and a resumed rank starts from the verified checkpoint the controller also chose.

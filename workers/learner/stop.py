@@ -4,7 +4,7 @@ Owns: ``StopRequest``, the event every part of a learner rank reads to stop at t
 SIGINT, which it names, or by rank 0's controller link when the controller is lost), and ``stopped_line``, the
 one line rank 0 logs last after a stop that a signal asked for: the version, and the checkpoint a learner
 started again resumes from (docs/cluster.md, "Recovery").
-Never: installs a handler itself (``workers/learner.py`` does, for its rank) or touches torch.
+Never: installs a handler itself (``workers/learner/process.py`` does, for its rank) or touches torch.
 """
 
 from __future__ import annotations

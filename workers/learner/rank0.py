@@ -4,7 +4,7 @@ published format, whole, as a delta and in buckets, with per-publication diagnos
 
 Owns: what a publication and an evaluation cost and log (``quant/*``, ``weights/*``, ``aqn/sigma``,
 ``time/publish_s``; ``eval/*``). Never: trains, talks to the controller, or keeps a copy of the policy between
-steps (``workers/learner.py`` hands each the state dict of the version and drops it).
+steps (``workers/learner/process.py`` hands each the state dict of the version and drops it).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Evaluator:
         """``buffers``: the policy's non-parameter tensors (rotary tables), by the base model's names."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from asyncrl.engine.native import NativeEngine
+        from asyncrl.engine.native.engine import NativeEngine
         from asyncrl.learner.evaluate import evaluate_greedy
 
         config = AutoConfig.from_pretrained(self.model_dir)

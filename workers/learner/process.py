@@ -1,4 +1,4 @@
-"""Learner process (torchrun entry): ``torchrun --nproc_per_node=W workers/learner.py --run-dir RUN``.
+"""Learner process (torchrun entry): ``torchrun --nproc_per_node=W -m workers.learner --run-dir RUN``.
 
 Every rank trains the FSDP2-sharded policy; rank 0 alone talks to the controller (batches in,
 versions out), serves weights (quantize-on-send, every format the run publishes) and evaluates.
@@ -7,9 +7,9 @@ One step (docs/algorithms.md §10): rank 0 asks for batch k and broadcasts it; e
 the new version k+1 is gathered, published, announced to the controller; every ``ckpt_every``
 steps a DCP checkpoint is written (all ranks).
 ``main`` is two parts: ``build`` puts one rank's job together (configuration, process group, policy,
-optimizer and resumed state from ``workers/learner_setup.py``; on rank 0 the batch source of
-``workers/learner_link.py``, the weight server, and the publisher and evaluator of
-``workers/learner_rank0.py``) into a ``Learner``, and ``Learner.train`` runs the step loop to its end.
+optimizer and resumed state from ``workers/learner/setup.py``; on rank 0 the batch source of
+``workers/learner/link.py``, the weight server, and the publisher and evaluator of
+``workers/learner/rank0.py``) into a ``Learner``, and ``Learner.train`` runs the step loop to its end.
 Only here: argv, sockets, the process loop. The math is in ``asyncrl.learner`` and ``asyncrl.algo``.
 """
 
@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,10 +53,10 @@ from asyncrl.transport import (
     check_bind_security,
     server_curve,
 )
-from workers.learner_link import ControllerSource, ReplaySource
-from workers.learner_rank0 import Evaluator, Publisher
-from workers.learner_setup import Policy, Rank, load_policy, start_rank, training_state
-from workers.learner_stop import StopRequest, stopped_line
+from workers.learner.link import ControllerSource, ReplaySource
+from workers.learner.rank0 import Evaluator, Publisher
+from workers.learner.setup import Policy, Rank, load_policy, start_rank, training_state
+from workers.learner.stop import StopRequest, stopped_line
 from workers.run_config import read_run_config
 
 log = logging.getLogger("asyncrl.learner")
@@ -72,7 +71,7 @@ def batch_from_message(msg: P.TrainBatch, temperature: float, pad_id: int) -> Le
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="workers/learner.py")
+    ap = argparse.ArgumentParser(prog="python -m workers.learner")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--controller", default="", help="controller address (training)")
@@ -319,9 +318,3 @@ def _agree(flag: bool, info) -> bool:
     if info.world_size > 1:
         torch.distributed.broadcast(t, src=0)
     return bool(int(t))
-
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    raise SystemExit(main())

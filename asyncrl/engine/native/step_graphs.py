@@ -12,7 +12,7 @@ Invariants:
     with graphs on, then captures it into the one memory pool every graph of the engine shares; later uses
     replay it; a capture that fails turns graphs off for the engine, with one warning, and steps run eagerly;
   * graphs hold pointers: ``invalidate`` drops them all when the K/V storage is reallocated or a weight
-    load moved a parameter (``asyncrl.engine.kv_cache.StaticKVCache.generation``, ``tensor_pointers``).
+    load moved a parameter (``asyncrl.engine.native.kv_cache.StaticKVCache.generation``, ``tensor_pointers``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A generation worker's command line and what it derives from it (``workers/generator.py`` runs it).
+"""A generation worker's command line and what it derives from it (``workers/generator/process.py`` runs it).
 
 Owns: ``parse_args`` (``asyncrl worker key=value ...`` -> a checked ``WorkerRoleConfig``, parsed by
 ``asyncrl.config.roles.parse_role`` like ``asyncrl train``'s overrides; ``--help``: ``workers.role_cli.role_argv``), the ``EngineSpec`` a worker builds from the run's ``WorkerSetup`` and its own settings, and
@@ -31,8 +31,8 @@ def engine_spec(setup: P.WorkerSetup, role: WorkerRoleConfig, *, fmt: str, slots
     """The engine a worker builds from the run's ``WorkerSetup`` and its own settings (``fmt`` and ``slots``:
     what the controller granted it)."""
     return EngineSpec(kind=role.engine, quant_format=fmt, device=role.device, slots=slots,
-                      quantize_head=setup.quantize_head, decode_step=role.decode_step, cuda_graphs=role.cuda_graphs,
-                      compile_step=role.compile, eos_token_ids=list(setup.eos_token_ids),
+                      quantize_head=setup.quantize_head, decode_step=role.rollout.decode_step,
+                      cuda_graphs=role.rollout.cuda_graphs, compile_step=role.rollout.compile, eos_token_ids=list(setup.eos_token_ids),
                       max_seq_len=setup.max_seq_len, model_config_json=setup.model_config,
                       model_path=role.sglang.model_path or setup.model_dir, sglang=server_settings(role.sglang),
                       log_dir=role.log_dir)

@@ -1,0 +1,1 @@
+"""The native torch rollout engine (``engine.NativeEngine``) and its parts (docs/engine.md)."""

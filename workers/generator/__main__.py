@@ -1,0 +1,3 @@
+from workers.generator.process import main
+
+raise SystemExit(main())

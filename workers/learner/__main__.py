@@ -1,0 +1,3 @@
+from workers.learner.process import main
+
+raise SystemExit(main())
