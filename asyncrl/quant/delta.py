@@ -55,18 +55,20 @@ COMPARE_WORDS = 1 << 19
 
 def changed_elements(old: np.ndarray, new: np.ndarray, limit: int) -> np.ndarray | None:
     """The flat indices (int64, ascending) of the elements where ``new`` differs from ``old`` (1-D, the same
-    integer dtype, so elements compare by their bits), or None as soon as more than ``limit`` do.
+    integer dtype, so elements compare by their bits), or None when more than ``limit`` do.
 
     An RL step flips a few codes in a thousand, so the arrays are compared 8 bytes at a time (a chunk of
     words at a time into one mask) and only the words that differ are looked into, element by element: the
-    bytes of the words' XOR that are not zero. A tensor most of whose elements change (an fp32 tensor the
-    optimiser moved everywhere) is given up on at the first chunk whose changed words pass ``limit``."""
+    bytes of the words' XOR that are not zero. A chunk where more than a quarter of the words differ (an fp32
+    tensor the optimiser moved everywhere) is only counted, element by element, and its indices are found at
+    the end if the count stays within ``limit``: a tensor that travels whole costs one comparison."""
     size = old.itemsize
     per = 8 // size if size < 8 else 1
     head = old.size - old.size % per
     words_old, words_new = old[:head].view(np.uint64), new[:head].view(np.uint64)
     mask = np.empty(min(COMPARE_WORDS, words_old.size), dtype=bool)
-    parts: list[np.ndarray] = []
+    parts: list[tuple[int, np.ndarray]] = []
+    dense: list[tuple[int, int]] = []  # element ranges counted, their indices found at the end
     count = 0
     for a in range(0, words_old.size, COMPARE_WORDS):
         b = min(words_old.size, a + COMPARE_WORDS)
@@ -75,16 +77,23 @@ def changed_elements(old: np.ndarray, new: np.ndarray, limit: int) -> np.ndarray
         words = np.flatnonzero(m)
         if not words.size:
             continue
-        count += words.size  # a lower bound on the changed elements: each such word holds one at least
+        if 4 * words.size > b - a:
+            count += int(np.count_nonzero(old[a * per:b * per] != new[a * per:b * per]))
+            dense.append((a * per, b * per))
+        else:
+            words += a
+            xor = (words_old[words] ^ words_new[words]).view(old.dtype).reshape(-1, per)
+            row, col = np.nonzero(xor)
+            parts.append((a * per, words[row] * per + col))
+            count += row.size
         if count > limit:
             return None
-        words += a
-        xor = (words_old[words] ^ words_new[words]).view(old.dtype).reshape(-1, per)
-        row, col = np.nonzero(xor)
-        parts.append(words[row] * per + col)
     tail = np.flatnonzero(old[head:] != new[head:]) + head
-    idx = np.concatenate([*parts, tail]) if parts else tail
-    return None if idx.size > limit else idx.astype(np.int64, copy=False)
+    if count + tail.size > limit:
+        return None
+    parts += [(lo, np.flatnonzero(old[lo:hi] != new[lo:hi]) + lo) for lo, hi in dense]
+    parts.sort(key=lambda p: p[0])
+    return np.concatenate([p for _, p in parts] + [tail]).astype(np.int64, copy=False)
 
 
 @dataclass

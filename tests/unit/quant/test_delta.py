@@ -159,3 +159,22 @@ def test_changed_elements_finds_exactly_the_elements_that_differ(dtype, n, monke
     if expected.size:
         assert delta_mod.changed_elements(old, new, limit=expected.size - 1) is None
         assert np.array_equal(delta_mod.changed_elements(old, new, limit=expected.size), expected)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32"])
+def test_changed_elements_counts_a_mostly_changed_chunk_and_still_finds_its_elements(dtype, monkeypatch):
+    """Chunks where most words differ are counted first and searched at the end: the same indices, in order,
+    beside sparse chunks; and None once the count passes the limit."""
+    import numpy as np
+
+    from asyncrl.quant import delta as delta_mod
+
+    monkeypatch.setattr(delta_mod, "COMPARE_WORDS", 16)
+    rng = np.random.default_rng(1)
+    old = rng.integers(-100, 100, 1003).astype(dtype)
+    new = old.copy()
+    new[200:600] += 1  # dense chunks in the middle
+    new[[3, 900, 1001]] += 1  # sparse ones around them, and the tail
+    expected = np.flatnonzero(old != new)
+    assert np.array_equal(delta_mod.changed_elements(old, new, limit=expected.size), expected)
+    assert delta_mod.changed_elements(old, new, limit=expected.size - 1) is None
