@@ -102,7 +102,7 @@ binds transport.host:transport.port, prints its addresses, then serves until the
 
   asyncrl controller transport.host=0.0.0.0 transport.port=5555 transport.keys_dir=keys/ [key=value ...]
   asyncrl torchrun --nnodes=N ... -m asyncrl learner controller=tcp://THIS_HOST:5555  (training nodes)
-  asyncrl worker controller=tcp://THIS_HOST:5555 [engine=sglang ...]             (generation nodes)
+  asyncrl worker controller=tcp://THIS_HOST:5555 [rollout.engine=sglang ...]     (generation nodes)
 
 Put the run folder (runs_dir) on a filesystem the learner nodes share: both write checkpoints into it."""
 

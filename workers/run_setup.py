@@ -60,5 +60,5 @@ def announce(addresses: dict[str, str], run_dir: Path) -> None:
     ctl = addresses["control"]
     print(json.dumps({"control": ctl, "samples": addresses["samples"], "run_dir": str(run_dir)}), flush=True)
     print(f"learner: asyncrl torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
-          f"-m asyncrl learner controller={ctl}\nworkers: asyncrl worker controller={ctl} [engine=sglang ...]",
+          f"-m asyncrl learner controller={ctl}\nworkers: asyncrl worker controller={ctl} [rollout.engine=sglang ...]",
           flush=True)

@@ -3,7 +3,7 @@
 Owns: the one parser of device strings (``parse_device``) and its one refusal message: ``auto`` (a GPU
 when one is visible, else the CPU), ``cpu``, ``cuda`` (any GPU) and, where a key allows pinning,
 ``cuda:N`` (GPU index N of the ones visible). ``rollout.device``, ``learner.device``, ``sglang.device``,
-the worker's ``device=``, the engine factory's ``resolve_device`` and the launcher's GPU placement all
+the worker's ``rollout.device=``, the engine factory's ``resolve_device`` and the launcher's GPU placement all
 read device strings through it.
 Never: imports torch or asks which GPUs exist (``asyncrl.engine.factory.resolve_device`` does that,
 after parsing here).

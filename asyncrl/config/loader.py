@@ -44,12 +44,15 @@ def schema_keys(schema: type = TrainConfig, prefix: str = "") -> dict[str, type 
 
 def nearest_key(key: str, known: Sequence[str]) -> str | None:
     """The valid key closest to ``key`` (same section first, then by leaf name, then anywhere); a leaf that only
-    lacks a prefix (``slots`` of ``rollout.worker_slots``) is close."""
+    lacks a prefix (``slots`` of ``rollout.worker_slots``) is close. Of keys sharing a leaf name the first in
+    ``known`` (schema order) is named: a worker's ``device`` is ``rollout.device``, not ``sglang.device``."""
     section, _, leaf = key.rpartition(".")
     same = [k for k in known if k.rpartition(".")[0] == section]
     for pool, word, name in ((same, key, lambda k: k), (list(known), leaf, lambda k: k.rpartition(".")[2]),
                              (list(known), key, lambda k: k)):
-        names = {name(k): k for k in pool}
+        names: dict[str, str] = {}
+        for k in pool:
+            names.setdefault(name(k), k)
         hit = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
         if hit:
             return names[hit[0]]

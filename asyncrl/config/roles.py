@@ -63,6 +63,10 @@ class RoleQuantConfig:
 
 @dataclass(kw_only=True)
 class RoleRolloutConfig:
+    engine: str = "native"
+    """``native|sglang``: rollout engine (default native)."""
+    device: str = "auto"
+    """``auto|cpu|cuda[:N]``: native engine device (default auto: a GPU when one is visible)."""
     worker_slots: int = 0
     """``N``: concurrent samples (0: the run's rollout.worker_slots)."""
     decode_step: str = "auto"
@@ -89,10 +93,6 @@ class WorkerRoleConfig:
     """``tcp://HOST:PORT``: required; the address `asyncrl train` / `asyncrl controller` prints."""
     worker_id: str = ""
     """``NAME``: this worker's name in the controller's logs and metrics (default: host-pid)."""
-    engine: str = "native"
-    """``native|sglang``: rollout engine (default native)."""
-    device: str = "auto"
-    """``auto|cpu|cuda[:N]``: native engine device (default auto: a GPU when one is visible)."""
     drain_s: float = 10.0
     """``S``: on SIGTERM or Shutdown, how long in-flight samples may finish before the rest is aborted and
     handed back."""
@@ -195,8 +195,8 @@ def check_worker_role(cfg: WorkerRoleConfig) -> WorkerRoleConfig:
     if not cfg.controller:
         raise ValueError("controller=tcp://HOST:PORT is required (printed by `asyncrl train` at start)")
     check_ranges(cfg, WORKER_RANGES)
-    require_choice("engine", cfg.engine, ENGINES)
-    parse_device(cfg.device, key="device")
+    require_choice("rollout.engine", cfg.rollout.engine, ENGINES)
+    parse_device(cfg.rollout.device, key="rollout.device")
     parse_device(cfg.sglang.device, key="sglang.device", indexed=False)
     require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
     cfg.rollout.cuda_graphs = cfg.rollout.cuda_graphs.lower()
@@ -205,7 +205,7 @@ def check_worker_role(cfg: WorkerRoleConfig) -> WorkerRoleConfig:
     require_choice("log_level", cfg.log_level, LOG_LEVELS)
     if cfg.quant.fmt:
         require_choice("quant.fmt", cfg.quant.fmt, QUANT_FORMATS)
-    check_serving(cfg.engine, cfg.quant.fmt or "fp32")
+    check_serving(cfg.rollout.engine, cfg.quant.fmt or "fp32")
     return cfg
 
 
@@ -229,9 +229,10 @@ def worker_role_for_run(cfg: TrainConfig, *, controller: str, worker_id: str, lo
     transport keys and every ``sglang.*`` setting (its formats are the controller's, ``worker_formats``)."""
     r = cfg.rollout
     return WorkerRoleConfig(
-        controller=controller, worker_id=worker_id, engine=r.engine, device=r.device, log_dir=log_dir,
+        controller=controller, worker_id=worker_id, log_dir=log_dir,
         transport=RoleTransportConfig(keys_dir=cfg.transport.keys_dir),
-        rollout=RoleRolloutConfig(decode_step=r.decode_step, cuda_graphs=r.cuda_graphs, compile=r.compile),
+        rollout=RoleRolloutConfig(engine=r.engine, device=r.device, decode_step=r.decode_step,
+                                  cuda_graphs=r.cuda_graphs, compile=r.compile),
         sglang=WorkerSGLangConfig(**dataclasses.asdict(cfg.sglang)))
 
 

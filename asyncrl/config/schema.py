@@ -33,7 +33,7 @@ from protocols.values import AQN_RESAMPLE, require_choice
 from protocols.values import FORMATS as QUANT_FORMATS
 
 ENGINES = ("native", "sglang")
-"""``rollout.engine`` values and a worker's ``engine=`` (``asyncrl.engine.factory.build_engine`` builds them)."""
+"""``rollout.engine`` values and a worker's ``rollout.engine=`` (``asyncrl.engine.factory.build_engine`` builds them)."""
 SGLANG_SERVING = ("fp32", "bf16", "fp8")
 """The formats an SGLang worker serves (fp8: GPU only); it fetches ``sglang_wire_format`` of them."""
 MODEL_NAMES = ("tiny", "smollm2", "path")
@@ -151,7 +151,7 @@ class RolloutConfig:
     engine: str = "native"
     """Rollout engine of the workers the launcher starts: ``native`` (torch, this repository) or ``sglang``
     (an SGLang server per worker, settings under ``sglang.*``). Workers of either kind may join one run
-    (``asyncrl worker controller=ADDR engine=sglang``): a mixed fleet."""
+    (``asyncrl worker controller=ADDR rollout.engine=sglang``): a mixed fleet."""
     device: str = "auto"
     """Device of a native engine: ``auto`` (a GPU when one is visible, else the CPU), ``cpu``, ``cuda`` or
     ``cuda:N``. With several GPUs the launcher gives each worker its own (``CUDA_VISIBLE_DEVICES``)."""
@@ -323,7 +323,7 @@ class LearnerConfig(StepConfig):
 
 @dataclass(kw_only=True)
 class SGLangConfig:
-    """Workers with ``rollout.engine=sglang`` (or ``asyncrl worker engine=sglang``); docs/sglang.md."""
+    """Workers with ``rollout.engine=sglang`` (or ``asyncrl worker rollout.engine=sglang``); docs/sglang.md."""
 
     url: str = ""
     """``http://HOST:PORT``: attach to this running SGLang 0.5.23 server instead of starting one per worker.
@@ -482,7 +482,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.rollout.engine == "sglang" and cfg.quant.fmt not in SGLANG_SERVING:
         raise ValueError(f"rollout.engine=sglang serves {', '.join(SGLANG_SERVING)} (fp8: GPU only), not "
                          f"quant.fmt={cfg.quant.fmt}; set quant.fmt=fp32, or keep native workers for "
-                         f"{cfg.quant.fmt} and join SGLang workers with `asyncrl worker engine=sglang`")
+                         f"{cfg.quant.fmt} and join SGLang workers with `asyncrl worker rollout.engine=sglang`")
     if cfg.rollout.engine == "sglang" and cfg.sglang.url and cfg.rollout.num_workers > 1:
         raise ValueError(f"sglang.url={cfg.sglang.url} is one server, and one worker drives a server (it pauses it "
                          "for weight updates); set rollout.num_workers=1, or leave sglang.url empty so each "

@@ -89,10 +89,11 @@ def resolve_device(spec: str) -> str:
     if device.kind == "cpu":
         return "cpu"
     if not torch.cuda.is_available():
-        raise ValueError(f"device={spec} but torch sees no GPU here (CUDA_VISIBLE_DEVICES="
-                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use device=auto or device=cpu")
+        raise ValueError(f"rollout.device={spec} but torch sees no GPU here (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+                         "use rollout.device=auto or rollout.device=cpu")
     if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"device={spec} but only {torch.cuda.device_count()} GPU(s) are visible; "
+        raise ValueError(f"rollout.device={spec} but only {torch.cuda.device_count()} GPU(s) are visible; "
                          "pick an index below that")
     return device.text
 

@@ -61,7 +61,7 @@ def test_two_node_torchrun_learner_joined_to_a_separate_controller_trains_like_w
             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=asyncrl-test", f"--rdzv-conf=is_host={is_host}",
             "--max-restarts=0", "-m", "asyncrl", "learner", f"controller={address}",
             stdout=log, stderr=subprocess.STDOUT))
-    worker = procs.python("-m", "asyncrl", "worker", f"controller={address}", "worker_id=node2-w0", "device=cpu",
+    worker = procs.python("-m", "asyncrl", "worker", f"controller={address}", "worker_id=node2-w0", "rollout.device=cpu",
                           stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     codes = [a.wait(timeout=1200) for a in agents]
     logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace")[-3000:] for i in (0, 1)]

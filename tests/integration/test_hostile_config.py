@@ -85,7 +85,7 @@ class Controller:
 def worker(procs, address: str, worker_id: str, *extra: str) -> subprocess.CompletedProcess:
     """A worker run to its end; the hang guard is longer than its own Hello timeout (120 s), and the
     assertions tell a refusal said at once from that timeout by its message."""
-    return asyncrl(procs, "worker", f"controller={address}", f"worker_id={worker_id}", "device=cpu", *extra,
+    return asyncrl(procs, "worker", f"controller={address}", f"worker_id={worker_id}", "rollout.device=cpu", *extra,
                    timeout=300)
 
 

@@ -70,7 +70,7 @@ def learner(procs, tmp_path: Path, name: str, address: str, ranks: int = 1) -> R
 
 def worker(procs, tmp_path: Path, name: str, address: str, worker_id: str = "w0") -> Role:
     return Role(procs, tmp_path, name, "-m", "asyncrl", "worker", f"controller={address}", f"worker_id={worker_id}",
-                "device=cpu")
+                "rollout.device=cpu")
 
 
 def steps_done(run_dir: Path) -> int:

@@ -36,7 +36,7 @@ def test_worker_told_to_stop_while_waiting_for_its_first_weights_leaves_with_sta
                               model_config=AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False),
                               eos_token_ids=[2], quant_format="fp32", max_seq_len=64)
         worker = procs.python("-m", "asyncrl", "worker", f"controller={ctl.address}", "worker_id=w0",
-                              "device=cpu", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                              "rollout.device=cpu", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         fetch_seen, goodbye, shutdowns = False, None, 0
         deadline = time.monotonic() + FIRST_WEIGHTS_TIMEOUT_S + 60
         while goodbye is None and worker.poll() is None and time.monotonic() < deadline:

@@ -27,7 +27,7 @@ def test_worker_whose_engine_refuses_an_assignment_hands_it_back_and_exits_nonze
     with worker_standin(tmp_path, worker_slots=4, max_seq_len=MAX_SEQ_LEN) as stand:
         ctl, pull = stand.ctl, stand.pull
         worker = procs.python("-m", "asyncrl", "worker", f"controller={ctl.address}", "worker_id=w0",
-                              "device=cpu", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                              "rollout.device=cpu", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         too_long = P.Array.from_numpy(np.full(MAX_SEQ_LEN + 4, 53, np.int32))
         params = P.SamplingParams(temperature=1.0, max_new_tokens=4, seed=1)
         sample_ids = [f"g0/{i}" for i in range(4)]

@@ -1,5 +1,5 @@
 """A mixed fleet on one controller (marker ``sglang``): an SGLang worker joined at run time with
-``asyncrl worker controller=ADDR engine=sglang sglang.url=...`` (attached to the session's real SGLang 0.5.23
+``asyncrl worker controller=ADDR rollout.engine=sglang sglang.url=...`` (attached to the session's real SGLang 0.5.23
 server) and a native int8 worker joined the same way.
 
 The run publishes int8 (primary) and fp32 (``quant.extra_formats``); each worker fetches its own format.
@@ -52,11 +52,11 @@ def test_native_and_sglang_workers_feed_one_run(procs, tmp_path, sglang_url):
         address = m.group(1) if m else None
     assert address, "".join(lines[-30:])
     sglang_log = tmp_path / "sglang-worker.log"
-    worker = procs.python("-m", "asyncrl", "worker", f"controller={address}", "engine=sglang", "quant.fmt=fp32",
+    worker = procs.python("-m", "asyncrl", "worker", f"controller={address}", "rollout.engine=sglang", "quant.fmt=fp32",
                           f"sglang.url={sglang_url}", "worker_id=sglang-0", "rollout.worker_slots=8",
                           stdout=open(sglang_log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     _wait_for(sglang_log, "worker sglang-0 ready", worker, 900)
-    native = procs.python("-m", "asyncrl", "worker", f"controller={address}", "quant.fmt=int8", "device=cpu",
+    native = procs.python("-m", "asyncrl", "worker", f"controller={address}", "quant.fmt=int8", "rollout.device=cpu",
                           "worker_id=native-0", "rollout.worker_slots=8",
                           stdout=open(tmp_path / "native-worker.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     out, _ = train.communicate(timeout=1500)

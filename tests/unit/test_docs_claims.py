@@ -470,7 +470,7 @@ def test_a_cluster_block_s_workers_fetch_formats_its_controller_publishes():
             role = parse_role(WorkerRoleConfig, [w for w in words if "=" in w and not w.startswith("[")],
                               command="worker")
             serving = role.quant.fmt or cfg.quant.fmt
-            fetch = sglang_wire_format(serving) if role.engine == "sglang" else serving
+            fetch = sglang_wire_format(serving) if role.rollout.engine == "sglang" else serving
             checked += 1
             if fetch not in published:
                 wrong.append(f"{page}:{n}: a worker {' '.join(words)} fetches {fetch}; the run publishes {published}")

@@ -5,8 +5,8 @@ One process = one rollout engine. Joins a running job at any time from any host:
 architecture, EOS ids, slots, heartbeat period), the worker fetches the newest weights in its
 quantization format, then asks for work with a credit window and streams every finished sample at once.
 
-The engine is any ``RolloutEngine`` (``engine=native``: torch on ``device=auto|cpu|cuda[:N]``;
-``engine=sglang``: an SGLang server the worker starts, or attaches to with ``sglang.url=``); this file
+The engine is any ``RolloutEngine`` (``rollout.engine=native``: torch on ``rollout.device=auto|cpu|cuda[:N]``;
+``rollout.engine=sglang``: an SGLang server the worker starts, or attaches to with ``sglang.url=``); this file
 calls only the interface (submit / poll / update_weights / abort / close / version), so both kinds keep
 per-token versions, behaviour log-probs, interruptible weight updates and exactly-once accounting alike.
 
@@ -81,7 +81,7 @@ as soon as they have; this bounds only a controller that is gone)."""
 class GeneratorWorker:
     def __init__(self, role: WorkerRoleConfig, *, hello_timeout_s: float = HELLO_TIMEOUT_S, curve=None) -> None:
         self.role = check_worker_role(role)  # its settings (asyncrl worker key=value ...), checked before any socket
-        self.engine_kind = role.engine
+        self.engine_kind = role.rollout.engine
         self.fatal: BaseException | None = None  # the first error of any thread; the process exits with 1
         self.gave_up = ""  # why the worker left a run it cannot serve any more (exit 1, one line, no traceback)
         self.left = False
@@ -90,9 +90,10 @@ class GeneratorWorker:
         self.stop = threading.Event()
         # the socket identity is this process's own: a second process under the same id is refused by name, not parked
         self.link = ControlLink(role.controller, self.worker_id, f"{self.worker_id}/{os.getpid()}-{secrets.token_hex(4)}",
-                                curve, engine=role.engine, fmt=role.quant.fmt, slots=role.rollout.worker_slots,
+                                curve, engine=role.rollout.engine, fmt=role.quant.fmt,
+                                slots=role.rollout.worker_slots,
                                 hello_timeout_s=hello_timeout_s)
-        self.samples = SampleStream(self.worker_id, role.engine)  # assigned, streamed back, handed back
+        self.samples = SampleStream(self.worker_id, role.rollout.engine)  # assigned, streamed back, handed back
         self.asked_version = -1  # the version the last WorkRequest named (the engine's applied one then)
         self.t_start = time.monotonic()
         # built by run() once the controller's Welcome says where to connect

@@ -1,4 +1,4 @@
-"""One device grammar (``asyncrl.config.devices.parse_device``) for the run's keys, the worker's ``device=``,
+"""One device grammar (``asyncrl.config.devices.parse_device``) for the run's keys, the worker's ``rollout.device=``,
 the engine factory and the launcher's GPU placement, with one refusal naming every valid spelling."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_keys_without_an_index_refuse_cuda_n():
 
 @pytest.mark.parametrize("apply", [
     lambda text: load_train_config([f"rollout.device={text}"]),
-    lambda text: parse_role(WorkerRoleConfig, ["controller=tcp://h:1", f"device={text}"], command="worker"),
+    lambda text: parse_role(WorkerRoleConfig, ["controller=tcp://h:1", f"rollout.device={text}"], command="worker"),
     resolve_device,
 ])
 def test_the_run_the_worker_and_the_engine_factory_share_the_grammar(apply):

@@ -68,13 +68,13 @@ def _serve_one_group(procs, stand, err_path, *worker_args: str) -> subprocess.Po
 
 def test_a_worker_runs_the_decode_step_it_is_given_and_refuses_cuda_graphs_on_a_cpu(procs, tmp_path):
     with worker_standin(tmp_path, worker_slots=GROUP) as stand:
-        worker, got = _serve_one_group(procs, stand, tmp_path / "ok.err", "device=cpu", "rollout.decode_step=eager",
+        worker, got = _serve_one_group(procs, stand, tmp_path / "ok.err", "rollout.device=cpu", "rollout.decode_step=eager",
                                        "rollout.cuda_graphs=false", "rollout.compile=false")
         assert sorted(got) == [f"g/{i}" for i in range(GROUP)]
         assert all(len(fs.behav_logp.to_numpy()) == 8 for fs in got.values())
         worker.send_signal(15)
         assert worker.wait(timeout=60) == 0
-        bad, got = _serve_one_group(procs, stand, tmp_path / "bad.err", "device=cpu", "rollout.cuda_graphs=true")
+        bad, got = _serve_one_group(procs, stand, tmp_path / "bad.err", "rollout.device=cpu", "rollout.cuda_graphs=true")
         bad.wait(timeout=60)
         text = (tmp_path / "bad.err").read_text(errors="replace")
         assert bad.returncode == 1 and not got, text[-2000:]

@@ -49,12 +49,12 @@ def test_worker_command_carries_the_runs_engine_device_and_sglang_settings(tmp_p
     launcher.address = "tcp://127.0.0.1:5555"
     argv = launcher.worker_args("worker-0")
     assert argv[1:3] == ["-m", "workers.generator"]
-    for item in ("controller=tcp://127.0.0.1:5555", "engine=sglang", "quant.fmt=", "sglang.url=http://h:1",
+    for item in ("controller=tcp://127.0.0.1:5555", "rollout.engine=sglang", "quant.fmt=", "sglang.url=http://h:1",
                  "sglang.python=/opt/sgl/bin/python", "sglang.extra_args=--attention-backend,triton"):
         assert item in argv
     native = Launcher(_cfg("rollout.device=cpu"), tmp_path, tmp_path)
     native.address = "tcp://127.0.0.1:5555"
-    assert "engine=native" in native.worker_args("w") and "device=cpu" in native.worker_args("w")
+    assert {"rollout.engine=native", "rollout.device=cpu"} <= set(native.worker_args("w"))
 
 
 def test_cluster_settings_are_checked_before_any_process_starts():
@@ -71,7 +71,7 @@ def test_cluster_settings_are_checked_before_any_process_starts():
 @pytest.mark.parametrize("command, phrases", [
     ("controller", ("docs/cluster.md", "asyncrl learner controller=", "asyncrl worker controller=", "filesystem")),
     ("learner", ("torchrun", "--rdzv-backend=c10d", "--nnodes=N", "controller=tcp://HOST:PORT", "run_dir=DIR")),
-    ("worker", ("engine=native|sglang", "device=auto|cpu|cuda[:N]", "sglang.url=", "exits with status 1")),
+    ("worker", ("rollout.engine=native|sglang", "rollout.device=auto|cpu|cuda[:N]", "sglang.url=", "exits with status 1")),
 ])
 def test_role_commands_document_the_cluster_path_in_their_help(command, phrases, capsys):
     from workers.cli import main

@@ -87,8 +87,8 @@ def test_a_native_workers_decode_options_and_device_round_trip(tmp_path: Path):
     cfg = load_train_config(["rollout.device=cpu", "rollout.decode_step=eager", "rollout.cuda_graphs=false",
                              "rollout.compile=true"])
     argv = _argv(cfg, tmp_path, name="w:1")
-    assert {"engine=native", "device=cpu", "rollout.decode_step=eager", "rollout.cuda_graphs=false",
-            "rollout.compile=true", "worker_id=w:1", "quant.fmt="} <= set(argv)
+    assert {"rollout.engine=native", "rollout.device=cpu", "rollout.decode_step=eager",
+            "rollout.cuda_graphs=false", "rollout.compile=true", "worker_id=w:1", "quant.fmt="} <= set(argv)
     role = parse_args(argv)
     assert role == worker_role_for_run(cfg, controller="tcp://127.0.0.1:5555", worker_id="w:1",
                                        log_dir=str(tmp_path / "logs"))
@@ -105,12 +105,13 @@ def test_a_native_workers_decode_options_and_device_round_trip(tmp_path: Path):
     (["sglang.extra_args=[--attention-backend,triton]"], {"sglang.extra_args": ["--attention-backend", "triton"]}),
     (["sglang.extra_args=--attention-backend,triton"], {"sglang.extra_args": ["--attention-backend", "triton"]}),
     (["sglang.extra_args="], {"sglang.extra_args": []}),
-    (["rollout.compile=false", "device=cpu", "rollout.cuda_graphs=true"],
-     {"rollout.compile": False, "device": "cpu", "rollout.cuda_graphs": "true"}),
-    (["sglang.url=http://gen-3:30000", "engine=sglang", "quant.fmt=fp8"],
-     {"sglang.url": "http://gen-3:30000", "engine": "sglang", "quant.fmt": "fp8"}),
-    (["device=cuda:1", "rollout.worker_slots=64", "worker_id=gpu-3", "log_level=debug", "no_learner_s=2"],
-     {"device": "cuda:1", "rollout.worker_slots": 64, "worker_id": "gpu-3", "log_level": "DEBUG", "no_learner_s": 2.0}),
+    (["rollout.compile=false", "rollout.device=cpu", "rollout.cuda_graphs=true"],
+     {"rollout.compile": False, "rollout.device": "cpu", "rollout.cuda_graphs": "true"}),
+    (["sglang.url=http://gen-3:30000", "rollout.engine=sglang", "quant.fmt=fp8"],
+     {"sglang.url": "http://gen-3:30000", "rollout.engine": "sglang", "quant.fmt": "fp8"}),
+    (["rollout.device=cuda:1", "rollout.worker_slots=64", "worker_id=gpu-3", "log_level=debug", "no_learner_s=2"],
+     {"rollout.device": "cuda:1", "rollout.worker_slots": 64, "worker_id": "gpu-3", "log_level": "DEBUG",
+      "no_learner_s": 2.0}),
     (["sglang.model_path=/data/m", "transport.keys_dir=~/keys", "transport.key_name=gen", "log_dir="],
      {"sglang.model_path": "/data/m", "transport.keys_dir": "~/keys", "transport.key_name": "gen", "log_dir": ""}),
 ])
@@ -126,6 +127,8 @@ def test_the_command_lines_of_the_docs_and_tests_keep_their_meaning(settings, ex
 @pytest.mark.parametrize("settings, message", [
     (["controller=tcp://h:1", "slots=4"], "unknown configuration key 'slots'.*did you mean rollout.worker_slots\\?"),
     (["controller=tcp://h:1", "decode_step=eager"], "did you mean rollout.decode_step\\?"),
+    (["controller=tcp://h:1", "engine=sglang"], "unknown configuration key 'engine'.*did you mean rollout.engine\\?"),
+    (["controller=tcp://h:1", "device=cpu"], "unknown configuration key 'device'.*did you mean rollout.device\\?"),
     (["controller=tcp://h:1", "sglang.urll=x"], "did you mean sglang.url\\?.*`asyncrl worker --help`"),
     (["controller=tcp://h:1", "rollout.compile"], "'rollout.compile' is not key=value"),
     (["controller=tcp://h:1", "rollout.worker_slots=many"],
@@ -134,12 +137,12 @@ def test_the_command_lines_of_the_docs_and_tests_keep_their_meaning(settings, ex
     (["controller=tcp://h:1", "rollout.worker_slots=-1"], "rollout.worker_slots=-1 must be >= 0"),
     (["controller=tcp://h:1", "sglang.startup_timeout_s=0"], "sglang.startup_timeout_s=0.0 must be > 0"),
     (["controller=tcp://h:1", "no_learner_s=nan"], "no_learner_s=nan is not a finite number"),
-    (["controller=tcp://h:1", "device=gpu1"], "device='gpu1' is not a device; choose auto, cpu, cuda or cuda:N"),
+    (["controller=tcp://h:1", "rollout.device=gpu1"], "rollout.device='gpu1' is not a device; choose auto, cpu, cuda or cuda:N"),
     (["controller=tcp://h:1", "sglang.device=cuda:0"], "sglang.device='cuda:0' is not a device; choose auto, cpu or"),
-    (["controller=tcp://h:1", "engine=vllm"], "engine='vllm' is not valid; choose one of: native, sglang"),
+    (["controller=tcp://h:1", "rollout.engine=vllm"], "rollout.engine='vllm' is not valid; choose one of: native, sglang"),
     (["controller=tcp://h:1", "rollout.decode_step=fast"], "rollout.decode_step='fast' is not valid"),
     (["controller=tcp://h:1", "quant.fmt=int3"], "quant.fmt='int3' is not valid"),
-    (["controller=tcp://h:1", "engine=sglang", "quant.fmt=int8"], "start it with quant.fmt=fp32"),
+    (["controller=tcp://h:1", "rollout.engine=sglang", "quant.fmt=int8"], "start it with quant.fmt=fp32"),
     (["controller=tcp://h:1", "log_level=loud"], "log_level='LOUD' is not valid"),
     (["controller=tcp://h:1", "sglang=x"], "sglang is a section of settings"),
     (["worker_id=w"], "controller=tcp://HOST:PORT is required"),
@@ -177,6 +180,8 @@ def test_help_lists_every_key_with_its_meaning(command, schema, capsys):
 @pytest.mark.parametrize("entry, command, settings, message", [
     (["-m", "asyncrl", "worker"], "worker", ["controller=tcp://127.0.0.1:9", "slots=4"],
      "did you mean rollout.worker_slots?"),
+    (["-m", "asyncrl", "worker"], "worker", ["controller=tcp://127.0.0.1:9", "device=cpu"],
+     "did you mean rollout.device?"),
     (["-m", "workers.generator"], "worker", ["controller=tcp://127.0.0.1:9", "rollout.slotz=4"],
      "did you mean rollout.worker_slots?"),
     (["-m", "asyncrl", "learner"], "learner", ["controller=tcp://127.0.0.1:9", "rundir=/r"], "did you mean run_dir?"),
