@@ -41,13 +41,10 @@ def _changed_codes(old: Tensor, new: Tensor, fmt: str, in_features: int) -> int:
     """How many code elements differ between two code tensors of one weight ([N, in_features] logical):
     the bit patterns of their elements, or for fp4 the nibbles of the packed bytes, padding columns left out.
     Only the elements `changed_elements` finds differing are looked into."""
-    if fmt not in ("nvfp4", "mxfp4"):
-        found = changed_elements(element_bits(old).numpy(), element_bits(new).numpy(), old.numel())
-        return 0 if found is None else int(found.size)
     a, b = element_bits(old).numpy(), element_bits(new).numpy()
-    idx = changed_elements(a, b, a.size)
-    if idx is None or not idx.size:
-        return 0
+    idx = changed_elements(a, b, a.size)  # never None: the limit is every element
+    if idx is None or not idx.size or fmt not in ("nvfp4", "mxfp4"):
+        return 0 if idx is None else int(idx.size)
     xor = a[idx] ^ b[idx]
     first = (idx % old.shape[-1]) * 2  # the code of the low nibble; the high nibble holds the next one
     return int(np.count_nonzero(((xor & 0x0F) != 0) & (first < in_features))
