@@ -50,8 +50,9 @@ PROTOCOL_MAJOR = 1
 # asks for a delta, and a server of 1.4 ignores the base and sends the full version); 1.6: WeightFetch.bucket_bytes/
 # bucket, WeightChunk.offset, WeightBucket (a worker of 1.5 never asks for buckets, and a server of 1.5 ignores
 # bucket_bytes and answers in one piece, which a worker of 1.6 takes as before); 1.7: WorkerSetup.actor_format, and a
-# worker's Hello names its own quant.fmt, not the fetched one (the controller decides both; 1.6 named one it serves)
-PROTOCOL_MINOR = 7
+# worker's Hello names its own quant.fmt, not the fetched one (the controller decides both; 1.6 named one it serves);
+# 1.8: WorkerSetup.quantize_embedding (a worker of 1.7 ignores it and its load names quant.embedding)
+PROTOCOL_MINOR = 8
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 PROTOCOL_FLOOR_MINOR = 4
 """The oldest minor a peer may speak (evolution rule 5); older peers are refused at ``Hello``."""

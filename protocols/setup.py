@@ -56,6 +56,9 @@ class WorkerSetup(_Struct, tag="worker_setup"):
     actor_format: str = ""
     """The format the worker's actor runs (since 1.7; empty: ``quant_format``), decided with it by the controller
     (``asyncrl.config.roles.worker_formats``: the worker's engine, its ``quant.fmt`` and the run's)."""
+    quantize_embedding: bool = False
+    """The run holds the token embedding as int8 codes (``quant.embedding``, since 1.8): a native worker of a
+    quantized format converts its embedding to load what is published."""
 
     def __post_init__(self) -> None:
         _nonempty("WorkerSetup", samples_address=self.samples_address, weights_announce=self.weights_announce,

@@ -34,6 +34,11 @@ negative responses whose mismatch weight was outside the band (clamped or droppe
 accuracy vs step, seed mean with a 95% CI band, per eta. ``--json`` is rewritten after every run;
 ``--resume A.json,B.json`` reuses the runs of earlier JSONs (same settings) and runs only the missing ones.
 
+``--model smollm2`` runs the same cells on SmolLM2-135M-Instruct instead (the preset
+``+experiment=smollm2_signed_sums``: signed single-digit sums with the chat template, 400 training items, 200
+held-out questions) with LoRA r=16 / alpha 32 at lr 2e-4 (``--lr`` overrides), no warm start (every seed starts
+from the pretrained weights; seeds vary ``learner.seed`` and ``rollout.seed``) and one evaluation, at the end.
+
 Run: ``python scripts/bench_algos.py [--quick|--smoke] [--steps N] [--seeds 0,1,2,3,4] [--objectives ..]
 [--etas 0,4,8] [--formats int8,nvfp4] [--configs a,b] [--task addition2] [--set key=value ...]``.
 """
@@ -64,6 +69,13 @@ OBJECTIVES: dict[str, list[str]] = {
     "qarl": ["algo=tbpo", "algo.tbpo_w_mode=clamp", "learner.rollout_aligned=true"],
 }
 FORMATS = ("int8", "nvfp4")
+# The model a run trains: the embedded tiny model (its task and warm start are added from the flags) or
+# SmolLM2-135M-Instruct on its signed-sums preset with LoRA adapters, and each one's default learning rate.
+MODELS: dict[str, list[str]] = {
+    "tiny": [],
+    "smollm2": ["+experiment=smollm2_signed_sums", "learner.lora.rank=16", "learner.lora.alpha=32"],
+}
+LR = {"tiny": 1e-4, "smollm2": 2e-4}
 ETAS = (0, 4, 8)
 AGG_TAGS = {"tm": "token-mean", "smtm": "seq-mean-token-mean"}
 BASELINE = "sync-fp32"
@@ -208,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--etas", default=",".join(map(str, ETAS)), help="grid staleness bounds (default %(default)s)")
     p.add_argument("--formats", default=",".join(FORMATS), help="grid worker formats (default %(default)s)")
     p.add_argument("--configs", default=None, help="explicit cells instead of the grid, e.g. sync-fp32,tis-nvfp4-eta4")
-    p.add_argument("--task", default="addition2", help="task config group (default %(default)s)")
+    p.add_argument("--model", default="tiny", choices=sorted(MODELS),
+                   help="tiny: the embedded model warm-started on --task; smollm2: SmolLM2-135M-Instruct with LoRA on "
+                        "the signed-sums preset (default %(default)s)")
+    p.add_argument("--task", default="addition2", help="task config group, tiny model (default %(default)s)")
     p.add_argument("--warmstart-steps", type=int, default=1000, help="supervised warm start (default %(default)s)")
-    p.add_argument("--lr", type=float, default=1e-4, help="learner.lr (default %(default)s)")
+    p.add_argument("--lr", type=float, default=None, help="learner.lr (default 1e-4 tiny, 2e-4 smollm2)")
     p.add_argument("--agg", default="token-mean", choices=sorted(AGG_TAGS.values()),
                    help="one aggregation for every objective (default %(default)s)")
     p.add_argument("--n-minibatches", type=int, default=2, help="optimizer updates per step (default %(default)s)")
@@ -240,10 +255,15 @@ def main(argv: list[str] | None = None) -> int:
                      [f for f in args.formats.split(",") if f])
     cells = {n: config_overrides(n, args.agg) for n in names}
     warm = "0" if args.smoke else str(args.warmstart_steps)
-    common = [f"task={args.task}", f"model.warmstart_steps={warm}", f"learner.lr={args.lr}",
+    model = MODELS[args.model]
+    if args.model == "tiny":
+        model = [f"task={args.task}", f"model.warmstart_steps={warm}", *model]
+    evals_every = max(2, steps // 8) if args.model == "tiny" else 0  # SmolLM2: 200 greedy problems, once
+    common = [*model, f"learner.lr={args.lr or LR[args.model]}",
               f"learner.n_minibatches={args.n_minibatches}", f"learner.total_steps={steps}",
-              "learner.ckpt_every=0", f"learner.eval_every={max(2, steps // 8)}", "rollout.heartbeat_s=0.05",
+              "learner.ckpt_every=0", f"learner.eval_every={evals_every}", "rollout.heartbeat_s=0.05",
               *args.set]
+    shared_init = args.shared_init or args.model != "tiny"
     from asyncrl.config.loader import load_train_config
 
     for n in names:
@@ -259,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[n] += [r for r in rs if r["seed"] in seeds and r["seed"] not in have]
     t_start = time.monotonic()
     prefix = "algos_smoke" if args.smoke else "algos_quick" if args.quick else "algos"
+    if args.model != "tiny":
+        prefix += f"_{args.model}"
 
     def save() -> list[dict]:
         rows = aggregate(runs, args.collapse_reward)
@@ -275,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {n}-s{seed}: not started (--until {args.until} UTC)", flush=True)
                     continue
                 name = f"{n}-s{seed}"
-                seeding = ([f"learner.seed={seed}", f"rollout.seed={seed}"] if args.shared_init
+                seeding = ([f"learner.seed={seed}", f"rollout.seed={seed}"] if shared_init
                            else [f"seed={seed}", f"learner.seed={seed}", f"rollout.seed={seed}"])
                 t0 = time.monotonic()
                 run_dir = run_train([*common, *cells[n], *seeding], runs_dir=Path(tmp), run_name=name,
@@ -288,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                 save()
     rows = save()
     print_table(
-        f"{args.task}, tiny model, {steps} learner steps, n_minibatches={args.n_minibatches}, agg={args.agg}, "
+        f"{args.task if args.model == 'tiny' else 'signed sums'}, {args.model} model, {steps} learner steps, n_minibatches={args.n_minibatches}, agg={args.agg}, "
         f"seeds {seeds}: final greedy eval accuracy (mean, 95% CI), runs collapsed (last-10 reward < "
         f"{args.collapse_reward}), reward, KL(behav||prox), mean |log-prob gap| per run (lag 0, quant, noise; "
         "docs/algorithms.md §7.1), TBPO w out of band (pos/neg)",

@@ -15,12 +15,17 @@ and the other by fetching the delta (``apply_delta``), each timed from the reque
 model, over tcp loopback. Beside them, ``np.copyto`` of the same bytes (memcpy). After every version both
 actors must hold the same bytes (the child checks it).
 
-Reported per (run, format): changed fraction of the published elements, MB whole / delta, bytes delta /
+Layouts (``--layouts``): ``plain`` quantizes the decoder projections and keeps the output head and the token
+embedding in full precision (the default run); ``emb`` also quantizes the head and holds the embedding as int8
+row codes (``quant.lm_head=true quant.embedding=true``; with SmolLM2's tied embedding and int8 they are one
+table). Under full fine-tuning the fp32 embedding is what a ``plain`` delta carries.
+
+Reported per (run, layout, format): changed fraction of the published elements, MB whole / delta, bytes delta /
 whole, the learner's seconds to make the delta (``diff_s``, beside the publication), a worker's seconds to sync
 whole / by delta (median over versions) and their ratio, and each against a memcpy of its bytes.
 
 Run: ``python scripts/bench_delta.py [--quick|--smoke] [--runs full,lora] [--formats int8,nvfp4]
-[--versions N] [--json PATH]``; ``scripts/bench_weightsync.py --delta`` runs it too.
+[--layouts plain,emb] [--versions N] [--json PATH]``; ``scripts/bench_weightsync.py --delta`` runs it too.
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ from asyncrl.bench.runs import exit_on_sigterm  # noqa: E402
 from asyncrl.bench.weightsync import RUNS, Trainer, WorkerChild, memcpy_s, sync_run_args  # noqa: E402
 
 DEFAULT_FORMATS = "int8,nvfp4"  # a W8A8 and a 4-bit format, the two the delta matters most for
+LAYOUTS = {"plain": {}, "emb": {"head": True, "embedding": True}}
+"""What is quantized besides the decoder projections: publish()'s and quantize_model()'s keywords."""
 
 
-def _worker(conn, model_name: str, formats: list[str]) -> None:
+def _worker(conn, model_name: str, formats: list[str], layouts: list[str]) -> None:
     """The worker side: two actors per format at the same version, one synced whole, one by deltas."""
     import torch
 
@@ -53,32 +60,34 @@ def _worker(conn, model_name: str, formats: list[str]) -> None:
 
     torch.set_num_threads(1)
     base = load_fp32(model_name)
-    actors = {(f, how): quantize_model(copy.deepcopy(base), f) for f in formats for how in ("whole", "delta")}
+    actors = {(f, lay, how): quantize_model(copy.deepcopy(base), f, **LAYOUTS[lay])
+              for f in formats for lay in layouts for how in ("whole", "delta")}
     del base
     client = WeightClient(*conn.recv(), identity=b"bench-delta-worker")
     conn.send("ready")
-    held: dict[str, tuple[int, str]] = {}
+    held: dict[tuple[str, str], tuple[int, str]] = {}
     while (req := conn.recv()) is not None:
-        version, fmt, order = req
+        version, fmt, lay, order = req
         out = {}
         for how in order:
-            base_v, base_sum = held[fmt] if how == "delta" and fmt in held else (-1, "")
+            base_v, base_sum = held[(fmt, lay)] if how == "delta" and (fmt, lay) in held else (-1, "")
             t0 = time.perf_counter()
             ann, frames = client.fetch(version, timeout_s=300.0, fmt=fmt, base_version=base_v, base_checksum=base_sum)
             got = from_wire(ann, frames)
-            (apply_delta if how == "delta" and base_v >= 0 else load_published)(actors[(fmt, how)], got)
+            (apply_delta if how == "delta" and base_v >= 0 else load_published)(actors[(fmt, lay, how)], got)
             out[f"{how}_s"] = time.perf_counter() - t0
             out[f"{how}_bytes"] = sum(memoryview(b).nbytes for b in frames)
             out[f"{how}_kind"] = type(ann).__name__
-        held[fmt] = (version, ann.checksum)
-        a, b = actors[(fmt, "whole")].state_dict(), actors[(fmt, "delta")].state_dict()
+        held[(fmt, lay)] = (version, ann.checksum)
+        a, b = actors[(fmt, lay, "whole")].state_dict(), actors[(fmt, lay, "delta")].state_dict()
         out["same_bytes"] = all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
                                 for k in a)
         conn.send(out)
     client.close()
 
 
-def bench_run(run: str, model_name: str, formats: list[str], n_versions: int, batch: int) -> list[dict]:
+def bench_run(run: str, model_name: str, formats: list[str], layouts: list[str], n_versions: int,
+              batch: int) -> list[dict]:
     from asyncrl.quant import BufferPool
     from asyncrl.transport import WeightServer
 
@@ -86,36 +95,39 @@ def bench_run(run: str, model_name: str, formats: list[str], n_versions: int, ba
     server = WeightServer(keep_versions=2)
     raw: list[dict] = []
     try:
-        with WorkerChild(_worker, (model_name, formats), (server.announce_address, server.fetch_address),
+        with WorkerChild(_worker, (model_name, formats, layouts), (server.announce_address, server.fetch_address),
                          900) as child:
-            pools = {f: BufferPool() for f in formats}
+            pools = {(f, lay): BufferPool() for f in formats for lay in layouts}
             prev: dict = {}
             for v, loss, sd in trainer.versions(model_name, n_versions, batch):
                 for fmt in formats:
-                    raw += sync_version(server, child, sd, fmt, v, prev, pools[fmt], run, loss)
+                    for lay in layouts:  # one publication at a time on the server: a fetch names only the format
+                        raw += sync_version(server, child, sd, fmt, lay, v, prev, pools[(fmt, lay)], run, loss)
     finally:
         server.close()
     return raw
 
 
-def sync_version(server, child, sd: dict, fmt: str, v: int, prev: dict, pool, run: str, loss: float) -> list[dict]:
-    """Version ``v`` published whole and as a delta from ``prev[fmt]``, synced both ways by the child; its row."""
+def sync_version(server, child, sd: dict, fmt: str, lay: str, v: int, prev: dict, pool, run: str,
+                 loss: float) -> list[dict]:
+    """Version ``v`` published whole and as a delta from the previous one of (``fmt``, layout ``lay``), synced
+    both ways by the child; its row."""
     from asyncrl.quant import make_delta, publish
     from asyncrl.transport.publication import delta_to_wire, to_wire
 
-    pub = publish(sd, fmt, version=v, pool=pool)
+    pub = publish(sd, fmt, version=v, pool=pool, **LAYOUTS[lay])
     t0 = time.perf_counter()
-    delta = make_delta(prev[fmt], pub) if v else None
+    delta = make_delta(prev[(fmt, lay)], pub) if v else None
     diff_s = time.perf_counter() - t0
     server.publish(*to_wire(pub), *(delta_to_wire(delta) if delta is not None else (None, None)))
-    got = child.ask((v, fmt, ("whole", "delta") if v % 2 else ("delta", "whole")))
+    got = child.ask((v, fmt, lay, ("whole", "delta") if v % 2 else ("delta", "whole")))
     if not got["same_bytes"]:
-        raise RuntimeError(f"version {v} ({fmt}): the actor synced by deltas differs from the whole one")
-    prev[fmt] = pub
+        raise RuntimeError(f"version {v} ({fmt}, {lay}): the actor synced by deltas differs from the whole one")
+    prev[(fmt, lay)] = pub
     if delta is None:
         return []
     assert got["delta_kind"] == "WeightDelta" and got["delta_bytes"] == delta.total_bytes()
-    return [{"run": run, "format": fmt, "version": v, "loss": loss, "changed_frac": delta.changed_frac(),
+    return [{"run": run, "layout": lay, "format": fmt, "version": v, "loss": loss, "changed_frac": delta.changed_frac(),
              "whole_bytes": pub.total_bytes(), "delta_bytes": delta.total_bytes(), "whole_s": got["whole_s"],
              "delta_s": got["delta_s"], "diff_s": diff_s, "whole_memcpy_s": memcpy_s(pub.total_bytes()),
              "delta_memcpy_s": memcpy_s(delta.total_bytes()), "load_avg": os.getloadavg()[0]}]
@@ -123,13 +135,13 @@ def sync_version(server, child, sd: dict, fmt: str, v: int, prev: dict, pool, ru
 
 def summarize(raw: list[dict]) -> list[dict]:
     rows = []
-    for run, fmt in dict.fromkeys((r["run"], r["format"]) for r in raw):
-        rs = [r for r in raw if (r["run"], r["format"]) == (run, fmt)]
+    for run, lay, fmt in dict.fromkeys((r["run"], r["layout"], r["format"]) for r in raw):
+        rs = [r for r in raw if (r["run"], r["layout"], r["format"]) == (run, lay, fmt)]
 
         def med(key: str, rs: list[dict] = rs) -> float:
             return statistics.median(r[key] for r in rs)
 
-        rows.append({"run": run, "format": fmt, "versions": len(rs), "changed_frac": med("changed_frac"),
+        rows.append({"run": run, "layout": lay, "format": fmt, "versions": len(rs), "changed_frac": med("changed_frac"),
                      "whole_MB": med("whole_bytes") / 1e6, "delta_MB": med("delta_bytes") / 1e6,
                      "delta_vs_whole_bytes": statistics.median(r["delta_bytes"] / r["whole_bytes"] for r in rs),
                      "diff_s": med("diff_s"), "whole_s": med("whole_s"), "delta_s": med("delta_s"),
@@ -142,6 +154,9 @@ def summarize(raw: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_delta", __doc__, smoke=True)
     sync_run_args(p, runs=",".join(RUNS), formats=DEFAULT_FORMATS)
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help="comma list of plain (projections quantized), emb (the head and the embedding too) "
+                        "(default: %(default)s)")
     args = p.parse_args(argv)
     exit_on_sigterm()
     import torch
@@ -150,17 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or ("tiny" if args.smoke else "smollm2")
     n = args.versions or (2 if args.smoke else 3 if args.quick else 6)
     formats = [f for f in args.formats.split(",") if f]
+    layouts = [lay for lay in args.layouts.split(",") if lay]
+    if bad := [lay for lay in layouts if lay not in LAYOUTS]:
+        raise SystemExit(f"unknown layout(s) {bad}; choose from {list(LAYOUTS)}")
     raw = []
     for run in [r for r in args.runs.split(",") if r]:
-        raw += bench_run(run, model, formats, n, 4 if args.smoke else args.batch)
+        raw += bench_run(run, model, formats, layouts, n, 4 if args.smoke else args.batch)
         print(f"  {run}: done ({n} versions x {len(formats)} formats)", flush=True)
     rows = summarize(raw)
     print_table(f"weight sync per version, {model}: whole vs delta from the version before (median of "
                 f"{n} consecutive versions)", rows,
-                ["run", "format", "changed_frac", "whole_MB", "delta_MB", "delta_vs_whole_bytes", "diff_s",
+                ["run", "layout", "format", "changed_frac", "whole_MB", "delta_MB", "delta_vs_whole_bytes", "diff_s",
                  "whole_s", "delta_s", "delta_vs_whole_s", "whole_vs_memcpy", "delta_vs_memcpy"])
     write_json(args.json, "bench_delta", {"delta": rows, "raw": raw}, args, model=model, versions=n,
-               formats=formats)
+               formats=formats, layouts=layouts)
     return 0
 
 

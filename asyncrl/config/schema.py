@@ -119,6 +119,12 @@ class QuantConfig:
     convert theirs to match). Off by default: the head then stays fp32, the behaviour log-probs come from
     full-precision logits, and only the decoder projections are quantized. On a small model the head is
     a large part of a decode step (SmolLM2-135M, int8, batch 16: 38%; docs/benchmarks.md §4)."""
+    embedding: bool = False
+    """Hold the workers' token embedding as int8 row codes (one fp32 scale per token), in every quantized
+    format; the learner publishes it so (native workers convert theirs to match). An optimiser step moves
+    an embedding row far less than its int8 step, so a delta carries a few codes of it instead of the whole
+    fp32 table, which full fine-tuning moves everywhere at every step (docs/quantization.md §4.1). With tied
+    embeddings and ``lm_head`` in an int8 format the head and the embedding share one table."""
     uaq: bool = False
     """Update-aware quantization: fold scale ``uaq_scale`` into RMSNorm gains before step 0."""
     uaq_scale: float = 1.5
@@ -453,6 +459,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (not cfg.quant.lm_head or cfg.rollout.engine == "native",
          "quant.lm_head=true needs the native engine (rollout.engine=native): SGLang workers serve the "
          "full-precision head"),
+        (not cfg.quant.embedding or cfg.quant.fmt != "fp32",
+         "quant.embedding=true holds the workers' token embedding as int8 codes, but quant.fmt=fp32 quantizes "
+         "nothing; choose a quantized quant.fmt (e.g. quant=int8) or drop quant.embedding"),
+        (not cfg.quant.embedding or cfg.rollout.engine == "native",
+         "quant.embedding=true needs the native engine (rollout.engine=native): SGLang workers serve the "
+         "full-precision embedding"),
     ]
     for ok, message in checks:
         if not ok:

@@ -206,7 +206,7 @@ class ControllerCore:
                              worker_slots=r.worker_slots, heartbeat_s=r.heartbeat_s, quant_format=w.quant_format,
                              eos_token_ids=list(m.eos_token_ids), model_id=m.model_id, model_dir=m.model_dir,
                              quantize_head=self.cfg.quant.lm_head, group_size=self.cfg.algo.group_size,
-                             actor_format=w.actor_format)
+                             actor_format=w.actor_format, quantize_embedding=self.cfg.quant.embedding)
 
     def _work(self, peer: bytes, msg: P.WorkRequest, now: float) -> list[Reply]:
         w = self.members.heard(peer, msg.worker_id, now, before="asking for work")

@@ -63,6 +63,8 @@ class EngineSpec:
     quantize_head: bool = False
     """Native engine: the output head is quantized too (``quant.lm_head``, from the controller's setup; the
     run publishes every quantized format so). An fp32 actor converts nothing, so it ignores this."""
+    quantize_embedding: bool = False
+    """Native engine: the token embedding is int8 codes (``quant.embedding``, from the controller's setup)."""
     decode_step: str = "auto"
     """Native engine decode step: ``auto`` / ``static`` / ``eager`` (``rollout.decode_step``)."""
     cuda_graphs: str = "auto"
@@ -137,7 +139,7 @@ def _build_native(spec: EngineSpec) -> RolloutEngine:
     return NativeEngine(model, quant_format=spec.quant_format, version=-1, device=device,
                         max_batch_size=spec.slots, max_seq_len=spec.max_seq_len or None,
                         eos_token_ids=spec.eos_token_ids, quantize_head=spec.quantize_head,
-                        decode_step=spec.decode_step, cuda_graphs=spec.cuda_graphs, compile_step=spec.compile_step)
+                        quantize_embedding=spec.quantize_embedding, decode_step=spec.decode_step, cuda_graphs=spec.cuda_graphs, compile_step=spec.compile_step)
 
 
 class _SGLangEngineArgs(TypedDict):

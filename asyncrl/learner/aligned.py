@@ -15,7 +15,9 @@ with W_hat = Deq(codes) and x_hat the actor's rounding of x (no gradient through
 has the value of the merged, quantised linear (the merge publication makes, policy.merge_lora) and the
 gradients of the estimator through the merged weight (dA, dB as through W + s*B@A; dx through W_hat only)
 without an [out, in] gradient per layer. The output head (``quant.lm_head``) is routed through a transform
-the learner's chunked head (logprobs.py) applies.
+the learner's chunked head (logprobs.py) applies. The token embedding held as int8 codes (``quant.embedding``)
+is routed too (``asyncrl.quant.fake.AlignedEmbedding``): the actor's rows of the codes, a plain lookup's
+gradient to the master table.
 
 Cache: the low-bit tensors of each weight are made once per version and kept (in the format's own
 dtype: int8 codes are a quarter of fp32) until the optimiser's next step; each forward builds the actor's
@@ -43,9 +45,17 @@ from torch import Tensor
 
 from asyncrl.learner.logprobs import HEAD_TRANSFORM
 from asyncrl.learner.policy import base_model, merge_lora
-from asyncrl.quant.fake import AlignedLinear, act_rule, codes_to_weight, round_act, weight_codes
+from asyncrl.quant.embedding import EMBED_FORMAT, EMBED_SUFFIXES
+from asyncrl.quant.fake import (
+    AlignedEmbedding,
+    AlignedLinear,
+    act_rule,
+    codes_to_weight,
+    round_act,
+    weight_codes,
+)
 from asyncrl.quant.formats import weight_suffixes
-from asyncrl.quant.model import HEAD, is_target_linear
+from asyncrl.quant.model import EMBED, HEAD, SHARED_TABLE_FORMATS, is_target_linear
 
 __all__ = ["RolloutAlignment"]
 
@@ -72,7 +82,8 @@ class RolloutAlignment:
     (``watch`` registers it as the optimiser's post-step hook)."""
 
     def __init__(self, model: torch.nn.Module, fmt: str, *, keep_full_precision: Sequence[str],
-                 head: bool = False, fp8_activations: bool = True, enabled: bool = True) -> None:
+                 head: bool = False, embedding: bool = False, fp8_activations: bool = True,
+                 enabled: bool = True) -> None:
         if fmt == "fp32":
             raise ValueError("rollout alignment quantises the learner's forward like the actor's format, and "
                              "quant.fmt=fp32 has nothing to align to; choose a quantized quant.fmt or set "
@@ -100,6 +111,20 @@ class RolloutAlignment:
             else:
                 continue
             self.modules[name] = mod
+        self.embedding: torch.nn.Embedding | None = None
+        """The routed token embedding (``embedding=True``), not in ``modules``: it is no linear."""
+        if embedding:
+            emb = base_model(model).get_submodule(EMBED)
+            if not isinstance(emb, torch.nn.Embedding):
+                raise ValueError(f"quant.embedding routes the token embedding {EMBED!r}, which this model does not "
+                                 "have as an nn.Embedding; set quant.embedding=false")
+            self._route_embedding(emb)
+            self.embedding = emb
+        # where a publication holds the embedding's codes: its own names, or a tied int8 head's (one table)
+        head_mod = self.modules.get(HEAD)
+        self._embedding_published = [EMBED] + ([HEAD] if head_mod is not None and fmt in SHARED_TABLE_FORMATS
+                                               and self.embedding is not None
+                                               and getattr(head_mod, "weight", None) is self.embedding.weight else [])
         if not self.modules:
             raise ValueError("no linear of this model is quantised by the rollout format (quant.keep_full_precision "
                              "keeps them all?); nothing to align")
@@ -123,7 +148,7 @@ class RolloutAlignment:
     def remove(self) -> None:
         """Give every routed module its own forward back (a measurement's temporary routes: no step of an
         unaligned run pays for them)."""
-        for mod in self.modules.values():
+        for mod in [*self.modules.values(), *([self.embedding] if self.embedding is not None else [])]:
             vars(mod).pop("forward", None)
             vars(mod).pop(HEAD_TRANSFORM, None)
         self._cache.clear()
@@ -148,12 +173,13 @@ class RolloutAlignment:
 
     # -- the low-bit weights -----------------------------------------------------------------------
 
-    def _codes(self, name: str, sources: Sequence[Tensor], make: Callable[[], Tensor]) -> dict[str, Tensor]:
+    def _codes(self, name: str, sources: Sequence[Tensor], make: Callable[[], Tensor],
+               fmt: str | None = None) -> dict[str, Tensor]:
         key = _key(sources)
         entry = self._cache.get(name)
         if entry is None or entry.key != key:
             with torch.no_grad():
-                entry = _Entry(key, weight_codes(make(), self.fmt, name=f"{name}.weight"))
+                entry = _Entry(key, weight_codes(make(), fmt or self.fmt, name=f"{name}.weight"))
             self.quantizations += 1
             self._cache[name] = entry
         return entry.codes
@@ -184,6 +210,14 @@ class RolloutAlignment:
             sources, _ = self._sources(mod)
             self._cache[name] = _Entry(_key(sources), {s: t.clone() for s, t in found.items() if t is not None})
             n += 1
+        if self.embedding is not None:
+            for prefix in self._embedding_published:
+                found = {s: published_tensors.get(f"{prefix}.{s}") for s in EMBED_SUFFIXES}
+                if all(t is not None for t in found.values()):
+                    self._cache[EMBED] = _Entry(_key([self.embedding.weight]),
+                                                {s: t.clone() for s, t in found.items() if t is not None})
+                    n += 1
+                    break
         return n
 
     # -- forwards ----------------------------------------------------------------------------------
@@ -227,6 +261,15 @@ class RolloutAlignment:
             x_hat = round_act(x, self.rule).view(x.shape).to(a.weight.dtype)
             low = b(a(x_hat)) * s  # the adapters' gradient through the merged weight (module docstring)
             return y + (low - low.detach()).to(y.dtype)
+
+        vars(mod)["forward"] = forward
+
+    def _route_embedding(self, mod: torch.nn.Embedding) -> None:
+        def forward(ids: Tensor) -> Tensor:
+            if not self.enabled:
+                return F.embedding(ids, mod.weight, mod.padding_idx)
+            codes = self._codes(EMBED, [mod.weight], mod.weight.detach, EMBED_FORMAT)
+            return AlignedEmbedding.apply(mod.weight, ids, codes["qweight"], codes["weight_scale"], mod.padding_idx)
 
         vars(mod)["forward"] = forward
 

@@ -26,6 +26,7 @@ from .bucketload import LoadedVersion, load_buckets
 from .buffers import BufferPool
 from .delta import DeltaStream, PublishedDelta, apply_delta, delta_from_frames, make_delta
 from .diagnostics import code_change_frac, kl_vs_full_precision, publication_metrics, quantization_error
+from .embedding import QuantEmbedding
 from .errors import (
     BlockShapeError,
     ChecksumMismatchError,
@@ -48,7 +49,14 @@ from .fp8 import dequantize_fp8, fp8_linear, quantize_fp8_rows
 from .fused import fuse_siblings
 from .int8 import dequantize_int8, int8_linear, quantize_act_int8, quantize_int8_rows
 from .linear import LINEAR_CLASSES, QuantLinear
-from .model import DEFAULT_KEEP_FULL_PRECISION, TARGET_LINEARS, model_format, quantize_model, quantizes_head
+from .model import (
+    DEFAULT_KEEP_FULL_PRECISION,
+    TARGET_LINEARS,
+    model_format,
+    quantize_model,
+    quantizes_embedding,
+    quantizes_head,
+)
 from .publish import PublishedWeights, load_published, publish
 from .uaq import UAQ_SITES, fold_uaq, unfold_uaq
 from .wire import RawTensor
@@ -73,6 +81,7 @@ __all__ = [
     "PublishedDelta",
     "PublishedWeights",
     "QuantError",
+    "QuantEmbedding",
     "QuantLinear",
     "RawTensor",
     "UnknownFormatError",
@@ -109,6 +118,7 @@ __all__ = [
     "quantize_fp8_rows",
     "quantize_int8_rows",
     "quantize_model",
+    "quantizes_embedding",
     "quantizes_head",
     "quantize_mxfp4",
     "quantize_nvfp4",

@@ -41,8 +41,8 @@ from protocols import DeltaPart, TensorSpec, WeightBucket
 from .delta import INDEX_BYTES, changed_elements, held_checksum, part_update, restore, write_update
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
 from .linear import QuantLinear
-from .model import model_format
-from .publish import HELD_CHECKSUM, _aliased_names, _head_hint, _module_or_none
+from .model import model_format, module_or_none
+from .publish import HELD_CHECKSUM, _aliased_names, _head_hint
 from .published import check_values
 from .wire import DTYPES, checksum_of, header_dict
 
@@ -174,7 +174,7 @@ class BucketLoad:
             raise ManifestMismatchError(f"model has {dest.dtype} {tuple(dest.shape)}, the publication {e.dtype} "
                                         f"{tuple(e.shape)} of {e.nbytes} bytes", tensor_name=e.name)
         if e.logical_shape:
-            mod = _module_or_none(self.model, e.name.rpartition(".")[0])
+            mod = module_or_none(self.model, e.name.rpartition(".")[0])
             if isinstance(mod, QuantLinear) and e.logical_shape != (mod.out_features, mod.in_features):
                 raise ManifestMismatchError(f"published weight is {e.logical_shape}, the module is "
                                             f"{(mod.out_features, mod.in_features)}", tensor_name=e.name)

@@ -34,8 +34,8 @@ from protocols import DeltaPart, TensorSpec
 
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
 from .linear import QuantLinear
-from .model import model_format
-from .publish import HELD_CHECKSUM, _module_or_none
+from .model import model_format, module_or_none
+from .publish import HELD_CHECKSUM
 from .published import PublishedWeights, check_values
 from .wire import DTYPES, checksum_of, digest_matches, header_dict, raw_bytes
 
@@ -268,7 +268,7 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
             raise
         # only the linears whose tensors changed rebuild their decode caches, each once
         for name in dict.fromkeys(e.name.rpartition(".")[0] for e, *_ in plan):
-            mod = _module_or_none(model, name)
+            mod = module_or_none(model, name)
             if isinstance(mod, QuantLinear):
                 mod.refresh()
     vars(model)[HELD_CHECKSUM] = delta.checksum

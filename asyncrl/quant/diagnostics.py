@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from .delta import changed_elements, element_bits
 from .errors import FormatMismatchError, ManifestMismatchError
 from .formats import ROLE_CODES, ROLE_FULL, ROLE_WEIGHT, dequantize_weight, weight_suffixes
+from .model import EMBED
 from .publish import PublishedWeights
 
 
@@ -125,7 +126,8 @@ def publication_metrics(
         for e in published.manifest
         if e.role in (ROLE_CODES, ROLE_WEIGHT) and e.logical_shape
     )
-    linear_bytes = sum(e.nbytes for e in published.manifest if e.role != ROLE_FULL)
+    linear_bytes = sum(e.nbytes for e in published.manifest  # (an int8 embedding, quant.embedding, is no linear)
+                       if e.role != ROLE_FULL and not e.name.startswith(EMBED + "."))
     out = {
         "quant/version": float(published.version),
         "quant/bytes": float(published.total_bytes()),

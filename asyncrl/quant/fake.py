@@ -18,6 +18,10 @@ Gradient (straight-through): with W = Deq(codes) and x_hat the actor's rounding 
     dx = dy @ W,   dW_master = dy^T @ x_hat,   dbias = sum dy,
 as if the roundings were the identity: the master weights get the gradient of the quantised forward.
 
+The token embedding held as int8 codes (``quant.embedding``, embedding.py) is aligned the same way by
+`AlignedEmbedding`: its value is the actor's lookup of rows of the codes, its gradient that of a plain lookup
+(each row's gradient to the master table's row, none to ``padding_idx``).
+
 Must never: change a tensor in place, or round with any rule other than the formats' own.
 """
 
@@ -28,6 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from .embedding import dequantize_rows
 from .formats import check_format, dequantize_weight, quantize_weight
 from .fp8 import quantize_act_fp8
 from .int8 import quantize_act_int8_f32
@@ -102,6 +107,26 @@ class AlignedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             gb = gy.sum(0)
         return gx, gw, gb, None, None, None
+
+
+class AlignedEmbedding(torch.autograd.Function):
+    """``apply(weight, ids, codes, scale, padding_idx)``: rows ``ids`` of the actor's int8 table (``codes``
+    [V, H], ``scale`` [V]; embedding.py `dequantize_rows`), with the gradient of ``F.embedding(ids, weight)``
+    to the full-precision ``weight`` (straight through the rounding; ``padding_idx`` None or a row)."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, ids: Tensor, codes: Tensor, scale: Tensor, padding_idx: int | None) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.padding_idx = weight.shape[0], -1 if padding_idx is None else padding_idx
+        return dequantize_rows(codes, scale, ids).to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        (ids,) = ctx.saved_tensors
+        gw = None
+        if ctx.needs_input_grad[0]:
+            gw = torch.ops.aten.embedding_dense_backward(grads[0], ids, ctx.rows, ctx.padding_idx, False)
+        return gw, None, None, None, None
 
 
 def weight_codes(w: Tensor, fmt: str, *, name: str | None = None) -> dict[str, Tensor]:

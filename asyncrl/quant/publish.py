@@ -7,9 +7,12 @@ converted with `quantize_model`.
 
 Publication layout: every target linear weight `P.weight` (selection rule in model.py) is replaced by
 its format tensors `P.qweight`, `P.weight_scale`, ... (formats.py); every other state-dict entry is
-copied untouched. Names showing the same memory (tied embeddings: `lm_head.weight` and
-`model.embed_tokens.weight`) are published once, under the first name in sorted order; the loader
-fills the other name through the model's own tie. Tensor names are exactly the state-dict keys of
+copied untouched. With ``embedding=True`` (``quant.embedding``) the token embedding
+`model.embed_tokens.weight` is replaced by its int8 row codes `model.embed_tokens.qweight` and
+`model.embed_tokens.weight_scale` (embedding.py; manifest entries of format "int8" without a logical shape:
+they are not a linear's). Names showing the same memory published the same way (tied embeddings:
+`lm_head.weight` and `model.embed_tokens.weight`; a tied int8 head and a quantised embedding) are published
+once, under the first name in sorted order; the loader fills the other name through the model's own tie. Tensor names are exactly the state-dict keys of
 the converted model. Manifest entries (`protocols.TensorSpec`, built by wire.manifest_entry) follow the
 sorted tensor names and record name, dtype, shape, format, role, byte count, per-tensor digest and, for
 codes, the logical [N, K]; the transport ships the same entries unchanged.
@@ -46,18 +49,27 @@ from protocols.values import AQN_RESAMPLE, require_choice
 
 from . import aqn as aqn_mod
 from .buffers import Blocks, BufferPool, quantize_for_send
+from .embedding import EMBED_FORMAT, EMBED_SUFFIXES
 from .errors import FormatMismatchError, ManifestMismatchError, NonFiniteWeightError, QuantError
 from .formats import ROLE_CODES, ROLE_FULL, ROLE_WEIGHT, check_format, weight_suffixes
 from .int8 import all_finite
 from .linear import QuantLinear
-from .model import DEFAULT_KEEP_FULL_PRECISION, HEAD, is_target_weight, model_format
+from .model import (
+    DEFAULT_KEEP_FULL_PRECISION,
+    EMBED,
+    HEAD,
+    SHARED_TABLE_FORMATS,
+    is_target_weight,
+    model_format,
+    module_or_none,
+)
 from .published import PublishedWeights
 from .wire import checksum_of, header_dict, manifest_entry
 
 HELD_CHECKSUM = "_asyncrl_published_checksum"
 """Attribute of a worker's model: the checksum of the last publication loaded into it (full or delta)."""
 HEAD_WEIGHT = HEAD + ".weight"
-EMBED_WEIGHT = "model.embed_tokens.weight"
+EMBED_WEIGHT = EMBED + ".weight"
 
 
 def publish(
@@ -73,6 +85,7 @@ def publish(
     uaq_sites: Sequence[str] = (),
     aqn_resample: str = "publication",
     head: bool = False,
+    embedding: bool = False,
     pool: BufferPool | None = None,
     on_entry: Callable[[TensorSpec, Tensor], None] | None = None,
 ) -> PublishedWeights:
@@ -85,8 +98,10 @@ def publish(
     With ``aqn_resample="forward"`` the gains are published clean and (seed, sigma) tell the sampler
     to draw fresh noise at every forward (``aqn.ForwardAqn``; not combined with UAQ-folded sites).
     ``head=True`` (``quant.lm_head``) also quantises ``lm_head.weight``, for workers converted with
-    ``quantize_model(..., head=True)``; a tied embedding is then published too, in full precision. Like
-    ``quantize_model``, fp32 converts nothing, so an fp32 publication is the same with or without it.
+    ``quantize_model(..., head=True)``; a tied embedding is then published too, in full precision unless
+    ``embedding=True`` (``quant.embedding``), which publishes the embedding as int8 row codes, for workers
+    converted with ``quantize_model(..., embedding=True)``. Like ``quantize_model``, fp32 converts nothing,
+    so an fp32 publication is the same with or without either.
     ``pool``: where the buffers come from (`BufferPool`; a publisher that publishes one format every
     version keeps one, so a version reuses the memory of versions nothing views any more instead of
     faulting in fresh pages); without one, fresh mappings. The bytes are the same either way.
@@ -97,6 +112,7 @@ def publish(
     """
     check_format(fmt)
     head = head and fmt != "fp32"
+    embedding = embedding and fmt != "fp32"
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise QuantError(f"version must be an integer >= 0, got {version!r}")
     tensors_in = state_dict  # read name by name: a lazy mapping (merged LoRA weights) yields one tensor at a time
@@ -128,23 +144,30 @@ def publish(
     tied_head = head and HEAD_WEIGHT not in tensors_in and EMBED_WEIGHT in tensors_in
     if tied_head:
         names = sorted([*names, HEAD_WEIGHT])
+    if embedding and EMBED_WEIGHT not in tensors_in:
+        raise QuantError(f"quant.embedding quantises {EMBED_WEIGHT!r}, which this state dict does not have; "
+                         "set quant.embedding=false for this model")
     for name in names:
         t = tensors_in[EMBED_WEIGHT if tied_head and name == HEAD_WEIGHT else name]
         if not isinstance(t, Tensor):
             raise QuantError(f"state dict values must be tensors, got {type(t).__name__}", tensor_name=name)
-        target = is_target_weight(name, keep_full_precision, head=head)
-        key = (target, *_alias_key(t))
+        # how it is published: the format's rule (a target linear), int8 rows (the embedding) or as it is
+        rule = (fmt if is_target_weight(name, keep_full_precision, head=head)
+                else EMBED_FORMAT if embedding and name == EMBED_WEIGHT else None)
+        # the int8 formats publish a tied head with the embedding's own codes: one table (model.py)
+        key = ("int8" if rule in SHARED_TABLE_FORMATS else rule, *_alias_key(t))
         earlier = seen.get(key)
         if earlier is not None and earlier() is not None:
             continue
         seen[key] = weakref.ref(t)
-        if target:
+        if rule is not None:
             prefix = name[: -len("weight")]
-            for suffix, q in quantize_for_send(t, fmt, name=name, blocks=blocks).items():
+            rule_roles = roles if rule == fmt else EMBED_SUFFIXES
+            for suffix, q in quantize_for_send(t, rule, name=name, blocks=blocks).items():
                 qname = prefix + suffix
-                logical = tuple(t.shape) if roles[suffix] in (ROLE_CODES, ROLE_WEIGHT) else None
+                logical = tuple(t.shape) if rule == fmt and roles[suffix] in (ROLE_CODES, ROLE_WEIGHT) else None
                 out[qname] = blocks.snapshot(q, t)
-                entries.append(manifest_entry(qname, out[qname], fmt, roles[suffix], logical))
+                entries.append(manifest_entry(qname, out[qname], rule, rule_roles[suffix], logical))
                 if on_entry is not None:
                     on_entry(entries[-1], out[qname])
         else:
@@ -210,7 +233,7 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
     for e in published.manifest:
         if not e.logical_shape:
             continue
-        mod = _module_or_none(model, e.name.rpartition(".")[0])
+        mod = module_or_none(model, e.name.rpartition(".")[0])
         if isinstance(mod, QuantLinear) and e.logical_shape != (mod.out_features, mod.in_features):
             raise ManifestMismatchError(
                 f"published weight is {e.logical_shape}, the module is {(mod.out_features, mod.in_features)}",
@@ -228,6 +251,9 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
 
 
 def _head_hint(name: str) -> str:
+    if name.startswith(EMBED + "."):
+        return ("; the publication and the model disagree on holding the token embedding as int8 codes: set "
+                "quant.embedding the same for the learner and every worker (workers of protocol 1.8 or newer)")
     if not name.startswith(HEAD + "."):
         return ""
     return ("; the publication and the model disagree on quantising the output head: set quant.lm_head the same "
@@ -243,9 +269,3 @@ def _aliased_names(state: Mapping[str, Tensor]) -> dict[str, list[str]]:
         )
     return {n: [m for m in group if m != n] for group in by_ptr.values() if len(group) > 1 for n in group}
 
-
-def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None

@@ -87,10 +87,10 @@ def test_bench_weightsync_smoke_writes_every_stage_per_format(procs, tmp_path):
 def test_bench_delta_smoke_syncs_whole_and_by_delta_and_the_two_actors_agree(procs, tmp_path):
     data = run_bench(procs, tmp_path, "bench_delta", "--smoke")  # the child checks the two actors' bytes agree
     rows = data["tables"]["delta"]
-    assert [(r["run"], r["format"]) for r in rows] == [("full", "int8"), ("full", "nvfp4"), ("lora", "int8"),
-                                                       ("lora", "nvfp4")]
+    assert [(r["run"], r["layout"], r["format"]) for r in rows] == [
+        (run, lay, fmt) for run in ("full", "lora") for lay in ("plain", "emb") for fmt in ("int8", "nvfp4")]
     check_rows(rows, ["changed_frac", "whole_MB", "delta_MB", "delta_vs_whole_bytes", "whole_s", "delta_s",
-                      "delta_vs_whole_s", "whole_vs_memcpy", "delta_vs_memcpy"], text=("run", "format"))
+                      "delta_vs_whole_s", "whole_vs_memcpy", "delta_vs_memcpy"], text=("run", "layout", "format"))
     assert all(r["delta_MB"] < r["whole_MB"] and 0 < r["changed_frac"] <= 1 for r in rows)
 
 

@@ -258,9 +258,40 @@ def test_quantized_output_head_trains_end_to_end_and_publishes_the_head_in_int8(
     assert all(np.isfinite(s.sample.behav_logp.to_numpy()).all() for s in samples)
 
 
+def test_int8_embedding_trains_end_to_end_and_its_deltas_carry_a_few_codes(tmp_path, procs):
+    """quant.embedding=true with an int8 head and a rollout-aligned learner: the learner publishes the token
+    embedding as int8 row codes, the workers convert theirs to load it, the deltas after version 1 carry a small
+    part of the version, and the run trains (the learner's forward looks up the same codes)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.metrics import read_metrics
+    from asyncrl.quant import publish
+
+    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=emb", "quant=int8", "quant.lm_head=true",
+                  "quant.embedding=true", "learner.rollout_aligned=true", "learner.total_steps=4",
+                  "learner.ckpt_every=0", "learner.eval_every=0", "rollout.eta=1", "rollout.groups_per_step=2",
+                  "rollout.dead_after_s=60")
+    assert res.returncode == 0, res.stdout[-4000:]
+    run_dir = tmp_path / "emb"
+    assert "and the int8 token embedding" in (run_dir / "logs" / "learner.log").read_text()
+    sd = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32).state_dict()
+    pub = publish(sd, "int8", version=1, head=True, embedding=True)
+    assert "model.embed_tokens.qweight" in pub.tensors and "model.embed_tokens.weight" not in pub.tensors
+    recs = read_metrics(run_dir)
+    assert {r["quant/int8/published_bytes"] for r in recs if "quant/int8/published_bytes" in r} == {pub.total_bytes()}
+    deltas = [r["weights/int8/delta_bytes"] for r in recs if "weights/int8/delta_bytes" in r]
+    assert deltas and max(deltas) < pub.total_bytes() / 2
+    assert any(r.get("learner/updates", 0) > 0 for r in recs)
+    samples, _ = _log(run_dir)
+    assert any(max(s.sample.versions.to_numpy()) >= 1 for s in samples)  # sampled from fetched versions
+    assert all(np.isfinite(s.sample.behav_logp.to_numpy()).all() for s in samples)
+
+
 def test_bad_configuration_fails_before_any_process_starts(tmp_path):
     cases = {
         "quant=fp32 quant.lm_head=true": "quant.lm_head=true quantizes the output head",
+        "quant=fp32 quant.embedding=true": "quant.embedding=true holds the workers' token embedding as int8 codes",
         "quant.aqn=true quant.aqn_resample=forward quant.uaq=true": "quant.aqn_resample=publication",
         "algo.tbpo_w_mode=cut": "choose one of: clamp, drop",
         "algo.objective=foo": "choose one of",

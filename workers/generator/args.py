@@ -31,7 +31,8 @@ def engine_spec(setup: P.WorkerSetup, role: WorkerRoleConfig, *, fmt: str, slots
     """The engine a worker builds from the run's ``WorkerSetup`` and its own settings (``fmt`` and ``slots``:
     what the controller granted it)."""
     return EngineSpec(kind=role.rollout.engine, quant_format=fmt, device=role.rollout.device, slots=slots,
-                      quantize_head=setup.quantize_head, decode_step=role.rollout.decode_step,
+                      quantize_head=setup.quantize_head, quantize_embedding=setup.quantize_embedding,
+                      decode_step=role.rollout.decode_step,
                       cuda_graphs=role.rollout.cuda_graphs, compile_step=role.rollout.compile,
                       eos_token_ids=list(setup.eos_token_ids),
                       max_seq_len=setup.max_seq_len, model_config_json=setup.model_config,

@@ -183,7 +183,7 @@ class Learner:
         if self.policy.aligned is not None or q.fmt == "fp32":
             return measure(self.policy.aligned)
         with RolloutAlignment.routed(self.policy.model, q.fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION,
-                                     head=q.lm_head, enabled=False) as aligned:  # for mismatch/quant only
+                                     head=q.lm_head, embedding=q.embedding, enabled=False) as aligned:  # for mismatch/quant only
             return measure(aligned)
 
     def adopt_publication(self) -> None:

@@ -50,7 +50,7 @@ class Publisher:
             kwargs: dict[str, Any] = dict(
                 aqn_sigma=sigma, aqn_seed=seed if sigma > 0 else None, uaq_s=q.uaq_scale if q.uaq else 1.0,
                 uaq_sites=tuple(q.uaq_sites) if q.uaq else (), aqn_resample=q.aqn_resample, head=q.lm_head,
-                pool=self.pools[fmt])
+                embedding=q.embedding, pool=self.pools[fmt])
             prev = self.prev.get(fmt)
             base = prev if (t.delta and fmt in QUANTIZED_FORMATS and prev is not None and prev.version == version - 1
                             and version % t.full_every != 0) else None  # a worker that holds it fetches the delta

@@ -106,12 +106,12 @@ def load_policy(cfg: TrainConfig, model_dir: Path, rank: Rank) -> Policy:
     aligned = None
     if L.rollout_aligned:  # (an unaligned run routes its linears only while it measures mismatch/quant)
         aligned = RolloutAlignment(model, cfg.quant.fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION,
-                                   head=cfg.quant.lm_head)
-        log.info("learner: forwards through the %s quantizer (%d linears, straight-through gradients)",
-                 cfg.quant.fmt, len(aligned.modules))
+                                   head=cfg.quant.lm_head, embedding=cfg.quant.embedding)
+        log.info("learner: forwards through the %s quantizer (%d linears%s, straight-through gradients)",
+                 cfg.quant.fmt, len(aligned.modules), " and the int8 token embedding" if aligned.embedding else "")
         if ref_model is not None and ref_model is not model:  # a full fine-tuning reference
-            RolloutAlignment(ref_model, cfg.quant.fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION,
-                             head=cfg.quant.lm_head)  # computed as the rollout would (its routes hold it)
+            RolloutAlignment(ref_model, cfg.quant.fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION,  # computed as
+                             head=cfg.quant.lm_head, embedding=cfg.quant.embedding)  # the rollout would (routes hold it)
     autocast, why = resolve_autocast(L.autocast, info.device.type)
     log.info("learner: forwards in %s (learner.autocast=%s: %s) on %s", "bf16 autocast" if autocast else "fp32",
              L.autocast or "''", why, describe() if info.device.type == "cpu" else info.device)

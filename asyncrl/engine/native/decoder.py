@@ -23,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,7 @@ class _Layer(Protocol):
 
 
 class _Backbone(Protocol):
-    embed_tokens: torch.nn.Embedding
+    embed_tokens: _Fn  # an nn.Embedding, or int8 codes (asyncrl.quant.QuantEmbedding, quant.embedding)
     rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     layers: Sequence[_Layer]
     norm: _Fn
@@ -161,7 +161,8 @@ class DecoderRunner:
 
     @property
     def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
+        norm: Any = self.model.model.norm  # (not the embedding: it may be int8 codes, quant.embedding)
+        return norm.weight.device
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``h: [B, L, D]`` -> q ``[B, H, L, hd]``, k/v ``[B, KV, L, hd]`` with rotary applied to q, k."""

@@ -74,6 +74,7 @@ class NativeEngine:
         eos_token_ids: Sequence[int] | None = None,
         num_threads: int | None = 1,
         quantize_head: bool = False,
+        quantize_embedding: bool = False,
         decode_step: str = "auto",
         cuda_graphs: str | bool = "auto",
         compile_step: bool | str = False,
@@ -81,7 +82,8 @@ class NativeEngine:
         """Wrap ``model`` (fp32 HF causal LM; quantized here when ``quant_format != "fp32"``) at ``version``.
 
         ``quantize_head``: the output head (``lm_head``) is quantized too (``quant.lm_head``; the
-        learner must publish with ``head=True``).
+        learner must publish with ``head=True``). ``quantize_embedding``: the token embedding is int8 row
+        codes (``quant.embedding``; the learner must publish with ``embedding=True``).
 
         ``num_threads``: torch intra-op threads for this process (None leaves torch's setting alone).
         ``eos_token_ids``: default stop tokens (requests with ``stop_token_ids=None``); default = model's EOS.
@@ -115,7 +117,7 @@ class NativeEngine:
         graphs = resolve_cuda_graphs(cuda_graphs, self.device)
         model = model.to(self.device).eval()
         reason = fallback_reason(model, self.max_seq_len)  # on the model as loaded, before its linears change
-        model = quantize_actor(model, quant_format, head=quantize_head)
+        model = quantize_actor(model, quant_format, head=quantize_head, embedding=quantize_embedding)
         self._model: torch.nn.Module | None = model
         self._runner: Any = build_runner(model, max_batch_size, self.max_seq_len, reason)
         self._static: StaticStep | None = None

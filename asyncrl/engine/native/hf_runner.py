@@ -140,7 +140,7 @@ class HFRunner:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return _embedding_table(self.model).device
 
     def _mask(self, qpos: torch.Tensor, lengths: torch.Tensor, lk: int) -> Any:
         """Masks for queries at positions ``qpos [B, Lq]`` over key slots ``0..lk-1`` of rows whose first
@@ -153,7 +153,7 @@ class HFRunner:
             m = base if window is None else base & (kpos > qpos[:, :, None] - window)
             m = m[:, None]
             if self.config._attn_implementation == "eager":
-                dtype = self.model.get_input_embeddings().weight.dtype
+                dtype = self.model.dtype
                 m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
             return m
 
@@ -266,3 +266,9 @@ def build_runner(model: torch.nn.Module, max_rows: int, max_len: int, reason: st
 def make_runner(model: torch.nn.Module, max_rows: int, max_len: int) -> Any:
     """``build_runner`` for ``model`` as it is (no quantization in between)."""
     return build_runner(model, max_rows, max_len, fallback_reason(model, max_len))
+
+
+def _embedding_table(model: Any) -> torch.Tensor:
+    """The input embedding's table: its weight, or its int8 codes (``quant.embedding``)."""
+    emb = model.get_input_embeddings()
+    return emb.qweight if hasattr(emb, "qweight") else emb.weight

@@ -29,19 +29,22 @@ from asyncrl.quant import (
     load_published,
     publish,
     quantize_model,
+    quantizes_embedding,
     quantizes_head,
 )
 from protocols.values import FORMATS as QUANT_FORMATS
 
 
-def quantize_actor(model: torch.nn.Module, fmt: str, *, head: bool = False) -> torch.nn.Module:
+def quantize_actor(model: torch.nn.Module, fmt: str, *, head: bool = False,
+                   embedding: bool = False) -> torch.nn.Module:
     """Return the actor for ``fmt``: the model itself for fp32, else ``asyncrl.quant.quantize_model``
-    (``head``: the output head too, ``quant.lm_head``; fp32 converts nothing)."""
+    (``head``: the output head too, ``quant.lm_head``; ``embedding``: the token embedding as int8 codes,
+    ``quant.embedding``; fp32 converts nothing)."""
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {fmt!r}")
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if fmt != "fp32":
-        model = quantize_model(model, fmt, head=head)
+        model = quantize_model(model, fmt, head=head, embedding=embedding)
     vars(model)["_asyncrl_hf_shapes"] = shapes  # a plain attribute (nn.Module.__setattr__ types it as a tensor)
     return model
 
@@ -92,7 +95,8 @@ def apply_weights(model: torch.nn.Module, weights: Any, fmt: str, version: int) 
         if fmt == "fp32":
             load_plain_state_dict(model, weights)
             return
-        load_published(model, publish(dict(weights), fmt, version=version, head=quantizes_head(model)))
+        load_published(model, publish(dict(weights), fmt, version=version, head=quantizes_head(model),
+                                      embedding=quantizes_embedding(model)))
         return
     if isinstance(weights, PublishedDelta):
         apply_delta(model, weights)

@@ -19,19 +19,21 @@ FORMATS = ["int8", "int8_wo", "fp8", "nvfp4", "mxfp4", "bf16"]
 SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj", "down_proj"))
 
 
-def _align(model, fmt, head=False, enabled=True):
-    return RolloutAlignment(model, fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION, head=head, enabled=enabled)
+def _align(model, fmt, head=False, enabled=True, embedding=False):
+    return RolloutAlignment(model, fmt, keep_full_precision=DEFAULT_KEEP_FULL_PRECISION, head=head,
+                            embedding=embedding, enabled=enabled)
 
 
-@pytest.mark.parametrize("head", [False, True])
+@pytest.mark.parametrize(("head", "embedding"), [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_rollout_aligned_logprobs_are_the_quantized_actors(tiny, fmt, head):
+def test_rollout_aligned_logprobs_are_the_quantized_actors(tiny, fmt, head, embedding):
     """The aligned learner's log-probs equal the actor's (a model converted with quantize_model) up to the
-    order of fp32 sums, while the full-precision learner's are quantisation error away."""
-    model = tiny.model(seed=1)
-    actor = quantize_model(copy.deepcopy(model), fmt, head=head)
+    order of fp32 sums, while the full-precision learner's are quantisation error away. With the int8 token
+    embedding (quant.embedding, on a tied model: with an int8 head the two share one table) too."""
+    model = tiny.model(seed=1, tie=embedding)
+    actor = quantize_model(copy.deepcopy(model), fmt, head=head, embedding=embedding)
     batch = tiny.batch(4, seed=3)
-    al = _align(model, fmt, head=head)
+    al = _align(model, fmt, head=head, embedding=embedding)
     aligned = token_logprobs(model, batch)[0]
     with al.full_precision():
         full = token_logprobs(model, batch)[0]
@@ -46,26 +48,37 @@ def test_rollout_aligned_logprobs_are_the_quantized_actors(tiny, fmt, head):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "nvfp4"])
-@pytest.mark.parametrize("lora", [False, True])
-def test_rollout_aligned_weights_are_the_published_bits(tiny, dist_info, fmt, lora):
+@pytest.mark.parametrize(("lora", "embedding"), [(False, False), (True, False), (False, True), (True, True)])
+def test_rollout_aligned_weights_are_the_published_bits(tiny, dist_info, fmt, lora, embedding):
     """The low-bit weights the learner computes with are the publication's, bit for bit; adopted from the
-    publication, the forward quantises nothing itself (one quantisation per version)."""
+    publication, the forward quantises nothing itself (one quantisation per version). With the int8 token
+    embedding and an int8 head of a tied model, the embedding's codes are the head's (published once)."""
     model = prepare_policy(tiny.model(seed=2, tie=True), dist_info, lora=SPEC if lora else None)
     if lora:  # non-zero adapters, so the merged weight differs from the base
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.1)
-    al = _align(model, fmt)
-    pub = publish(dict(policy_state_dict(model, SPEC if lora else None)), fmt, version=0)
+    al = _align(model, fmt, head=embedding, embedding=embedding)
+    pub = publish(dict(policy_state_dict(model, SPEC if lora else None)), fmt, version=0, head=embedding,
+                  embedding=embedding)
     for name in al.modules:
         codes = {s: pub.tensors[f"{name}.{s}"] for s in weight_suffixes(fmt)}
         k = al.modules[name].in_features
         assert torch.equal(al.weight(name), dequantize_weight(codes, fmt, k)), name
-    assert al.quantizations == len(al.modules)
+    batch = tiny.batch(3, seed=1)
+    token_logprobs(model, batch)  # the embedding's codes are made at its first forward
+    made = len(al.modules) + embedding
+    assert al.quantizations == made
+    if embedding:
+        table = "lm_head" if fmt == "int8" else "model.embed_tokens"
+        assert ("model.embed_tokens.qweight" in pub.tensors) == (fmt != "int8")  # one table with an int8 head
+        cached = al._cache["model.embed_tokens"].codes
+        assert torch.equal(cached["qweight"], pub.tensors[f"{table}.qweight"])
+        assert torch.equal(cached["weight_scale"], pub.tensors[f"{table}.weight_scale"])
     al.invalidate()
-    assert al.adopt(pub.tensors) == len(al.modules)
-    token_logprobs(model, tiny.batch(3, seed=1))
-    assert al.quantizations == len(al.modules)  # nothing quantised again: the forward used the published codes
+    assert al.adopt(pub.tensors) == made
+    token_logprobs(model, batch)
+    assert al.quantizations == made  # nothing quantised again: the forward used the published codes
 
 
 def _grads(model, batch):
@@ -88,6 +101,26 @@ def test_straight_through_gradients_full_fine_tuning(tiny):
     g_al, g_plain = _grads(model, batch), _grads(plain, batch)
     for name in al.modules:
         torch.testing.assert_close(g_al[f"{name}.weight"], g_plain[f"{name}.weight"], rtol=1e-5, atol=1e-7)
+
+
+def test_straight_through_gradients_embedding(tiny):
+    """The int8 token embedding: the aligned model's gradient at the master table is the gradient a plain
+    model holding the dequantised table gets at it (and the value is that table's lookup)."""
+    model = tiny.model(seed=4)
+    plain = copy.deepcopy(model)
+    al = _align(model, "nvfp4", embedding=True)  # weight-only linears: a plain model can hold what they compute
+    actor = quantize_model(copy.deepcopy(model), "nvfp4", embedding=True).model.embed_tokens
+    with torch.no_grad():
+        table = actor(torch.arange(actor.num_embeddings))
+        plain.model.embed_tokens.weight.copy_(table)
+        for name in al.modules:
+            plain.get_submodule(name).weight.copy_(al.weight(name))
+    batch = tiny.batch(4, seed=5)
+    ids = batch.input_ids
+    assert torch.equal(model.model.embed_tokens(ids), table[ids])
+    g_al, g_plain = _grads(model, batch), _grads(plain, batch)
+    torch.testing.assert_close(g_al["model.embed_tokens.weight"], g_plain["model.embed_tokens.weight"],
+                               rtol=1e-5, atol=1e-7)
 
 
 def test_straight_through_gradients_lora(tiny, dist_info):

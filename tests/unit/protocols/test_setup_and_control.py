@@ -21,7 +21,7 @@ def setup(**kw) -> P.WorkerSetup:
 
 
 def test_the_floor_is_1_4_and_older_or_other_major_peers_are_refused_naming_the_fix():
-    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PROTOCOL_FLOOR_MINOR) == (1, 7, 4) and P.PROTOCOL_VERSION == "1.7"
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PROTOCOL_FLOOR_MINOR) == (1, 8, 4) and P.PROTOCOL_VERSION == "1.8"
     assert P.version_refusal("1.4", "w") is None and P.version_refusal("1.9", "w") is None
     for old in ("1.0", "1.2", "1.3"):
         why = P.version_refusal(old, "peer 'w'")
@@ -29,7 +29,7 @@ def test_the_floor_is_1_4_and_older_or_other_major_peers_are_refused_naming_the_
         assert "upgrade asyncrl on that side" in why
         hello = P.Hello(protocol_version=old, role="generator", peer_id="w")
         reject = P.check_hello(hello)
-        assert isinstance(reject, P.Reject) and reject.reason == why and reject.server_version == "1.7"
+        assert isinstance(reject, P.Reject) and reject.reason == why and reject.server_version == "1.8"
     assert "major version mismatch" in (P.version_refusal("2.4", "w") or "")
     assert "not MAJOR.MINOR" in (P.version_refusal("garbage", "w") or "")
 
