@@ -15,7 +15,9 @@ the checksum of the last publication loaded, recorded on the model), checks the 
 version's checksum, checks the new values (finite, scales > 0, E8M0 not NaN) before writing, and after
 writing checks every changed tensor against its manifest digest; on any failure every written element is
 restored and a QuantError names the tensor. So the model after any chain of deltas holds exactly the bytes
-of the full publication of that version.
+of the full publication of that version. The quantised linears' compute caches are then rebuilt only at the
+elements the delta wrote (`QuantLinear.refresh` with ``changed``; whole where that is not cheaper), the same
+bits as the rebuild after a full load.
 
 Must never: apply a delta to a model that holds another base, or leave a model half-updated.
 """
@@ -266,11 +268,15 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
         except BaseException:
             restore(undo)
             raise
-        # only the linears whose tensors changed rebuild their decode caches, each once
-        for name in dict.fromkeys(e.name.rpartition(".")[0] for e, *_ in plan):
+        # only the linears whose tensors changed rebuild their caches, each once, at the elements written
+        written: dict[str, dict[str, Tensor | None]] = {}
+        for e, _, _, idx, _ in plan:
+            mod_name, _, suffix = e.name.rpartition(".")
+            written.setdefault(mod_name, {})[suffix] = idx
+        for name, changed in written.items():
             mod = _module_or_none(model, name)
             if isinstance(mod, QuantLinear):
-                mod.refresh()
+                mod.refresh(changed)
     vars(model)[HELD_CHECKSUM] = delta.checksum
 
 

@@ -15,6 +15,11 @@ Tensors per linear weight `P.weight` [N, K] (names relative to the module prefix
     mxfp4    qweight [N, Kp/2] uint8, weight_scale [N, Kp/32] float8_e8m0fnu
 Biases, norms, embeddings and kept linears are "full_precision" and never converted.
 
+Dequantisation is elementwise: each element of the [N, K] weight is its code's value times its row's or
+block's scale (nvfp4: times the global scale), so `weight_elements` can name the elements that writing some
+elements of these tensors can change and `dequantize_elements` compute just those, with the same fp32 ops
+as `dequantize_weight` (the same bits).
+
 Must never: hold state; every function is pure.
 """
 
@@ -35,6 +40,8 @@ ROLE_CODES = "codes"
 ROLE_SCALE = "scale"
 ROLE_GLOBAL_SCALE = "global_scale"
 ROLE_FULL = "full_precision"
+EMPTY_INDEX = torch.empty(0, dtype=torch.int64)
+"""No element (the flat indices of `weight_elements` and of ``QuantLinear.refresh``'s ``changed``)."""
 
 _SUFFIX_ROLES: dict[str, dict[str, str]] = {
     "fp32": {"weight": ROLE_WEIGHT},
@@ -107,3 +114,59 @@ def dequantize_weight(tensors: Mapping[str, Tensor], fmt: str, in_features: int,
     else:
         w = fp8.dequantize_fp8(tensors["qweight"], tensors["weight_scale"])
     return w if out is None else out.copy_(w)
+
+
+def weight_elements(fmt: str, out_features: int, in_features: int, changed: Mapping[str, Tensor | None],
+                    limit: int) -> Tensor | None:
+    """The flat indices (int64, into the [out_features, in_features] weight; possibly repeated) of every element
+    whose dequantised value can change when the elements ``changed`` names are written: {suffix: flat indices
+    into that tensor (None: all of it)}, a suffix left out was not written. None when that may be more than
+    ``limit`` elements (or every element: an nvfp4 global scale, a tensor written whole): dequantise it whole."""
+    check_format(fmt)
+    k = in_features
+    if any(idx is None for idx in changed.values()):
+        return None
+    gs = changed.get("weight_global_scale")
+    if gs is not None and gs.numel():  # nvfp4: it scales every element
+        return None
+    if fmt in ("fp32", "bf16"):  # the weight itself
+        w = changed.get("weight", EMPTY_INDEX)
+        return None if w is None or w.numel() > limit else w
+    codes, scales = changed.get("qweight"), changed.get("weight_scale")
+    out: list[Tensor] = []
+    block = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}.get(fmt, k)  # int8 and fp8: a row is a block
+    nb = -(-k // block)
+    if scales is not None:
+        if scales.numel() * block > limit:
+            return None
+        col = torch.arange(block, device=scales.device)
+        flat = ((scales // nb) * k + (scales % nb) * block)[:, None] + col
+        out.append(flat[((scales % nb) * block)[:, None] + col < k])
+    if codes is not None:
+        if block == k:  # one code per element
+            out.append(codes)
+        else:  # fp4: byte j of a row holds the codes of columns 2j and 2j + 1
+            half = nb * block // 2
+            first = codes // half * k + codes % half * 2
+            pair = torch.stack([first, first + 1], dim=1)
+            cols = torch.stack([codes % half * 2, codes % half * 2 + 1], dim=1)
+            out.append(pair[cols < k])
+    n = sum(t.numel() for t in out)
+    if n > limit:
+        return None
+    return torch.cat(out) if out else EMPTY_INDEX
+
+
+def dequantize_elements(tensors: Mapping[str, Tensor], fmt: str, in_features: int, elements: Tensor) -> Tensor:
+    """`dequantize_weight(tensors, fmt, in_features).view(-1)[elements]`, computed at those elements only (flat
+    int64 indices into the [N, in_features] weight), by the same fp32 ops: the same bits. Returns [n] fp32."""
+    check_format(fmt)
+    rows, cols = elements // in_features, elements % in_features
+    if fmt == "nvfp4":
+        return fp4.nvfp4_elements(tensors["qweight"], tensors["weight_scale"], tensors["weight_global_scale"],
+                                  rows, cols)
+    if fmt == "mxfp4":
+        return fp4.mxfp4_elements(tensors["qweight"], tensors["weight_scale"], rows, cols)
+    if fmt in ("fp32", "bf16"):
+        return tensors["weight"].reshape(-1)[elements].float()
+    return tensors["qweight"].reshape(-1)[elements].float() * tensors["weight_scale"][rows]

@@ -160,6 +160,23 @@ def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, 
     return _decode_blocks(packed, s_eff, NVFP4_BLOCK, k, out)
 
 
+def _element_values(packed: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """e2m1(code) of the elements at (rows, cols) of the logical weight (int64 [n] each) -> [n] fp32."""
+    byte = packed[rows, cols // 2].to(torch.int64)
+    return E2M1_VALUES.to(packed.device)[byte.bitwise_right_shift_((cols & 1) * 4).bitwise_and_(15)]
+
+
+def nvfp4_elements(packed: Tensor, block_scale: Tensor, global_scale: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """`dequantize_nvfp4(...)[rows, cols]` at those elements only (int64 [n] each), by its fp32 ops -> [n] fp32."""
+    s_eff = e4m3_to_fp32(block_scale[rows, cols // NVFP4_BLOCK]).mul_(global_scale.float())
+    return _element_values(packed, rows, cols).mul_(s_eff)
+
+
+def mxfp4_elements(packed: Tensor, scale: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """`dequantize_mxfp4(...)[rows, cols]` at those elements only (int64 [n] each), by its fp32 ops -> [n] fp32."""
+    return _element_values(packed, rows, cols).mul_(_e8m0_to_fp32(scale.view(torch.uint8)[rows, cols // MXFP4_BLOCK]))
+
+
 def _e8m0_to_fp32(biased: Tensor) -> Tensor:
     """E8M0 biased exponent bytes (uint8, 0..254) -> exact fp32 powers of two 2**(b-127)."""
     b = biased.to(torch.int32)
