@@ -25,6 +25,7 @@ from asyncrl.quant import (
 from asyncrl.quant.delta import element_bits
 from asyncrl.quant.formats import quantize_weight
 from asyncrl.quant.linear import LINEAR_CLASSES, DecodedLinear
+from asyncrl.quant.publish import HELD_CHECKSUM
 from tests.unit.quant.conftest import make_tiny_qwen2
 
 FORMATS = ("int8", "nvfp4", "mxfp4", "fp8", "fp32")
@@ -239,6 +240,22 @@ def test_delta_publication_with_indices_outside_a_tensor_is_refused():
     delta.payloads[i] = frame
     with pytest.raises(ManifestMismatchError, match="outside the tensor"):
         apply_delta(w, delta)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj._w_codes", "model.layers.0.self_attn.q_proj.nope",
+                                  "model.nowhere.weight_scale"])
+def test_delta_publication_of_a_tensor_the_state_dict_lacks_is_refused(name):
+    """A delta's tensors are the model's state-dict tensors: a compute cache, or a name no module holds, is not."""
+    sds = versions(2, seed=8)
+    extra = [{**sd, name: torch.full((4,), float(v + 1))} for v, sd in enumerate(sds)]
+    pubs = [publish(sd, "int8", version=v) for v, sd in enumerate(extra)]
+    w = worker_on("int8", "int_mm_fp32", True)
+    load_published(w, publish(sds[0], "int8", version=0))
+    vars(w)[HELD_CHECKSUM] = pubs[0].checksum  # as if it held the publication with the extra tensor
+    before = copy.deepcopy(w)
+    with pytest.raises(ManifestMismatchError, match="no such tensor"):
+        apply_delta(w, make_delta(pubs[0], pubs[1]))
+    assert same_bytes(w, before)
 
 
 def test_no_delta_between_formats_or_backwards():
