@@ -133,40 +133,35 @@ def weight_elements(fmt: str, out_features: int, in_features: int, changed: Mapp
         w = changed.get("weight", EMPTY_INDEX)
         return None if w is None or w.numel() > limit else w
     codes, scales = changed.get("qweight"), changed.get("weight_scale")
-    out: list[Tensor] = []
     block = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}.get(fmt, k)  # int8 and fp8: a row is a block
-    nb = -(-k // block)
+    padded = -(-k // block) * block  # the columns stored per row (fp4: padding columns included)
+    out: list[Tensor] = []  # indices into the stored [out_features, padded] layout
     if scales is not None:
         if scales.numel() * block > limit:
             return None
-        col = torch.arange(block, device=scales.device)
-        flat = ((scales // nb) * k + (scales % nb) * block)[:, None] + col
-        out.append(flat[((scales % nb) * block)[:, None] + col < k])
+        out.append(((scales * block)[:, None] + torch.arange(block, device=scales.device)).reshape(-1))
     if codes is not None:
-        if block == k:  # one code per element
-            out.append(codes)
-        else:  # fp4: byte j of a row holds the codes of columns 2j and 2j + 1
-            half = nb * block // 2
-            first = codes // half * k + codes % half * 2
-            pair = torch.stack([first, first + 1], dim=1)
-            cols = torch.stack([codes % half * 2, codes % half * 2 + 1], dim=1)
-            out.append(pair[cols < k])
-    n = sum(t.numel() for t in out)
-    if n > limit:
+        out += [codes * 2, codes * 2 + 1] if fmt in ("nvfp4", "mxfp4") else [codes]  # fp4: two codes a byte
+    if sum(t.numel() for t in out) > limit:
         return None
-    return torch.cat(out) if out else EMPTY_INDEX
+    elements = torch.cat(out) if out else EMPTY_INDEX
+    if padded != k:  # to the logical layout, padding columns left out
+        rows = elements // padded
+        cols = elements - rows * padded
+        elements = (rows * k + cols)[cols < k]
+    return elements
 
 
 def dequantize_elements(tensors: Mapping[str, Tensor], fmt: str, in_features: int, elements: Tensor) -> Tensor:
     """`dequantize_weight(tensors, fmt, in_features).view(-1)[elements]`, computed at those elements only (flat
     int64 indices into the [N, in_features] weight), by the same fp32 ops: the same bits. Returns [n] fp32."""
     check_format(fmt)
-    rows, cols = elements // in_features, elements % in_features
     if fmt == "nvfp4":
         return fp4.nvfp4_elements(tensors["qweight"], tensors["weight_scale"], tensors["weight_global_scale"],
-                                  rows, cols)
+                                  elements, in_features)
     if fmt == "mxfp4":
-        return fp4.mxfp4_elements(tensors["qweight"], tensors["weight_scale"], rows, cols)
+        return fp4.mxfp4_elements(tensors["qweight"], tensors["weight_scale"], elements, in_features)
     if fmt in ("fp32", "bf16"):
         return tensors["weight"].reshape(-1)[elements].float()
-    return tensors["qweight"].reshape(-1)[elements].float() * tensors["weight_scale"][rows]
+    codes = torch.index_select(tensors["qweight"].reshape(-1), 0, elements).float()
+    return codes.mul_(torch.index_select(tensors["weight_scale"], 0, elements // in_features))
