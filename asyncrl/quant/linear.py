@@ -64,9 +64,13 @@ from .kernels import (
     select_kernel,
 )
 
-SPARSE_REFRESH_FRAC = 1 / 16
-"""Most elements of a cache rebuilt one by one (`QuantLinear.refresh` with ``changed``): where more would change,
-the whole cache is rebuilt, which costs less there (an indexed element costs ~10-20x a converted one)."""
+CODES_REFRESH_FRAC = 1 / 40
+"""Most elements of an fp32 code cache (`_w_codes`) converted one by one (`QuantLinear.refresh` with ``changed``):
+where more were written the whole cache is converted, which then costs less (an indexed element ~10-20x a
+converted one; on SmolLM2-135M int8, Zen 3, the two cost the same at ~1/35 of the codes)."""
+DECODED_REFRESH_FRAC = 1 / 16
+"""The same for a decoded weight (`_w_decoded`), whose full decode costs more per element (the same at ~1/12 of the
+elements on SmolLM2-135M mxfp4, Zen 3)."""
 
 
 class FusedGroup(Protocol):
@@ -237,11 +241,11 @@ def refresh_codes_f32(m: QuantLinear) -> None:
 def refresh_codes_f32_at(m: QuantLinear, changed: Mapping[str, Tensor | None]) -> bool:
     """`refresh_codes_f32` after a load that wrote only the ``qweight`` elements ``changed`` names (QuantLinear.
     refresh): those codes converted into the existing cache (the scales are not in it). False, changing
-    nothing, when the cache does not fit the codes or more than `SPARSE_REFRESH_FRAC` of them were written."""
+    nothing, when the cache does not fit the codes or more than `CODES_REFRESH_FRAC` of them were written."""
     cache, codes = m._buffers.get("_w_codes"), m._buffers["qweight"]
     assert codes is not None
     idx = changed.get("qweight", EMPTY_INDEX)
-    if (idx is None or idx.numel() > codes.numel() * SPARSE_REFRESH_FRAC or cache is None
+    if (idx is None or idx.numel() > codes.numel() * CODES_REFRESH_FRAC or cache is None
             or cache.shape != codes.shape or cache.device != codes.device or not cache.is_contiguous()):
         return False
     if idx.numel():
@@ -334,7 +338,7 @@ class DecodedLinear(QuantLinear):
         if (cache is None or cache.shape != (n, k) or cache.dtype != compute_dtype(self.kernel)
                 or cache.device != codes.device or not cache.is_contiguous()):
             return False
-        elements = weight_elements(self.fmt, n, k, changed, limit=int(n * k * SPARSE_REFRESH_FRAC))
+        elements = weight_elements(self.fmt, n, k, changed, limit=int(n * k * DECODED_REFRESH_FRAC))
         if elements is None:
             return False
         if elements.numel():
