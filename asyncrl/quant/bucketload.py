@@ -11,7 +11,8 @@ Checks, as `load_published` and `apply_delta` make them: each tensor, once compl
 digest (hashed from the bytes as they arrive; a sparse part's tensor after it is applied) and its values
 (finite, scales > 0); at the end, every tensor of the model published (a whole version) and the manifest
 collected from all buckets against the version's checksum (from the last bucket). Only then are the quantised
-linears' caches rebuilt and the model marked as holding the version.
+linears' caches rebuilt (after a delta only those of the linears it wrote, and only at the elements its sparse
+parts wrote: `QuantLinear.refresh` with ``changed``) and the model marked as holding the version.
 
 All or nothing: every element written is first recorded (its old bytes: only the ones that change, or the
 whole range when more than 1/9 of them do), and any failure, of a check or of the stream itself (a torn
@@ -125,6 +126,8 @@ class BucketLoad:
         self.first: WeightBucket | None = None
         self.last: WeightBucket | None = None
         self.touched: set[str] = set()
+        self.written: dict[str, Tensor | None] = {}
+        """The flat indices of the elements written into each tensor (a sparse part's; None: any element)."""
         self.buckets = self.stream_bytes = 0
 
     def add(self, bucket: Bucket) -> None:
@@ -198,6 +201,7 @@ class BucketLoad:
             self._write_range(_bytes(ent.dest)[offset:offset + data.nbytes], src)
             ent.hasher.update(data)
             self.touched.add(name.rpartition(".")[0])
+            self.written[name] = None  # a dense part (or a whole tensor) rebuilds its linear's caches whole
         elif offset == 0 and data.nbytes == ent.length:
             frame = src
         else:  # a sparse frame split across buckets: held until its last piece is here
@@ -242,7 +246,9 @@ class BucketLoad:
             return
         assert frame is not None
         before = len(self.undo)
-        write_update(e, ent.dest, *part_update(e, p, ent.dest, frame), undo=self.undo)
+        flat, idx, values = part_update(e, p, ent.dest, frame)
+        write_update(e, ent.dest, flat, idx, values, undo=self.undo)
+        self.written[e.name] = idx
         self.undo_bytes += sum(old.numel() * old.element_size() + (0 if idx is None else idx.numel() * 8)
                                for _, idx, old in self.undo[before:])
         self.touched.add(e.name.rpartition(".")[0])
@@ -272,10 +278,14 @@ class BucketLoad:
         if expected != last.checksum:
             raise ChecksumMismatchError(f"publication checksum {last.checksum[:16]}... does not match the manifest "
                                         f"its buckets carried ({expected[:16]}...); refetch the version")
+        changed: dict[str, dict[str, Tensor | None]] = {}
+        for name, idx in self.written.items():
+            mod_name, _, suffix = name.rpartition(".")
+            changed.setdefault(mod_name, {})[suffix] = idx
         with torch.no_grad():
             for mod_name, mod in self.model.named_modules():
                 if isinstance(mod, QuantLinear) and (not first.is_delta or mod_name in self.touched):
-                    mod.refresh()
+                    mod.refresh(changed.get(mod_name, {}) if first.is_delta else None)
         vars(self.model)[HELD_CHECKSUM] = last.checksum
         return LoadedVersion(version=first.version, fmt=first.fmt, checksum=last.checksum, aqn_seed=seed,
                              aqn_sigma=first.aqn_sigma, aqn_resample=first.aqn_resample, is_delta=first.is_delta,

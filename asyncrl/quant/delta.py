@@ -15,7 +15,9 @@ the checksum of the last publication loaded, recorded on the model), checks the 
 version's checksum, checks the new values (finite, scales > 0, E8M0 not NaN) before writing, and after
 writing checks every changed tensor against its manifest digest; on any failure every written element is
 restored and a QuantError names the tensor. So the model after any chain of deltas holds exactly the bytes
-of the full publication of that version.
+of the full publication of that version. The quantised linears' compute caches are then rebuilt only at the
+elements the delta wrote (`QuantLinear.refresh` with ``changed``; whole where that is not cheaper), the same
+bits as the rebuild after a full load.
 
 Must never: apply a delta to a model that holds another base, or leave a model half-updated.
 """
@@ -34,7 +36,7 @@ from protocols import DeltaPart, TensorSpec
 
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
 from .linear import QuantLinear
-from .model import model_format, module_or_none
+from .model import model_format
 from .publish import HELD_CHECKSUM
 from .published import PublishedWeights, check_values
 from .wire import DTYPES, checksum_of, digest_matches, header_dict, raw_bytes
@@ -243,13 +245,14 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
                                        delta.aqn_resample))
     if expected != delta.checksum:
         raise ChecksumMismatchError(f"delta checksum {delta.checksum[:16]}... does not match its manifest; refetch")
-    state = model.state_dict()
+    modules = dict(model.named_modules())
     plan = []
     frames = iter(delta.payloads)
     for e, p in zip(delta.manifest, delta.parts, strict=True):
         if p.name != e.name:
             raise ManifestMismatchError(f"delta part {p.name!r} out of manifest order", tensor_name=e.name)
-        dest = state.get(e.name)
+        mod_name, _, leaf = e.name.rpartition(".")
+        dest = state_tensor(modules.get(mod_name), leaf)
         if dest is None:
             raise ManifestMismatchError("the model has no such tensor (wrong architecture?)", tensor_name=e.name)
         if (dest.dtype, tuple(dest.shape)) != (DTYPES[e.dtype], tuple(e.shape)) or not dest.is_contiguous():
@@ -266,12 +269,27 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
         except BaseException:
             restore(undo)
             raise
-        # only the linears whose tensors changed rebuild their decode caches, each once
-        for name in dict.fromkeys(e.name.rpartition(".")[0] for e, *_ in plan):
-            mod = module_or_none(model, name)
+        # only the linears whose tensors changed rebuild their caches, each once, at the elements written
+        written: dict[str, dict[str, Tensor | None]] = {}
+        for e, _, _, idx, _ in plan:
+            mod_name, _, suffix = e.name.rpartition(".")
+            written.setdefault(mod_name, {})[suffix] = idx
+        for name, changed in written.items():
+            mod = modules.get(name)
             if isinstance(mod, QuantLinear):
-                mod.refresh()
+                mod.refresh(changed)
     vars(model)[HELD_CHECKSUM] = delta.checksum
+
+
+def state_tensor(mod: nn.Module | None, leaf: str) -> Tensor | None:
+    """The tensor ``model.state_dict()`` holds under ``mod``'s name + ``"." + leaf`` (a parameter or a persistent
+    buffer of ``mod``, detached), found without building the whole state dict; None where it holds none."""
+    if mod is None:
+        return None
+    t: Tensor | None = mod._parameters.get(leaf)
+    if t is None and leaf not in mod._non_persistent_buffers_set:
+        t = mod._buffers.get(leaf)
+    return None if t is None else t.detach()
 
 
 def part_update(e: TensorSpec, p: DeltaPart, dest: Tensor, frame: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -290,8 +308,10 @@ def part_update(e: TensorSpec, p: DeltaPart, dest: Tensor, frame: Tensor) -> tup
             raise ManifestMismatchError("sparse part of the wrong size", tensor_name=e.name)
         idx = frame[: p.count * INDEX_BYTES].view(INDEX_DTYPE).long()
         values = frame[p.count * INDEX_BYTES:].view(flat.dtype)
-        if p.count and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel()):
-            raise ManifestMismatchError("sparse part with indices outside the tensor", tensor_name=e.name)
+        if p.count:
+            lo, hi = torch.aminmax(idx)
+            if int(lo) < 0 or int(hi) >= flat.numel():
+                raise ManifestMismatchError("sparse part with indices outside the tensor", tensor_name=e.name)
     check_values(e, values.view(dest.dtype))
     if flat.device != values.device:  # a model on an accelerator: the frame arrived in host memory
         values = values.to(flat.device)
@@ -306,9 +326,9 @@ def write_update(e: TensorSpec, dest: Tensor, flat: Tensor, idx: Tensor | None, 
     if idx is None:
         undo.append((flat, None, flat.clone()))
         flat.copy_(values)
-    else:
-        undo.append((flat, idx, flat[idx]))
-        flat[idx] = values
+    else:  # index_select / index_copy_: the gather and scatter of flat[idx], without advanced indexing's overhead
+        undo.append((flat, idx, torch.index_select(flat, 0, idx)))
+        flat.index_copy_(0, idx, values)
     if not digest_matches(dest if dest.device.type == "cpu" else dest.cpu(), e.digest):
         raise ChecksumMismatchError(
             "after the delta the bytes do not match the version's digest (the model did not hold the "

@@ -1,11 +1,13 @@
 """Per-publication diagnostics of the quantised actor.
 
 Owns:
-  * `code_change_frac(prev, cur)`: fraction of quantised weight codes (per element: fp4 nibbles,
+  * `code_change_frac(prev, cur, delta)`: fraction of quantised weight codes (per element: fp4 nibbles,
     int8/fp8 codes, bf16/fp32 bit patterns of the target linears) that differ between two
     publications; the quantity behind QuRL's "weight updates vanish under quantisation". Padding
     columns of fp4 blocks are excluded. Returned as `quant/code_change_frac` (docs/algorithms.md §7
-    calls it `uaq/code_change_frac`).
+    calls it `uaq/code_change_frac`). Given the delta from `prev` to `cur` (delta.py), the codes its
+    sparse parts list are the changed ones (and a `same` part has none), so only its dense parts are
+    compared again: the same count, without a second comparison of the versions.
   * `quantization_error(state_dict, published)`: per target weight ||W - dequant(Q(W))||_F / ||W||_F,
     as `quant/rel_error_mean` (mean over weights) and `quant/rel_error_max`.
   * `kl_vs_full_precision(model_q, model_fp, probe_input_ids)`: mean over probe positions of
@@ -23,7 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .delta import changed_elements, element_bits
+from protocols import DeltaPart
+
+from .delta import INDEX_BYTES, INDEX_DTYPE, PublishedDelta, changed_elements, element_bits
 from .errors import FormatMismatchError, ManifestMismatchError
 from .formats import ROLE_CODES, ROLE_FULL, ROLE_WEIGHT, dequantize_weight, weight_suffixes
 from .model import EMBED
@@ -46,25 +50,58 @@ def _changed_codes(old: Tensor, new: Tensor, fmt: str, in_features: int) -> int:
     idx = changed_elements(a, b, a.size)  # never None: the limit is every element
     if idx is None or not idx.size or fmt not in ("nvfp4", "mxfp4"):
         return 0 if idx is None else int(idx.size)
-    xor = a[idx] ^ b[idx]
-    first = (idx % old.shape[-1]) * 2  # the code of the low nibble; the high nibble holds the next one
+    return _changed_nibbles(idx, a[idx] ^ b[idx], old.shape[-1], in_features)
+
+
+def _changed_nibbles(idx: np.ndarray, xor: np.ndarray, row_bytes: int, in_features: int) -> int:
+    """The nibbles that differ in the packed fp4 bytes at flat indices ``idx`` (rows of ``row_bytes``), given the
+    XOR of their old and new bytes, padding columns (``>= in_features``) left out."""
+    first = (idx % row_bytes) * 2  # the code of the low nibble; the high nibble holds the next one
     return int(np.count_nonzero(((xor & 0x0F) != 0) & (first < in_features))
                + np.count_nonzero(((xor >> 4) != 0) & (first + 1 < in_features)))
 
 
-def code_change_frac(prev: PublishedWeights, cur: PublishedWeights) -> float:
-    """Fraction in [0, 1] of code elements that changed from `prev` to `cur` (same format and names)."""
+def _sparse_changed_codes(old: Tensor, part: DeltaPart, frame: Tensor, fmt: str, in_features: int) -> int:
+    """`_changed_codes` of a code tensor from its sparse delta part: the elements it lists (exactly those that
+    differ), for fp4 the nibbles of their bytes that differ from ``old``'s."""
+    if fmt not in ("nvfp4", "mxfp4"):
+        return part.count
+    idx = frame[: part.count * INDEX_BYTES].view(INDEX_DTYPE).numpy()
+    new = frame[part.count * INDEX_BYTES:].numpy()  # packed fp4 codes: uint8, like ``old``
+    return _changed_nibbles(idx, element_bits(old).numpy()[idx] ^ new, old.shape[-1], in_features)
+
+
+def code_change_frac(prev: PublishedWeights, cur: PublishedWeights, delta: PublishedDelta | None = None) -> float:
+    """Fraction in [0, 1] of code elements that changed from `prev` to `cur` (same format and names).
+    ``delta``: `make_delta(prev, cur)` (or the same from a `DeltaStream`), when one was made: its sparse and
+    ``same`` parts give their tensors' counts, only its dense parts are compared (the same fraction)."""
     if prev.fmt != cur.fmt:
         raise FormatMismatchError(f"cannot compare codes of {prev.fmt!r} and {cur.fmt!r} publications")
     a, b = _code_entries(prev), _code_entries(cur)
     if a.keys() != b.keys():
         name = sorted(a.keys() ^ b.keys())[0]
         raise ManifestMismatchError("present in only one of the two publications", tensor_name=name)
+    parts = {} if delta is None else _parts_of(delta, prev, cur)
     changed = total = 0
     for name, logical in sorted(b.items()):
-        changed += _changed_codes(prev.tensors[name], cur.tensors[name], cur.fmt, logical[1])
-        total += logical[0] * logical[1]
+        part, frame = parts.get(name, (None, None))
+        if part is None or part.kind == "dense":
+            changed += _changed_codes(prev.tensors[name], cur.tensors[name], cur.fmt, logical[1])
+        elif part.kind == "sparse":
+            assert frame is not None
+            changed += _sparse_changed_codes(prev.tensors[name], part, frame, cur.fmt, logical[1])
+        total += logical[0] * logical[1]  # a ``same`` part: none changed
     return changed / total if total else 0.0
+
+
+def _parts_of(delta: PublishedDelta, prev: PublishedWeights,
+              cur: PublishedWeights) -> dict[str, tuple[DeltaPart, Tensor | None]]:
+    """{name: (part, frame or None)} of a delta from ``prev`` to ``cur`` (ManifestMismatchError for another one)."""
+    if (delta.base_checksum, delta.checksum) != (prev.checksum, cur.checksum):
+        raise ManifestMismatchError(f"the delta is from version {delta.base_version} to {delta.version}, not from "
+                                    f"{prev.version} to {cur.version}")
+    frames = iter(delta.payloads)
+    return {p.name: (p, None if p.kind == "same" else next(frames)) for p in delta.parts}
 
 
 def quantization_error(state_dict: Mapping[str, Tensor], published: PublishedWeights) -> dict[str, float]:

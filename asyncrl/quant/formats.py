@@ -15,6 +15,11 @@ Tensors per linear weight `P.weight` [N, K] (names relative to the module prefix
     mxfp4    qweight [N, Kp/2] uint8, weight_scale [N, Kp/32] float8_e8m0fnu
 Biases, norms, embeddings and kept linears are "full_precision" and never converted.
 
+Dequantisation is elementwise: each element of the [N, K] weight is its code's value times its row's or
+block's scale (nvfp4: times the global scale), so `weight_elements` can name the elements that writing some
+elements of these tensors can change and `dequantize_elements` compute just those, with the same fp32 ops
+as `dequantize_weight` (the same bits).
+
 Must never: hold state; every function is pure.
 """
 
@@ -35,6 +40,8 @@ ROLE_CODES = "codes"
 ROLE_SCALE = "scale"
 ROLE_GLOBAL_SCALE = "global_scale"
 ROLE_FULL = "full_precision"
+EMPTY_INDEX = torch.empty(0, dtype=torch.int64)
+"""No element (the flat indices of `weight_elements` and of ``QuantLinear.refresh``'s ``changed``)."""
 
 _SUFFIX_ROLES: dict[str, dict[str, str]] = {
     "fp32": {"weight": ROLE_WEIGHT},
@@ -107,3 +114,54 @@ def dequantize_weight(tensors: Mapping[str, Tensor], fmt: str, in_features: int,
     else:
         w = fp8.dequantize_fp8(tensors["qweight"], tensors["weight_scale"])
     return w if out is None else out.copy_(w)
+
+
+def weight_elements(fmt: str, out_features: int, in_features: int, changed: Mapping[str, Tensor | None],
+                    limit: int) -> Tensor | None:
+    """The flat indices (int64, into the [out_features, in_features] weight; possibly repeated) of every element
+    whose dequantised value can change when the elements ``changed`` names are written: {suffix: flat indices
+    into that tensor (None: all of it)}, a suffix left out was not written. None when that may be more than
+    ``limit`` elements (or every element: an nvfp4 global scale, a tensor written whole): dequantise it whole."""
+    check_format(fmt)
+    k = in_features
+    if any(idx is None for idx in changed.values()):
+        return None
+    gs = changed.get("weight_global_scale")
+    if gs is not None and gs.numel():  # nvfp4: it scales every element
+        return None
+    if fmt in ("fp32", "bf16"):  # the weight itself
+        w = changed.get("weight", EMPTY_INDEX)
+        return None if w is None or w.numel() > limit else w
+    codes, scales = changed.get("qweight"), changed.get("weight_scale")
+    block = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}.get(fmt, k)  # int8 and fp8: a row is a block
+    padded = -(-k // block) * block  # the columns stored per row (fp4: padding columns included)
+    out: list[Tensor] = []  # indices into the stored [out_features, padded] layout
+    if scales is not None:
+        if scales.numel() * block > limit:
+            return None
+        out.append(((scales * block)[:, None] + torch.arange(block, device=scales.device)).reshape(-1))
+    if codes is not None:
+        out += [codes * 2, codes * 2 + 1] if fmt in ("nvfp4", "mxfp4") else [codes]  # fp4: two codes a byte
+    if sum(t.numel() for t in out) > limit:
+        return None
+    elements = torch.cat(out) if out else EMPTY_INDEX
+    if padded != k:  # to the logical layout, padding columns left out
+        rows = elements // padded
+        cols = elements - rows * padded
+        elements = (rows * k + cols)[cols < k]
+    return elements
+
+
+def dequantize_elements(tensors: Mapping[str, Tensor], fmt: str, in_features: int, elements: Tensor) -> Tensor:
+    """`dequantize_weight(tensors, fmt, in_features).view(-1)[elements]`, computed at those elements only (flat
+    int64 indices into the [N, in_features] weight), by the same fp32 ops: the same bits. Returns [n] fp32."""
+    check_format(fmt)
+    if fmt == "nvfp4":
+        return fp4.nvfp4_elements(tensors["qweight"], tensors["weight_scale"], tensors["weight_global_scale"],
+                                  elements, in_features)
+    if fmt == "mxfp4":
+        return fp4.mxfp4_elements(tensors["qweight"], tensors["weight_scale"], elements, in_features)
+    if fmt in ("fp32", "bf16"):
+        return tensors["weight"].reshape(-1)[elements].float()
+    codes = torch.index_select(tensors["qweight"].reshape(-1), 0, elements).float()
+    return codes.mul_(torch.index_select(tensors["weight_scale"], 0, elements // in_features))

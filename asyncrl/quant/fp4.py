@@ -160,6 +160,34 @@ def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, 
     return _decode_blocks(packed, s_eff, NVFP4_BLOCK, k, out)
 
 
+def _element_codes(packed: Tensor, elements: Tensor, k: int, block: int) -> tuple[Tensor, Tensor]:
+    """(e2m1(code), flat index of its block's scale) of the elements at flat ``elements`` (int64) of the [N, k]
+    logical weight whose packed codes are ``packed`` [N, Kp/2]."""
+    half = packed.shape[1]
+    if 2 * half == k:  # no padding: element e is the nibble e % 2 of byte e // 2, in block e // block
+        byte, odd, blk = elements // 2, elements & 1, elements // block
+    else:
+        rows = elements // k
+        cols = elements - rows * k
+        byte, odd, blk = rows * half + cols // 2, cols & 1, rows * (2 * half // block) + cols // block
+    codes = torch.index_select(packed.reshape(-1), 0, byte).to(torch.int64)
+    codes.bitwise_right_shift_(odd.mul_(4)).bitwise_and_(15)
+    return torch.index_select(E2M1_VALUES.to(packed.device), 0, codes), blk
+
+
+def nvfp4_elements(packed: Tensor, block_scale: Tensor, global_scale: Tensor, elements: Tensor, k: int) -> Tensor:
+    """`dequantize_nvfp4(..., k).view(-1)[elements]` at those elements only, by its fp32 ops -> [n] fp32."""
+    vals, blk = _element_codes(packed, elements, k, NVFP4_BLOCK)
+    s_eff = e4m3_to_fp32(torch.index_select(block_scale.reshape(-1), 0, blk)).mul_(global_scale.float())
+    return vals.mul_(s_eff)
+
+
+def mxfp4_elements(packed: Tensor, scale: Tensor, elements: Tensor, k: int) -> Tensor:
+    """`dequantize_mxfp4(..., k).view(-1)[elements]` at those elements only, by its fp32 ops -> [n] fp32."""
+    vals, blk = _element_codes(packed, elements, k, MXFP4_BLOCK)
+    return vals.mul_(_e8m0_to_fp32(torch.index_select(scale.reshape(-1).view(torch.uint8), 0, blk)))
+
+
 def _e8m0_to_fp32(biased: Tensor) -> Tensor:
     """E8M0 biased exponent bytes (uint8, 0..254) -> exact fp32 powers of two 2**(b-127)."""
     b = biased.to(torch.int32)

@@ -108,6 +108,11 @@ class SiblingGroup:
                 m._buffers["bias"] = self.bias[start:stop]
             m._group = self
             start = stop
+        # where each member's stacked buffers (and bias) start in the fused storage, in bytes: what `is_intact`
+        # compares (offsets, so that a deep copy of the model, whose storage is new, compares its own)
+        stacked = {**self.fused, **({"bias": self.bias} if self.bias is not None else {})}
+        self._starts = [(m._buffers, n, t, getattr(m, n).data_ptr() - t.data_ptr()) for m in members
+                        for n, t in stacked.items()]
         self._x: Tensor | None = None
         self._kept: dict[int, Tensor] = {}
 
@@ -117,12 +122,10 @@ class SiblingGroup:
         return self.fused["qweight"]
 
     def is_intact(self) -> bool:
-        """True while every member's buffers are still views of the fused storage."""
-        for m, (a, _) in zip(self.members, self.bounds, strict=True):
-            for n in self.names:
-                if getattr(m, n).data_ptr() != self.fused[n][a:].data_ptr():
-                    return False
-            if self.bias is not None and (m.bias is None or m.bias.data_ptr() != self.bias[a:].data_ptr()):
+        """True while every member's buffers are still views of the fused storage (each starts where it did)."""
+        for buffers, n, fused, offset in self._starts:
+            t = buffers.get(n)
+            if t is None or t.data_ptr() != fused.data_ptr() + offset:
                 return False
         return True
 

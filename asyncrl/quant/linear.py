@@ -4,7 +4,10 @@ Owns: one module class per format. A module's persistent buffers are exactly the
 format (formats.py), under the same names, so `model.state_dict()` of a quantised model has the same
 keys, dtypes and shapes as a publication and `load_published` is a plain copy. Non-persistent `_w*`
 buffers are compute caches derived from the persistent ones; `refresh()` rebuilds them and must be
-called after the persistent buffers change (load_published does).
+called after the persistent buffers change (load_published does). Every cache is an elementwise function
+of the persistent buffers, so after a load that wrote only some of their elements (a delta,
+`refresh(changed)`) a cache is rebuilt only at the elements those writes can change, the same bits as
+a full rebuild; where that is not cheaper (most elements changed) or cannot be exact, it is rebuilt whole.
 
 Compute paths (x [..., K] -> y [..., N], computed in fp32, cast back to x's dtype; the bias is added
 in full precision after the scaled product). Which kernel runs is chosen per module from its device
@@ -39,7 +42,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .formats import dequantize_weight, quantize_weight, weight_suffixes
+from .formats import (
+    EMPTY_INDEX,
+    dequantize_elements,
+    dequantize_weight,
+    quantize_weight,
+    weight_elements,
+    weight_suffixes,
+)
 from .fp8 import fp8_linear, quantize_act_fp8_codes
 from .int8 import int8_epilogue, int8_linear, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
 from .kernels import (
@@ -53,6 +63,14 @@ from .kernels import (
     scaled_mm_fp8,
     select_kernel,
 )
+
+CODES_REFRESH_FRAC = 1 / 40
+"""Most elements of an fp32 code cache (`_w_codes`) converted one by one (`QuantLinear.refresh` with ``changed``):
+where more were written the whole cache is converted, which then costs less (an indexed element ~10-20x a
+converted one; on SmolLM2-135M int8, Zen 3, the two cost the same at ~1/35 of the codes)."""
+DECODED_REFRESH_FRAC = 1 / 16
+"""The same for a decoded weight (`_w_decoded`), whose full decode costs more per element (the same at ~1/12 of the
+elements on SmolLM2-135M mxfp4, Zen 3)."""
 
 
 class FusedGroup(Protocol):
@@ -115,15 +133,29 @@ class QuantLinear(nn.Module):
             self._group.dissolve()
         self.refresh()
 
-    def refresh(self) -> None:
+    def refresh(self, changed: Mapping[str, Tensor | None] | None = None) -> None:
         """Rebuild compute caches from the persistent buffers, in place where they exist (so their
-        storage survives every load); a sibling group whose storage was replaced is dissolved."""
+        storage survives every load); a sibling group whose storage was replaced is dissolved.
+
+        ``changed``: after a load that wrote only some elements of the persistent buffers (a delta), which:
+        {buffer name: flat int64 indices of the elements written (None: all of them)}, a buffer left out was
+        not written. The caches are then rebuilt only where those writes can change them, which gives the
+        bits of a full rebuild provided the caches matched the buffers before the load (they do after every
+        load and every ``refresh``)."""
         if self._group is not None and not self._group.is_intact():
             self._group.dissolve()
-        self._refresh_caches()
+            changed = None  # the caches may no longer be the group's: rebuild them whole
+        if changed is None or not self._refresh_caches_at(changed):
+            self._refresh_caches()
 
     def _refresh_caches(self) -> None:
         """Subclasses with caches rebuild them here (no-op by default)."""
+
+    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None]) -> bool:
+        """Rebuild the caches only where the writes ``changed`` names can change them (see ``refresh``), in
+        place; False, having changed nothing, where that is not exact or not cheaper: the caller then runs
+        ``_refresh_caches``. Default: False."""
+        return False
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantLinear:
         out = super()._apply(fn, recurse)
@@ -180,6 +212,9 @@ class Int8Linear(QuantLinear):
             return
         refresh_codes_f32(self)
 
+    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None]) -> bool:
+        return self.kernel == "int_mm_fp32" and refresh_codes_f32_at(self, changed)
+
     def _compute(self, x2: Tensor) -> Tensor:
         if self.kernel == "int_mm_fp32":
             assert self._w_codes is not None
@@ -201,6 +236,21 @@ def refresh_codes_f32(m: QuantLinear) -> None:
         old.copy_(codes)
     else:
         m.register_buffer("_w_codes", codes.float(), persistent=False)
+
+
+def refresh_codes_f32_at(m: QuantLinear, changed: Mapping[str, Tensor | None]) -> bool:
+    """`refresh_codes_f32` after a load that wrote only the ``qweight`` elements ``changed`` names (QuantLinear.
+    refresh): those codes converted into the existing cache (the scales are not in it). False, changing
+    nothing, when the cache does not fit the codes or more than `CODES_REFRESH_FRAC` of them were written."""
+    cache, codes = m._buffers.get("_w_codes"), m._buffers["qweight"]
+    assert codes is not None
+    idx = changed.get("qweight", EMPTY_INDEX)
+    if (idx is None or idx.numel() > codes.numel() * CODES_REFRESH_FRAC or cache is None
+            or cache.shape != codes.shape or cache.device != codes.device or not cache.is_contiguous()):
+        return False
+    if idx.numel():
+        cache.view(-1).index_copy_(0, idx, torch.index_select(codes.reshape(-1), 0, idx).float())
+    return True
 
 
 class Fp8Linear(QuantLinear):
@@ -242,6 +292,9 @@ class Fp8Linear(QuantLinear):
             return
         refresh_codes_f32(self)
 
+    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None]) -> bool:
+        return self.kernel != "scaled_mm" and refresh_codes_f32_at(self, changed)
+
     def _compute(self, x2: Tensor) -> Tensor:
         if self.kernel == "scaled_mm":
             qx, sx = quantize_act_fp8_codes(x2)
@@ -277,6 +330,21 @@ class DecodedLinear(QuantLinear):
             w = old.copy_(w32) if fits and old is not None else w32.to(dtype)
         if not fits:
             self.register_buffer("_w_decoded", w.contiguous(), persistent=False)
+
+    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None]) -> bool:
+        # the elements the writes can change (formats.weight_elements), decoded by the same ops, in place
+        cache, codes = self._buffers.get("_w_decoded"), self.qweight
+        n, k = self.out_features, self.in_features
+        if (cache is None or cache.shape != (n, k) or cache.dtype != compute_dtype(self.kernel)
+                or cache.device != codes.device or not cache.is_contiguous()):
+            return False
+        elements = weight_elements(self.fmt, n, k, changed, limit=int(n * k * DECODED_REFRESH_FRAC))
+        if elements is None:
+            return False
+        if elements.numel():
+            w = dequantize_elements(self.weight_tensors(), self.fmt, k, elements)
+            cache.view(-1).index_copy_(0, elements, w if w.dtype == cache.dtype else w.to(cache.dtype))
+        return True
 
     def _compute(self, x2: Tensor) -> Tensor:
         if self.kernel == "wo_bf16":

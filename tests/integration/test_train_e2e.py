@@ -80,6 +80,8 @@ def test_workers_take_each_version_as_a_delta_from_the_one_they_hold_and_the_run
     assert changed and all(0.0 < c <= 1.0 for c in changed)
     assert all(r["weights/int8/delta_bytes"] < r["quant/int8/published_bytes"] for r in rows
                if "weights/int8/delta_bytes" in r)
+    codes = [r["quant/int8/code_change_frac"] for r in rows if "weights/int8/delta_bytes" in r]  # from the delta
+    assert codes and all(0.0 <= c < 1.0 for c in codes) and max(codes) > 0
     assert max(r.get("transport/weights/deltas_served", 0.0) for r in rows) > 0
     left = [line for w in ("worker-0.log", "worker-1.log") for line in (run_dir / "logs" / w).read_text().splitlines()
             if " left: " in line]

@@ -60,8 +60,8 @@ class Publisher:
                 pub = publish(state_dict, fmt, version=version, **kwargs)
                 delta = None if base is None else make_delta(base, pub)
                 self.server.publish(*to_wire(pub), *(delta_to_wire(delta) if delta is not None else (None, None)))
-            if prev is not None:
-                metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(prev, pub)
+            if prev is not None:  # from the delta's sparse parts where one was made (base is prev): no second comparison
+                metrics[f"quant/{fmt}/code_change_frac"] = code_change_frac(prev, pub, delta)
             if delta is not None:
                 metrics[f"weights/{fmt}/delta_bytes"] = float(delta.total_bytes())
                 metrics[f"weights/{fmt}/changed_frac"] = delta.changed_frac()

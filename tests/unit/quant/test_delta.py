@@ -14,12 +14,18 @@ import torch
 from asyncrl.quant import (
     ChecksumMismatchError,
     ManifestMismatchError,
+    QuantLinear,
     apply_delta,
+    fuse_siblings,
     load_published,
     make_delta,
     publish,
     quantize_model,
 )
+from asyncrl.quant.delta import element_bits
+from asyncrl.quant.formats import quantize_weight
+from asyncrl.quant.linear import LINEAR_CLASSES, DecodedLinear
+from asyncrl.quant.publish import HELD_CHECKSUM
 from tests.unit.quant.conftest import make_tiny_qwen2
 
 FORMATS = ("int8", "nvfp4", "mxfp4", "fp8", "fp32")
@@ -38,10 +44,32 @@ def versions(n: int, seed: int = 0, step: float = 2e-5):
     return out
 
 
+def mixed_versions(n: int, seed: int = 0, step: float = 8e-6):
+    """``versions`` with a smaller step (about a percent of the int8 codes flip, as under LoRA) where most steps
+    leave each row's largest |w| of a weight where it is, so its row and block scales mostly stay and only codes
+    flip (what a cache rebuilt element by element must follow), and the others move every element (the scales
+    change too)."""
+    model = make_tiny_qwen2(seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    out = []
+    for _ in range(n):
+        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        with torch.no_grad():
+            for p in model.parameters():
+                d = torch.randn(p.shape, generator=g) * step
+                if p.dim() == 2 and float(torch.rand((), generator=g)) < 0.7:
+                    d[p.abs() == p.abs().amax(dim=1, keepdim=True)] = 0.0
+                p.add_(d)
+    return out
+
+
 def same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Every tensor of the state dicts and every buffer, the compute caches included, bit for bit."""
     sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(
-        torch.equal(sa[k].reshape(-1).view(torch.uint8), sb[k].reshape(-1).view(torch.uint8)) for k in sb)
+    ba, bb = dict(a.named_buffers()), dict(b.named_buffers())
+    return sa.keys() == sb.keys() and ba.keys() == bb.keys() and all(
+        torch.equal(x[k].reshape(-1).view(torch.uint8), y[k].reshape(-1).view(torch.uint8))
+        for x, y in ((sa, sb), (ba, bb)) for k in y)
 
 
 def worker(fmt: str) -> torch.nn.Module:
@@ -71,6 +99,95 @@ def test_delta_publication_over_many_versions_equals_the_full_publication_bit_fo
         codes = [(p.nbytes, e.nbytes) for p, e in zip(delta.parts, delta.manifest, strict=True)
                  if e.name.endswith(".qweight")]
         assert sum(sent for sent, _ in codes) < 0.25 * sum(whole for _, whole in codes)
+
+
+CACHED = [("int8", "int_mm_fp32", False), ("int8", "int_mm_fp32", True), ("fp8", "fp8_emul", False),
+          ("fp8", "fp8_emul", True), *((f, k, fused) for f in ("int8_wo", "nvfp4", "mxfp4")
+                                       for k, fused in (("wo_fp32", False), ("wo_bf16", False), ("wo_bf16", True)))]
+"""(format, kernel, sibling groups fused) of every compute cache a quantised linear holds."""
+
+
+def worker_on(fmt: str, kernel: str, fused: bool) -> torch.nn.Module:
+    """A converted worker whose linears run ``kernel`` (the cache it holds), siblings fused or each on its own."""
+    w = worker(fmt)
+    for m in w.modules():
+        if isinstance(m, QuantLinear):
+            m.use_kernel(kernel)  # dissolves the groups quantize_model formed
+    if fused:
+        assert fuse_siblings(w) == 4
+    assert any(n.endswith(("_w_codes", "_w_decoded")) for n, _ in w.named_buffers())
+    return w
+
+
+def written_linears(delta) -> tuple[int, int]:
+    """(linears whose codes alone changed, linears whose scales changed) in ``delta``."""
+    by_mod: dict[str, set[str]] = {}
+    for p in delta.parts:
+        if p.kind != "same":
+            mod, _, suffix = p.name.rpartition(".")
+            by_mod.setdefault(mod, set()).add(suffix)
+    return (sum(s == {"qweight"} for s in by_mod.values()),
+            sum(bool(s & {"weight_scale", "weight_global_scale"}) for s in by_mod.values()))
+
+
+@pytest.mark.parametrize(("fmt", "kernel", "fused"), CACHED)
+def test_delta_publication_rebuilds_the_caches_a_full_load_builds_bit_for_bit(fmt, kernel, fused, probe_ids):
+    """After each delta of a chain the caches are rebuilt only where the delta wrote; every buffer, caches
+    included, equals a worker that loaded the version whole, for linears whose codes alone changed and for
+    linears whose row, block or global scales changed too."""
+    pubs = [publish(sd, fmt, version=v) for v, sd in enumerate(mixed_versions(10, seed=21))]
+    w = worker_on(fmt, kernel, fused)
+    load_published(w, pubs[0])
+    storage = {n: b.data_ptr() for n, b in w.named_buffers()}
+    codes_only = scales = 0
+    for prev, cur in zip(pubs, pubs[1:], strict=False):
+        delta = make_delta(prev, cur)
+        a, b = written_linears(delta)
+        codes_only, scales = codes_only + a, scales + b
+        apply_delta(w, delta)
+        full = worker_on(fmt, kernel, fused)
+        load_published(full, cur)
+        assert same_bytes(w, full), cur.version
+        with torch.no_grad():
+            assert torch.equal(w(probe_ids).logits, full(probe_ids).logits)
+    assert codes_only > 0 and scales > 0  # both kinds of change were applied
+    assert {n: b.data_ptr() for n, b in w.named_buffers()} == storage  # caches rebuilt in place
+
+
+@pytest.mark.parametrize(("fmt", "kernel"), sorted({(f, k) for f, k, _ in CACHED}))
+@pytest.mark.parametrize("change", ["codes", "row", "block", "all"])
+def test_delta_publication_of_codes_and_scales_rebuilds_a_linear_cache_bit_for_bit(fmt, kernel, change):
+    """A linear whose codes alone, a row's scale, a block's scales or every scale changed, written element by
+    element as a delta writes them: its cache, rebuilt where they were written, is the cache of a linear made
+    from the new tensors (80 inputs: mxfp4 pads the last block)."""
+    lin = torch.nn.Linear(80, 48)
+    top = int(lin.weight.abs().amax(dim=1).argmax())  # the row holding the weight's amax: the global scale
+    w = lin.weight.detach().clone()
+    rows = [r for r in range(48) if r != top]
+    w[rows[5], 3] *= -1  # a few codes change sign (their blocks' amax stays)
+    w[rows[9], 40] *= -1
+    if change == "row":
+        w[rows[3]] *= 0.5  # its row scale, or every block scale of the row, halves
+    elif change == "block":
+        w[rows[7], :32] *= 0.25
+    elif change == "all":
+        w *= 1.5
+    m = LINEAR_CLASSES[fmt].from_linear(lin)
+    m.use_kernel(kernel)
+    new = quantize_weight(w, fmt)
+    changed = {}
+    with torch.no_grad():
+        for suffix, t in new.items():
+            mine = element_bits(getattr(m, suffix))
+            idx = torch.nonzero(mine != element_bits(t)).reshape(-1)
+            mine[idx] = element_bits(t)[idx]
+            changed[suffix] = idx
+        m.refresh(changed)
+    assert changed["qweight"].numel()
+    ref = LINEAR_CLASSES[fmt](80, 48, new, lin.bias)
+    ref.use_kernel(kernel)
+    name = "_w_decoded" if isinstance(m, DecodedLinear) else "_w_codes"
+    assert torch.equal(element_bits(getattr(m, name)), element_bits(getattr(ref, name)))
 
 
 def test_delta_publication_to_a_worker_that_joined_late_starts_from_its_full_copy():
@@ -124,6 +241,22 @@ def test_delta_publication_with_indices_outside_a_tensor_is_refused():
     delta.payloads[i] = frame
     with pytest.raises(ManifestMismatchError, match="outside the tensor"):
         apply_delta(w, delta)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj._w_codes", "model.layers.0.self_attn.q_proj.nope",
+                                  "model.nowhere.weight_scale"])
+def test_delta_publication_of_a_tensor_the_state_dict_lacks_is_refused(name):
+    """A delta's tensors are the model's state-dict tensors: a compute cache, or a name no module holds, is not."""
+    sds = versions(2, seed=8)
+    extra = [{**sd, name: torch.full((4,), float(v + 1))} for v, sd in enumerate(sds)]
+    pubs = [publish(sd, "int8", version=v) for v, sd in enumerate(extra)]
+    w = worker_on("int8", "int_mm_fp32", True)
+    load_published(w, publish(sds[0], "int8", version=0))
+    vars(w)[HELD_CHECKSUM] = pubs[0].checksum  # as if it held the publication with the extra tensor
+    before = copy.deepcopy(w)
+    with pytest.raises(ManifestMismatchError, match="no such tensor"):
+        apply_delta(w, make_delta(pubs[0], pubs[1]))
+    assert same_bytes(w, before)
 
 
 def test_no_delta_between_formats_or_backwards():

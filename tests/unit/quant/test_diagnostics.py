@@ -10,14 +10,18 @@ import torch
 from asyncrl.quant import (
     FORMATS,
     FormatMismatchError,
+    ManifestMismatchError,
     code_change_frac,
     kl_vs_full_precision,
+    make_delta,
     publication_metrics,
     publish,
     quantization_error,
     quantize_model,
 )
+from protocols.values import QUANTIZED_FORMATS
 from tests.unit.quant.conftest import make_tiny_qwen2
+from tests.unit.quant.test_delta import mixed_versions
 
 
 def test_code_change_frac_counts_changed_elements_of_all_code_tensors():
@@ -47,6 +51,28 @@ def test_code_change_frac_compares_fp4_nibbles_and_ignores_padding():
     n_total = sum(e.logical_shape[0] * e.logical_shape[1] for e in a.manifest if e.role == "codes")
     # negation flips the sign bit of every nonzero code (zeros become -0, also a change)
     assert code_change_frac(a, b) == pytest.approx(n_down / n_total)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+def test_code_change_frac_from_the_delta_equals_comparing_the_versions(fmt):
+    """Counted from the delta's parts (a sparse part's listed codes, for fp4 their changed nibbles inside the
+    logical columns; nothing for a same part; a dense part compared again), the fraction is the one comparing
+    the two versions gives, exactly, over consecutive versions whose code tensors travel in all three kinds."""
+    sds = mixed_versions(5, seed=31)
+    sds[4] = {**sds[4], **{k: v for k, v in sds[3].items() if k.startswith("model.layers.1.")}}  # layer 1 stays
+    q = sds[4]["model.layers.0.self_attn.q_proj.weight"] = sds[4]["model.layers.0.self_attn.q_proj.weight"].clone()
+    q[:4, :2] *= -1  # both codes of a packed fp4 byte change
+    sds.append({k: (v.neg() if k.endswith("down_proj.weight") else v) for k, v in sds[4].items()})  # flips all
+    pubs = [publish(sd, fmt, version=v) for v, sd in enumerate(sds)]
+    kinds = set()
+    for prev, cur in zip(pubs, pubs[1:], strict=False):
+        delta = make_delta(prev, cur)
+        kinds |= {p.kind for p in delta.parts if p.name.endswith(".qweight")}
+        frac = code_change_frac(prev, cur, delta)
+        assert frac == code_change_frac(prev, cur) and frac > 0
+    assert kinds == {"same", "sparse", "dense"}
+    with pytest.raises(ManifestMismatchError, match="the delta is from version 0 to 1"):
+        code_change_frac(pubs[1], pubs[2], make_delta(pubs[0], pubs[1]))
 
 
 def test_code_change_frac_refuses_mixed_formats():

@@ -26,7 +26,7 @@ from asyncrl.transport import WeightClient, WeightFetchError, WeightServer
 from asyncrl.transport.buckets import LiveBytes, bucket_digest
 from asyncrl.transport.publication import from_wire, publish_streamed
 from tests.unit.quant.conftest import make_tiny_qwen2
-from tests.unit.quant.test_delta import same_bytes, versions
+from tests.unit.quant.test_delta import CACHED, mixed_versions, same_bytes, versions, worker_on
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -46,13 +46,14 @@ def worker(fmt: str) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def served(fmt: str, n: int, *, server_cls=WeightServer, bucket_bytes: int = 0, **kw) -> Iterator[tuple]:
-    """``n`` versions of ``fmt`` published the learner's way on a server, and a client: (server, client, pubs)."""
+def served(fmt: str, n: int, *, server_cls=WeightServer, bucket_bytes: int = 0, make=versions, **kw) -> Iterator[tuple]:
+    """``n`` versions of ``fmt`` published the learner's way on a server, and a client: (server, client, pubs).
+    ``make(n, seed=...)``: the state dicts of the versions."""
     server = server_cls(keep_versions=n + 1, bucket_bytes=bucket_bytes, **kw)
     client = WeightClient(server.announce_address, server.fetch_address)
     try:
         pubs: list = []
-        for v, sd in enumerate(versions(n, seed=11)):
+        for v, sd in enumerate(make(n, seed=11)):
             pub, _ = publish_streamed(server, sd, fmt, version=v, prev=pubs[-1] if pubs else None)
             pubs.append(pub)
         yield server, client, pubs
@@ -87,6 +88,20 @@ def test_bucketed_load_equals_the_single_piece_load_bit_for_bit_for_versions_and
             late = worker(fmt)  # a worker that joins at this version: the version whole, in buckets
             stream_load(client, late, v, 513, fmt=fmt)
             assert same_bytes(late, one_piece)
+
+
+@pytest.mark.parametrize(("fmt", "kernel", "fused"), CACHED)
+def test_bucketed_delta_chain_rebuilds_the_caches_a_full_load_builds_bit_for_bit(fmt, kernel, fused):
+    """A delta streamed in buckets rebuilds the caches only where it wrote (its sparse parts, and the elements
+    its dense parts changed): every buffer, caches included, equals a worker that loaded the version whole."""
+    with served(fmt, 6, make=mixed_versions) as (_, client, pubs):
+        w = worker_on(fmt, kernel, fused)
+        load_published(w, pubs[0])
+        for v in range(1, len(pubs)):
+            stream_load(client, w, v, 777, base=pubs[v - 1], fmt=fmt)
+            full = worker_on(fmt, kernel, fused)
+            load_published(full, pubs[v])
+            assert same_bytes(w, full), v
 
 
 def test_bucketed_delta_of_a_version_that_changed_nothing_is_one_empty_bucket():
