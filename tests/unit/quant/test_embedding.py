@@ -14,6 +14,7 @@ from asyncrl.quant import (
     QuantEmbedding,
     QuantError,
     apply_delta,
+    code_change_frac,
     dequantize_int8,
     load_published,
     make_delta,
@@ -98,6 +99,7 @@ def test_delta_publication_with_an_int8_embedding_equals_the_full_publication_bi
     embed_sent = embed_whole = 0
     for prev, cur in zip(pubs, pubs[1:], strict=False):
         delta = make_delta(prev, cur)
+        assert code_change_frac(prev, cur, delta) == code_change_frac(prev, cur)  # the linears' codes only
         for p, e in zip(delta.parts, delta.manifest, strict=True):
             if e.name.endswith("embed_tokens.qweight") or (tie and head and e.name == "lm_head.qweight"):
                 embed_sent, embed_whole = embed_sent + p.nbytes, embed_whole + e.nbytes
