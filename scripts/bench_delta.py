@@ -63,7 +63,7 @@ def _worker(conn, model_name: str, formats: list[str], layouts: list[str]) -> No
     actors = {(f, lay, how): quantize_model(copy.deepcopy(base), f, **LAYOUTS[lay])
               for f in formats for lay in layouts for how in ("whole", "delta")}
     del base
-    client = WeightClient(*conn.recv(), identity=b"bench-delta-worker")
+    clients = {lay: WeightClient(*addr, identity=f"bench-delta-{lay}".encode()) for lay, addr in conn.recv().items()}
     conn.send("ready")
     held: dict[tuple[str, str], tuple[int, str]] = {}
     while (req := conn.recv()) is not None:
@@ -72,7 +72,8 @@ def _worker(conn, model_name: str, formats: list[str], layouts: list[str]) -> No
         for how in order:
             base_v, base_sum = held[(fmt, lay)] if how == "delta" and (fmt, lay) in held else (-1, "")
             t0 = time.perf_counter()
-            ann, frames = client.fetch(version, timeout_s=300.0, fmt=fmt, base_version=base_v, base_checksum=base_sum)
+            ann, frames = clients[lay].fetch(version, timeout_s=300.0, fmt=fmt, base_version=base_v,
+                                             base_checksum=base_sum)
             got = from_wire(ann, frames)
             (apply_delta if how == "delta" and base_v >= 0 else load_published)(actors[(fmt, lay, how)], got)
             out[f"{how}_s"] = time.perf_counter() - t0
@@ -83,7 +84,8 @@ def _worker(conn, model_name: str, formats: list[str], layouts: list[str]) -> No
         out["same_bytes"] = all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
                                 for k in a)
         conn.send(out)
-    client.close()
+    for client in clients.values():
+        client.close()
 
 
 def bench_run(run: str, model_name: str, formats: list[str], layouts: list[str], n_versions: int,
@@ -92,19 +94,20 @@ def bench_run(run: str, model_name: str, formats: list[str], layouts: list[str],
     from asyncrl.transport import WeightServer
 
     trainer = Trainer.for_run(run, model_name)
-    server = WeightServer(keep_versions=2)
+    servers = {lay: WeightServer(keep_versions=2) for lay in layouts}  # a layout's versions on a server of its own
     raw: list[dict] = []
     try:
-        with WorkerChild(_worker, (model_name, formats, layouts), (server.announce_address, server.fetch_address),
-                         900) as child:
+        with WorkerChild(_worker, (model_name, formats, layouts),
+                         {lay: (s.announce_address, s.fetch_address) for lay, s in servers.items()}, 900) as child:
             pools = {(f, lay): BufferPool() for f in formats for lay in layouts}
             prev: dict = {}
             for v, loss, sd in trainer.versions(model_name, n_versions, batch):
                 for fmt in formats:
-                    for lay in layouts:  # one publication at a time on the server: a fetch names only the format
-                        raw += sync_version(server, child, sd, fmt, lay, v, prev, pools[(fmt, lay)], run, loss)
+                    for lay in layouts:
+                        raw += sync_version(servers[lay], child, sd, fmt, lay, v, prev, pools[(fmt, lay)], run, loss)
     finally:
-        server.close()
+        for server in servers.values():
+            server.close()
     return raw
 
 

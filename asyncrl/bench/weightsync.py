@@ -125,10 +125,11 @@ class Trainer:
 
 class WorkerChild:
     """A weight-sync benchmark's worker side in a spawned process: ``target(conn, *args)`` receives the weight
-    server's ``addresses``, answers ``"ready"``, then one reply per ``ask(request)`` until ``None`` ends it.
-    A context manager: leaving it ends the child (terminated if it does not stop by itself)."""
+    servers' ``addresses`` (what ``target`` expects: an (announce, fetch) pair, or one per server), answers
+    ``"ready"``, then one reply per ``ask(request)`` until ``None`` ends it. A context manager: leaving it ends
+    the child (terminated if it does not stop by itself)."""
 
-    def __init__(self, target: Callable[..., None], args: tuple, addresses: tuple[str, str], timeout_s: float) -> None:
+    def __init__(self, target: Callable[..., None], args: tuple, addresses: Any, timeout_s: float) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
