@@ -31,36 +31,33 @@ from tests.unit.quant.conftest import make_tiny_qwen2
 FORMATS = ("int8", "nvfp4", "mxfp4", "fp8", "fp32")
 
 
-def versions(n: int, seed: int = 0, step: float = 2e-5):
-    """``n`` state dicts of one model, each a small update of the one before."""
-    model = make_tiny_qwen2(seed=seed)
+def versions(n: int, seed: int = 0, step: float = 2e-5, *, hold_row_max: float = 0.0, tie: bool = False):
+    """``n`` state dicts of one model, each a small update of the one before. ``hold_row_max``: the share of a
+    step's 2-D updates that leave each row's largest |w| where it is, so its row and block scales mostly stay
+    and only codes flip (what a cache rebuilt element by element must follow; the others move every element,
+    scales too). ``tie``: a tied model, whose dicts keep the tie (one tensor under both names, as the learner's
+    own state dict has it)."""
+    model = make_tiny_qwen2(seed=seed, tie=tie)
     g = torch.Generator().manual_seed(seed + 100)
     out = []
     for _ in range(n):
-        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if tie:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        out.append(sd)
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * step)
+                d = torch.randn(p.shape, generator=g) * step
+                if hold_row_max and p.dim() == 2 and float(torch.rand((), generator=g)) < hold_row_max:
+                    d[p.abs() == p.abs().amax(dim=1, keepdim=True)] = 0.0
+                p.add_(d)
     return out
 
 
 def mixed_versions(n: int, seed: int = 0, step: float = 8e-6):
-    """``versions`` with a smaller step (about a percent of the int8 codes flip, as under LoRA) where most steps
-    leave each row's largest |w| of a weight where it is, so its row and block scales mostly stay and only codes
-    flip (what a cache rebuilt element by element must follow), and the others move every element (the scales
-    change too)."""
-    model = make_tiny_qwen2(seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    out = []
-    for _ in range(n):
-        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-        with torch.no_grad():
-            for p in model.parameters():
-                d = torch.randn(p.shape, generator=g) * step
-                if p.dim() == 2 and float(torch.rand((), generator=g)) < 0.7:
-                    d[p.abs() == p.abs().amax(dim=1, keepdim=True)] = 0.0
-                p.add_(d)
-    return out
+    """``versions`` with a smaller step (about a percent of the int8 codes flip, as under LoRA), most of whose
+    2-D updates hold each row's largest |w|."""
+    return versions(n, seed, step, hold_row_max=0.7)
 
 
 def same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> bool:

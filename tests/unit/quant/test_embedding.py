@@ -25,26 +25,9 @@ from asyncrl.quant import (
     quantizes_embedding,
 )
 from tests.unit.quant.conftest import make_tiny_qwen2
-from tests.unit.quant.test_delta import same_bytes
+from tests.unit.quant.test_delta import same_bytes, versions
 
 FORMATS = ("int8", "int8_wo", "fp8", "nvfp4", "mxfp4", "bf16")
-
-
-def tied_versions(n: int, *, tie: bool, step: float = 2e-5) -> tuple[torch.nn.Module, list[dict]]:
-    """A model and ``n`` state dicts of it, each a small update of the one before; a tied model's state
-    dicts keep the tie (one tensor under both names, as the learner's own state dict has it)."""
-    model = make_tiny_qwen2(seed=3, tie=tie)
-    g = torch.Generator().manual_seed(7)
-    out = []
-    for _ in range(n):
-        sd = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight" or not tie}
-        if tie:
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        out.append(sd)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * step)
-    return model, out
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -67,7 +50,7 @@ def test_tied_int8_head_and_embedding_share_one_table(fmt):
     actor = quantize_model(make_tiny_qwen2(seed=2, tie=True), fmt, head=True, embedding=True)
     shared = actor.model.embed_tokens.qweight is getattr(actor.lm_head, "qweight", None)
     assert shared == (fmt in ("int8", "int8_wo"))  # nvfp4's head codes are no int8 table
-    _, (sd,) = tied_versions(1, tie=True)
+    (sd,) = versions(1, seed=3, tie=True)
     pub = publish(sd, fmt, version=0, head=True, embedding=True)
     assert ("model.embed_tokens.qweight" in pub.tensors) == (not shared)
     assert "model.embed_tokens.weight" not in pub.tensors
@@ -86,7 +69,7 @@ def test_delta_publication_with_an_int8_embedding_equals_the_full_publication_bi
                                                                                           probe_ids):
     """Whole loads equal the worker's own conversion; a chain of deltas equals the whole load of every version,
     logits included; the embedding's codes travel as the few that flipped."""
-    model, sds = tied_versions(8, tie=tie)
+    sds = versions(8, seed=3, tie=tie)
     pubs = [publish(sd, fmt, version=v, head=head, embedding=True) for v, sd in enumerate(sds)]
 
     def fresh() -> torch.nn.Module:
@@ -113,7 +96,7 @@ def test_delta_publication_with_an_int8_embedding_equals_the_full_publication_bi
 
 
 def test_quantized_embedding_and_its_publication_must_agree():
-    _, (sd,) = tied_versions(1, tie=False)
+    (sd,) = versions(1, seed=3)
     plain = quantize_model(make_tiny_qwen2(seed=9), "int8")
     with pytest.raises(ManifestMismatchError, match="quant.embedding the same"):
         load_published(plain, publish(sd, "int8", version=0, embedding=True))
