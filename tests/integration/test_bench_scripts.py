@@ -88,7 +88,7 @@ def test_bench_delta_smoke_syncs_whole_and_by_delta_and_the_two_actors_agree(pro
     data = run_bench(procs, tmp_path, "bench_delta", "--smoke")  # the child checks the two actors' bytes agree
     rows = data["tables"]["delta"]
     assert [(r["run"], r["layout"], r["format"]) for r in rows] == [
-        (run, lay, fmt) for run in ("full", "lora") for lay in ("plain", "emb") for fmt in ("int8", "nvfp4")]
+        (run, lay, fmt) for run in ("full", "lora") for fmt in ("int8", "nvfp4") for lay in ("plain", "emb")]
     check_rows(rows, ["changed_frac", "whole_MB", "delta_MB", "delta_vs_whole_bytes", "whole_s", "delta_s",
                       "delta_vs_whole_s", "whole_vs_memcpy", "delta_vs_memcpy"], text=("run", "layout", "format"))
     assert all(r["delta_MB"] < r["whole_MB"] and 0 < r["changed_frac"] <= 1 for r in rows)
