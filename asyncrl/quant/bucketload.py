@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from protocols import DeltaPart, TensorSpec, WeightBucket
 
-from .delta import INDEX_BYTES, changed_elements, held_checksum, part_update, restore, write_update
+from .delta import INDEX_BYTES, by_module, changed_elements, held_checksum, part_update, restore, write_update
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
 from .linear import QuantLinear
 from .model import model_format, module_or_none
@@ -278,10 +278,7 @@ class BucketLoad:
         if expected != last.checksum:
             raise ChecksumMismatchError(f"publication checksum {last.checksum[:16]}... does not match the manifest "
                                         f"its buckets carried ({expected[:16]}...); refetch the version")
-        changed: dict[str, dict[str, Tensor | None]] = {}
-        for name, idx in self.written.items():
-            mod_name, _, suffix = name.rpartition(".")
-            changed.setdefault(mod_name, {})[suffix] = idx
+        changed = by_module(self.written.items())
         with torch.no_grad():
             for mod_name, mod in self.model.named_modules():
                 if isinstance(mod, QuantLinear) and (not first.is_delta or mod_name in self.touched):

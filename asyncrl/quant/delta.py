@@ -24,7 +24,7 @@ Must never: apply a delta to a model that holds another base, or leave a model h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,15 +270,21 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
             restore(undo)
             raise
         # only the linears whose tensors changed rebuild their caches, each once, at the elements written
-        written: dict[str, dict[str, Tensor | None]] = {}
-        for e, _, _, idx, _ in plan:
-            mod_name, _, suffix = e.name.rpartition(".")
-            written.setdefault(mod_name, {})[suffix] = idx
-        for name, changed in written.items():
+        for name, changed in by_module((e.name, idx) for e, _, _, idx, _ in plan).items():
             mod = modules.get(name)
             if isinstance(mod, QuantLinear):
                 mod.refresh(changed)
     vars(model)[HELD_CHECKSUM] = delta.checksum
+
+
+def by_module(written: Iterable[tuple[str, Tensor | None]]) -> dict[str, dict[str, Tensor | None]]:
+    """(tensor name, flat indices written or None) pairs -> {module name: {tensor suffix: indices}}, what each
+    module's ``QuantLinear.refresh(changed)`` takes."""
+    out: dict[str, dict[str, Tensor | None]] = {}
+    for name, idx in written:
+        mod_name, _, suffix = name.rpartition(".")
+        out.setdefault(mod_name, {})[suffix] = idx
+    return out
 
 
 def state_tensor(mod: nn.Module | None, leaf: str) -> Tensor | None:

@@ -67,10 +67,6 @@ class QuantEmbedding(nn.Module):
         holds its codes: the head's buffers, not copies."""
         return cls(head.qweight, head.weight_scale, padding_idx=emb.padding_idx, dtype=emb.weight.dtype)
 
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
-
     def forward(self, ids: Tensor) -> Tensor:
         out = dequantize_rows(self.qweight, self.weight_scale, ids)
         return out if out.dtype == self.out_dtype else out.to(self.out_dtype)

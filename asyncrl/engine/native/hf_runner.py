@@ -140,7 +140,7 @@ class HFRunner:
 
     @property
     def device(self) -> torch.device:
-        return _embedding_table(self.model).device
+        return self.model.device  # (its first parameter's: the embedding may hold int8 codes, quant.embedding)
 
     def _mask(self, qpos: torch.Tensor, lengths: torch.Tensor, lk: int) -> Any:
         """Masks for queries at positions ``qpos [B, Lq]`` over key slots ``0..lk-1`` of rows whose first
@@ -267,8 +267,3 @@ def make_runner(model: torch.nn.Module, max_rows: int, max_len: int) -> Any:
     """``build_runner`` for ``model`` as it is (no quantization in between)."""
     return build_runner(model, max_rows, max_len, fallback_reason(model, max_len))
 
-
-def _embedding_table(model: Any) -> torch.Tensor:
-    """The input embedding's table: its weight, or its int8 codes (``quant.embedding``)."""
-    emb = model.get_input_embeddings()
-    return emb.qweight if hasattr(emb, "qweight") else emb.weight
