@@ -298,6 +298,11 @@ def state_tensor(mod: nn.Module | None, leaf: str) -> Tensor | None:
     return None if t is None else t.detach()
 
 
+def sparse_frame(frame: Tensor, count: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A sparse part's uint8 frame as (its ``count`` int32 indices, its new values viewed as ``dtype``)."""
+    return frame[: count * INDEX_BYTES].view(INDEX_DTYPE), frame[count * INDEX_BYTES:].view(dtype)
+
+
 def part_update(e: TensorSpec, p: DeltaPart, dest: Tensor, frame: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
     """What part ``p`` of entry ``e`` writes into ``dest`` (the model's tensor): ``(flat, idx, values)``, a flat
     integer view of ``dest``, the changed indices (None: every element) and their new values, checked (sizes,
@@ -312,8 +317,8 @@ def part_update(e: TensorSpec, p: DeltaPart, dest: Tensor, frame: Tensor) -> tup
     else:
         if frame.numel() != p.count * (INDEX_BYTES + flat.element_size()):
             raise ManifestMismatchError("sparse part of the wrong size", tensor_name=e.name)
-        idx = frame[: p.count * INDEX_BYTES].view(INDEX_DTYPE).long()
-        values = frame[p.count * INDEX_BYTES:].view(flat.dtype)
+        idx32, values = sparse_frame(frame, p.count, flat.dtype)
+        idx = idx32.long()
         if p.count:
             lo, hi = torch.aminmax(idx)
             if int(lo) < 0 or int(hi) >= flat.numel():

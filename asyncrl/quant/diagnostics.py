@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from protocols import DeltaPart
 
-from .delta import INDEX_BYTES, INDEX_DTYPE, PublishedDelta, changed_elements, element_bits
+from .delta import PublishedDelta, changed_elements, element_bits, sparse_frame
 from .errors import FormatMismatchError, ManifestMismatchError
 from .formats import ROLE_CODES, ROLE_FULL, ROLE_WEIGHT, dequantize_weight, weight_suffixes
 from .model import EMBED
@@ -66,9 +66,9 @@ def _sparse_changed_codes(old: Tensor, part: DeltaPart, frame: Tensor, fmt: str,
     differ), for fp4 the nibbles of their bytes that differ from ``old``'s."""
     if fmt not in ("nvfp4", "mxfp4"):
         return part.count
-    idx = frame[: part.count * INDEX_BYTES].view(INDEX_DTYPE).numpy()
-    new = frame[part.count * INDEX_BYTES:].numpy()  # packed fp4 codes: uint8, like ``old``
-    return _changed_nibbles(idx, element_bits(old).numpy()[idx] ^ new, old.shape[-1], in_features)
+    idx, new = sparse_frame(frame, part.count, torch.uint8)  # packed fp4 codes: uint8, like ``old``
+    return _changed_nibbles(idx.numpy(), element_bits(old).numpy()[idx.numpy()] ^ new.numpy(), old.shape[-1],
+                            in_features)
 
 
 def code_change_frac(prev: PublishedWeights, cur: PublishedWeights, delta: PublishedDelta | None = None) -> float:
