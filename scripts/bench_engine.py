@@ -340,12 +340,13 @@ def step_weight_bytes(model) -> int:
 
     reads = {"bf16": ("weight",), "int_mm": ("qweight", "weight_scale"), "int_mm_compiled": ("qweight", "weight_scale"),
              "int_mm_fp32": ("_w_codes", "weight_scale"), "scaled_mm": ("qweight", "weight_scale"),
-             "fp8_emul": ("_w_codes", "weight_scale"), "wo_fp32": ("_w_decoded",), "wo_bf16": ("_w_decoded",)}
+             "fp8_emul": ("_w_codes", "weight_scale"), "wo_fp32": ("_w_decoded",), "wo_bf16": ("_w_decoded",),
+             "wo_triton": ("qweight", "weight_scale", "weight_global_scale")}
     assert set(reads) == {k for ks in KERNELS.values() for k in ks}, "a kernel without its bytes read per step"
     total = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
-            tensors = [getattr(mod, n) for n in reads[mod.kernel]] + [mod.bias]
+            tensors = [getattr(mod, n, None) for n in reads[mod.kernel]] + [mod.bias]  # nvfp4 alone has a global scale
         elif isinstance(mod, nn.Embedding):
             continue  # a lookup of B rows (a tied head is counted as lm_head)
         else:

@@ -11,7 +11,7 @@ Sections (each timed and recorded even when it fails, so one broken path does no
                 keeps its storage across two loads, and the device logits match the CPU run of the same
                 kernels (fp8 `_scaled_mm` and the bf16 weight-only rule run on CPU too) to 5e-2 relative.
                 On CPU the "device" side runs the kernels an sm_90 GPU with Triton selects (int8 compiled by
-                Inductor's C++ backend there), against the CPU kernels.
+                Inductor's C++ backend there, wo_triton by its torch fallback), against the CPU kernels.
   bench_engine  ``scripts/bench_engine.py --device D``: random-weight Qwen2.5-0.5B/1.5B and SmolLM2 shapes,
                 HF generate bf16 and every native format, tok/s, ratios and the memory-roofline fraction.
   sglang        an SGLang 0.5.23 server on the GPU serving FP8 (``--quantization fp8 --load-format flash_rl``):

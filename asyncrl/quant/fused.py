@@ -16,7 +16,8 @@ attention block, the gate/up projections of one MLP) share one input conversion 
     weight-only one bf16 GEMM over the stacked decoded weights (`_w_decoded`, kernel wo_bf16, CUDA),
     (int8_wo,   then each member's bias: equal up to summation order. Only the decoded caches are stacked
     nvfp4,      (an nvfp4 member's global scale is its own); `refresh` decodes each member into its rows of
-    mxfp4)      the stacked cache, in place. On CPU (wo_fp32) they stay unfused (`UNFUSED_KERNELS`)
+    mxfp4)      the stacked cache, in place. On CPU (wo_fp32) and on the Triton kernel (wo_triton, which holds
+                no cache) they stay unfused (`UNFUSED_KERNELS`)
 Members of a group run one kernel (kernels.py); `use_kernel` on a member dissolves its group.
 
 Storage: the group owns one contiguous [sum N_i, K] weight (codes and scales for int8) and bias; each
@@ -66,10 +67,11 @@ def stacked_names(m: QuantLinear) -> tuple[str, ...]:
     return names
 
 
-UNFUSED_KERNELS = ("wo_fp32",)
+UNFUSED_KERNELS = ("wo_fp32", "wo_triton")
 """Kernels whose siblings stay separate: on CPU each weight-only member's own `addmm` (bias fused into the
 GEMM) beat one stacked GEMM plus a bias add per member, while int8, bf16 and fp8 gain from fusing
-(docs/benchmarks.md §5, kernel choices)."""
+(docs/benchmarks.md §5, kernel choices). `wo_triton` reads each member's own stored codes and scales (an
+nvfp4 member's global scale is its own) and holds no cache a group could stack."""
 
 
 def fusable(m: object) -> bool:

@@ -22,7 +22,11 @@ kernels that are not the CPU reference rules of int8.py / fp8.py:
                  (N, K multiples of 16)   scales, fp32 output, `use_fast_accum=False` (no decoded copy)
     wo_fp32      int8_wo/nvfp4/mxfp4 CPU  W decoded once per load to fp32; y = linear(x, W) + bias
     wo_bf16      int8_wo/nvfp4/mxfp4 CUDA W decoded once per load to bf16 (W_bf16 = bf16_rne(dequant W));
-                                          y = fp32(linear(bf16(x), W_bf16)) + bias (a W·A16 rule)
+                 without Triton           y = fp32(linear(bf16(x), W_bf16)) + bias (a W·A16 rule)
+    wo_triton    int8_wo/nvfp4/mxfp4 CUDA the same W·A16 rule in one Triton kernel (triton_kernels.py) that
+                 with Triton              reads the stored codes (fp4: packed, two a byte) and scales and decodes
+                                          W in registers: no decoded copy is held, y stays fp32 (no bf16
+                                          rounding of the output)
 
 Which CPU kernel int8 runs is read from the processor's flags (asyncrl/machine.py: `int8_dot_native`).
 The CPU path of every format is the reference the CUDA path must match: the same activation codes
@@ -54,9 +58,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "bf16": ("bf16",),
     "int8": ("int_mm", "int_mm_compiled", "int_mm_fp32"),
     "fp8": ("fp8_emul", "scaled_mm"),
-    "int8_wo": ("wo_fp32", "wo_bf16"),
-    "nvfp4": ("wo_fp32", "wo_bf16"),
-    "mxfp4": ("wo_fp32", "wo_bf16"),
+    "int8_wo": ("wo_fp32", "wo_bf16", "wo_triton"),
+    "nvfp4": ("wo_fp32", "wo_bf16", "wo_triton"),
+    "mxfp4": ("wo_fp32", "wo_bf16", "wo_triton"),
 }
 """The kernels each quantised format can run, the CPU reference first."""
 
@@ -71,8 +75,15 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-def triton_available() -> bool:
-    """Whether Inductor can generate GPU kernels here (the `triton` package is importable)."""
+def triton_available(device: torch.device | None = None) -> bool:
+    """Whether Triton can compile GPU kernels for ``device`` (default: for a CUDA device of this machine): the
+    `triton` package is importable and the device is a CUDA device. Never for a CPU device, where Inductor
+    compiles C++ whether or not triton is installed (it installs on CPU-only machines too)."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+    elif device.type != "cuda":
+        return False
     return importlib.util.find_spec("triton") is not None
 
 
@@ -80,21 +91,28 @@ def select_kernel(fmt: str, device: torch.device, out_features: int, in_features
                   capability: tuple[int, int] | None = None, compiler: bool | None = None,
                   cpu_flags: frozenset[str] | None = None) -> str:
     """The kernel a linear of `fmt` with an [out_features, in_features] weight runs on `device`.
-    ``capability`` defaults to the device's own, ``compiler`` to `triton_available()`, ``cpu_flags`` to this
-    CPU's (asyncrl/machine.py; pass them to ask about a device that is not here)."""
+    ``capability`` defaults to the device's own, ``compiler`` (whether Triton compiles kernels for it) to
+    `triton_available(device)`, ``cpu_flags`` to this CPU's (asyncrl/machine.py; pass them to ask about a device
+    that is not here). A CPU device always gets a CPU kernel, whatever ``compiler`` says."""
     if fmt not in KERNELS:
         raise ValueError(f"no quantised kernel for format {fmt!r}; choose one of {sorted(KERNELS)}")
     if fmt == "int8":
         if device.type != "cuda":
             return "int_mm" if int8_dot_native(cpu_flags) else "int_mm_fp32"
-        return "int_mm_compiled" if (triton_available() if compiler is None else compiler) else "int_mm"
+        return "int_mm_compiled" if _compiles(device, compiler) else "int_mm"
     cap = capability if capability is not None else cuda_capability(device)
     if fmt == "fp8":
         aligned = out_features % SCALED_MM_ALIGN == 0 and in_features % SCALED_MM_ALIGN == 0
         return "scaled_mm" if cap is not None and cap >= FP8_MIN_CAPABILITY and aligned else "fp8_emul"
     if fmt in ("int8_wo", "nvfp4", "mxfp4"):
-        return "wo_bf16" if device.type == "cuda" else "wo_fp32"
+        if device.type != "cuda":
+            return "wo_fp32"
+        return "wo_triton" if _compiles(device, compiler) else "wo_bf16"
     return KERNELS[fmt][0]
+
+
+def _compiles(device: torch.device, compiler: bool | None) -> bool:
+    return triton_available(device) if compiler is None else compiler
 
 
 KERNEL_NOTES: dict[str, str] = {
@@ -107,6 +125,7 @@ KERNEL_NOTES: dict[str, str] = {
     "scaled_mm": "torch._scaled_mm on the E4M3 codes",
     "wo_fp32": "weights decoded to fp32 once per load",
     "wo_bf16": "weights decoded to bf16 once per load",
+    "wo_triton": "a Triton GEMM decoding the packed codes in registers (no decoded copy)",
 }
 """What each kernel runs, in words (the rollout worker's start line)."""
 
@@ -135,8 +154,13 @@ def check_kernel(fmt: str, kernel: str, out_features: int, in_features: int) -> 
 
 
 def compute_dtype(kernel: str) -> torch.dtype:
-    """dtype of the decoded weight a weight-only kernel holds."""
-    return torch.bfloat16 if kernel == "wo_bf16" else torch.float32
+    """dtype of the weight operand of a weight-only kernel's GEMM: the decoded copy `wo_fp32` (fp32) and
+    `wo_bf16` (bf16) hold, and the bf16 values `wo_triton` decodes in registers (it holds no copy)."""
+    return torch.bfloat16 if kernel in ("wo_bf16", "wo_triton") else torch.float32
+
+
+HOLDS_DECODED = ("wo_fp32", "wo_bf16")
+"""Weight-only kernels that hold a decoded copy of the weight (`_w_decoded`); `wo_triton` holds none."""
 
 
 def linear_bf16(x2: Tensor, w_bf16: Tensor) -> Tensor:

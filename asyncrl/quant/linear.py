@@ -23,8 +23,10 @@ and shape by `kernels.select_kernel` (module attribute `kernel`; kernels.py has 
                    elsewhere the emulated scaled-GEMM rule (fp8.py) over an fp32 copy of the codes
                    (siblings fuse, fused.py, as do the weight-only formats')
     DecodedLinear  int8_wo / nvfp4 / mxfp4, weight-only: decoded once per load into the compute dtype
-                   (fp32 on CPU, bf16 on CUDA), y = linear(x, W) + bias. This CPU build has no fast
-                   kernel for them (`_weight_int8pack_mm` is many times slower than an fp32 GEMM; docs/benchmarks.md §5).
+                   (fp32 on CPU, bf16 on CUDA without Triton), y = linear(x, W) + bias; on CUDA with Triton
+                   (`wo_triton`) one Triton GEMM reads the stored codes and scales and decodes in registers,
+                   holding no decoded copy (triton_kernels.py). This CPU build has no fast kernel for them
+                   (`_weight_int8pack_mm` is many times slower than an fp32 GEMM; docs/benchmarks.md §5).
 
 Invariant (CUDA graphs, and references an engine holds): every buffer, cache included, keeps its
 storage across `refresh()` and publication loads of the same model; only a move or cast (`.to()`)
@@ -53,6 +55,7 @@ from .formats import (
 from .fp8 import fp8_linear, quantize_act_fp8_codes
 from .int8 import int8_epilogue, int8_linear, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
 from .kernels import (
+    HOLDS_DECODED,
     KERNELS,
     act_quant_int8_compiled,
     check_kernel,
@@ -63,6 +66,7 @@ from .kernels import (
     scaled_mm_fp8,
     select_kernel,
 )
+from .triton_kernels import wo_linear
 
 CODES_REFRESH_FRAC = 1 / 40
 """Most elements of an fp32 code cache (`_w_codes`) converted one by one (`QuantLinear.refresh` with ``changed``):
@@ -309,12 +313,16 @@ class Fp8Linear(QuantLinear):
 
 class DecodedLinear(QuantLinear):
     """Weight-only formats: decode once per load into the compute dtype (`wo_fp32`: fp32 on CPU;
-    `wo_bf16`: bf16 on CUDA), one GEMM per forward."""
+    `wo_bf16`: bf16 on CUDA), one GEMM per forward; or (`wo_triton`) no decoded copy at all, one Triton GEMM
+    over the stored codes and scales per forward (nothing to rebuild on a load)."""
 
     qweight: Tensor
-    _w_decoded: Tensor
+    _w_decoded: Tensor | None
 
     def _refresh_caches(self) -> None:
+        if self.kernel not in HOLDS_DECODED:
+            self.register_buffer("_w_decoded", None, persistent=False)
+            return
         # Decode into the existing cache when it fits (a new version of the same model): no fresh bytes
         # to fault in per load, and references to the cache (a captured CUDA graph) stay valid, as they
         # do for the persistent buffers `load_published` copies into.
@@ -332,6 +340,8 @@ class DecodedLinear(QuantLinear):
             self.register_buffer("_w_decoded", w.contiguous(), persistent=False)
 
     def _refresh_caches_at(self, changed: Mapping[str, Tensor | None]) -> bool:
+        if self.kernel not in HOLDS_DECODED:
+            return True  # no cache: the kernel reads the buffers the load wrote
         # the elements the writes can change (formats.weight_elements), decoded by the same ops, in place
         cache, codes = self._buffers.get("_w_decoded"), self.qweight
         n, k = self.out_features, self.in_features
@@ -347,6 +357,9 @@ class DecodedLinear(QuantLinear):
         return True
 
     def _compute(self, x2: Tensor) -> Tensor:
+        if self.kernel == "wo_triton":
+            return wo_linear(x2, self.fmt, self.weight_tensors(), self.in_features, self.bias)
+        assert self._w_decoded is not None
         if self.kernel == "wo_bf16":
             y = linear_bf16(x2, self._w_decoded).float()
             return y if self.bias is None else y.add_(self.bias)

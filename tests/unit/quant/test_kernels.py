@@ -139,7 +139,10 @@ def test_select_kernel_picks_device_kernels_only_for_devices_that_have_them():
     assert K.select_kernel("fp8", CUDA, 32, 40, capability=(9, 0)) == "fp8_emul"  # K % 16 != 0
     for fmt in ("int8_wo", "nvfp4", "mxfp4"):
         assert K.select_kernel(fmt, cpu, 32, 64) == "wo_fp32"
-        assert K.select_kernel(fmt, CUDA, 32, 64, capability=(9, 0)) == "wo_bf16"
+        assert K.select_kernel(fmt, cpu, 32, 64, compiler=True) == "wo_fp32"  # CPU: the reference
+        assert K.select_kernel(fmt, CUDA, 32, 64, capability=(9, 0), compiler=False) == "wo_bf16"
+        assert K.select_kernel(fmt, CUDA, 32, 64, capability=(9, 0), compiler=True) == "wo_triton"
+    assert not K.triton_available(cpu)  # an installed triton never makes a CPU device compile for a GPU
     assert K.select_kernel("int8", CUDA, 32, 64, compiler=True) == "int_mm_compiled"
     assert K.select_kernel("int8", CUDA, 32, 64, compiler=False) == "int_mm"
     vnni = frozenset({"avx2", "avx512_vnni"})
