@@ -42,10 +42,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .fp8 import quantize_act_fp8, quantize_act_fp8_codes
+from .fp8 import quantize_act_fp8
 from .int8 import int8_epilogue, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
-from .kernels import act_quant_int8_compiled, int8_epilogue_compiled, linear_bf16, scaled_mm_fp8
-from .linear import Bf16Linear, DecodedLinear, Fp8Linear, Int8Linear, QuantLinear
+from .kernels import linear_bf16, scaled_mm_fp8
+from .linear import Bf16Linear, DecodedLinear, Fp8Linear, Int8Linear, QuantLinear, uses_int8_ops
+from .ops import int8_epilogue_op, quant_act_fp8, quant_act_int8
 
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_BUFFERS: dict[type[QuantLinear], tuple[str, ...]] = {
@@ -156,7 +157,7 @@ class SiblingGroup:
             return self._bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
         scales = self.fused["weight_scale"]
         if k == "scaled_mm":
-            q8, s8 = quantize_act_fp8_codes(x2)
+            q8, s8 = quant_act_fp8(x2)
             return self._split(scaled_mm_fp8(q8, s8, self.fused["qweight"], scales))
         assert k == "fp8_emul", k
         # fp8.fp8_linear's ops per element: the GEMM over the codes, times sx, times sw, plus bias
@@ -183,17 +184,17 @@ class SiblingGroup:
         return [torch.add(y[:, a:b], self.bias[a:b]) for a, b in self.bounds]
 
     def _int8(self, x2: Tensor) -> list[Tensor]:
-        compiled = self.kernel == "int_mm_compiled"
+        ops = uses_int8_ops(self.kernel, x2)
         if self.kernel == "int_mm_fp32":
             qf, sx = quantize_act_int8_f32(x2)
             acc = int_mm_fp32(qf, self.fused["_w_codes"].t())  # [M, sum N] the same exact sums
         else:
-            qx, sx = (act_quant_int8_compiled if compiled else quantize_act_int8)(x2)
+            qx, sx = (quant_act_int8 if ops else quantize_act_int8)(x2)
             acc = int_mm(qx, self.codes.t())  # [M, sum N] int32, exact
         scales = self.fused["weight_scale"]
         # Per-member epilogue (the fp32 ops of int8_linear) writing contiguous outputs: downstream
         # kernels (attention) may round differently on strided inputs, and no copy is needed.
-        epilogue = int8_epilogue_compiled if compiled else int8_epilogue
+        epilogue = int8_epilogue_op if ops else int8_epilogue
         return [epilogue(acc[:, a:b], sx, scales[a:b], None if self.bias is None else self.bias[a:b])
                 for a, b in self.bounds]
 

@@ -14,12 +14,14 @@ kernels that are not the CPU reference rules of int8.py / fp8.py:
                  (no VNNI, AMX-INT8)       an exact integer), slices added in int32: the int32 sums of int_mm,
                                           bit for bit, at about the fp32 GEMM's speed instead of 0.01-0.1x it
     int_mm_compiled  int8 on CUDA with     the same, with the activation quantisation and the epilogue each
-                 Triton                   one `torch.compile`d kernel under Inductor's eager-numerics options
-                                          (correctly rounded division, no FMA contraction, no flush to zero)
+                 Triton                   one op (ops.py), on CUDA one `torch.compile`d kernel under Inductor's
+                                          eager-numerics options (correctly rounded division, no FMA
+                                          contraction, no flush to zero)
     fp8_emul     fp8 (CPU, CUDA < sm_89,  fp8.py: fp32 GEMM over the decoded E4M3 codes (an fp32 copy of
                  N or K not % 16)         the codes is held), then the scales
     scaled_mm    fp8 on CUDA sm_89+       `torch._scaled_mm` on the E4M3 codes themselves with row-wise
-                 (N, K multiples of 16)   scales, fp32 output, `use_fast_accum=False` (no decoded copy)
+                 (N, K multiples of 16)   scales, fp32 output, `use_fast_accum=False` (no decoded copy); the
+                                          activation quantisation is one op (ops.py)
     wo_fp32      int8_wo/nvfp4/mxfp4 CPU  W decoded once per load to fp32; y = linear(x, W) + bias
     wo_bf16      int8_wo/nvfp4/mxfp4 CUDA W decoded once per load to bf16 (W_bf16 = bf16_rne(dequant W));
                                           y = fp32(linear(bf16(x), W_bf16)) + bias (a W·A16 rule)
