@@ -177,6 +177,38 @@ class SiblingGroup:
             parts.append(p)
         return parts
 
+    def forward_all(self, x2: Tensor) -> Tensor:
+        """x2 [M, K] fp32 -> every member's output side by side, [M, sum N] fp32 (columns ``bounds``), each column
+        the bits of that member's own output: the same GEMM, then the epilogue over the whole width in one pass
+        (int8 epilogue, fp8 scales, bf16 cast or bias add: elementwise ops, correctly rounded per element) where
+        ``__call__`` runs it once per member into contiguous outputs. For callers that take the columns as views
+        (the native engine's decode step: one epilogue for q/k/v instead of three)."""
+        k = self.kernel
+        if k in ("int_mm", "int_mm_compiled", "int_mm_fp32"):
+            ops = uses_int8_ops(k, x2)
+            if k == "int_mm_fp32":
+                qf, sx = quantize_act_int8_f32(x2)
+                acc = int_mm_fp32(qf, self.fused["_w_codes"].t())
+            else:
+                qx, sx = (quant_act_int8 if ops else quantize_act_int8)(x2)
+                acc = int_mm(qx, self.codes.t())
+            return (int8_epilogue_op if ops else int8_epilogue)(acc, sx, self.fused["weight_scale"], self.bias)
+        if k in ("bf16", "wo_bf16"):
+            yb = linear_bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
+            return yb.float() if self.bias is None else torch.add(yb, self.bias)
+        scales = self.fused["weight_scale"]
+        if k == "scaled_mm":
+            q8, s8 = quant_act_fp8(x2)
+            y = scaled_mm_fp8(q8, s8, self.fused["qweight"], scales)
+        else:
+            assert k == "fp8_emul", k
+            if self.act_quant:
+                qx, sx = quantize_act_fp8(x2)
+                y = torch.mm(qx, self.fused["_w_codes"].t()).mul_(sx).mul_(scales)
+            else:
+                y = torch.mm(x2, self.fused["_w_codes"].t()).mul_(scales)
+        return y if self.bias is None else y.add_(self.bias)
+
     def _split(self, y: Tensor) -> list[Tensor]:
         """[M, sum N] fp32 -> each member's contiguous columns, plus its bias."""
         if self.bias is None:
