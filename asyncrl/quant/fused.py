@@ -28,7 +28,9 @@ Call protocol: when a member is called with input x, the whole group is computed
 its slice and the other members' slices are kept for x. A sibling called next with the same tensor
 object x takes its kept slice; any other input recomputes. This matches how Llama/Qwen2 attention
 and MLP (and asyncrl's engine) call the projections: consecutively, on one unmodified hidden state.
-Every returned output is contiguous, as an unfused module's is.
+Every returned output is contiguous, as an unfused module's is. `SiblingGroup.forward_all` instead returns all
+members' outputs side by side, each column the same bits, for a caller that splits them into views itself (the
+native engine's decode layer: one epilogue per group).
 
 Must never: return a kept slice for a different input object. Moving the model (`.to()`, `.cuda()`)
 dissolves the groups (members fall back to their own, now separate, buffers); call `fuse_siblings`

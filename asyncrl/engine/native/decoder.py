@@ -2,7 +2,8 @@
 
 Owns: the eager forward pass the native engine runs (``DecoderRunner``: prefill of joining rows, and the
 reference decode step the static step of ``asyncrl.engine.native.static_step`` is tested against and that forward
-AQN runs on), the per-layer maths both paths share (``qkv``: projections, Qwen3's per-head q/k norm, RoPE),
+AQN runs on), the per-layer maths both paths share (``qkv``: projections, Qwen3's per-head q/k norm, RoPE;
+``qkv_decode`` / ``mlp_decode``: the decode step's, with fused sibling projections taken as views of one output),
 and which HF configs it runs exactly (``native_unsupported_reason`` says why not). Row ``r`` of the cache
 (``asyncrl.engine.native.kv_cache.StaticKVCache``) belongs to one live sequence; sequences join by being prefilled
 into fresh rows and leave by ``move_row`` (the last row is moved into the hole), so the live batch is always
