@@ -29,7 +29,9 @@ Call protocol: when a member is called with input x, the whole group is computed
 its slice and the other members' slices are kept for x. A sibling called next with the same tensor
 object x takes its kept slice; any other input recomputes. This matches how Llama/Qwen2 attention
 and MLP (and asyncrl's engine) call the projections: consecutively, on one unmodified hidden state.
-Every returned output is contiguous, as an unfused module's is.
+Every returned output is contiguous, as an unfused module's is. `SiblingGroup.forward_all` instead returns all
+members' outputs side by side, each column the same bits, for a caller that splits them into views itself (the
+native engine's decode layer: one epilogue per group).
 
 Must never: return a kept slice for a different input object. Moving the model (`.to()`, `.cuda()`)
 dissolves the groups (members fall back to their own, now separate, buffers); call `fuse_siblings`
@@ -43,10 +45,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .fp8 import quantize_act_fp8, quantize_act_fp8_codes
+from .fp8 import quantize_act_fp8
 from .int8 import int8_epilogue, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
-from .kernels import act_quant_int8_compiled, int8_epilogue_compiled, linear_bf16, scaled_mm_fp8
-from .linear import Bf16Linear, DecodedLinear, Fp8Linear, Int8Linear, QuantLinear
+from .kernels import linear_bf16, scaled_mm_fp8
+from .linear import Bf16Linear, DecodedLinear, Fp8Linear, Int8Linear, QuantLinear, uses_int8_ops
+from .ops import int8_epilogue_op, quant_act_fp8, quant_act_int8
 
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_BUFFERS: dict[type[QuantLinear], tuple[str, ...]] = {
@@ -158,7 +161,7 @@ class SiblingGroup:
             return self._bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
         scales = self.fused["weight_scale"]
         if k == "scaled_mm":
-            q8, s8 = quantize_act_fp8_codes(x2)
+            q8, s8 = quant_act_fp8(x2)
             return self._split(scaled_mm_fp8(q8, s8, self.fused["qweight"], scales))
         assert k == "fp8_emul", k
         # fp8.fp8_linear's ops per element: the GEMM over the codes, times sx, times sw, plus bias
@@ -178,6 +181,38 @@ class SiblingGroup:
             parts.append(p)
         return parts
 
+    def forward_all(self, x2: Tensor) -> Tensor:
+        """x2 [M, K] fp32 -> every member's output side by side, [M, sum N] fp32 (columns ``bounds``), each column
+        the bits of that member's own output: the same GEMM, then the epilogue over the whole width in one pass
+        (int8 epilogue, fp8 scales, bf16 cast or bias add: elementwise ops, correctly rounded per element) where
+        ``__call__`` runs it once per member into contiguous outputs. For callers that take the columns as views
+        (the native engine's decode step: one epilogue for q/k/v instead of three)."""
+        k = self.kernel
+        if k in ("int_mm", "int_mm_compiled", "int_mm_fp32"):
+            ops = uses_int8_ops(k, x2)
+            if k == "int_mm_fp32":
+                qf, sx = quantize_act_int8_f32(x2)
+                acc = int_mm_fp32(qf, self.fused["_w_codes"].t())
+            else:
+                qx, sx = (quant_act_int8 if ops else quantize_act_int8)(x2)
+                acc = int_mm(qx, self.codes.t())
+            return (int8_epilogue_op if ops else int8_epilogue)(acc, sx, self.fused["weight_scale"], self.bias)
+        if k in ("bf16", "wo_bf16"):
+            yb = linear_bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
+            return yb.float() if self.bias is None else torch.add(yb, self.bias)
+        scales = self.fused["weight_scale"]
+        if k == "scaled_mm":
+            q8, s8 = quant_act_fp8(x2)
+            y = scaled_mm_fp8(q8, s8, self.fused["qweight"], scales)
+        else:
+            assert k == "fp8_emul", k
+            if self.act_quant:
+                qx, sx = quantize_act_fp8(x2)
+                y = torch.mm(qx, self.fused["_w_codes"].t()).mul_(sx).mul_(scales)
+            else:
+                y = torch.mm(x2, self.fused["_w_codes"].t()).mul_(scales)
+        return y if self.bias is None else y.add_(self.bias)
+
     def _split(self, y: Tensor) -> list[Tensor]:
         """[M, sum N] fp32 -> each member's contiguous columns, plus its bias."""
         if self.bias is None:
@@ -185,17 +220,17 @@ class SiblingGroup:
         return [torch.add(y[:, a:b], self.bias[a:b]) for a, b in self.bounds]
 
     def _int8(self, x2: Tensor) -> list[Tensor]:
-        compiled = self.kernel == "int_mm_compiled"
+        ops = uses_int8_ops(self.kernel, x2)
         if self.kernel == "int_mm_fp32":
             qf, sx = quantize_act_int8_f32(x2)
             acc = int_mm_fp32(qf, self.fused["_w_codes"].t())  # [M, sum N] the same exact sums
         else:
-            qx, sx = (act_quant_int8_compiled if compiled else quantize_act_int8)(x2)
+            qx, sx = (quant_act_int8 if ops else quantize_act_int8)(x2)
             acc = int_mm(qx, self.codes.t())  # [M, sum N] int32, exact
         scales = self.fused["weight_scale"]
         # Per-member epilogue (the fp32 ops of int8_linear) writing contiguous outputs: downstream
         # kernels (attention) may round differently on strided inputs, and no copy is needed.
-        epilogue = int8_epilogue_compiled if compiled else int8_epilogue
+        epilogue = int8_epilogue_op if ops else int8_epilogue
         return [epilogue(acc[:, a:b], sx, scales[a:b], None if self.bias is None else self.bias[a:b])
                 for a, b in self.bounds]
 

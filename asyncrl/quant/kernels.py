@@ -14,12 +14,14 @@ kernels that are not the CPU reference rules of int8.py / fp8.py:
                  (no VNNI, AMX-INT8)       an exact integer), slices added in int32: the int32 sums of int_mm,
                                           bit for bit, at about the fp32 GEMM's speed instead of 0.01-0.1x it
     int_mm_compiled  int8 on CUDA with     the same, with the activation quantisation and the epilogue each
-                 Triton                   one `torch.compile`d kernel under Inductor's eager-numerics options
-                                          (correctly rounded division, no FMA contraction, no flush to zero)
+                 Triton                   one op (ops.py), on CUDA one `torch.compile`d kernel under Inductor's
+                                          eager-numerics options (correctly rounded division, no FMA
+                                          contraction, no flush to zero)
     fp8_emul     fp8 (CPU, CUDA < sm_89,  fp8.py: fp32 GEMM over the decoded E4M3 codes (an fp32 copy of
                  N or K not % 16)         the codes is held), then the scales
     scaled_mm    fp8 on CUDA sm_89+       `torch._scaled_mm` on the E4M3 codes themselves with row-wise
-                 (N, K multiples of 16)   scales, fp32 output, `use_fast_accum=False` (no decoded copy)
+                 (N, K multiples of 16)   scales, fp32 output, `use_fast_accum=False` (no decoded copy); the
+                                          activation quantisation is one op (ops.py)
     wo_fp32      int8_wo/nvfp4/mxfp4 CPU  W decoded once per load to fp32; y = linear(x, W) + bias
     wo_bf16      int8_wo/nvfp4/mxfp4 CUDA W decoded once per load to bf16 (W_bf16 = bf16_rne(dequant W));
                  without Triton           y = fp32(linear(bf16(x), W_bf16)) + bias (a W·A16 rule)
@@ -52,7 +54,7 @@ from torch import Tensor
 
 from asyncrl.machine import bf16_native, int8_dot_native
 
-from .int8 import int8_epilogue, quantize_act_int8
+from .int8 import int8_epilogue
 
 KERNELS: dict[str, tuple[str, ...]] = {
     "bf16": ("bf16",),
@@ -118,7 +120,7 @@ def _compiles(device: torch.device, compiler: bool | None) -> bool:
 KERNEL_NOTES: dict[str, str] = {
     "bf16": "bf16 GEMMs",
     "int_mm": "torch._int_mm on the int8 codes",
-    "int_mm_compiled": "torch._int_mm with compiled activation quantisation and epilogue",
+    "int_mm_compiled": "torch._int_mm with a Triton activation quantisation kernel and a compiled epilogue",
     "int_mm_fp32": ("exact int8 sums from fp32 GEMMs over the codes (this CPU has no int8 dot product, where "
                     "torch._int_mm runs 10-75x slower than fp32; the same bits)"),
     "fp8_emul": "an fp32 GEMM over the decoded E4M3 codes",
@@ -248,7 +250,5 @@ class Compiled:
             return self.fn(*args)
 
 
-act_quant_int8_compiled = Compiled(quantize_act_int8)
-"""int8.quantize_act_int8 as one kernel: the same codes and scales (tests/unit/quant/test_kernels.py)."""
 int8_epilogue_compiled = Compiled(int8_epilogue)
 """int8.int8_epilogue as one kernel: the same fp32 values."""

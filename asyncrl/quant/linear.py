@@ -16,7 +16,8 @@ and shape by `kernels.select_kernel` (module attribute `kernel`; kernels.py has 
                    one cast and one GEMM (fused.py), equal to the unfused modules up to summation order
     Int8Linear     W8A8: per-token int8 activations, `torch._int_mm`, int32 accumulation (int8.py);
                    siblings share one activation quantisation and one matmul (fused.py), bit-identical;
-                   on CUDA with Triton the quantisation and the epilogue are compiled kernels (same bits);
+                   on the GPU kernels the quantisation and the epilogue are one op each (ops.py; compiled
+                   kernels on CUDA with Triton, same bits);
                    on a CPU without an int8 dot product the same sums from fp32 GEMMs over an fp32 copy
                    of the codes (`int_mm_fp32`, same bits)
     Fp8Linear      E4M3 weights, optional per-token E4M3 activations: `torch._scaled_mm` on CUDA sm_89+,
@@ -52,20 +53,19 @@ from .formats import (
     weight_elements,
     weight_suffixes,
 )
-from .fp8 import fp8_linear, quantize_act_fp8_codes
+from .fp8 import fp8_linear
 from .int8 import int8_epilogue, int8_linear, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
 from .kernels import (
     HOLDS_DECODED,
     KERNELS,
-    act_quant_int8_compiled,
     check_kernel,
     compute_dtype,
-    int8_epilogue_compiled,
     linear_bf16,
     rowwise_fp32_supported,
     scaled_mm_fp8,
     select_kernel,
 )
+from .ops import int8_epilogue_op, quant_act_fp8, quant_act_int8
 from .triton_kernels import wo_linear
 
 CODES_REFRESH_FRAC = 1 / 40
@@ -224,11 +224,18 @@ class Int8Linear(QuantLinear):
             assert self._w_codes is not None
             qf, sx = quantize_act_int8_f32(x2)
             return int8_epilogue(int_mm_fp32(qf, self._w_codes.t()), sx, self.weight_scale, self.bias)
-        if self.kernel == "int_mm_compiled":
-            qx, sx = act_quant_int8_compiled(x2)
-            return int8_epilogue_compiled(int_mm(qx, self.qweight.t()), sx, self.weight_scale, self.bias)
+        if uses_int8_ops(self.kernel, x2):
+            qx, sx = quant_act_int8(x2)
+            return int8_epilogue_op(int_mm(qx, self.qweight.t()), sx, self.weight_scale, self.bias)
         qx, sx = quantize_act_int8(x2)
         return int8_linear(qx, sx, self.qweight, self.weight_scale, self.bias)
+
+
+def uses_int8_ops(kernel: str, x2: Tensor) -> bool:
+    """Whether an int8 linear on ``kernel`` quantises ``x2`` and applies its epilogue through the single ops of
+    ops.py: on the GPU kernels (``int_mm_compiled``; ``int_mm`` on CUDA), where each saves kernel launches. A CPU
+    kernel runs the same rule's eager ops, which cost less there than a custom op's dispatch."""
+    return kernel == "int_mm_compiled" or (kernel == "int_mm" and x2.is_cuda)
 
 
 def refresh_codes_f32(m: QuantLinear) -> None:
@@ -301,7 +308,7 @@ class Fp8Linear(QuantLinear):
 
     def _compute(self, x2: Tensor) -> Tensor:
         if self.kernel == "scaled_mm":
-            qx, sx = quantize_act_fp8_codes(x2)
+            qx, sx = quant_act_fp8(x2)
             y = scaled_mm_fp8(qx, sx, self.qweight, self.weight_scale)
             return y if self.bias is None else y.add_(self.bias)
         assert self._w_codes is not None

@@ -2,7 +2,8 @@
 
 Owns: the eager forward pass the native engine runs (``DecoderRunner``: prefill of joining rows, and the
 reference decode step the static step of ``asyncrl.engine.native.static_step`` is tested against and that forward
-AQN runs on), the per-layer maths both paths share (``qkv``: projections, Qwen3's per-head q/k norm, RoPE),
+AQN runs on), the per-layer maths both paths share (``qkv``: projections, Qwen3's per-head q/k norm, RoPE;
+``qkv_decode`` / ``mlp_decode``: the decode step's, with fused sibling projections taken as views of one output),
 and which HF configs it runs exactly (``native_unsupported_reason`` says why not). Row ``r`` of the cache
 (``asyncrl.engine.native.kv_cache.StaticKVCache``) belongs to one live sequence; sequences join by being prefilled
 into fresh rows and leave by ``move_row`` (the last row is moved into the hole), so the live batch is always
@@ -115,6 +116,12 @@ def qkv(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
     """``h: [B, L, D]``, ``cos/sin: [B, L, hd]`` -> q ``[B, H, L, hd]``, k/v ``[B, KV, L, hd]``, RoPE on q and k.
 
     Qwen3's ``q_norm`` / ``k_norm`` (RMSNorm over each head's ``hd``) run before RoPE, as in HF."""
+    return _qkv(layer, h, cos.unsqueeze(1), sin.unsqueeze(1), n_heads, n_kv_heads, head_dim, _rope)
+
+
+def _qkv(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+         head_dim: int, rope: _Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qkv` with ``cos/sin: [B, 1, L, hd]`` (broadcast over the heads) in the form ``rope`` takes."""
     B, L, _ = h.shape
     attn = layer.self_attn
     q = attn.q_proj(h).view(B, L, n_heads, head_dim)
@@ -124,10 +131,79 @@ def qkv(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
         q, k = q_norm(q), k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = attn.v_proj(h).view(B, L, n_kv_heads, head_dim).transpose(1, 2)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    return q, k, v
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+_Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's RoPE: ``t * cos + rotate_half(t) * sin``."""
+    return t * cos + _rotate_half(t) * sin
+
+
+def _rope_signed(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`_rope` with the sign of ``rotate_half`` folded into ``sin_signed`` (`decode_rope_tables`): the halves of
+    ``t`` swapped, times ``[-sin_1, sin_2]``. The same bits, as ``(-a) * b == a * (-b)`` exactly, with one op
+    (the negation) fewer per call."""
+    half = t.shape[-1] // 2
+    swapped = t.view(*t.shape[:-1], 2, half).flip(-2).view(t.shape)
+    return t * cos + swapped * sin_signed
+
+
+def decode_rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos/sin: [B, 1, hd]`` of one decode position per row -> the ``cos, sin_signed: [B, 1, 1, hd]``
+    `qkv_decode` takes, made once per step for every layer."""
+    half = sin.shape[-1] // 2
+    return cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
+
+
+def sibling_outputs(mods: Sequence[Any], h: torch.Tensor) -> torch.Tensor | None:
+    """``h: [..., K]`` -> the outputs of the sibling projections ``mods`` (q/k/v, gate/up) side by side,
+    ``[..., sum N]`` in ``mods``' order, from one call to the fused group they form (``asyncrl.quant.fused``:
+    ``SiblingGroup.forward_all``, each column the bits of that module's own output); None where they are not
+    exactly one group, in this order (unquantized or unfused linears: call the modules)."""
+    group = getattr(mods[0], "_group", None)
+    if group is None or len(group.members) != len(mods):
+        return None
+    if any(a is not b for a, b in zip(group.members, mods, strict=True)):
+        return None
+    x2 = h.reshape(-1, h.shape[-1])
+    y = group.forward_all(x2 if x2.dtype == torch.float32 else x2.float())
+    y = y.view(*h.shape[:-1], y.shape[-1])
+    return y if y.dtype == h.dtype else y.to(h.dtype)
+
+
+def qkv_decode(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, n_heads: int,
+               n_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qkv` for one position per row: ``h: [B, 1, D]``, ``cos, sin_signed: [B, 1, 1, hd]`` (`decode_rope_tables`,
+    once per step) -> q ``[B, H, 1, hd]``, k/v ``[B, KV, 1, hd]``, the values of `qkv`.
+
+    Where q/k/v are one fused group and the model has no per-head q/k norm, their one output is split into views
+    and RoPE runs once over the q and k heads together: one epilogue and one RoPE pass instead of three and two,
+    the same elementwise ops on every element. q, k and v are then strided views (attention reads them as such;
+    prefill keeps `qkv`'s layout, which its attention reads directly)."""
+    attn = layer.self_attn
+    y = None
+    if getattr(attn, "q_norm", None) is None:
+        y = sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj), h)
+    if y is None:
+        return _qkv(layer, h, cos, sin_signed, n_heads, n_kv_heads, head_dim, _rope_signed)
+    y = y.view(h.shape[0], 1, n_heads + 2 * n_kv_heads, head_dim)
+    qk = _rope_signed(y[:, :, : n_heads + n_kv_heads], cos, sin_signed)
+    return qk[:, :, :n_heads].transpose(1, 2), qk[:, :, n_heads:].transpose(1, 2), y[:, :, -n_kv_heads:].transpose(1, 2)
+
+
+def mlp_decode(layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+    """``layer.mlp(h)`` (HF's ``down_proj(act_fn(gate_proj(h)) * up_proj(h))``), with gate/up taken as views of
+    their fused group's one output where they form one (`sibling_outputs`): one epilogue instead of two."""
+    mlp: Any = layer.mlp
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    y = None if gate is None or up is None else sibling_outputs((gate, up), h)
+    if y is None or gate is None:
+        return mlp(h)
+    n = gate.out_features
+    return mlp.down_proj(mlp.act_fn(y[..., :n]) * y[..., n:])
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -226,16 +302,18 @@ class DecoderRunner:
         Lk = max(positions) + 1
         rows = torch.arange(B, device=device)
         x = base.embed_tokens(ids)
-        cos, sin = base.rotary_emb(x, pos[:, None])
+        cos, sin = decode_rope_tables(*base.rotary_emb(x, pos[:, None]))
         mask = (torch.arange(Lk, device=device)[None, :] <= pos[:, None])[:, None, None, :]
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         for li, layer in enumerate(base.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            q, k, v = qkv_decode(layer, layer.input_layernorm(x), cos, sin, H, KV, hd)
             if li == 0:
                 self.cache.reserve(B, Lk, k.dtype, device)
             kb, vb = self.cache.k[li], self.cache.v[li]
             kb[rows, :, pos] = k[:, :, 0]
             vb[rows, :, pos] = v[:, :, 0]
-            x = self._block_tail(layer, x, attend_one(q, kb[:B, :, :Lk], vb[:B, :, :Lk], mask, self.scaling))
+            x = x + layer.self_attn.o_proj(attend_one(q, kb[:B, :, :Lk], vb[:B, :, :Lk], mask, self.scaling))
+            x = x + mlp_decode(layer, layer.post_attention_layernorm(x))
         return self._logits(x[:, 0])
 
 

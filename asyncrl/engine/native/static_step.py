@@ -31,7 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.engine.native.decoder import DecoderRunner, attend_one, qkv
+from asyncrl.engine.native.decoder import (
+    DecoderRunner,
+    attend_one,
+    decode_rope_tables,
+    mlp_decode,
+    qkv_decode,
+)
 from asyncrl.engine.native.sampling import sample_static
 from asyncrl.engine.native.step_graphs import StepGraphs, batch_bucket, length_bucket
 
@@ -199,18 +205,18 @@ class StaticStep:
         assert kv is not None
         tok, pos = self.tok[:rows], self.pos[:rows]
         x = base.embed_tokens(tok[:, None])
-        cos, sin = base.rotary_emb(x, pos[:, None])
+        cos, sin = decode_rope_tables(*base.rotary_emb(x, pos[:, None]))  # once for every layer
         mask = (torch.arange(length, device=x.device)[None, :] <= pos[:, None])[:, None, None, :]
         index = torch.arange(rows, device=x.device)
+        span = kv[:, :, :rows, :, :length]  # the rows and positions this step reads and writes, once for every layer
         H, KV, hd = runner.n_heads, runner.n_kv_heads, runner.head_dim
         for li, layer in enumerate(base.layers):
-            q, k, v = qkv(layer, layer.input_layernorm(x), cos, sin, H, KV, hd)
-            kb, vb = kv[li, 0], kv[li, 1]
+            q, k, v = qkv_decode(layer, layer.input_layernorm(x), cos, sin, H, KV, hd)
+            kb, vb = span[li]
             kb[index, :, pos] = k[:, :, 0]
             vb[index, :, pos] = v[:, :, 0]
-            out = attend_one(q, kb[:rows, :, :length], vb[:rows, :, :length], mask, runner.scaling)
-            x = x + layer.self_attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.self_attn.o_proj(attend_one(q, kb, vb, mask, runner.scaling))
+            x = x + mlp_decode(layer, layer.post_attention_layernorm(x))
         logits = base.norm(x[:, 0])
         logits = runner.model.lm_head(logits).float()
         extra = (self.top_k[:rows], self.top_p[:rows], self.trunc[:rows]) if truncate else ()

@@ -18,7 +18,7 @@ from asyncrl.quant import FORMATS, load_published, publish, quantize_fp8_rows, q
 from asyncrl.quant import kernels as K
 from asyncrl.quant.fp8 import fp8_linear, quantize_act_fp8_codes
 from asyncrl.quant.fused import fuse_siblings
-from asyncrl.quant.int8 import quantize_act_int8
+from asyncrl.quant.int8 import int8_epilogue
 from asyncrl.quant.linear import Bf16Linear, DecodedLinear, Fp8Linear, QuantLinear
 from tests.unit.quant.conftest import make_tiny_qwen2
 
@@ -227,19 +227,15 @@ def test_bf16_siblings_share_one_cast_and_one_gemm_and_match_the_unfused_modules
 
 
 def test_compiled_int8_kernel_gives_the_eager_bits(probe_ids):
-    """The compiled activation quantisation and epilogue (Inductor with EAGER_NUMERICS; here its C++
-    backend) give the eager codes, scales and outputs bit for bit, ties and a zero row included, alone
-    and fused."""
+    """The compiled epilogue (Inductor with EAGER_NUMERICS; here its C++ backend) gives the eager outputs bit for
+    bit, and a model on int_mm_compiled (its activation quantisation: ops.CUDA_KERNELS, checked in test_ops.py)
+    the eager logits, alone and fused."""
     g = torch.Generator().manual_seed(16)
     for m in (1, 5, 33):
-        x = torch.randn(m, 96, generator=g) * torch.exp(torch.randn(m, 1, generator=g))
-        x[0, :4] = torch.tensor([0.5, 1.5, 2.5, -2.5]) * (x[0].abs().max() / 127)  # x / s exactly at .5
-        if m > 1:
-            x[1] = 0.0
-        q, s = K.act_quant_int8_compiled(x)
-        q0, s0 = quantize_act_int8(x)
-        assert torch.equal(q, q0) and torch.equal(s, s0)
-    assert not K.act_quant_int8_compiled.failed and not K.int8_epilogue_compiled.failed
+        acc = torch.randint(-(2**20), 2**20, (m, 24), dtype=torch.int32, generator=g)
+        sx, sw, bias = torch.rand(m, 1, generator=g), torch.rand(24, generator=g), torch.randn(24, generator=g)
+        assert torch.equal(K.int8_epilogue_compiled(acc, sx, sw, bias), int8_epilogue(acc, sx, sw, bias))
+    assert not K.int8_epilogue_compiled.failed
     eager = quantize_model(make_tiny_qwen2(seed=17), "int8")
     compiled = copy.deepcopy(eager)
     for mod in compiled.modules():
