@@ -126,7 +126,7 @@ def step_kernels(engine: Any, prompt: list[int], batch: int) -> dict[str, Any]:
         class OpCount(TorchDispatchMode):
             count = 0
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 self.count += 1
                 return func(*args, **(kwargs or {}))
 
