@@ -31,6 +31,16 @@ generate at the same precision, with min, max and spread, and the load average d
 
 Run: ``python scripts/bench_engine.py [--quick] [--model tiny|smollm2|PATH] [--json PATH]``.
 
+**Nothing is built inside a timed round.** Where a native engine runs its decode steps as (batch, span)
+buckets (CUDA graphs, the default on a GPU; ``--compile-step BACKEND``, a ``torch.compile``d step), the
+first step of a bucket captures or compiles its runner, and a growth of the K/V cache drops them all. So
+before its rounds every native engine first sizes its K/V cache with the longest request the rounds make
+(the cache never shrinks, so nothing reallocates later), then runs each timed path once untimed: every
+runner the rounds replay exists before them. The runners built and the K/V reallocations made inside
+timed rounds are counted (``NativeEngine.step_stats``) and reported per row (``timed_builds``,
+``valid``) and in total (``builds_in_timed_rounds``); a run where that total is not 0 says so on stderr
+and exits with status 1 (the JSON is still written, its rows marked ``valid: false``).
+
 **Model shapes on a device** (``--shapes``, the default with ``--device cuda``): random-weight models built
 from the configs of Qwen2.5-0.5B, Qwen2.5-1.5B and SmolLM2-135M (nothing is downloaded; weights are drawn
 on the device), batches of identical-length random prompts, exactly --new-tokens tokens per sample. Paths:
@@ -51,6 +61,7 @@ import time
 from collections import deque
 from typing import Any
 
+from asyncrl.bench.decode import copy_bandwidth, hf_generate_rate, kv_bytes, step_weight_bytes
 from asyncrl.bench.measure import device_sync, interleaved, load_average_stats, print_ratio, ratio_stats
 from asyncrl.bench.models import SHAPES, RolloutPrompts, build_shape, kernel_counts, load_model
 from asyncrl.bench.report import comma_list, parser, print_table, write_json
@@ -177,6 +188,65 @@ def run_hf(model, tok, batch: int, new_tokens: int, seed: int) -> tuple[int, flo
     return int(out.shape[0] * (out.shape[1] - enc.input_ids.shape[1])), dt
 
 
+class BuildWatch:
+    """Runners built (CUDA graph captures, step compilations) and K/V reallocations inside timed runs.
+
+    ``watch(key, engine, fn)`` wraps one timed path: ``NativeEngine.step_stats`` before and after each call,
+    the differences summed under ``key``. Both must stay 0: a build inside a round times a capture or a
+    compilation, not a decode.
+    """
+
+    def __init__(self) -> None:
+        self.builds: dict[str, int] = {}
+        self.kv_allocations: dict[str, int] = {}
+
+    def watch(self, key: str, engine, fn):
+        self.builds.setdefault(key, 0)
+        self.kv_allocations.setdefault(key, 0)
+
+        def run():
+            before = engine.step_stats()
+            value = fn()
+            after = engine.step_stats()
+            self.builds[key] += after["builds"] - before["builds"]
+            self.kv_allocations[key] += after["kv_allocations"] - before["kv_allocations"]
+            return value
+        return run
+
+    def row(self, key: str) -> dict[str, Any]:
+        """The columns of a native path's row: ``timed_builds``, ``timed_kv_allocations``, ``valid``."""
+        return {"timed_builds": self.builds[key], "timed_kv_allocations": self.kv_allocations[key],
+                "valid": self.builds[key] == 0}
+
+    def total(self) -> int:
+        return sum(self.builds.values())
+
+    def report(self) -> int:
+        """Say on stderr which paths built runners inside timed rounds; the exit status (0 when none)."""
+        bad = {k: n for k, n in self.builds.items() if n}
+        if not bad:
+            return 0
+        print(f"bench_engine: {sum(bad.values())} decode-step runners (CUDA graph captures or step compilations) "
+              f"were built inside timed rounds, so those rounds timed them: {bad}; their rows are marked "
+              "valid=false", file=sys.stderr)
+        return 1
+
+
+def size_kv_cache(engine, prompt: list[int], new_tokens: int) -> None:
+    """Grow ``engine``'s K/V cache to what its longest timed request needs (``prompt`` + ``new_tokens``
+    positions) before anything is built on it: the cache never shrinks, so later runs reallocate nothing
+    and no runner built after this is dropped."""
+    from asyncrl.engine import GenRequest, SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=(), seed=0)
+    list(engine.generate([GenRequest("size-kv-cache", list(prompt), params)]))
+
+
+def engine_options(args) -> dict[str, Any]:
+    """``NativeEngine`` keywords of ``--cuda-graphs`` and ``--compile-step``."""
+    return {"cuda_graphs": args.cuda_graphs, "compile_step": args.compile_step or False}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_engine", __doc__)
     p.add_argument("--model", default="tiny", help="tiny (default), smollm2, or an HF folder")
@@ -200,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                         "--model (default: all on cuda, none on cpu)")
     p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (--shapes only)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sample (--shapes only)")
+    p.add_argument("--cuda-graphs", default="auto", help="native engines: auto (on for CUDA), true or false")
+    p.add_argument("--compile-step", default="",
+                   help="native engines: torch.compile the decode step with this backend (inductor, aot_eager, "
+                        "eager); '' (default) for none")
     args = p.parse_args(argv)
     if args.shapes is None:
         args.shapes = ",".join(SHAPES) if args.device.startswith("cuda") else ""
@@ -224,30 +298,39 @@ def main(argv: list[str] | None = None) -> int:
     engines = {}
     for fmt in formats:
         engines[fmt] = NativeEngine(copy.deepcopy(model), quant_format=fmt, device=args.device,
-                                    max_batch_size=max(batches), num_threads=None)
+                                    max_batch_size=max(batches), num_threads=None, **engine_options(args))
         run_batch(engines[fmt], tok, 2, 4, f"warm-{fmt}")
     for fmt in [f for f in args.head_formats.split(",") if f]:
         if fmt == "fp32":
             raise SystemExit("--head-formats: fp32 has no head to quantize; name quantized formats (e.g. int8)")
         engines[f"{fmt}+head"] = NativeEngine(copy.deepcopy(model), quant_format=fmt, device=args.device,
-                                              max_batch_size=max(batches), num_threads=None, quantize_head=True)
+                                              max_batch_size=max(batches), num_threads=None, quantize_head=True,
+                                              **engine_options(args))
         run_batch(engines[f"{fmt}+head"], tok, 2, 4, f"warm-{fmt}+head")
     hf = {f: hf_model(model, f) for f in hf_formats}
     for m in hf.values():
         run_hf(m, tok, 2, 4, 0)
     workloads = comma_list(args.workloads, "--workloads", WORKLOADS)
     rp = RolloutPrompts(tok, folder) if "rollout" in workloads else None
+    longest = max([tok(x).input_ids for x in PROMPTS] + (rp.ids if rp else []), key=len)
+    for engine in engines.values():
+        size_kv_cache(engine, longest, new_tokens)
     rows, ratios, per_round = [], {}, {}
+    watch = BuildWatch()
     for workload in workloads:
         native, hf_run = runners(workload, tok, rp, new_tokens)
         for batch in batches:
+            label = f"{workload} batch {batch}" if workload != "fixed" else f"batch {batch}"
             paths = {fmt: (lambda e=engine, f=fmt, b=batch, run=native: run(e, b, f"{f}-{b}"))
                      for fmt, engine in engines.items()}
+            for fmt, fn in paths.items():  # untimed: every runner the rounds replay is built here
+                if engines[fmt].step_stats()["bucketed"]:
+                    fn()
+            paths = {fmt: watch.watch(f"{label}: {fmt}", engines[fmt], fn) for fmt, fn in paths.items()}
             paths |= {f"hf-{f}": (lambda m=m, b=batch, run=hf_run: run(m, b)) for f, m in hf.items()}
             counts: dict[str, list[int]] = {name: [] for name in paths}
             paths = {name: (lambda fn=fn, c=counts[name]: _rate(*_counted(c, fn()))) for name, fn in paths.items()}
             res = interleaved(paths, rounds, warmup=0, seed=batch)
-            label = f"{workload} batch {batch}" if workload != "fixed" else f"batch {batch}"
             per_round[label] = res
             v = res["values"]
             load = load_average_stats(res["load"])
@@ -259,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                        "load_avg": load["load_median"],
                        "tokens_per_request": statistics.median(counts[name]) / (
                            batch * (ROLLOUT_REQUESTS_PER_SLOT if workload == "rollout" else 1))}
+                if name in engines:
+                    row |= watch.row(f"{label}: {name}")
                 rows.append(row)
             for f in hf:
                 if f in engines:
@@ -270,17 +355,19 @@ def main(argv: list[str] | None = None) -> int:
                     st = ratio_stats(v[f], v["fp32"])
                     ratios[f"{label}: native {f} / native fp32"] = st
                     print_ratio(f"{label}: native {f} / native fp32", st, load)
+    step_stats = {f: e.step_stats() for f, e in engines.items()}
     for engine in engines.values():
         engine.close()
     title = (f"generated tokens/s, model={args.model}, {new_tokens} new tokens/sample, median of {rounds} "
              f"interleaved rounds, threads={args.threads}, {args.device}")
     print_table(title, rows, ["workload", "path", "batch", "tok_per_s", "tokens_per_request", "vs_native_fp32", "vs_min", "vs_max", "spread",
-                              "load_avg"])
+                              "load_avg", "timed_builds"])
     write_json(args.json, "bench_engine", {"throughput": rows}, args, model=folder, new_tokens=new_tokens,
                threads=args.threads, rounds=rounds, device=args.device, ratios=ratios, per_round=per_round,
                workloads=workloads, rollout_prompt_format=rp.format if rp else None,
-               rollout_requests_per_slot=ROLLOUT_REQUESTS_PER_SLOT)
-    return 0
+               rollout_requests_per_slot=ROLLOUT_REQUESTS_PER_SLOT, builds_in_timed_rounds=watch.total(),
+               step_stats=step_stats)
+    return watch.report()
 
 
 def _rate(n: int, dt: float) -> float:
@@ -311,56 +398,6 @@ def argparse_suppress() -> str:
 HF_SHAPE_FORMATS = FULL_PRECISION_PUBLICATIONS  # the HF comparators run unquantized
 
 
-def copy_bandwidth(device: str, nbytes: int, repeats: int = 5) -> float:
-    """Bytes per second (read + write) of a ``nbytes`` device-to-device copy, best of ``repeats``."""
-    import torch
-
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first copy warms up
-        device_sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        device_sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
-
-
-def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def step_weight_bytes(model) -> int:
-    """Bytes of the tensors one decode step reads from the weights (the roofline above)."""
-    from torch import nn
-
-    from asyncrl.quant.kernels import KERNELS
-    from asyncrl.quant.linear import QuantLinear
-
-    reads = {"bf16": ("weight",), "int_mm": ("qweight", "weight_scale"), "int_mm_compiled": ("qweight", "weight_scale"),
-             "int_mm_fp32": ("_w_codes", "weight_scale"), "scaled_mm": ("qweight", "weight_scale"),
-             "fp8_emul": ("_w_codes", "weight_scale"), "wo_fp32": ("_w_decoded",), "wo_bf16": ("_w_decoded",),
-             "wo_triton": ("qweight", "weight_scale", "weight_global_scale")}
-    assert set(reads) == {k for ks in KERNELS.values() for k in ks}, "a kernel without its bytes read per step"
-    total = 0
-    for mod in model.modules():
-        if isinstance(mod, QuantLinear):
-            tensors = [getattr(mod, n, None) for n in reads[mod.kernel]] + [mod.bias]  # nvfp4 alone has a global scale
-        elif isinstance(mod, nn.Embedding):
-            continue  # a lookup of B rows (a tied head is counted as lm_head)
-        else:
-            tensors = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
-        total += sum(_nbytes(t) for t in tensors)
-    return total
-
-
-def kv_bytes(config, batch: int, context: float, itemsize: int) -> float:
-    """K/V bytes a decode step reads at mean context ``context`` (all layers, all rows)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * batch * context * itemsize
-
-
 def native_rate(engine, prompts, new_tokens: int, tag: str, device: str) -> float:
     """Generated tokens/s of the native engine on ``prompts`` ([B, P] ids), exactly ``new_tokens`` each."""
     from asyncrl.engine import GenRequest, SamplingParams
@@ -372,21 +409,6 @@ def native_rate(engine, prompts, new_tokens: int, tag: str, device: str) -> floa
     out = list(engine.generate(reqs))
     device_sync(device)
     return sum(len(r.response_ids) for r in out) / (time.perf_counter() - t0)
-
-
-def hf_rate(model, prompts, new_tokens: int, device: str) -> float:
-    """Generated tokens/s of HF ``generate`` (sampling, KV cache) on ``prompts``, ``new_tokens`` each."""
-    import torch
-
-    ids = prompts.to(device)
-    torch.manual_seed(ids.shape[0])
-    device_sync(device)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                             top_p=1.0, top_k=0, max_new_tokens=new_tokens, use_cache=True, pad_token_id=0)
-    device_sync(device)
-    return out.shape[0] * (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
 
 def run_shapes(args) -> int:
@@ -413,6 +435,8 @@ def run_shapes(args) -> int:
     rows: list[dict[str, Any]] = []
     ratios: dict[str, dict[str, float]] = {}
     per_round: dict[str, Any] = {}
+    step_stats: dict[str, Any] = {}
+    watch = BuildWatch()
     for shape in [s for s in args.shapes.split(",") if s]:
         t_build = time.perf_counter()
         model = build_shape(shape, device, layers=args.layers)
@@ -422,16 +446,17 @@ def run_shapes(args) -> int:
         for fmt in formats:
             actors[fmt] = copy.deepcopy(model)  # quantized in place by the engine
             engines[fmt] = NativeEngine(actors[fmt], quant_format=fmt, device=device, max_batch_size=max(batches),
-                                        num_threads=None)
+                                        num_threads=None, **engine_options(args))
         hf = {f: copy.deepcopy(model).to(torch.bfloat16 if f == "bf16" else torch.float32) for f in hf_formats}
         del model
         gen = torch.Generator().manual_seed(1)
         prompts = torch.randint(0, cfg.vocab_size, (max(batches), args.prompt_len), generator=gen)
 
-        for fmt, engine in engines.items():  # warm-up: kernels, allocator, caches
+        for fmt, engine in engines.items():  # warm-up: kernels, allocator, caches; the K/V cache at its final size
             native_rate(engine, prompts[:2], 4, f"warm-{fmt}", device)
+            size_kv_cache(engine, prompts[0].tolist(), new_tokens)
         for m in hf.values():
-            hf_rate(m, prompts[:2], 4, device)
+            hf_generate_rate(m, prompts[:2], 4, device)
         build_s = time.perf_counter() - t_build
         step_bytes = {f"native-{f}": step_weight_bytes(a) for f, a in actors.items()}
         step_bytes |= {f"hf-{f}": step_weight_bytes(m) for f, m in hf.items()}
@@ -440,9 +465,13 @@ def run_shapes(args) -> int:
             rows_in = prompts[:batch]
             paths = {f"native-{f}": (lambda e=e, tag=f"{shape}-{f}-{batch}", p=rows_in:
                                      native_rate(e, p, new_tokens, tag, device)) for f, e in engines.items()}
-            paths |= {f"hf-{f}": (lambda m=m, p=rows_in: hf_rate(m, p, new_tokens, device)) for f, m in hf.items()}
-            res = interleaved(paths, rounds, warmup=0, seed=batch)
             label = f"{shape} batch {batch}"
+            for name, fn in paths.items():  # untimed: every runner the rounds replay is built here
+                if engines[name[7:]].step_stats()["bucketed"]:
+                    fn()
+            paths = {name: watch.watch(f"{label}: {name}", engines[name[7:]], fn) for name, fn in paths.items()}
+            paths |= {f"hf-{f}": (lambda m=m, p=rows_in: hf_generate_rate(m, p, new_tokens, device)) for f, m in hf.items()}
+            res = interleaved(paths, rounds, warmup=0, seed=batch)
             per_round[label] = res
             v = res["values"]
             load = load_average_stats(res["load"])
@@ -460,12 +489,15 @@ def run_shapes(args) -> int:
                                        else "hf", "load_avg": load["load_median"]}
                 if "bf16" in hf:
                     row["vs_hf_bf16"] = ratio_stats(v[name], v["hf-bf16"])["ratio_median"]
+                if name.startswith("native-"):
+                    row |= watch.row(f"{label}: {name}")
                 rows.append(row)
                 for ref in ("hf-bf16", "native-bf16"):
                     if ref in v and name != ref:
                         st = ratio_stats(v[name], v[ref])
                         ratios[f"{label}: {name} / {ref}"] = st
                         print_ratio(f"{label}: {name} / {ref}", st, load)
+        step_stats[shape] = {f: e.step_stats() for f, e in engines.items()}
         for engine in engines.values():
             engine.close()
         print(f"{shape}: {params / 1e6:.0f}M parameters, {cfg.num_hidden_layers} layers, built and warmed up in "
@@ -476,7 +508,7 @@ def run_shapes(args) -> int:
     title = (f"generated tokens/s, random-weight shapes, prompt {args.prompt_len} + {new_tokens} new tokens/sample, "
              f"median of {rounds} interleaved rounds, {device}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     cols = ["shape", "path", "batch", "tok_per_s", "vs_hf_bf16", "vs_native_bf16", "roofline_frac", "step_MB",
-            "spread", "kernels"]
+            "spread", "timed_builds", "kernels"]
     print_table(title, rows, cols)
     env = {"torch": torch.__version__}
     if cuda:
@@ -484,8 +516,9 @@ def run_shapes(args) -> int:
                 "cuda": torch.version.cuda}
     write_json(args.json, "bench_engine", {"shapes": rows}, args, device=device, new_tokens=new_tokens,
                prompt_len=args.prompt_len, rounds=rounds, layers=args.layers, copy_bandwidth_Bps=bandwidth,
-               ratios=ratios, per_round=per_round, env=env, shapes=args.shapes.split(","))
-    return 0
+               ratios=ratios, per_round=per_round, env=env, shapes=args.shapes.split(","),
+               builds_in_timed_rounds=watch.total(), step_stats=step_stats)
+    return watch.report()
 
 
 if __name__ == "__main__":

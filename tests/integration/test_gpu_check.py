@@ -1,8 +1,9 @@
 """``scripts/gpu_check.py --device cpu --quick``: the CPU smoke of the GPU check writes one JSON document in
 which every section that runs on a CPU ran and passed, and the GPU-only ones say why they were skipped.
 
-No figure is asserted (throughput on a shared CPU means nothing); the structure, the per-format checks of
-the ``quant`` section (codes, checksums, storage, logits against the reference) and the exit status are.
+No figure is asserted (throughput on a shared CPU means nothing); the structure, the one table (a row per
+format and batch of the default model, a random-weight SmolLM2-135M shape), the per-format checks of the
+``quant`` section (codes, checksums, storage, logits against the reference) and the exit status are.
 """
 
 from __future__ import annotations
@@ -42,8 +43,18 @@ def test_gpu_check_cpu_smoke_runs_every_cpu_section_and_writes_one_json(procs, t
         assert sections[name]["passed"] is True, (name, sections[name])
     assert sections["bench_learner"]["skipped"] and "smoke test" in sections["bench_learner"]["reason"]
 
-    assert set(sections["native"]["formats"]) == set(FORMATS)
-    assert sections["native"]["formats"]["fp32"]["logp_max_abs_diff"] < 1e-2
+    assert report["models"] == {"decode": ["smollm2-135m"], "layers": 2, "train": ["model=tiny"]}
+    native = sections["native"]["models"]["smollm2-135m"]
+    assert "random weights" in native["origin"] and set(native["formats"]) == set(FORMATS)
+    assert native["formats"]["fp32"]["logp_max_abs_diff"] < 1e-2
+    # the one table: a row per format and batch, every column filled, nothing built in a warm run
+    table = report["table"]
+    assert [(r["format"], r["batch"]) for r in table] == [(f, b) for f in FORMATS for b in (2, 4)]
+    for r in table:
+        assert r["model"] == "smollm2-135m" and r["cold_tok_per_s"] > 0 and r["warm_tok_per_s"] > 0, r
+        assert r["vs_bf16"] > 0 and r["vs_hf_bf16"] > 0 and r["roofline_frac"] > 0 and r["kernels_per_step"] > 0
+        assert r["builds_warm"] == 0 and r["graphs_captured"] == 0, "no CUDA graphs on a CPU"
+    assert sections["native"]["builds_in_warm_runs"] == 0
     quant = sections["quant"]["formats"]
     assert set(quant) == set(FORMATS)
     for fmt, row in quant.items():
@@ -61,5 +72,5 @@ def test_gpu_check_cpu_smoke_runs_every_cpu_section_and_writes_one_json(procs, t
     for r in rows:
         assert r["shape"] == "smollm2-135m" and r["tok_per_s"] > 0
         assert 0 < r["roofline_frac"] and r["step_MB"] > 0 and r["vs_hf_bf16"] > 0 and r["vs_native_bf16"] > 0
-    assert bench["copy_bandwidth_Bps"] > 0
+    assert bench["copy_bandwidth_Bps"] > 0 and bench["builds_in_timed_rounds"] == 0
     assert sections["train"]["summary"]["learner_steps"] >= 1

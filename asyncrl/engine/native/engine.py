@@ -276,6 +276,22 @@ class NativeEngine:
             "cuda_graphs": self._static is not None and self._static.graphs.use_graphs,
         }
 
+    def step_stats(self) -> dict[str, Any]:
+        """What the static decode step has built and run so far, and the K/V cache's size.
+
+        ``bucketed``: steps run as (batch, span) buckets (CUDA graphs or a compiled step); ``builds``,
+        ``captures``, ``replays``, ``drops``: ``StepGraphs.counters`` (all 0 on an engine that runs exact
+        shapes eagerly, or with no static step); ``kv_allocations``: how many times the K/V storage was
+        (re)allocated (each drops every runner); ``kv_capacity``: positions per row it holds now.
+        """
+        static, runner = self._static, self._runner
+        counters = static.graphs.counters() if static is not None else dict.fromkeys(
+            ("builds", "captures", "replays", "drops"), 0)
+        cache = getattr(runner, "cache", None)
+        return {"bucketed": bool(static is not None and static.pad), **counters,
+                "kv_allocations": int(getattr(cache, "generation", 0)),
+                "kv_capacity": int(getattr(cache, "cap_len", 0))}
+
     @property
     def version(self) -> int:
         """Version of the weights the next forward will use (pending updates not counted)."""

@@ -12,7 +12,10 @@ Invariants:
     with graphs on, then captures it into the one memory pool every graph of the engine shares; later uses
     replay it; a capture that fails turns graphs off for the engine, with one warning, and steps run eagerly;
   * graphs hold pointers: ``invalidate`` drops them all when the K/V storage is reallocated or a weight
-    load moved a parameter (``asyncrl.engine.native.kv_cache.StaticKVCache.generation``, ``tensor_pointers``).
+    load moved a parameter (``asyncrl.engine.native.kv_cache.StaticKVCache.generation``, ``tensor_pointers``);
+  * ``counters`` says how many runners were built (a key's first use: its capture with graphs, its
+    compilation with a compiled body), captured, replayed and dropped: a benchmark reads them around a
+    timed run to prove nothing was built inside it.
 """
 
 from __future__ import annotations
@@ -93,9 +96,16 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
         self.warmups = 0
+        self.drops = 0
+
+    def counters(self) -> dict[str, int]:
+        """``builds`` (first uses of a key: warm-up, then capture or compilation), ``captures`` (CUDA graphs
+        made), ``replays`` (later uses of a key) and ``drops`` (runners forgotten by ``invalidate``)."""
+        return {"builds": self.warmups, "captures": self.captures, "replays": self.replays, "drops": self.drops}
 
     def invalidate(self) -> None:
         """Forget every runner (their pointers are stale); the pool is kept for the next captures."""
+        self.drops += len(self.runners)
         self.runners.clear()
 
     def run(self, rows: int, length: int, truncate: bool) -> None:

@@ -221,6 +221,11 @@ def test_bucket_runners_warm_up_once_replay_after_and_are_dropped_when_the_cache
         engine.step()
     assert engine._runner.cache.generation > gen, "the cache grew past 16 positions"
     assert set(graphs.runners) == {(1, 62, False)}, "older runners were dropped with the storage"
+    stats = engine.step_stats()  # what a benchmark reads around a timed run
+    assert stats["bucketed"] and stats["builds"] == graphs.warmups and stats["replays"] == graphs.replays
+    assert stats["drops"] == graphs.warmups - 1, "every runner built before the last growth was dropped"
+    assert stats["captures"] == 0, "nothing is captured off CUDA"
+    assert stats["kv_allocations"] == engine._runner.cache.generation and stats["kv_capacity"] == 62
     engine.close()
 
 
