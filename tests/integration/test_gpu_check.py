@@ -43,13 +43,13 @@ def test_gpu_check_cpu_smoke_runs_every_cpu_section_and_writes_one_json(procs, t
         assert sections[name]["passed"] is True, (name, sections[name])
     assert sections["bench_learner"]["skipped"] and "smoke test" in sections["bench_learner"]["reason"]
 
-    assert report["models"] == {"decode": ["smollm2-135m"], "layers": 2, "train": ["model=tiny"]}
+    assert report["models"] == {"decode": ["smollm2-135m"], "layers": 1, "train": ["model=tiny"]}
     native = sections["native"]["models"]["smollm2-135m"]
     assert "random weights" in native["origin"] and set(native["formats"]) == set(FORMATS)
     assert native["formats"]["fp32"]["logp_max_abs_diff"] < 1e-2
     # the one table: a row per format and batch, every column filled, nothing built in a warm run
     table = report["table"]
-    assert [(r["format"], r["batch"]) for r in table] == [(f, b) for f in FORMATS for b in (2, 4)]
+    assert [(r["format"], r["batch"]) for r in table] == [(f, 2) for f in FORMATS]
     for r in table:
         assert r["model"] == "smollm2-135m" and r["cold_tok_per_s"] > 0 and r["warm_tok_per_s"] > 0, r
         assert r["vs_bf16"] > 0 and r["vs_hf_bf16"] > 0 and r["roofline_frac"] > 0 and r["kernels_per_step"] > 0

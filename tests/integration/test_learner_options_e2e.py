@@ -113,19 +113,17 @@ def test_lora_over_a_packed_nvfp4_base_resumes_and_replays_bit_exactly(tmp_path,
     adapters, exports a plain model, resumes from a checkpoint to the same weights as the replay of its log."""
     lora = ["learner.lora.rank=4", "learner.lora.alpha=8", "learner.lr=5e-3", "quant=int8",
             "learner.base_format=nvfp4", "learner.rollout_aligned=true"]
-    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=packed", *SHORT, *lora)
+    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=packed", *SHORT, *lora,
+                  "learner.total_steps=2", "learner.ckpt_every=1")
     assert res.returncode == 0, res.stdout[-4000:]
     run = tmp_path / "packed"
     assert "LoRA r=4, nvfp4 base" in (run / "logs" / "learner.log").read_text()
     assert any(r["learner/updates"] > 0 for r in _metrics(run))
-    res = asyncrl(procs, "train", f"runs_dir={tmp_path}", "run_name=packed2", *SHORT, *lora,
-                  "learner.total_steps=2", "learner.ckpt_every=1")
+    res = asyncrl(procs, "train", f"resume={run}", "learner.total_steps=3")
     assert res.returncode == 0, res.stdout[-4000:]
-    res = asyncrl(procs, "train", f"resume={tmp_path / 'packed2'}", "learner.total_steps=3")
+    res = asyncrl(procs, "replay", f"run={run}", "run_name=packed-replay")
     assert res.returncode == 0, res.stdout[-4000:]
-    res = asyncrl(procs, "replay", f"run={tmp_path / 'packed2'}", "run_name=packed2-replay")
-    assert res.returncode == 0, res.stdout[-4000:]
-    assert _sha(tmp_path / "packed2-replay") == _sha(tmp_path / "packed2")
+    assert _sha(tmp_path / "packed-replay") == _sha(run)
 
 
 def _has_chat_prompts() -> bool:
