@@ -17,7 +17,8 @@ call time so in-place weight loads are seen on the next step. Import nothing fro
 Invariants:
   * each row has its own position ids ``0..len-1`` (no left padding, no shared offset), so the logits
     of every token equal a plain, unpadded HF forward of that sequence up to float rounding;
-  * prefill right-pads; padded keys are masked and their cache slots are overwritten before they are read;
+  * prefill runs every joining row in one forward, right-padded; padded keys are masked and their cache slots
+    are overwritten before they are read; it reads nothing back from the device (no host sync);
   * logits are returned as fp32 (``[n, V] float32``) whatever the model dtype.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -70,6 +72,18 @@ def check_supported(config, max_seq_len: int | None = None) -> None:
     reason = native_unsupported_reason(config, max_seq_len)
     if reason is not None:
         raise ValueError(reason)
+
+
+def upload_ints(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``host`` (int64, any shape) as a tensor on ``device``, in one host-to-device copy that never blocks the host.
+
+    On CUDA the values are staged in page-locked memory and copied with ``non_blocking=True``: a copy from pageable
+    memory (``torch.tensor(...).to(device)``) waits for the stream to drain, i.e. for the step already queued
+    on the GPU. The staging block comes from torch's caching host allocator, which does not hand it out again
+    before the copy has run. On a CPU it is one plain copy."""
+    stage = torch.empty(host.shape, dtype=torch.long, pin_memory=device.type == "cuda")
+    stage.numpy()[...] = host
+    return torch.empty(host.shape, dtype=torch.long, device=device).copy_(stage, non_blocking=True)
 
 
 _Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -264,18 +278,22 @@ class DecoderRunner:
     def prefill(self, row0: int, prompts: list[list[int]], live_rows: int) -> torch.Tensor:
         """Write K/V of ``prompts`` into rows ``row0..row0+n-1``; return next-token logits ``[n, V] float32``.
 
-        ``live_rows`` is the total number of live rows after these join (for cache sizing).
+        ``live_rows`` is the total number of live rows after these join (for cache sizing). One forward for
+        all ``n`` prompts, right-padded to the longest (causal + padding mask), whatever ``n``: the same ops
+        for one prompt as for many. Nothing is read back from the device: the prompts and their lengths reach
+        it in one copy that does not block the host (`upload_ints`), and every shape comes from their Python
+        lengths, so a step that admits rows runs its prefill without a host sync.
         """
         base = self.model.model
         device = self.device
         n = len(prompts)
-        Lp = max(len(p) for p in prompts)
-        host = torch.zeros(n, Lp + 1, dtype=torch.long)  # one host tensor, one copy: ids and lengths
+        Lp = max(len(p) for p in prompts)  # host ints: no shape here is read back from the device
+        host = np.zeros((n, Lp + 1), dtype=np.int64)  # ids right-padded, then each row's length
         for i, p in enumerate(prompts):
-            host[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            host[i, : len(p)] = p
             host[i, Lp] = len(p)
-        host = host.to(device, non_blocking=False)
-        ids, lens = host[:, :Lp], host[:, Lp]
+        staged = upload_ints(host, device)
+        ids, lens = staged[:, :Lp], staged[:, Lp]
         pos = torch.arange(Lp, device=device)
         x = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(x, pos.expand(n, Lp))

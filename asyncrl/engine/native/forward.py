@@ -1,7 +1,8 @@
 """The two ways one engine step turns live and joining rows into sampled tokens: static and eager.
 
-Owns: ``static_forward`` (the static step of ``asyncrl.engine.native.static_step`` for the live rows, eager prefill
-plus static sampling for the joining rows, one device-to-host copy) and ``eager_forward`` (the reference:
+Owns: ``static_forward`` (the static step of ``asyncrl.engine.native.static_step`` for the live rows, one eager
+prefill forward for all the joining rows plus static sampling of their first tokens, no host sync before the
+step's one device-to-host copy) and ``eager_forward`` (the reference:
 ``DecoderRunner.decode`` + prefill, ``sampling.processed_logprobs`` + ``sampling.sample_tokens``; forward
 AQN runs here).
 
@@ -62,7 +63,7 @@ def _truncates(s: Seq, vocab: int) -> bool:
 
 def static_forward(st: StaticStep, runner: DecoderRunner, active: list[Seq], admitted: list[Seq],
                join: Join) -> tuple[list[int], list[float]]:
-    """Static step for the live rows, eager prefill + static sampling for the joining ones, one fetch."""
+    """Static step for the live rows, one prefill forward + static sampling for the joining ones, one fetch."""
     live = list(active)
     # the rows' full state only when it is uploaded (after a join, a leave, an eager step); else the uniforms
     rows = [_row_state(s, s.response[-1], s.cache_len) for s in live] if st.dirty or admitted else []

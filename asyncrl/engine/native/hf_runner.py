@@ -27,7 +27,10 @@ import inspect
 import logging
 from typing import Any
 
+import numpy as np
 import torch
+
+from asyncrl.engine.native.decoder import upload_ints
 
 log = logging.getLogger("asyncrl.engine")
 _ANNOUNCED: set[str] = set()
@@ -174,23 +177,30 @@ class HFRunner:
         ``live_rows`` is the total number of live rows after these join (for cache sizing)."""
         device = self.device
         n = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts], device=device)
-        lp = int(lens.max())
-        ids = torch.zeros(n, lp, dtype=torch.long, device=device)
+        lp = max(len(p) for p in prompts)
+        # one host array, one copy that does not block the host: rows 0..n-1 hold the right-padded ids, the
+        # length and where the row's last position is in the logits kept; row n the positions kept (the sorted
+        # distinct last positions, at most lp of them), so nothing is read back from the device
+        last = [len(p) - 1 for p in prompts]
+        kept = sorted(set(last)) if self._keep_kw else []
+        where = {q: i for i, q in enumerate(kept)}
+        host = np.zeros((n + 1, lp + 2), dtype=np.int64)
         for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            host[i, : len(p)] = p
+            host[i, lp] = len(p)
+            host[i, lp + 1] = where[last[i]] if self._keep_kw else last[i]
+        host[n, : len(kept)] = kept
+        staged = upload_ints(host, device)
+        ids, lens, rows_last = staged[:n, :lp], staged[:n, lp], staged[:n, lp + 1]
+        keep: torch.Tensor | int = staged[n, : len(kept)] if self._keep_kw else 0
         pos = torch.arange(lp, device=device).expand(n, lp)
         self.cache.grow(live_rows, lp)
-        last = lens - 1
-        keep: torch.Tensor | int = 0
-        if self._keep_kw:
-            keep, last = torch.unique(last, return_inverse=True)  # keep: sorted distinct last positions
         self.cache._prefill = (row0, n)
         try:
             logits = self._forward(ids, pos, self._mask(pos, lens, lp), keep)
         finally:
             self.cache._prefill = None
-        return logits[torch.arange(n, device=device), last].float()
+        return logits[torch.arange(n, device=device), rows_last].float()
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
