@@ -4,7 +4,7 @@
 
 What it does (nothing else):
   * builds the ``launch_server`` command with ``--device cpu --attention-backend torch_native
-    --disable-overlap-schedule --dtype float32`` (asyncrl.engine.sglang.server.server_command);
+    --disable-overlap-schedule --sleep-on-idle --dtype float32`` (asyncrl.engine.sglang.server.server_command);
   * sets ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's own switch for its CPU code path) and puts a package named
     ``sgl_kernel`` in front of site-packages via ``PYTHONPATH``. That package re-exports
     ``asyncrl/engine/sglang/cpu_kernels.py``: pure-torch versions of the two kernels SGLang's CPU path

@@ -44,7 +44,9 @@ SERVING_FLAGS: dict[str, tuple[str, ...]] = {
     # (QuantizedRLModelLoader, Qwen2/Qwen3 only; GPU kernels).
     "fp8": ("--dtype", "bfloat16", "--quantization", "fp8", "--load-format", "flash_rl"),
 }
-CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule")
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule", "--sleep-on-idle")
+"""A CPU server's flags. ``--sleep-on-idle``: an idle scheduler waits on its sockets (woken by the next request)
+instead of spinning, which otherwise holds a whole core of a CPU that the learner and other workers share."""
 _SHIM_INIT = '''"""sgl_kernel stand-in written by asyncrl (asyncrl/engine/sglang/server.py); see its cpu_kernels.py."""
 from asyncrl.engine.sglang.cpu_kernels import *  # noqa: F401,F403
 from asyncrl.engine.sglang.cpu_kernels import __getattr__, __version__  # noqa: F401

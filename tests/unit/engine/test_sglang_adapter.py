@@ -447,7 +447,7 @@ def test_views_are_sent_by_their_own_bytes():
 def test_server_command_uses_documented_flags_and_cpu_env(tmp_path):
     cmd = server_command("/m", python="py", port=123, device="cpu", max_total_tokens=64)
     assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
-    for flag in ("--device", "--attention-backend", "--disable-overlap-schedule", "--disable-radix-cache"):
+    for flag in ("--device", "--attention-backend", "--disable-overlap-schedule", "--sleep-on-idle", "--disable-radix-cache"):
         assert flag in cmd
     fp8 = server_command("/m", python="py", port=1, quant_format="fp8")
     assert fp8[fp8.index("--quantization") + 1] == "fp8" and fp8[fp8.index("--load-format") + 1] == "flash_rl"
