@@ -24,6 +24,19 @@ def asyncrl(procs, *args: str, timeout: float = 900) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(errors="replace"), "")
 
 
+def run_script(procs, script: str | Path, *args: str, log: Path, timeout: float) -> int:
+    """``python SCRIPT ARGS`` to its end under ``procs``, stdout and stderr into ``log``: its exit status. A script
+    that does not end within ``timeout`` fails the test, showing the tail of its log."""
+    import pytest
+
+    with open(log, "wb") as f:
+        proc = procs.python(str(script), *args, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{Path(script).name} did not finish in {timeout} s:\n{log.read_text()[-3000:]}")
+
+
 def reached_step(run_dir: Path) -> int:
     """The newest step in the run's ``metrics.jsonl`` (-1 before the first whole row; a row still being
     written is skipped by ``read_metrics``)."""

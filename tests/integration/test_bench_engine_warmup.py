@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 
 import pytest
+
+from tests.integration.runs import run_script
 
 pytestmark = [pytest.mark.integration]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,12 +29,7 @@ def test_bench_engine_compiles_every_bucket_in_warmup_and_nothing_inside_a_timed
     args = ["--device", "cpu", "--shapes", "smollm2-135m", "--layers", "1", "--batch-sizes", "1,2",
             "--prompt-len", "8", "--new-tokens", "20", "--rounds", "2", "--formats", "bf16", "--hf", "",
             "--compile-step", "eager", "--json", str(out)]
-    with open(log, "wb") as f:
-        proc = procs.python(SCRIPT, *args, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=540)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"bench_engine did not finish:\n{log.read_text()[-3000:]}")
+    rc = run_script(procs, SCRIPT, *args, log=log, timeout=540)
     assert rc == 0, log.read_text()[-3000:]
     data = json.loads(out.read_text())
     assert data["builds_in_timed_rounds"] == 0, data["tables"]["shapes"]

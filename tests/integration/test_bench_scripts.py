@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 
 import pytest
+
+from tests.integration.runs import run_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
@@ -23,13 +24,7 @@ COMMON_KEYS = {"benchmark", "date", "command", "quick", "smoke", "machine", "tab
 def run_bench(procs, tmp_path, name: str, *args: str, timeout_s: float = 280.0) -> dict:
     out = tmp_path / f"{name}.json"
     log = tmp_path / f"{name}.log"
-    with open(log, "wb") as f:
-        proc = procs.python(os.path.join(SCRIPTS, f"{name}.py"), *args, "--json", str(out),
-                            stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} did not finish in {timeout_s}s:\n{log.read_text()[-3000:]}")
+    rc = run_script(procs, os.path.join(SCRIPTS, f"{name}.py"), *args, "--json", str(out), log=log, timeout=timeout_s)
     assert rc == 0, f"{name} exited {rc}:\n{log.read_text()[-3000:]}"
     data = json.loads(out.read_text())
     assert COMMON_KEYS <= set(data), f"{name}: missing {COMMON_KEYS - set(data)}"

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from protocols.values import FORMATS
+from tests.integration.runs import run_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,13 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.timeout(900)
 def test_gpu_check_cpu_smoke_runs_every_cpu_section_and_writes_one_json(procs, tmp_path):
     out, log = tmp_path / "gpu_check.json", tmp_path / "gpu_check.log"
-    with open(log, "wb") as f:
-        proc = procs.python(os.path.join(ROOT, "scripts", "gpu_check.py"), "--device", "cpu", "--quick",
-                            "--json", str(out), stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=840)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"gpu_check did not finish:\n{log.read_text()[-3000:]}")
+    rc = run_script(procs, os.path.join(ROOT, "scripts", "gpu_check.py"), "--device", "cpu", "--quick", "--json",
+                    str(out), log=log, timeout=840)
     assert rc == 0, log.read_text()[-4000:]
     report = json.loads(out.read_text())
     assert report["env"]["device"] == "cpu" and report["quick"] is True
