@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from .fp8 import quantize_act_fp8
 from .int8 import int8_epilogue, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
-from .kernels import linear_bf16, scaled_mm_fp8
+from .kernels import KERNELS, linear_bf16, scaled_mm_fp8
 from .linear import Bf16Linear, DecodedLinear, Fp8Linear, Int8Linear, QuantLinear, uses_int8_ops
 from .ops import int8_epilogue_op, quant_act_fp8, quant_act_int8
 
@@ -155,7 +155,7 @@ class SiblingGroup:
     def _compute(self, x2: Tensor) -> list[Tensor]:
         """x2 [M, K] fp32 -> every member's output, contiguous [M, N_i] fp32, by the group's kernel."""
         k = self.kernel
-        if k in ("int_mm", "int_mm_compiled", "int_mm_fp32"):
+        if k in KERNELS["int8"]:
             return self._int8(x2)
         if k in ("bf16", "wo_bf16"):
             return self._bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
@@ -188,7 +188,7 @@ class SiblingGroup:
         ``__call__`` runs it once per member into contiguous outputs. For callers that take the columns as views
         (the native engine's decode step: one epilogue for q/k/v instead of three)."""
         k = self.kernel
-        if k in ("int_mm", "int_mm_compiled", "int_mm_fp32"):
+        if k in KERNELS["int8"]:
             ops = uses_int8_ops(k, x2)
             if k == "int_mm_fp32":
                 qf, sx = quantize_act_int8_f32(x2)
