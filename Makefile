@@ -24,9 +24,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not sglang and not slow" -q
 
-# End-to-end runs of minutes each (train/replay/resume/chaos, bench smoke runs); CI runs them too.
+# End-to-end runs of minutes each (train/replay/resume/chaos, bench smoke runs); CI runs them too. A run of the
+# tiny model keeps about one core busy (its processes mostly wait on each other), so two test files run at once
+# (pytest-xdist, a file per worker: module fixtures stay shared). SLOW_WORKERS=0 runs them one after another.
+SLOW_WORKERS ?= 2
 test-slow: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "slow and not gpu and not sglang" -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "slow and not gpu and not sglang" -q -n $(SLOW_WORKERS) --dist loadfile
 
 # The engine contract suite against a real SGLang 0.5.23 server on this CPU (docs/sglang.md). SGLang
 # pins torch 2.14.1, so it lives in its own venv (about 11 GB, built once); nothing in it is patched.
