@@ -16,8 +16,8 @@ and shape by `kernels.select_kernel` (module attribute `kernel`; kernels.py has 
                    one cast and one GEMM (fused.py), equal to the unfused modules up to summation order
     Int8Linear     W8A8: per-token int8 activations, `torch._int_mm`, int32 accumulation (int8.py);
                    siblings share one activation quantisation and one matmul (fused.py), bit-identical;
-                   on the GPU kernels the quantisation and the epilogue are one op each (ops.py; compiled
-                   kernels on CUDA with Triton, same bits);
+                   on the GPU kernels the quantisation and the epilogue are one op each (ops.py; on CUDA
+                   with Triton a Triton kernel and a compiled epilogue, same bits);
                    on a CPU without an int8 dot product the same sums from fp32 GEMMs over an fp32 copy
                    of the codes (`int_mm_fp32`, same bits)
     Fp8Linear      E4M3 weights, optional per-token E4M3 activations: `torch._scaled_mm` on CUDA sm_89+,
