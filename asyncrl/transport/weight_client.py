@@ -25,7 +25,12 @@ from protocols import Error, WeightAnnounce, WeightBucket, WeightChunk, WeightDe
 
 
 class WeightFetchError(RuntimeError):
-    """A fetch failed: timeout, unknown version, or chunks that do not match the manifest."""
+    """A fetch failed: timeout, unknown version, or chunks that do not match the manifest. ``code``: the code of
+    the server's refusal (``Error.code``: ``unknown_version``, ``aborted``, ``busy``...), empty otherwise."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class WeightFetchCancelled(WeightFetchError):
@@ -96,7 +101,7 @@ class WeightClient:
             raise WeightFetchError(f"timed out after {timeout_s}s waiting for {what} of version {version}"
                                    f"{self._refused_hint()}")
         if isinstance(env.msg, Error):
-            raise WeightFetchError(f"weight server refused: {env.msg.message}")
+            raise WeightFetchError(f"weight server refused: {env.msg.message}", code=env.msg.code)
         return env
 
     def fetch(self, version: int = -1, timeout_s: float = 60.0, fmt: str = "",

@@ -10,7 +10,9 @@ side (frames are sent zero-copy from the published buffers, which must stay unch
 Wire sequence for one fetch: DEALER -> ``WeightFetch(version, fmt)``; ROUTER -> ``WeightAnnounce``, then
 ``count`` x [``WeightChunk`` header frame, raw payload frame], in manifest order. An unknown version
 or format is answered with ``Error(code="unknown_version")``. One version may be published in several
-formats (workers of different quantization formats); the first format published is the primary one.
+formats (workers of different quantization formats); the first format published is the primary one. A fetch of
+"the newest" (version -1) in a format gets the newest version served in that format: the formats of one version
+are published one after another, and a worker of the last one must not be refused in between.
 
 Deltas: a version may be published with a ``WeightDelta`` from the version before it (the publisher makes
 it, ``asyncrl.quant.make_delta``). A fetch that names that base version and its checksum gets the delta:
@@ -207,9 +209,8 @@ class WeightServer:
     def _entry(self, peer: bytes, req: WeightFetch) -> PublishedVersion | None:
         """Under the lock: the version ``req`` asks for, or None after answering with the error."""
         version, fmt = req.version, req.fmt
-        if version < 0 and self._versions:  # the newest not given up
-            version = next((v for v, f in reversed(self._versions.items())
-                            if not all(e.aborted for e in f.values())), next(reversed(self._versions)))
+        if version < 0 and self._versions:
+            version = self._newest(fmt)
         formats = self._versions.get(version, {})
         entry = formats.get(fmt) if fmt else next(iter(formats.values()), None)
         if entry is None:
@@ -221,6 +222,15 @@ class WeightServer:
                                                             f"published: {entry.aborted}"), peer)
             entry = None
         return entry
+
+    def _newest(self, fmt: str) -> int:
+        """Under the lock: the newest version served in ``fmt`` (any format if empty) and not given up; else
+        the newest version (its refusal names what is served)."""
+        for version, formats in reversed(self._versions.items()):
+            entries = [formats[fmt]] if fmt in formats else [] if fmt else list(formats.values())
+            if any(not e.aborted for e in entries):
+                return version
+        return next(reversed(self._versions))
 
     def _serve_bucket(self, peer: bytes, req: WeightFetch) -> bool:
         size = req.bucket_bytes if req.bucket_bytes > 0 else self.bucket_bytes

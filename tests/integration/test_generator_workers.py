@@ -9,6 +9,7 @@ forward, and the quantization format of the worker that made it.
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 
 import msgspec
@@ -17,6 +18,8 @@ import pytest
 import torch
 
 import protocols as P
+from asyncrl.quant import publish
+from asyncrl.transport.publication import to_wire
 from tests.integration.standin import worker_standin
 
 pytestmark = pytest.mark.integration
@@ -127,6 +130,39 @@ def test_a_worker_asks_only_with_a_groups_worth_of_free_slots(procs, tmp_path):
         for p in procs.children:
             p.send_signal(15)
         assert [p.wait(timeout=60) for p in procs.children] == [0]
+
+
+def test_a_worker_whose_format_is_not_published_yet_waits_for_it_then_works(procs, tmp_path):
+    """The learner publishes a version's formats one after another (and a new format only from its next
+    version): an int8 worker welcomed while only fp32 is served is refused, asks again, and starts on the
+    int8 weights once they are out, instead of leaving."""
+    with worker_standin(tmp_path, worker_slots=GROUP, group_size=GROUP) as stand:
+        setup = msgspec.structs.replace(stand.setup, quant_format="int8", actor_format="int8")
+        worker = procs.python("-m", "workers.generator", f"controller={stand.ctl.address}", "quant.fmt=int8",
+                              "worker_id=w", stderr=subprocess.PIPE)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(ln.decode(errors="replace") for ln in worker.stderr),
+                                  daemon=True)
+        reader.start()
+        published, asked = False, False
+        deadline = time.monotonic() + 120
+        while worker.poll() is None and time.monotonic() < deadline and not asked:
+            env = stand.ctl.recv(0.05)
+            if env is not None and isinstance(env.msg, P.Hello):
+                stand.ctl.send(P.Welcome(protocol_version=P.PROTOCOL_VERSION, server_id="stand-in",
+                                         latest_version=0, setup=setup), to=env.peer)
+            elif env is not None and isinstance(env.msg, P.WorkRequest):
+                assert published, "the worker asked for work before its weights were served"
+                asked = True
+            if not published and any("asking again" in ln for ln in list(lines)):  # refused at least once
+                stand.server.publish(*to_wire(publish(stand.model.state_dict(), "int8", version=0)))
+                published = True
+        assert asked and worker.poll() is None, "".join(lines)[-2000:]
+        worker.send_signal(15)
+        assert worker.wait(timeout=60) == 0, "".join(lines)[-2000:]
+        reader.join(timeout=10)
+    text = "".join(lines)
+    assert "no weights in int8 yet" in text and "is not served" in text, text[-2000:]
 
 
 def _welcomed_worker_leaves(procs, stand, welcome) -> str:

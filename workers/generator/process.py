@@ -120,7 +120,7 @@ class GeneratorWorker:
                 self.weights = WeightSync(self.engine, setup.quant_format, self.link, self._give_up)
                 self.peers = Peers(setup, self.weights, self.link, self.role.no_learner_s)
                 try:
-                    self.weights.load(-1, cancel=self.stop)  # the newest the learner serves (the controller's view can lag)
+                    self.weights.first(self.stop)  # the newest the learner serves (the controller's view can lag)
                 except WeightFetchCancelled:
                     pass  # handled below, once the start-up heartbeat thread has given the control socket back
             if self.weights.version < 0:

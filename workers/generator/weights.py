@@ -30,6 +30,11 @@ FIRST_WEIGHTS_TIMEOUT_S = 120.0
 """The first weight fetch (the learner may still be publishing its first version)."""
 WEIGHTS_TIMEOUT_S = 60.0
 """Fetching an announced version; on failure the worker keeps its current weights."""
+FIRST_WEIGHTS_RETRY_S = 0.5
+"""Between asks for the first weights while the server has none in this worker's format yet."""
+TRANSIENT_REFUSALS = ("unknown_version", "aborted", "busy")
+"""Refusals of the server that a later ask can get past: the version in this format is not out yet, it was given
+up while being published, or too many requests wait already."""
 REFETCH_TIMEOUT_S = 60.0
 """The first fetch from a learner's new weight server (it publishes its version before it joins)."""
 
@@ -83,6 +88,24 @@ class WeightSync:
         if ann.version <= self.version:
             return
         self.take(ann, buffers, t0)
+
+    def first(self, cancel: threading.Event) -> None:
+        """The newest version served in this worker's format, waiting up to ``FIRST_WEIGHTS_TIMEOUT_S`` for one:
+        a learner publishes a version's formats one after another, and a worker of a new format (or one that
+        starts before the first publication) is refused until its format is out. Any other failure raises."""
+        deadline = time.monotonic() + FIRST_WEIGHTS_TIMEOUT_S
+        while True:
+            try:
+                self.load(-1, timeout_s=max(1.0, deadline - time.monotonic()), cancel=cancel)
+                return
+            except WeightFetchCancelled:
+                raise
+            except WeightFetchError as e:
+                if e.code not in TRANSIENT_REFUSALS or time.monotonic() >= deadline:
+                    raise
+                log.info("worker %s: no weights in %s yet (%s); asking again", self.link.worker_id, self.fmt, e)
+                if cancel.wait(FIRST_WEIGHTS_RETRY_S):
+                    raise WeightFetchCancelled("stopped while waiting for the first weights") from None
 
     def _stream(self, version: int, timeout_s: float, cancel: threading.Event | None, base: int,
                 base_checksum: str, t0: float) -> None:

@@ -178,6 +178,33 @@ def test_late_joiner_fetches_the_latest_version_and_hears_later_announcements():
         server.close()
 
 
+def test_the_newest_in_a_format_is_the_newest_version_served_in_it_while_the_next_is_half_published():
+    """A version's formats are published one after another: between them, "the newest" in the late format is the
+    version before, never a refusal (a worker asking then would have left)."""
+    server = WeightServer()
+    client = WeightClient(server.announce_address, server.fetch_address)
+    try:
+        a = np.arange(6, dtype=np.float32)
+        for version, fmt in ((0, "fp32"), (0, "int8"), (1, "fp32")):
+            spec = P.TensorSpec(name="a", dtype="float32", shape=(6,), nbytes=a.nbytes)
+            server.publish(P.WeightAnnounce(version=version, fmt=fmt, manifest=[spec], checksum=f"{fmt}{version}",
+                                            total_bytes=a.nbytes), [a + version])
+        for fmt, want in (("int8", 0), ("fp32", 1), ("", 1)):
+            ann, bufs = client.fetch(-1, fmt=fmt)
+            assert (ann.version, ann.fmt) == (want, fmt or "fp32")
+            np.testing.assert_array_equal(np.frombuffer(bufs[0], np.float32), a + want)
+        with client.stream(-1, fmt="int8", bucket_bytes=16) as stream:  # bucket by bucket, the same answer
+            assert stream.version == 0
+            for bucket in stream:
+                bucket.release()
+        with pytest.raises(WeightFetchError, match="in format 'nvfp4' is not served") as err:
+            client.fetch(-1, fmt="nvfp4")
+        assert err.value.code == "unknown_version"  # what a worker waiting for its first weights asks again on
+    finally:
+        client.close()
+        server.close()
+
+
 def test_publish_refuses_buffers_that_do_not_match_the_manifest():
     server = WeightServer()
     try:
