@@ -60,6 +60,12 @@ def cpu_flags() -> frozenset[str]:
     return _cpuinfo()[1]
 
 
+def real_cpu_flags() -> frozenset[str]:
+    """The flags /proc/cpuinfo gives, whatever ``ASYNCRL_CPU_FLAGS`` says: what decides whether an instruction
+    may run (a forced flag changes which kernel is chosen, never what the processor executes)."""
+    return _cpuinfo()[1]
+
+
 def flags_forced() -> bool:
     """Whether ``ASYNCRL_CPU_FLAGS`` replaces the CPU's own flags."""
     return os.environ.get(FLAGS_ENV) is not None

@@ -16,9 +16,11 @@ MLP 2816) and SmolLM2-135M's projections (576 x 1536):
                      ``aminmax(dim=1)`` and vs ``abs().amax(dim=1)``
   int8_act_amax      max |x| per activation row, M = 64: ``abs().amax(dim=1)`` vs the inf-norm
   fp8_gemm           fp8 W8A8 on the CPU: an fp32 GEMM over the decoded codes vs ``torch._scaled_mm``
-  int8_gemm          W8A8 at M=16, K=576 and K=1536: the int8 kernel this CPU gets (``int_mm``, torch._int_mm,
-                     with an int8 dot product; ``int_mm_fp32``, fp32 GEMMs over the codes, without) vs the other
-                     (run with ASYNCRL_CPU_FLAGS="avx2 fma" to time the choice of a CPU without VNNI)
+  int8_gemm          W8A8 at M = 1 and 16, K=576 and K=1536: the int8 kernel this CPU gets (``int_mm``,
+                     torch._int_mm, with an int8 dot product; ``int_mm_avx2``, the C kernel of
+                     ``asyncrl.quant.cpu_int8``, with AVX2 alone; ``int_mm_fp32``, fp32 GEMMs over the codes,
+                     with neither) vs each other one and vs an fp32 GEMM of the same shape (run with
+                     ASYNCRL_CPU_FLAGS="avx2 fma" to time the choice of a CPU without VNNI)
   int8_weight_only   int8 weight-only: an fp32 GEMM over the decoded weight vs ``torch._weight_int8pack_mm``
   sample_batch64     bench_quant's sampler, batch 64, vocab 4096: inverse CDF vs ``torch.multinomial``
 
@@ -134,24 +136,31 @@ def pairs(smoke: bool) -> list[tuple[str, str, str, str, Callable[[], object], C
 
 
 def int8_gemm_rows(g, k: int, n: int) -> list[tuple[str, str, str, str, Callable[[], object], Callable[[], object], int]]:
-    """The W8A8 GEMM at M=16 on SmolLM2's up (K=576) and down (K=1536, two K slices) projections: the kernel
-    ``select_kernel`` picks on this CPU (``int_mm`` with an int8 dot product, ``int_mm_fp32`` without) against
-    the other one; both give the same int32 sums."""
+    """The W8A8 GEMM at M = 1 and 16 on SmolLM2's up (K=576) and down (K=1536) projections: the kernel
+    ``select_kernel`` picks on this CPU against every other int8 kernel that runs here (all give the same int32
+    sums) and against an fp32 GEMM of the same shape (``torch.mm``, what a full-precision actor runs)."""
     import torch
 
     from asyncrl.quant import int8
+    from asyncrl.quant.cpu_int8 import int_mm_avx2, kernel_status
     from asyncrl.quant.kernels import select_kernel
 
     rows = []
-    for kk, nn in ((k, n), (n, k)):
-        a = torch.randint(-127, 128, (16, kk), generator=g, dtype=torch.int8)
-        w = torch.randint(-127, 128, (nn, kk), generator=g, dtype=torch.int8)
-        af, wf = a.float(), w.float()
-        paths = {"int_mm": lambda a=a, w=w: int8.int_mm(a, w.t()),
-                 "int_mm_fp32": lambda af=af, wf=wf: int8.int_mm_fp32(af, wf.t())}
-        chosen = select_kernel("int8", torch.device("cpu"), nn, kk)
-        other = "int_mm" if chosen == "int_mm_fp32" else "int_mm_fp32"
-        rows.append(("int8_gemm", f"M=16 K={kk} N={nn}", chosen, other, paths[chosen], paths[other], 20))
+    for m in (1, 16):
+        for kk, nn in ((k, n), (n, k)):
+            a = torch.randint(-127, 128, (m, kk), generator=g, dtype=torch.int8)
+            w = torch.randint(-127, 128, (nn, kk), generator=g, dtype=torch.int8)
+            af, wf = a.float(), w.float()
+            paths = {"int_mm": lambda a=a, w=w: int8.int_mm(a, w.t()),
+                     "int_mm_fp32": lambda af=af, wf=wf: int8.int_mm_fp32(af, wf.t()),
+                     "fp32 GEMM": lambda af=af, wf=wf: torch.mm(af, wf.t())}
+            if kernel_status() == "":
+                paths["int_mm_avx2"] = lambda a=a, w=w: int_mm_avx2(a, w)
+            chosen = select_kernel("int8", torch.device("cpu"), nn, kk)
+            for other in paths:
+                if other != chosen:
+                    rows.append(("int8_gemm", f"M={m} K={kk} N={nn}", chosen, other, paths[chosen], paths[other],
+                                 200 if m == 1 else 20))
     return rows
 
 

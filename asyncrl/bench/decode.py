@@ -46,7 +46,8 @@ def step_weight_bytes(model: Any) -> int:
     from asyncrl.quant.linear import QuantLinear
 
     reads = {"bf16": ("weight",), "int_mm": ("qweight", "weight_scale"), "int_mm_compiled": ("qweight", "weight_scale"),
-             "int_mm_fp32": ("_w_codes", "weight_scale"), "scaled_mm": ("qweight", "weight_scale"),
+             "int_mm_avx2": ("qweight", "weight_scale"), "int_mm_fp32": ("_w_codes", "weight_scale"),
+             "scaled_mm": ("qweight", "weight_scale"),
              "fp8_emul": ("_w_codes", "weight_scale"), "wo_fp32": ("_w_decoded",), "wo_bf16": ("_w_decoded",),
              "wo_triton": ("qweight", "weight_scale", "weight_global_scale")}
     assert set(reads) == {k for ks in KERNELS.values() for k in ks}, "a kernel without its bytes read per step"

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.machine import cpu_model, describe, int8_dot_native, machine_record
+from asyncrl.machine import cpu_model, describe, machine_record
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root: benchmarks run from a checkout (results, caches and scripts are found from it)."""
@@ -100,5 +100,17 @@ def write_json(path: str, name: str, tables: dict[str, list[dict[str, Any]]], ar
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {path}")
-    print(f"measured on {describe()}; the CPU int8 kernel here: "
-          f"{'int_mm (torch._int_mm)' if int8_dot_native() else 'int_mm_fp32 (no int8 dot product)'}")
+    print(f"measured on {describe()}; the CPU int8 kernel here: {cpu_int8_kernel()}")
+
+
+def cpu_int8_kernel() -> str:
+    """The int8 kernel a CPU linear runs here, named with why (asyncrl/quant/kernels.py)."""
+    import torch
+
+    from asyncrl.quant.cpu_int8 import kernel_status
+    from asyncrl.quant.kernels import select_kernel
+
+    kernel = select_kernel("int8", torch.device("cpu"), 64, 64)
+    why = {"int_mm": "torch._int_mm", "int_mm_avx2": "no int8 dot product; the AVX2 kernel",
+           "int_mm_fp32": f"no int8 dot product; no AVX2 kernel: {kernel_status() or 'no avx2 among the flags'}"}
+    return f"{kernel} ({why[kernel]})"

@@ -3,7 +3,7 @@
 Owns: `SiblingGroup`, which makes the linears that read the same input (the q/k/v projections of one
 attention block, the gate/up projections of one MLP) share one input conversion and one matmul, and
 `fuse_siblings(model)`, which forms the groups.
-    Int8Linear  one activation quantisation, one `torch._int_mm` (or `int_mm_fp32` over the stacked fp32
+    Int8Linear  one activation quantisation, one `torch._int_mm` or `int_mm_avx2` (or `int_mm_fp32` over the stacked fp32
                 copy of the codes) over the stacked codes, then each member's own fp32 epilogue:
                 bit-identical to the unfused modules (same codes, same per-token scales, exact int32
                 sums, same fp32 ops per column)
@@ -46,8 +46,8 @@ import torch
 from torch import Tensor, nn
 
 from .fp8 import quantize_act_fp8
-from .int8 import int8_epilogue, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
-from .kernels import KERNELS, linear_bf16, scaled_mm_fp8
+from .int8 import int8_epilogue, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
+from .kernels import KERNELS, int8_codes_mm, linear_bf16, scaled_mm_fp8
 from .linear import Bf16Linear, DecodedLinear, Fp8Linear, Int8Linear, QuantLinear, uses_int8_ops
 from .ops import int8_epilogue_op, quant_act_fp8, quant_act_int8
 
@@ -195,7 +195,7 @@ class SiblingGroup:
                 acc = int_mm_fp32(qf, self.fused["_w_codes"].t())
             else:
                 qx, sx = (quant_act_int8 if ops else quantize_act_int8)(x2)
-                acc = int_mm(qx, self.codes.t())
+                acc = int8_codes_mm(k, qx, self.codes)
             return (int8_epilogue_op if ops else int8_epilogue)(acc, sx, self.fused["weight_scale"], self.bias)
         if k in ("bf16", "wo_bf16"):
             yb = linear_bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
@@ -226,7 +226,7 @@ class SiblingGroup:
             acc = int_mm_fp32(qf, self.fused["_w_codes"].t())  # [M, sum N] the same exact sums
         else:
             qx, sx = (quant_act_int8 if ops else quantize_act_int8)(x2)
-            acc = int_mm(qx, self.codes.t())  # [M, sum N] int32, exact
+            acc = int8_codes_mm(self.kernel, qx, self.codes)  # [M, sum N] int32, exact
         scales = self.fused["weight_scale"]
         # Per-member epilogue (the fp32 ops of int8_linear) writing contiguous outputs: downstream
         # kernels (attention) may round differently on strided inputs, and no copy is needed.

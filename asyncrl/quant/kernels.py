@@ -9,10 +9,15 @@ kernels that are not the CPU reference rules of int8.py / fp8.py:
     int_mm       int8 (CPU with an int8    int8.py: per-token int8 codes, `torch._int_mm`, exact int32 sums
                  dot product; CUDA
                  without Triton)
+    int_mm_avx2  int8 on an x86 CPU with   cpu_int8.py: a C kernel built on first use that multiplies the int8
+                 AVX2 and no int8 dot      codes themselves (vpmaddubsw on |w| and the sign-moved activation,
+                 product                   widened to int32): the int32 sums of int_mm, bit for bit, reading a
+                                          quarter of an fp32 GEMM's bytes (2-3x fp32 at batch 1, ~1.8x at 16)
     int_mm_fp32  int8 on a CPU without     int8.py: the same codes held as fp32 (the weight's refreshed in place
                  an int8 dot product       on each load), fp32 GEMMs over K slices of <= 1024 (every partial sum
-                 (no VNNI, AMX-INT8)       an exact integer), slices added in int32: the int32 sums of int_mm,
-                                          bit for bit, at about the fp32 GEMM's speed instead of 0.01-0.1x it
+                 where int_mm_avx2 cannot  an exact integer), slices added in int32: the int32 sums of int_mm,
+                 run (no AVX2, no C        bit for bit, at about the fp32 GEMM's speed instead of 0.01-0.1x it
+                 compiler)
     int_mm_compiled  int8 on CUDA with     the same, with the activation quantisation and the epilogue each
                  Triton                   one op (ops.py), on CUDA one `torch.compile`d kernel under Inductor's
                                           eager-numerics options (correctly rounded division, no FMA
@@ -30,7 +35,8 @@ kernels that are not the CPU reference rules of int8.py / fp8.py:
                                           W in registers: no decoded copy is held, y stays fp32 (no bf16
                                           rounding of the output)
 
-Which CPU kernel int8 runs is read from the processor's flags (asyncrl/machine.py: `int8_dot_native`).
+Which CPU kernel int8 runs is read from the processor's flags (asyncrl/machine.py: `int8_dot_native`, then
+AVX2 with the C kernel built: `cpu_int8.kernel_status`).
 The CPU path of every format is the reference the CUDA path must match: the same activation codes
 (torch's elementwise ops are correctly rounded on both devices), the same int32 sums for int8, the fp8
 sums up to fp32 summation order and the epilogue up to the order of its two scale products (at most one
@@ -53,12 +59,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from asyncrl.machine import bf16_native, int8_dot_native
+from asyncrl.machine import cpu_flags as machine_flags
 
-from .int8 import int8_epilogue
+from .cpu_int8 import int_mm_avx2, kernel_status
+from .int8 import int8_epilogue, int_mm
 
 KERNELS: dict[str, tuple[str, ...]] = {
     "bf16": ("bf16",),
-    "int8": ("int_mm", "int_mm_compiled", "int_mm_fp32"),
+    "int8": ("int_mm", "int_mm_compiled", "int_mm_avx2", "int_mm_fp32"),
     "fp8": ("fp8_emul", "scaled_mm"),
     "int8_wo": ("wo_fp32", "wo_bf16", "wo_triton"),
     "nvfp4": ("wo_fp32", "wo_bf16", "wo_triton"),
@@ -100,7 +108,10 @@ def select_kernel(fmt: str, device: torch.device, out_features: int, in_features
         raise ValueError(f"no quantised kernel for format {fmt!r}; choose one of {sorted(KERNELS)}")
     if fmt == "int8":
         if device.type != "cuda":
-            return "int_mm" if int8_dot_native(cpu_flags) else "int_mm_fp32"
+            if int8_dot_native(cpu_flags):
+                return "int_mm"
+            avx2 = "avx2" in (machine_flags() if cpu_flags is None else cpu_flags)
+            return "int_mm_avx2" if avx2 and kernel_status() == "" else "int_mm_fp32"
         return "int_mm_compiled" if _compiles(device, compiler) else "int_mm"
     cap = capability if capability is not None else cuda_capability(device)
     if fmt == "fp8":
@@ -121,8 +132,11 @@ KERNEL_NOTES: dict[str, str] = {
     "bf16": "bf16 GEMMs",
     "int_mm": "torch._int_mm on the int8 codes",
     "int_mm_compiled": "torch._int_mm with a Triton activation quantisation kernel and a compiled epilogue",
+    "int_mm_avx2": ("exact int8 sums from an AVX2 kernel over the int8 codes (this CPU has no int8 dot product, "
+                    "where torch._int_mm runs 10-75x slower than fp32; the same bits)"),
     "int_mm_fp32": ("exact int8 sums from fp32 GEMMs over the codes (this CPU has no int8 dot product, where "
-                    "torch._int_mm runs 10-75x slower than fp32; the same bits)"),
+                    "torch._int_mm runs 10-75x slower than fp32, and the AVX2 kernel cannot run: "
+                    "{avx2_status}; the same bits)"),
     "fp8_emul": "an fp32 GEMM over the decoded E4M3 codes",
     "scaled_mm": "torch._scaled_mm on the E4M3 codes",
     "wo_fp32": "weights decoded to fp32 once per load",
@@ -138,7 +152,8 @@ def explain_kernels(fmt: str, kernels: set[str] | frozenset[str], device_type: s
     the format to use instead where this one cannot pay here (bf16 on a CPU without bf16 matmul instructions)."""
     if fmt == "fp32" or not kernels:
         return f"{fmt}: full-precision GEMMs"
-    text = f"{fmt} on {', '.join(sorted(kernels))}: " + "; ".join(KERNEL_NOTES[k] for k in sorted(kernels))
+    notes = [KERNEL_NOTES[k].replace("{avx2_status}", kernel_status() or "it was not chosen") for k in sorted(kernels)]
+    text = f"{fmt} on {', '.join(sorted(kernels))}: " + "; ".join(notes)
     if device_type == "cpu" and "bf16" in kernels and not bf16_native(cpu_flags):
         text += " (this CPU has no bf16 matmul instructions, so bf16 runs many times slower than fp32: use quant=fp32"
         text += " or int8 here)"
@@ -163,6 +178,12 @@ def compute_dtype(kernel: str) -> torch.dtype:
 
 HOLDS_DECODED = ("wo_fp32", "wo_bf16")
 """Weight-only kernels that hold a decoded copy of the weight (`_w_decoded`); `wo_triton` holds none."""
+
+
+def int8_codes_mm(kernel: str, qx: Tensor, qw: Tensor) -> Tensor:
+    """qx [M, K] int8 activation codes, qw [N, K] int8 weight codes -> [M, N] int32, exact, on an int8 kernel
+    that multiplies the codes themselves: `int_mm_avx2` (cpu_int8.py), else `torch._int_mm` (int8.int_mm)."""
+    return int_mm_avx2(qx, qw) if kernel == "int_mm_avx2" else int_mm(qx, qw.t())
 
 
 def linear_bf16(x2: Tensor, w_bf16: Tensor) -> Tensor:

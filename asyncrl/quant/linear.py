@@ -18,8 +18,9 @@ and shape by `kernels.select_kernel` (module attribute `kernel`; kernels.py has 
                    siblings share one activation quantisation and one matmul (fused.py), bit-identical;
                    on the GPU kernels the quantisation and the epilogue are one op each (ops.py; on CUDA
                    with Triton a Triton kernel and a compiled epilogue, same bits);
-                   on a CPU without an int8 dot product the same sums from fp32 GEMMs over an fp32 copy
-                   of the codes (`int_mm_fp32`, same bits)
+                   on a CPU without an int8 dot product an AVX2 kernel over the codes (`int_mm_avx2`,
+                   cpu_int8.py), or where it cannot run the same sums from fp32 GEMMs over an fp32 copy
+                   of the codes (`int_mm_fp32`); the same bits on every kernel
     Fp8Linear      E4M3 weights, optional per-token E4M3 activations: `torch._scaled_mm` on CUDA sm_89+,
                    elsewhere the emulated scaled-GEMM rule (fp8.py) over an fp32 copy of the codes
                    (siblings fuse, fused.py, as do the weight-only formats')
@@ -54,12 +55,13 @@ from .formats import (
     weight_suffixes,
 )
 from .fp8 import fp8_linear
-from .int8 import int8_epilogue, int8_linear, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
+from .int8 import int8_epilogue, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
 from .kernels import (
     HOLDS_DECODED,
     KERNELS,
     check_kernel,
     compute_dtype,
+    int8_codes_mm,
     linear_bf16,
     rowwise_fp32_supported,
     scaled_mm_fp8,
@@ -201,7 +203,8 @@ class Bf16Linear(QuantLinear):
 class Int8Linear(QuantLinear):
     """W8A8 with exact integer sums. Siblings reading one input may be fused (fused.py).
 
-    Kernels: ``int_mm`` and ``int_mm_compiled`` multiply the int8 codes themselves (`torch._int_mm`);
+    Kernels: ``int_mm`` and ``int_mm_compiled`` multiply the int8 codes themselves (`torch._int_mm`), as does
+    ``int_mm_avx2`` (cpu_int8.py);
     ``int_mm_fp32`` (a CPU without an int8 dot product) holds `_w_codes`, the codes as fp32 (exact),
     refreshed in place on every load, and computes the same int32 sums with fp32 GEMMs (int8.int_mm_fp32)."""
 
@@ -228,7 +231,7 @@ class Int8Linear(QuantLinear):
             qx, sx = quant_act_int8(x2)
             return int8_epilogue_op(int_mm(qx, self.qweight.t()), sx, self.weight_scale, self.bias)
         qx, sx = quantize_act_int8(x2)
-        return int8_linear(qx, sx, self.qweight, self.weight_scale, self.bias)
+        return int8_epilogue(int8_codes_mm(self.kernel, qx, self.qweight), sx, self.weight_scale, self.bias)
 
 
 def uses_int8_ops(kernel: str, x2: Tensor) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from asyncrl import machine
 from asyncrl.quant import fused, publish, quantize_model
+from asyncrl.quant.cpu_int8 import kernel_status
 from asyncrl.quant.fused import fuse_siblings
 from asyncrl.quant.publish import load_published
 from tests.unit.quant.conftest import make_tiny_qwen2
@@ -23,10 +24,16 @@ def _unfused_copy(model):
     return out
 
 
-@pytest.fixture(params=["int_mm", "int_mm_fp32"])
+CPU_INT8 = {"int_mm": "avx2 avx512_vnni", "int_mm_avx2": "avx2 fma", "int_mm_fp32": "fma"}
+"""Flags of a CPU that picks each CPU int8 kernel: an int8 dot product (VNNI), AVX2 alone, neither."""
+
+
+@pytest.fixture(params=list(CPU_INT8))
 def int8_model(request, monkeypatch):
-    """The int8 model on each CPU kernel, chosen as a CPU with (VNNI) and without an int8 dot product would."""
-    monkeypatch.setenv(machine.FLAGS_ENV, "avx2 avx512_vnni" if request.param == "int_mm" else "avx2")
+    """The int8 model on each CPU kernel, chosen as a CPU with (VNNI), with AVX2 only, and without either would."""
+    if request.param == "int_mm_avx2" and kernel_status():
+        pytest.skip(f"int_mm_avx2 cannot run here: {kernel_status()}")
+    monkeypatch.setenv(machine.FLAGS_ENV, CPU_INT8[request.param])
     model = quantize_model(make_tiny_qwen2(seed=11), "int8")
     assert model.model.layers[0].self_attn.q_proj.kernel == request.param
     return model
@@ -53,13 +60,13 @@ def test_fused_model_is_bit_identical_to_unfused(int8_model, probe_ids):
 def test_one_integer_matmul_per_group_and_kept_slices_are_used_once(int8_model, monkeypatch):
     calls = []
     attn = int8_model.model.layers[0].self_attn
-    name = "int_mm_fp32" if attn.q_proj.kernel == "int_mm_fp32" else "int_mm"
+    name = "int_mm_fp32" if attn.q_proj.kernel == "int_mm_fp32" else "int8_codes_mm"
     real = getattr(fused, name)
-    monkeypatch.setattr(fused, name, lambda a, b: calls.append(tuple(b.shape)) or real(a, b))
+    monkeypatch.setattr(fused, name, lambda *args: calls.append(tuple(real(*args).shape)) or real(*args))
     plain = _unfused_copy(int8_model).model.layers[0].self_attn
     x = torch.randn(2, 3, 48)
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    assert calls == [(48, 96)]  # q 48 + k 24 + v 24 output rows in one call
+    assert calls == [(6, 96)]  # q 48 + k 24 + v 24 output columns in one call
     for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
         assert torch.equal(out, getattr(plain, name)(x))
     calls.clear()
