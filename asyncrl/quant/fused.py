@@ -45,9 +45,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from .cpu_int8 import int8_linear_avx2
 from .fp8 import quantize_act_fp8
-from .int8 import int8_epilogue, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
-from .kernels import KERNELS, int8_codes_mm, linear_bf16, scaled_mm_fp8
+from .int8 import int8_epilogue, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
+from .kernels import KERNELS, linear_bf16, scaled_mm_fp8
 from .linear import Bf16Linear, DecodedLinear, Fp8Linear, Int8Linear, QuantLinear, uses_int8_ops
 from .ops import int8_epilogue_op, quant_act_fp8, quant_act_int8
 
@@ -188,6 +189,8 @@ class SiblingGroup:
         ``__call__`` runs it once per member into contiguous outputs. For callers that take the columns as views
         (the native engine's decode step: one epilogue for q/k/v instead of three)."""
         k = self.kernel
+        if k == "int_mm_avx2":
+            return int8_linear_avx2(x2, self.codes, self.fused["weight_scale"], self.bias)
         if k in KERNELS["int8"]:
             ops = uses_int8_ops(k, x2)
             if k == "int_mm_fp32":
@@ -195,7 +198,7 @@ class SiblingGroup:
                 acc = int_mm_fp32(qf, self.fused["_w_codes"].t())
             else:
                 qx, sx = (quant_act_int8 if ops else quantize_act_int8)(x2)
-                acc = int8_codes_mm(k, qx, self.codes)
+                acc = int_mm(qx, self.codes.t())
             return (int8_epilogue_op if ops else int8_epilogue)(acc, sx, self.fused["weight_scale"], self.bias)
         if k in ("bf16", "wo_bf16"):
             yb = linear_bf16(x2, self.fused["weight" if k == "bf16" else "_w_decoded"])
@@ -220,13 +223,16 @@ class SiblingGroup:
         return [torch.add(y[:, a:b], self.bias[a:b]) for a, b in self.bounds]
 
     def _int8(self, x2: Tensor) -> list[Tensor]:
+        if self.kernel == "int_mm_avx2":  # one call for the group: each member's columns copied out contiguous
+            y = int8_linear_avx2(x2, self.codes, self.fused["weight_scale"], self.bias)
+            return [y[:, a:b].contiguous() for a, b in self.bounds]
         ops = uses_int8_ops(self.kernel, x2)
         if self.kernel == "int_mm_fp32":
             qf, sx = quantize_act_int8_f32(x2)
             acc = int_mm_fp32(qf, self.fused["_w_codes"].t())  # [M, sum N] the same exact sums
         else:
             qx, sx = (quant_act_int8 if ops else quantize_act_int8)(x2)
-            acc = int8_codes_mm(self.kernel, qx, self.codes)  # [M, sum N] int32, exact
+            acc = int_mm(qx, self.codes.t())  # [M, sum N] int32, exact
         scales = self.fused["weight_scale"]
         # Per-member epilogue (the fp32 ops of int8_linear) writing contiguous outputs: downstream
         # kernels (attention) may round differently on strided inputs, and no copy is needed.

@@ -61,8 +61,8 @@ from torch import Tensor
 from asyncrl.machine import bf16_native, int8_dot_native
 from asyncrl.machine import cpu_flags as machine_flags
 
-from .cpu_int8 import int_mm_avx2, kernel_status
-from .int8 import int8_epilogue, int_mm
+from .cpu_int8 import kernel_status
+from .int8 import int8_epilogue
 
 KERNELS: dict[str, tuple[str, ...]] = {
     "bf16": ("bf16",),
@@ -178,12 +178,6 @@ def compute_dtype(kernel: str) -> torch.dtype:
 
 HOLDS_DECODED = ("wo_fp32", "wo_bf16")
 """Weight-only kernels that hold a decoded copy of the weight (`_w_decoded`); `wo_triton` holds none."""
-
-
-def int8_codes_mm(kernel: str, qx: Tensor, qw: Tensor) -> Tensor:
-    """qx [M, K] int8 activation codes, qw [N, K] int8 weight codes -> [M, N] int32, exact, on an int8 kernel
-    that multiplies the codes themselves: `int_mm_avx2` (cpu_int8.py), else `torch._int_mm` (int8.int_mm)."""
-    return int_mm_avx2(qx, qw) if kernel == "int_mm_avx2" else int_mm(qx, qw.t())
 
 
 def linear_bf16(x2: Tensor, w_bf16: Tensor) -> Tensor:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cpu_int8 import int8_linear_avx2
 from .formats import (
     EMPTY_INDEX,
     dequantize_elements,
@@ -55,13 +56,12 @@ from .formats import (
     weight_suffixes,
 )
 from .fp8 import fp8_linear
-from .int8 import int8_epilogue, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
+from .int8 import int8_epilogue, int8_linear, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
 from .kernels import (
     HOLDS_DECODED,
     KERNELS,
     check_kernel,
     compute_dtype,
-    int8_codes_mm,
     linear_bf16,
     rowwise_fp32_supported,
     scaled_mm_fp8,
@@ -203,8 +203,8 @@ class Bf16Linear(QuantLinear):
 class Int8Linear(QuantLinear):
     """W8A8 with exact integer sums. Siblings reading one input may be fused (fused.py).
 
-    Kernels: ``int_mm`` and ``int_mm_compiled`` multiply the int8 codes themselves (`torch._int_mm`), as does
-    ``int_mm_avx2`` (cpu_int8.py);
+    Kernels: ``int_mm`` and ``int_mm_compiled`` multiply the int8 codes themselves (`torch._int_mm`);
+    ``int_mm_avx2`` runs the whole linear (quantisation, GEMM over the codes, epilogue) in one C call (cpu_int8.py);
     ``int_mm_fp32`` (a CPU without an int8 dot product) holds `_w_codes`, the codes as fp32 (exact),
     refreshed in place on every load, and computes the same int32 sums with fp32 GEMMs (int8.int_mm_fp32)."""
 
@@ -230,8 +230,10 @@ class Int8Linear(QuantLinear):
         if uses_int8_ops(self.kernel, x2):
             qx, sx = quant_act_int8(x2)
             return int8_epilogue_op(int_mm(qx, self.qweight.t()), sx, self.weight_scale, self.bias)
+        if self.kernel == "int_mm_avx2":
+            return int8_linear_avx2(x2, self.qweight, self.weight_scale, self.bias)
         qx, sx = quantize_act_int8(x2)
-        return int8_epilogue(int8_codes_mm(self.kernel, qx, self.qweight), sx, self.weight_scale, self.bias)
+        return int8_linear(qx, sx, self.qweight, self.weight_scale, self.bias)
 
 
 def uses_int8_ops(kernel: str, x2: Tensor) -> bool:

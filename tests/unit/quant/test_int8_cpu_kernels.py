@@ -18,7 +18,14 @@ from asyncrl import machine
 from asyncrl.quant import cpu_int8, load_published, publish, quantize_model
 from asyncrl.quant import kernels as K
 from asyncrl.quant.fused import fuse_siblings
-from asyncrl.quant.int8 import FP32_EXACT_K, int_mm, int_mm_fp32, quantize_act_int8, quantize_act_int8_f32
+from asyncrl.quant.int8 import (
+    FP32_EXACT_K,
+    int8_epilogue,
+    int_mm,
+    int_mm_fp32,
+    quantize_act_int8,
+    quantize_act_int8_f32,
+)
 from asyncrl.quant.linear import Int8Linear
 from tests.unit.quant.conftest import make_tiny_qwen2
 
@@ -211,3 +218,40 @@ def test_without_a_compiler_an_avx2_cpu_falls_back_to_int_mm_fp32_and_says_why(f
     assert "the AVX2 kernel cannot run: " + why in line
     with pytest.raises(RuntimeError, match="int_mm_avx2 cannot run here: .*int_mm_fp32"):
         cpu_int8.int_mm_avx2(torch.ones(1, 8, dtype=torch.int8), torch.ones(1, 8, dtype=torch.int8))
+
+
+@needs_avx2_kernel
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (3, 5, 7), (2, 4, 32), (5, 7, 33), (16, 96, 576), (33, 24, 1536)])
+def test_the_whole_avx2_linear_gives_the_bits_of_the_int8_rules(m, n, k, bias):
+    """Quantisation, GEMM and epilogue in one C call against int8.py's torch ops: ties rounded to even, a zero row
+    (the scale's floor), a row of subnormals, and values of very different sizes per row."""
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
+    if k >= 4:
+        x[0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale 1: the ties go to the even neighbour
+    if m >= 3:
+        x[1] = 0.0
+        x[2] = torch.full((k,), 1e-40) * torch.randn(k, generator=g).sign()
+    w = torch.randn(n, k, generator=g)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    mod = Int8Linear.from_linear(lin)
+    qx, sx = quantize_act_int8(x)
+    want = int8_epilogue(int_mm(qx, mod.qweight.t()) if k > 1 else (qx.int() @ mod.qweight.int().t()), sx,
+                         mod.weight_scale, mod.bias)
+    got = cpu_int8.int8_linear_avx2(x, mod.qweight, mod.weight_scale, mod.bias)
+    assert torch.equal(got, want)
+    mod.use_kernel("int_mm_avx2")
+    assert torch.equal(mod(x), want)  # the module's path
+
+
+@needs_avx2_kernel
+def test_a_nan_activation_makes_its_own_row_nan_and_no_other():
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    x[1, 5] = float("nan")
+    mod = Int8Linear.from_linear(torch.nn.Linear(40, 8))
+    mod.use_kernel("int_mm_avx2")
+    y = mod(x)
+    assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
