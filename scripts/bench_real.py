@@ -67,9 +67,9 @@ PRESETS = {
 # and half the answer length of the full run (its first step alone, generation included, is the budget)
 QUICK = ["rollout.groups_per_step=2", "rollout.max_new_tokens=32"]
 SMOKE = ["model=tiny", "task=addition"]  # --smoke: every code path in a minute or two; figures meaningless
-# int8 W8A8 workers run torch._int_mm on a CPU with an int8 dot product (AVX-512 VNNI, AVX-VNNI, AMX) and
-# the same sums as fp32 GEMMs on one without (kernel int_mm_fp32; docs/benchmarks.md §15), so --quant int8
-# never costs many times fp32 on either.
+# int8 W8A8 workers run torch._int_mm on a CPU with an int8 dot product (AVX-512 VNNI, AVX-VNNI, AMX), the
+# AVX2 C kernel over the codes on one without (int_mm_avx2), and the same sums as fp32 GEMMs where that cannot be
+# built (int_mm_fp32; docs/benchmarks.md §15), so --quant int8 never costs many times fp32 on any of them.
 COMMON = ["rollout.eta=2", "algo=acr", "learner.eval_every=0", "learner.ckpt_every=0",
           "learner.total_steps=100000", "learner.lr_schedule=constant"]
 ROWS: dict[str, list[str] | None] = {
