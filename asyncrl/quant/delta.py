@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from protocols import DeltaPart, TensorSpec
 
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
+from .held import record_held
 from .linear import QuantLinear
 from .model import model_format
 from .publish import HELD_CHECKSUM
@@ -43,6 +44,7 @@ from .wire import DTYPES, checksum_of, digest_matches, header_dict, raw_bytes
 
 INDEX_DTYPE = torch.int32
 INDEX_BYTES = 4
+_T = TypeVar("_T")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -269,21 +271,24 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
         except BaseException:
             restore(undo)
             raise
-        # only the linears whose tensors changed rebuild their caches, each once, at the elements written
+        # only the linears whose tensors changed rebuild their caches, each once, at the elements written (from
+        # the values written: no second gather)
+        written = by_module((e.name, v) for e, _, _, _, v in plan)
         for name, changed in by_module((e.name, idx) for e, _, _, idx, _ in plan).items():
             mod = modules.get(name)
             if isinstance(mod, QuantLinear):
-                mod.refresh(changed)
+                mod.refresh(changed, written[name])
     vars(model)[HELD_CHECKSUM] = delta.checksum
+    record_held(model, delta.manifest)
 
 
-def by_module(written: Iterable[tuple[str, Tensor | None]]) -> dict[str, dict[str, Tensor | None]]:
-    """(tensor name, flat indices written or None) pairs -> {module name: {tensor suffix: indices}}, what each
-    module's ``QuantLinear.refresh(changed)`` takes."""
-    out: dict[str, dict[str, Tensor | None]] = {}
-    for name, idx in written:
+def by_module(written: Iterable[tuple[str, _T]]) -> dict[str, dict[str, _T]]:
+    """(tensor name, x) pairs -> {module name: {tensor suffix: x}}: with x the flat indices written (or None),
+    what each module's ``QuantLinear.refresh(changed)`` takes; with x the values written, its ``values``."""
+    out: dict[str, dict[str, _T]] = {}
+    for name, x in written:
         mod_name, _, suffix = name.rpartition(".")
-        out.setdefault(mod_name, {})[suffix] = idx
+        out.setdefault(mod_name, {})[suffix] = x
     return out
 
 
@@ -305,10 +310,11 @@ def sparse_frame(frame: Tensor, count: int, dtype: torch.dtype) -> tuple[Tensor,
 
 def part_update(e: TensorSpec, p: DeltaPart, dest: Tensor, frame: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
     """What part ``p`` of entry ``e`` writes into ``dest`` (the model's tensor): ``(flat, idx, values)``, a flat
-    integer view of ``dest``, the changed indices (None: every element) and their new values, checked (sizes,
-    indices inside the tensor, values finite and scales > 0) before anything is written. ``frame``: the part's
-    uint8 frame."""
+    integer view of ``dest``, the changed indices (int64; None: every element) and their new values (the same
+    integer view: the bits), checked (sizes, indices inside the tensor, values finite and scales > 0) before
+    anything is written. ``frame``: the part's uint8 frame."""
     flat = element_bits(dest)
+    idx: Tensor | None
     if p.kind == "dense":
         if frame.numel() != flat.numel() * flat.element_size():
             raise ManifestMismatchError("dense part of the wrong size", tensor_name=e.name)
@@ -352,7 +358,7 @@ def restore(undo: list[tuple[Tensor, Tensor | None, Tensor]]) -> None:
         if idx is None:
             flat.copy_(old)
         else:
-            flat[idx] = old
+            flat.index_copy_(0, idx, old)
     undo.clear()
 
 
