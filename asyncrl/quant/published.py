@@ -10,6 +10,7 @@ Must never: pickle anything, or modify a tensor it checks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from protocols import TensorSpec
 from .errors import ChecksumMismatchError, ManifestMismatchError, NonFiniteWeightError
 from .formats import ROLE_GLOBAL_SCALE, ROLE_SCALE, check_format
 from .fp4 import E8M0_DTYPE, E8M0_NAN
-from .int8 import all_finite
+from .int8 import AMINMAX_DTYPES, all_finite
 from .wire import (
     DTYPES,
     RawTensor,
@@ -160,10 +161,18 @@ def check_values(e: TensorSpec, t: Tensor) -> None:
         if bool((t.view(torch.uint8) == E8M0_NAN).any()):
             raise NonFiniteWeightError(f"E8M0 scale byte {E8M0_NAN} (NaN)", tensor_name=e.name)
         return
+    # int8/fp8 row scales and the nvfp4 global scale are > 0 by construction; nvfp4 block scales may be 0 (a
+    # flushed block)
+    positive = e.role in (ROLE_SCALE, ROLE_GLOBAL_SCALE) and e.fmt in ("int8", "int8_wo", "fp8", "nvfp4") and (
+        e.role == ROLE_GLOBAL_SCALE or e.fmt != "nvfp4")
+    if t.dtype in AMINMAX_DTYPES and t.numel():  # one reduction answers both (NaN and inf reach min and max)
+        lo, hi = (float(x) for x in torch.aminmax(t.detach()))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise NonFiniteWeightError("non-finite value(s) in a published tensor", tensor_name=e.name)
+        if positive and not lo > 0:
+            raise NonFiniteWeightError("scale must be > 0", tensor_name=e.name)
+        return
     if t.is_floating_point() and not all_finite(t):
         raise NonFiniteWeightError("non-finite value(s) in a published tensor", tensor_name=e.name)
-    if e.role in (ROLE_SCALE, ROLE_GLOBAL_SCALE) and e.fmt in ("int8", "int8_wo", "fp8", "nvfp4"):
-        # int8/fp8 row scales and the nvfp4 global scale are > 0 by construction; nvfp4 block
-        # scales may be 0 (a flushed block).
-        if (e.role == ROLE_GLOBAL_SCALE or e.fmt != "nvfp4") and not bool((t.float() > 0).all()):
-            raise NonFiniteWeightError("scale must be > 0", tensor_name=e.name)
+    if positive and not bool((t.float() > 0).all()):
+        raise NonFiniteWeightError("scale must be > 0", tensor_name=e.name)
