@@ -343,9 +343,9 @@ def write_update(e: TensorSpec, dest: Tensor, flat: Tensor, idx: Tensor | None, 
     if idx is None:
         undo.append((flat, None, flat.clone()))
         flat.copy_(values)
-    else:  # index_select / index_copy_: the gather and scatter of flat[idx], without advanced indexing's overhead
-        undo.append((flat, idx, torch.index_select(flat, 0, idx)))
-        flat.index_copy_(0, idx, values)
+    else:  # gather / scatter_: flat[idx] without advanced indexing's overhead (of the index ops, the fastest on CPU)
+        undo.append((flat, idx, torch.gather(flat, 0, idx)))
+        flat.scatter_(0, idx, values)
     if not digest_matches(dest if dest.device.type == "cpu" else dest.cpu(), e.digest):
         raise ChecksumMismatchError(
             "after the delta the bytes do not match the version's digest (the model did not hold the "
@@ -358,7 +358,7 @@ def restore(undo: list[tuple[Tensor, Tensor | None, Tensor]]) -> None:
         if idx is None:
             flat.copy_(old)
         else:
-            flat.index_copy_(0, idx, old)
+            flat.scatter_(0, idx, old)
     undo.clear()
 
 

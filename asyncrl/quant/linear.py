@@ -268,7 +268,7 @@ def refresh_codes_f32_at(m: QuantLinear, changed: Mapping[str, Tensor | None],
         new = (values or {}).get("qweight")
         if new is None or new.numel() != idx.numel() or new.device != codes.device:
             new = torch.index_select(codes.reshape(-1), 0, idx)
-        cache.view(-1).index_copy_(0, idx, new.view(codes.dtype).float())
+        cache.view(-1).scatter_(0, idx, new.view(codes.dtype).float())
     return True
 
 
