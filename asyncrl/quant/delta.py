@@ -53,6 +53,11 @@ def element_bits(t: Tensor) -> Tensor:
     return t.reshape(-1).view(_INT_VIEW[t.element_size()])
 
 
+UNDO_WHOLE_FRAC = 16
+"""A sparse part that writes more than 1/16 of its tensor's elements is recorded for the undo as a copy of the whole
+tensor (a memcpy) rather than a gather of its old elements (on a 2-core Zen 3, a gather of a fifth of an int8
+tensor's elements costs ~4x its copy)."""
+
 COMPARE_WORDS = 1 << 19
 """8-byte words compared at a time by `changed_elements` (its mask is this many bytes)."""
 
@@ -343,6 +348,9 @@ def write_update(e: TensorSpec, dest: Tensor, flat: Tensor, idx: Tensor | None, 
     if idx is None:
         undo.append((flat, None, flat.clone()))
         flat.copy_(values)
+    elif idx.numel() * UNDO_WHOLE_FRAC > flat.numel():  # many elements: a copy of the tensor is the cheaper record
+        undo.append((flat, None, flat.clone()))
+        flat.scatter_(0, idx, values)
     else:  # gather / scatter_: flat[idx] without advanced indexing's overhead (of the index ops, the fastest on CPU)
         undo.append((flat, idx, torch.gather(flat, 0, idx)))
         flat.scatter_(0, idx, values)
