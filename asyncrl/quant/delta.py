@@ -12,9 +12,11 @@ same width, so -0.0, NaN patterns and E8M0 bytes compare exactly), or whole when
 
 Exactness: `apply_delta` refuses a delta whose base is not what the model holds (``base_checksum`` against
 the checksum of the last publication loaded, recorded on the model), checks the new manifest against the
-version's checksum, checks the new values (finite, scales > 0, E8M0 not NaN) before writing, and after
-writing checks every changed tensor against its manifest digest; on any failure every written element is
-restored and a QuantError names the tensor. So the model after any chain of deltas holds exactly the bytes
+version's checksum, checks the new values (finite, scales > 0, E8M0 not NaN) and every dense part's bytes
+against its manifest digest before writing, writes the sparse parts and checks each of their tensors against
+its manifest digest once written, and only then copies the dense parts in (a copy of checked bytes cannot
+fail: they need no undo record, which for a moved fp32 tensor would be a copy of it); on any failure every
+written element is restored and a QuantError names the tensor. So the model after any chain of deltas holds exactly the bytes
 of the full publication of that version. The quantised linears' compute caches are then rebuilt only at the
 elements the delta wrote (`QuantLinear.refresh` with ``changed``; whole where that is not cheaper), the same
 bits as the rebuild after a full load.
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 from protocols import DeltaPart, TensorSpec
 
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
-from .held import record_held
+from .held import forget_held, record_held
 from .linear import QuantLinear
 from .model import model_format
 from .publish import HELD_CHECKSUM
@@ -270,11 +272,20 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
         plan.append((e, dest, *part_update(e, p, dest, next(frames))))
     undo: list[tuple[Tensor, Tensor | None, Tensor]] = []
     with torch.no_grad():
-        try:
+        try:  # the sparse parts first: each is checked against its digest once written, and undone on a failure
             for e, dest, flat, idx, values in plan:
-                write_update(e, dest, flat, idx, values, undo)
+                if idx is not None:
+                    write_update(e, dest, flat, idx, values, undo)
         except BaseException:
             restore(undo)
+            raise
+        try:  # then the dense parts, whose frames were checked against their digests before anything was written
+            for _, _, flat, idx, values in plan:
+                if idx is None:
+                    flat.copy_(values)
+        except BaseException:  # (an interrupt between copies) the model holds no known version: fetch one whole
+            vars(model)[HELD_CHECKSUM] = ""
+            forget_held(model)
             raise
         # only the linears whose tensors changed rebuild their caches, each once, at the elements written (from
         # the values written: no second gather)
@@ -316,13 +327,16 @@ def sparse_frame(frame: Tensor, count: int, dtype: torch.dtype) -> tuple[Tensor,
 def part_update(e: TensorSpec, p: DeltaPart, dest: Tensor, frame: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
     """What part ``p`` of entry ``e`` writes into ``dest`` (the model's tensor): ``(flat, idx, values)``, a flat
     integer view of ``dest``, the changed indices (int64; None: every element) and their new values (the same
-    integer view: the bits), checked (sizes, indices inside the tensor, values finite and scales > 0) before
-    anything is written. ``frame``: the part's uint8 frame."""
+    integer view: the bits), checked (sizes, indices inside the tensor, values finite and scales > 0; a dense
+    part's bytes against the entry's digest) before anything is written. ``frame``: the part's uint8 frame."""
     flat = element_bits(dest)
     idx: Tensor | None
     if p.kind == "dense":
         if frame.numel() != flat.numel() * flat.element_size():
             raise ManifestMismatchError("dense part of the wrong size", tensor_name=e.name)
+        if not digest_matches(frame, e.digest):  # the tensor's bytes: checked here, before anything is written
+            raise ChecksumMismatchError("the dense part's bytes do not match the version's digest (the delta was "
+                                        "damaged); fetch the version whole", tensor_name=e.name)
         values = frame.view(flat.dtype)
         idx = None
     else:

@@ -249,6 +249,29 @@ def test_delta_publication_that_fails_after_sparse_parts_of_many_elements_restor
     assert same_bytes(w, before)
 
 
+def test_delta_publication_with_a_damaged_dense_part_is_refused_before_anything_is_written():
+    pubs = [publish(sd, "int8", version=v) for v, sd in enumerate(versions(2, seed=5))]
+    w = worker_on("int8", "int_mm_fp32", False)
+    load_published(w, pubs[0])
+    before = copy.deepcopy(w)
+    delta = make_delta(pubs[0], pubs[1])
+    moving = [p for p in delta.parts if p.kind != "same"]
+    dense = [i for i, p in enumerate(moving) if p.kind == "dense" and p.name.endswith(".weight_scale")]
+    assert dense and any(p.kind == "sparse" for p in moving)
+    good = delta.payloads[dense[-1]]
+    frame = good.clone()
+    frame[0] ^= 1  # the lowest mantissa bit of a scale: still finite and > 0, the bytes are not the version's
+    delta.payloads[dense[-1]] = frame
+    with pytest.raises(ChecksumMismatchError, match="dense part"):
+        apply_delta(w, delta)
+    assert same_bytes(w, before)
+    delta.payloads[dense[-1]] = good  # undamaged, it applies: every tensor, caches included, as a full load
+    apply_delta(w, delta)
+    full = worker_on("int8", "int_mm_fp32", False)
+    load_published(full, pubs[1])
+    assert same_bytes(w, full)
+
+
 def test_delta_publication_with_indices_outside_a_tensor_is_refused():
     pubs = [publish(sd, "int8", version=v) for v, sd in enumerate(versions(2, seed=6))]
     w = worker("int8")
