@@ -64,6 +64,7 @@ def _worker(conn, model_name: str, formats: list[str]) -> None:
     import torch
 
     from asyncrl.quant import load_published, quantize_model
+    from asyncrl.quant.held import forget_held
     from asyncrl.transport import WeightClient
     from asyncrl.transport.publication import from_wire
 
@@ -82,6 +83,9 @@ def _worker(conn, model_name: str, formats: list[str]) -> None:
         ann, buffers = client.fetch(version, timeout_s=120.0, fmt=fmt)
         t1 = time.perf_counter()
         pub = from_wire(ann, buffers)
+        # every version here repeats the same weights: a load would skip every tensor the actor holds already
+        # (asyncrl.quant.held); forget what it holds, so that each load is the full one a trained version needs
+        forget_held(actors[fmt])
         t2 = time.perf_counter()
         load_published(actors[fmt], pub)
         t3 = time.perf_counter()

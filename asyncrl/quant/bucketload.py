@@ -41,6 +41,7 @@ from protocols import DeltaPart, TensorSpec, WeightBucket
 
 from .delta import INDEX_BYTES, by_module, changed_elements, held_checksum, part_update, restore, write_update
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
+from .held import held_digests, record_held
 from .linear import QuantLinear
 from .model import model_format, module_or_none
 from .publish import HELD_CHECKSUM, _aliased_names, _head_hint
@@ -82,11 +83,12 @@ class LoadedVersion:
 
 
 class _Entry:
-    __slots__ = ("spec", "part", "dest", "length", "received", "hasher", "staging")
+    __slots__ = ("spec", "part", "dest", "length", "received", "hasher", "staging", "changed")
 
     def __init__(self, spec: TensorSpec, part: DeltaPart | None, dest: Tensor, length: int) -> None:
         self.spec, self.part, self.dest, self.length = spec, part, dest, length
         self.received = 0
+        self.changed = False  # whether any of the model's bytes of it were written
         algo = spec.digest.partition(":")[0]
         self.hasher: Any = hashlib.sha256() if algo == "sha256" else xxhash.xxh3_128()
         self.staging: Tensor | None = None
@@ -128,6 +130,13 @@ class BucketLoad:
         self.touched: set[str] = set()
         self.written: dict[str, Tensor | None] = {}
         """The flat indices of the elements written into each tensor (a sparse part's; None: any element)."""
+        self.pieces: dict[str, list[Tensor]] = {}
+        """Of a tensor of 1-byte elements loaded whole whose changed bytes were found, their flat indices, piece
+        by piece (the bytes are elements: its linear's caches are rebuilt at those only)."""
+        self.held = held_digests(model)
+        """The digests the model held at the start (a tensor that did not change need not be checked again)."""
+        self.values: dict[str, Tensor] = {}
+        """The values a sparse part wrote at those indices (its linear's caches are rebuilt from them)."""
         self.buckets = self.stream_bytes = 0
 
     def add(self, bucket: Bucket) -> None:
@@ -198,10 +207,16 @@ class BucketLoad:
         src = _frombuffer(data)
         frame = None
         if ent.part is None or ent.part.kind == "dense":
-            self._write_range(_bytes(ent.dest)[offset:offset + data.nbytes], src)
+            found = self._write_range(_bytes(ent.dest)[offset:offset + data.nbytes], src)
             ent.hasher.update(data)
-            self.touched.add(name.rpartition(".")[0])
-            self.written[name] = None  # a dense part (or a whole tensor) rebuilds its linear's caches whole
+            if found is None or found.numel():
+                ent.changed = True
+                self.touched.add(name.rpartition(".")[0])
+                if found is not None and ent.dest.element_size() == 1 and name not in self.written:
+                    self.pieces.setdefault(name, []).append(found + offset)  # bytes are elements: rebuilt there
+                else:  # the rest rebuilds its linear's caches whole
+                    self.written[name] = None
+                    self.pieces.pop(name, None)
         elif offset == 0 and data.nbytes == ent.length:
             frame = src
         else:  # a sparse frame split across buckets: held until its last piece is here
@@ -216,8 +231,9 @@ class BucketLoad:
         if ent.received == ent.length:
             self._complete(ent, frame)
 
-    def _write_range(self, dst: Tensor, src: Tensor) -> None:
-        """Copy ``src`` into ``dst`` (a byte range of a model tensor), recording the bytes that change."""
+    def _write_range(self, dst: Tensor, src: Tensor) -> Tensor | None:
+        """Copy ``src`` into ``dst`` (a byte range of a model tensor), recording the bytes that change; their
+        offsets in the range (int64; empty: none changed), or None where the whole range was written."""
         if dst.device.type == "cpu":
             found = changed_elements(dst.numpy(), src.numpy(), dst.numel() // SPARSE_UNDO_BYTES)
             idx = None if found is None else torch.from_numpy(found)
@@ -227,7 +243,7 @@ class BucketLoad:
             n_changed = int(torch.count_nonzero(changed))
             idx = None if n_changed * SPARSE_UNDO_BYTES >= dst.numel() else changed.nonzero().reshape(-1)
         if idx is not None and idx.numel() == 0:
-            return  # nothing changed here
+            return idx  # nothing changed here
         if idx is not None:
             self.undo.append((dst, idx, dst[idx]))
             self.undo_bytes += idx.numel() * SPARSE_UNDO_BYTES
@@ -235,6 +251,7 @@ class BucketLoad:
             self.undo.append((dst, None, dst.clone()))
             self.undo_bytes += dst.numel()
         dst.copy_(src)
+        return idx
 
     def _complete(self, ent: _Entry, frame: Tensor | None) -> None:
         e, p = ent.spec, ent.part
@@ -242,13 +259,18 @@ class BucketLoad:
             if ent.digest() != e.digest:
                 raise ChecksumMismatchError("bytes do not match the manifest digest (corrupted in transit?); refetch "
                                             "the version", tensor_name=e.name)
-            check_values(e, ent.dest)
+            if ent.changed or self.held.get(e.name) != e.digest:  # else: the bytes checked when they were loaded
+                check_values(e, ent.dest)
             return
         assert frame is not None
         before = len(self.undo)
         flat, idx, values = part_update(e, p, ent.dest, frame)
+        if frame is not ent.staging and idx is not None:  # a view of the bucket's bytes, kept past its release
+            values = values.clone()
         write_update(e, ent.dest, flat, idx, values, undo=self.undo)
         self.written[e.name] = idx
+        if idx is not None:
+            self.values[e.name] = values
         self.undo_bytes += sum(old.numel() * old.element_size() + (0 if idx is None else idx.numel() * 8)
                                for _, idx, old in self.undo[before:])
         self.touched.add(e.name.rpartition(".")[0])
@@ -278,12 +300,23 @@ class BucketLoad:
         if expected != last.checksum:
             raise ChecksumMismatchError(f"publication checksum {last.checksum[:16]}... does not match the manifest "
                                         f"its buckets carried ({expected[:16]}...); refetch the version")
-        changed = by_module(self.written.items())
+        written = dict(self.written)
+        written.update((name, torch.cat(found)) for name, found in self.pieces.items())
+        if not first.is_delta:  # the same memory under another name (a tied head): its linear rebuilt whole
+            for name, others in _aliased_names(self.state).items():
+                if name in written:
+                    for other in others:
+                        written[other] = None
+                        self.touched.add(other.rpartition(".")[0])
+        changed, values = by_module(written.items()), by_module(self.values.items())
         with torch.no_grad():
+            # only the linears written rebuild their caches (the others' match their buffers, as after every
+            # load), at the elements written where those are known
             for mod_name, mod in self.model.named_modules():
-                if isinstance(mod, QuantLinear) and (not first.is_delta or mod_name in self.touched):
-                    mod.refresh(changed.get(mod_name, {}) if first.is_delta else None)
+                if isinstance(mod, QuantLinear) and mod_name in self.touched:
+                    mod.refresh(changed.get(mod_name, {}), values.get(mod_name))
         vars(self.model)[HELD_CHECKSUM] = last.checksum
+        record_held(self.model, self.manifest)
         return LoadedVersion(version=first.version, fmt=first.fmt, checksum=last.checksum, aqn_seed=seed,
                              aqn_sigma=first.aqn_sigma, aqn_resample=first.aqn_resample, is_delta=first.is_delta,
                              buckets=self.buckets, stream_bytes=self.stream_bytes, undo_bytes=self.undo_bytes,

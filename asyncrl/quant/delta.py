@@ -12,9 +12,11 @@ same width, so -0.0, NaN patterns and E8M0 bytes compare exactly), or whole when
 
 Exactness: `apply_delta` refuses a delta whose base is not what the model holds (``base_checksum`` against
 the checksum of the last publication loaded, recorded on the model), checks the new manifest against the
-version's checksum, checks the new values (finite, scales > 0, E8M0 not NaN) before writing, and after
-writing checks every changed tensor against its manifest digest; on any failure every written element is
-restored and a QuantError names the tensor. So the model after any chain of deltas holds exactly the bytes
+version's checksum, checks the new values (finite, scales > 0, E8M0 not NaN) and every dense part's bytes
+against its manifest digest before writing, writes the sparse parts and checks each of their tensors against
+its manifest digest once written, and only then copies the dense parts in (a copy of checked bytes cannot
+fail: they need no undo record, which for a moved fp32 tensor would be a copy of it); on any failure every
+written element is restored and a QuantError names the tensor. So the model after any chain of deltas holds exactly the bytes
 of the full publication of that version. The quantised linears' compute caches are then rebuilt only at the
 elements the delta wrote (`QuantLinear.refresh` with ``changed``; whole where that is not cheaper), the same
 bits as the rebuild after a full load.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +37,7 @@ from torch import Tensor, nn
 from protocols import DeltaPart, TensorSpec
 
 from .errors import ChecksumMismatchError, FormatMismatchError, ManifestMismatchError
+from .held import forget_held, record_held
 from .linear import QuantLinear
 from .model import model_format
 from .publish import HELD_CHECKSUM
@@ -43,6 +46,7 @@ from .wire import DTYPES, checksum_of, digest_matches, header_dict, raw_bytes
 
 INDEX_DTYPE = torch.int32
 INDEX_BYTES = 4
+_T = TypeVar("_T")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -50,6 +54,11 @@ def element_bits(t: Tensor) -> Tensor:
     """A flat integer view of ``t``'s elements (same width), so equal bits compare equal."""
     return t.reshape(-1).view(_INT_VIEW[t.element_size()])
 
+
+UNDO_WHOLE_FRAC = 16
+"""A sparse part that writes more than 1/16 of its tensor's elements is recorded for the undo as a copy of the whole
+tensor (a memcpy) rather than a gather of its old elements (on a 2-core Zen 3, a gather of a fifth of an int8
+tensor's elements costs ~4x its copy)."""
 
 COMPARE_WORDS = 1 << 19
 """8-byte words compared at a time by `changed_elements` (its mask is this many bytes)."""
@@ -263,27 +272,39 @@ def apply_delta(model: nn.Module, delta: PublishedDelta) -> None:
         plan.append((e, dest, *part_update(e, p, dest, next(frames))))
     undo: list[tuple[Tensor, Tensor | None, Tensor]] = []
     with torch.no_grad():
-        try:
+        try:  # the sparse parts first: each is checked against its digest once written, and undone on a failure
             for e, dest, flat, idx, values in plan:
-                write_update(e, dest, flat, idx, values, undo)
+                if idx is not None:
+                    write_update(e, dest, flat, idx, values, undo)
         except BaseException:
             restore(undo)
             raise
-        # only the linears whose tensors changed rebuild their caches, each once, at the elements written
+        try:  # then the dense parts, whose frames were checked against their digests before anything was written
+            for _, _, flat, idx, values in plan:
+                if idx is None:
+                    flat.copy_(values)
+        except BaseException:  # (an interrupt between copies) the model holds no known version: fetch one whole
+            vars(model)[HELD_CHECKSUM] = ""
+            forget_held(model)
+            raise
+        # only the linears whose tensors changed rebuild their caches, each once, at the elements written (from
+        # the values written: no second gather)
+        written = by_module((e.name, v) for e, _, _, _, v in plan)
         for name, changed in by_module((e.name, idx) for e, _, _, idx, _ in plan).items():
             mod = modules.get(name)
             if isinstance(mod, QuantLinear):
-                mod.refresh(changed)
+                mod.refresh(changed, written[name])
     vars(model)[HELD_CHECKSUM] = delta.checksum
+    record_held(model, delta.manifest)
 
 
-def by_module(written: Iterable[tuple[str, Tensor | None]]) -> dict[str, dict[str, Tensor | None]]:
-    """(tensor name, flat indices written or None) pairs -> {module name: {tensor suffix: indices}}, what each
-    module's ``QuantLinear.refresh(changed)`` takes."""
-    out: dict[str, dict[str, Tensor | None]] = {}
-    for name, idx in written:
+def by_module(written: Iterable[tuple[str, _T]]) -> dict[str, dict[str, _T]]:
+    """(tensor name, x) pairs -> {module name: {tensor suffix: x}}: with x the flat indices written (or None),
+    what each module's ``QuantLinear.refresh(changed)`` takes; with x the values written, its ``values``."""
+    out: dict[str, dict[str, _T]] = {}
+    for name, x in written:
         mod_name, _, suffix = name.rpartition(".")
-        out.setdefault(mod_name, {})[suffix] = idx
+        out.setdefault(mod_name, {})[suffix] = x
     return out
 
 
@@ -305,13 +326,17 @@ def sparse_frame(frame: Tensor, count: int, dtype: torch.dtype) -> tuple[Tensor,
 
 def part_update(e: TensorSpec, p: DeltaPart, dest: Tensor, frame: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
     """What part ``p`` of entry ``e`` writes into ``dest`` (the model's tensor): ``(flat, idx, values)``, a flat
-    integer view of ``dest``, the changed indices (None: every element) and their new values, checked (sizes,
-    indices inside the tensor, values finite and scales > 0) before anything is written. ``frame``: the part's
-    uint8 frame."""
+    integer view of ``dest``, the changed indices (int64; None: every element) and their new values (the same
+    integer view: the bits), checked (sizes, indices inside the tensor, values finite and scales > 0; a dense
+    part's bytes against the entry's digest) before anything is written. ``frame``: the part's uint8 frame."""
     flat = element_bits(dest)
+    idx: Tensor | None
     if p.kind == "dense":
         if frame.numel() != flat.numel() * flat.element_size():
             raise ManifestMismatchError("dense part of the wrong size", tensor_name=e.name)
+        if not digest_matches(frame, e.digest):  # the tensor's bytes: checked here, before anything is written
+            raise ChecksumMismatchError("the dense part's bytes do not match the version's digest (the delta was "
+                                        "damaged); fetch the version whole", tensor_name=e.name)
         values = frame.view(flat.dtype)
         idx = None
     else:
@@ -337,9 +362,12 @@ def write_update(e: TensorSpec, dest: Tensor, flat: Tensor, idx: Tensor | None, 
     if idx is None:
         undo.append((flat, None, flat.clone()))
         flat.copy_(values)
-    else:  # index_select / index_copy_: the gather and scatter of flat[idx], without advanced indexing's overhead
-        undo.append((flat, idx, torch.index_select(flat, 0, idx)))
-        flat.index_copy_(0, idx, values)
+    elif idx.numel() * UNDO_WHOLE_FRAC > flat.numel():  # many elements: a copy of the tensor is the cheaper record
+        undo.append((flat, None, flat.clone()))
+        flat.scatter_(0, idx, values)
+    else:  # gather / scatter_: flat[idx] without advanced indexing's overhead (of the index ops, the fastest on CPU)
+        undo.append((flat, idx, torch.gather(flat, 0, idx)))
+        flat.scatter_(0, idx, values)
     if not digest_matches(dest if dest.device.type == "cpu" else dest.cpu(), e.digest):
         raise ChecksumMismatchError(
             "after the delta the bytes do not match the version's digest (the model did not hold the "
@@ -352,7 +380,7 @@ def restore(undo: list[tuple[Tensor, Tensor | None, Tensor]]) -> None:
         if idx is None:
             flat.copy_(old)
         else:
-            flat[idx] = old
+            flat.scatter_(0, idx, old)
     undo.clear()
 
 

@@ -68,7 +68,8 @@ def check_matrix(w: Tensor, name: str | None, *, max_k: int | None = None, finit
         _raise_non_finite(w, name)
 
 
-_AMINMAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+AMINMAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+"""Float dtypes with an `aminmax` kernel (one pass gives min and max)."""
 
 
 def all_finite(t: Tensor) -> bool:
@@ -79,7 +80,7 @@ def all_finite(t: Tensor) -> bool:
         return True
     if t.dtype == torch.float8_e4m3fn:  # codes and block scales: read the bytes (no aminmax kernel)
         return int(t.detach().reshape(-1).view(torch.uint8).bitwise_and(0x7F).amax()) != 0x7F
-    if t.dtype not in _AMINMAX_DTYPES:
+    if t.dtype not in AMINMAX_DTYPES:
         return bool(torch.isfinite(t.detach().float()).all())
     lo, hi = torch.aminmax(t.detach())
     return math.isfinite(float(lo)) and math.isfinite(float(hi))

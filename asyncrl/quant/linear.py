@@ -139,25 +139,28 @@ class QuantLinear(nn.Module):
             self._group.dissolve()
         self.refresh()
 
-    def refresh(self, changed: Mapping[str, Tensor | None] | None = None) -> None:
+    def refresh(self, changed: Mapping[str, Tensor | None] | None = None,
+                values: Mapping[str, Tensor] | None = None) -> None:
         """Rebuild compute caches from the persistent buffers, in place where they exist (so their
         storage survives every load); a sibling group whose storage was replaced is dissolved.
 
         ``changed``: after a load that wrote only some elements of the persistent buffers (a delta), which:
         {buffer name: flat int64 indices of the elements written (None: all of them)}, a buffer left out was
-        not written. The caches are then rebuilt only where those writes can change them, which gives the
-        bits of a full rebuild provided the caches matched the buffers before the load (they do after every
-        load and every ``refresh``)."""
+        not written. The caches are then rebuilt only where those writes can change them, which gives
+        the bits of a full rebuild provided the caches matched the buffers before the load (they do after every
+        load and every ``refresh``). ``values``: {buffer name: the values written at those indices, as the
+        buffer's dtype or an integer view of its width}, where the caller has them (a cache of the codes is
+        then rebuilt from them, without gathering them again)."""
         if self._group is not None and not self._group.is_intact():
             self._group.dissolve()
             changed = None  # the caches may no longer be the group's: rebuild them whole
-        if changed is None or not self._refresh_caches_at(changed):
+        if changed is None or not self._refresh_caches_at(changed, values or {}):
             self._refresh_caches()
 
     def _refresh_caches(self) -> None:
         """Subclasses with caches rebuild them here (no-op by default)."""
 
-    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None]) -> bool:
+    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None], values: Mapping[str, Tensor]) -> bool:
         """Rebuild the caches only where the writes ``changed`` names can change them (see ``refresh``), in
         place; False, having changed nothing, where that is not exact or not cheaper: the caller then runs
         ``_refresh_caches``. Default: False."""
@@ -219,8 +222,8 @@ class Int8Linear(QuantLinear):
             return
         refresh_codes_f32(self)
 
-    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None]) -> bool:
-        return self.kernel == "int_mm_fp32" and refresh_codes_f32_at(self, changed)
+    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None], values: Mapping[str, Tensor]) -> bool:
+        return self.kernel == "int_mm_fp32" and refresh_codes_f32_at(self, changed, values)
 
     def _compute(self, x2: Tensor) -> Tensor:
         if self.kernel == "int_mm_fp32":
@@ -254,10 +257,12 @@ def refresh_codes_f32(m: QuantLinear) -> None:
         m.register_buffer("_w_codes", codes.float(), persistent=False)
 
 
-def refresh_codes_f32_at(m: QuantLinear, changed: Mapping[str, Tensor | None]) -> bool:
+def refresh_codes_f32_at(m: QuantLinear, changed: Mapping[str, Tensor | None],
+                         values: Mapping[str, Tensor] | None = None) -> bool:
     """`refresh_codes_f32` after a load that wrote only the ``qweight`` elements ``changed`` names (QuantLinear.
-    refresh): those codes converted into the existing cache (the scales are not in it). False, changing
-    nothing, when the cache does not fit the codes or more than `CODES_REFRESH_FRAC` of them were written."""
+    refresh): those codes (``values["qweight"]`` where given, else gathered from the codes) converted into the
+    existing cache (the scales are not in it). False, changing nothing, when the cache does not fit the codes
+    or more than `CODES_REFRESH_FRAC` of them were written."""
     cache, codes = m._buffers.get("_w_codes"), m._buffers["qweight"]
     assert codes is not None
     idx = changed.get("qweight", EMPTY_INDEX)
@@ -265,7 +270,10 @@ def refresh_codes_f32_at(m: QuantLinear, changed: Mapping[str, Tensor | None]) -
             or cache.shape != codes.shape or cache.device != codes.device or not cache.is_contiguous()):
         return False
     if idx.numel():
-        cache.view(-1).index_copy_(0, idx, torch.index_select(codes.reshape(-1), 0, idx).float())
+        new = (values or {}).get("qweight")
+        if new is None or new.numel() != idx.numel() or new.device != codes.device:
+            new = torch.index_select(codes.reshape(-1), 0, idx)
+        cache.view(-1).scatter_(0, idx, new.view(codes.dtype).float())
     return True
 
 
@@ -308,8 +316,8 @@ class Fp8Linear(QuantLinear):
             return
         refresh_codes_f32(self)
 
-    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None]) -> bool:
-        return self.kernel != "scaled_mm" and refresh_codes_f32_at(self, changed)
+    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None], values: Mapping[str, Tensor]) -> bool:
+        return self.kernel != "scaled_mm" and refresh_codes_f32_at(self, changed, values)
 
     def _compute(self, x2: Tensor) -> Tensor:
         if self.kernel == "scaled_mm":
@@ -351,7 +359,7 @@ class DecodedLinear(QuantLinear):
         if not fits:
             self.register_buffer("_w_decoded", w.contiguous(), persistent=False)
 
-    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None]) -> bool:
+    def _refresh_caches_at(self, changed: Mapping[str, Tensor | None], values: Mapping[str, Tensor]) -> bool:
         if self.kernel not in HOLDS_DECODED:
             return True  # no cache: the kernel reads the buffers the load wrote
         # the elements the writes can change (formats.weight_elements), decoded by the same ops, in place

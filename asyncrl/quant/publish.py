@@ -52,6 +52,7 @@ from .buffers import Blocks, BufferPool, quantize_for_send
 from .embedding import EMBED_FORMAT, EMBED_SUFFIXES
 from .errors import FormatMismatchError, ManifestMismatchError, NonFiniteWeightError, QuantError
 from .formats import ROLE_CODES, ROLE_FULL, ROLE_WEIGHT, check_format, weight_suffixes
+from .held import forget_held, holds, record_held
 from .int8 import all_finite
 from .linear import QuantLinear
 from .model import (
@@ -64,7 +65,7 @@ from .model import (
     module_or_none,
 )
 from .published import PublishedWeights
-from .wire import checksum_of, header_dict, manifest_entry
+from .wire import DTYPES, checksum_of, header_dict, manifest_entry
 
 HELD_CHECKSUM = "_asyncrl_published_checksum"
 """Attribute of a worker's model: the checksum of the last publication loaded into it (full or delta)."""
@@ -203,14 +204,21 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
     without re-quantising. Everything is validated first (format, manifest, digests, checksum,
     finiteness, names/dtypes/shapes against the model); on any QuantError the model is unchanged.
     A name the model holds twice (tied embeddings) may be absent from the publication.
+
+    What the model holds already is not loaded again (held.py): a tensor whose bytes hash to its new digest
+    (and that the last load recorded with it) is neither checked nor copied, and a linear none of whose
+    tensors was copied keeps its compute caches.
     """
     fmt = model_format(model)
     if published.fmt != fmt:
         raise FormatMismatchError(
             f"publication is {published.fmt!r} but the model was converted to {fmt!r}; publish in {fmt!r}"
         )
-    published.verify()
     state = model.state_dict()
+    held = {e.name for e in published.manifest
+            if (dest := state.get(e.name)) is not None and (dest.dtype, tuple(dest.shape)) == (
+                DTYPES.get(e.dtype), tuple(e.shape)) and holds(model, e, dest)}
+    published.verify(skip=held)
     aliases = _aliased_names(state)
     for name in published.tensors:
         if name not in state:
@@ -239,15 +247,20 @@ def load_published(model: nn.Module, published: PublishedWeights) -> None:
                 f"published weight is {e.logical_shape}, the module is {(mod.out_features, mod.in_features)}",
                 tensor_name=e.name,
             )
+    forget_held(model)  # until every tensor is in
+    written: set[str] = set()  # the modules whose tensors were written
     with torch.no_grad():
-        for name, dest in state.items():
-            src = published.tensors.get(name)
-            if src is not None:
-                dest.copy_(src)
-        for mod in model.modules():
-            if isinstance(mod, QuantLinear):
+        for e in published.manifest:
+            if e.name not in held:
+                state[e.name].copy_(published.tensors[e.name])
+                written.update(n.rpartition(".")[0] for n in (e.name, *aliases.get(e.name, ())))
+        # only the linears whose tensors were written rebuild their caches (the others' match their buffers, as
+        # after every load)
+        for name, mod in model.named_modules():
+            if isinstance(mod, QuantLinear) and name in written:
                 mod.refresh()
     vars(model)[HELD_CHECKSUM] = published.checksum  # what a delta to the next version must start from (delta.py)
+    record_held(model, published.manifest)
 
 
 def _head_hint(name: str) -> str:

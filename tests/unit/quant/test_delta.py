@@ -22,7 +22,7 @@ from asyncrl.quant import (
     publish,
     quantize_model,
 )
-from asyncrl.quant.delta import element_bits
+from asyncrl.quant.delta import UNDO_WHOLE_FRAC, element_bits
 from asyncrl.quant.formats import quantize_weight
 from asyncrl.quant.linear import LINEAR_CLASSES, DecodedLinear
 from asyncrl.quant.publish import HELD_CHECKSUM
@@ -225,6 +225,51 @@ def test_delta_publication_with_a_damaged_value_is_refused_and_every_written_ele
     with pytest.raises(ChecksumMismatchError, match="digest"):
         apply_delta(w, delta)
     assert same_bytes(w, before)
+
+
+@pytest.mark.parametrize(("step", "many"), [(2e-5, False), (4e-5, True), (1e-4, True)])
+def test_delta_publication_that_fails_after_sparse_parts_of_many_elements_restores_every_one(step, many):
+    """A sparse part that writes more than 1/UNDO_WHOLE_FRAC of its tensor is recorded as a copy of the tensor,
+    one of fewer by its old elements: either way a failure after it puts every byte back."""
+    pubs = [publish(sd, "int8", version=v) for v, sd in enumerate(versions(2, seed=9, step=step))]
+    w = worker_on("int8", "int_mm_fp32", False)
+    load_published(w, pubs[0])
+    before = copy.deepcopy(w)
+    delta = make_delta(pubs[0], pubs[1])
+    sizes = {e.name: e.nbytes for e in delta.manifest}  # int8 codes: a byte an element
+    sparse = [p for p in delta.parts if p.kind == "sparse" and p.name.endswith(".qweight")]
+    assert any(p.count * UNDO_WHOLE_FRAC > sizes[p.name] for p in sparse) == many  # recorded whole, or not
+    moving = [p for p in delta.parts if p.kind != "same"]
+    last = max(i for i, p in enumerate(moving) if p.kind == "sparse")
+    frame = delta.payloads[last].clone()
+    frame[-1] ^= 1  # the last new value of the last sparse part: its digest fails after every other is written
+    delta.payloads[last] = frame
+    with pytest.raises(ChecksumMismatchError, match="digest"):
+        apply_delta(w, delta)
+    assert same_bytes(w, before)
+
+
+def test_delta_publication_with_a_damaged_dense_part_is_refused_before_anything_is_written():
+    pubs = [publish(sd, "int8", version=v) for v, sd in enumerate(versions(2, seed=5))]
+    w = worker_on("int8", "int_mm_fp32", False)
+    load_published(w, pubs[0])
+    before = copy.deepcopy(w)
+    delta = make_delta(pubs[0], pubs[1])
+    moving = [p for p in delta.parts if p.kind != "same"]
+    dense = [i for i, p in enumerate(moving) if p.kind == "dense" and p.name.endswith(".weight_scale")]
+    assert dense and any(p.kind == "sparse" for p in moving)
+    good = delta.payloads[dense[-1]]
+    frame = good.clone()
+    frame[0] ^= 1  # the lowest mantissa bit of a scale: still finite and > 0, the bytes are not the version's
+    delta.payloads[dense[-1]] = frame
+    with pytest.raises(ChecksumMismatchError, match="dense part"):
+        apply_delta(w, delta)
+    assert same_bytes(w, before)
+    delta.payloads[dense[-1]] = good  # undamaged, it applies: every tensor, caches included, as a full load
+    apply_delta(w, delta)
+    full = worker_on("int8", "int_mm_fp32", False)
+    load_published(full, pubs[1])
+    assert same_bytes(w, full)
 
 
 def test_delta_publication_with_indices_outside_a_tensor_is_refused():

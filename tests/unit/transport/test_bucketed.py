@@ -22,6 +22,7 @@ import torch
 import protocols as P
 from asyncrl.quant import QuantError, load_buckets, load_published, quantize_model
 from asyncrl.quant.delta import held_checksum
+from asyncrl.quant.held import held_digests
 from asyncrl.transport import WeightClient, WeightFetchError, WeightServer
 from asyncrl.transport.buckets import LiveBytes, bucket_digest
 from asyncrl.transport.publication import from_wire, publish_streamed
@@ -102,6 +103,22 @@ def test_bucketed_delta_chain_rebuilds_the_caches_a_full_load_builds_bit_for_bit
             full = worker_on(fmt, kernel, fused)
             load_published(full, pubs[v])
             assert same_bytes(w, full), v
+
+
+@pytest.mark.parametrize(("fmt", "kernel", "fused"), CACHED)
+def test_bucketed_whole_version_over_the_one_before_rebuilds_the_caches_a_full_load_builds_bit_for_bit(fmt, kernel,
+                                                                                                   fused):
+    """A whole version streamed into a model that holds the version before writes only the bytes that changed
+    and rebuilds only the caches of the linears written (1-byte codes at the elements written): every buffer,
+    caches included, equals a worker that loaded the version in one piece; the digests are recorded."""
+    with served(fmt, 4, make=mixed_versions) as (_, client, pubs):
+        w = worker_on(fmt, kernel, fused)
+        for v in range(len(pubs)):
+            stream_load(client, w, v, 777, fmt=fmt)
+            full = worker_on(fmt, kernel, fused)
+            load_published(full, pubs[v])
+            assert same_bytes(w, full), v
+            assert held_digests(w) == {e.name: e.digest for e in pubs[v].manifest}
 
 
 def test_bucketed_delta_of_a_version_that_changed_nothing_is_one_empty_bucket():
