@@ -1,0 +1,64 @@
+"""How a ``NativeEngine`` is put together: its options resolved and checked, the model placed and quantized,
+the decode runner and the static step built.
+
+Owns: ``build_decode`` (model on its device, the fallback check on the model as loaded, quantization, the
+runner: ``DecoderRunner`` or the HF fallback, and the ``StaticStep`` with its CUDA graphs / compiled body) and
+the checks of the decode options against each other and the model (``ValueError`` naming the fix).
+
+Must never: run a request, touch the engine's locks or queues, or load published weights (``weights`` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncrl.constants import DECODE_STEPS
+from asyncrl.engine.native.hf_runner import build_runner, fallback_reason
+from asyncrl.engine.native.static_step import StaticStep
+from asyncrl.engine.native.step_graphs import resolve_cuda_graphs
+from asyncrl.engine.native.weights import QUANT_FORMATS, quantize_actor
+
+
+@dataclass(slots=True)
+class DecodeSetup:
+    """What ``build_decode`` made: the model (quantized, on its device), its runner and the static step."""
+
+    model: torch.nn.Module
+    runner: Any
+    """``DecoderRunner`` for a natively supported model, else the HF fallback runner (``hf_runner``)."""
+    static: StaticStep | None
+    """The static decode step; None on the eager path (``decode_step="eager"`` or the HF fallback)."""
+
+
+def check_options(quant_format: str, max_batch_size: int, max_prefill_tokens: int, decode_step: str) -> None:
+    """The engine options checked before anything is built (``ValueError`` naming the valid values)."""
+    if quant_format not in QUANT_FORMATS:
+        raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {quant_format!r}")
+    if max_batch_size < 1 or max_prefill_tokens < 1:
+        raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+    if decode_step not in DECODE_STEPS:
+        raise ValueError(f"decode_step must be one of {DECODE_STEPS}, got {decode_step!r}")
+
+
+def build_decode(model: torch.nn.Module, *, device: torch.device, quant_format: str, max_batch_size: int,
+                 max_seq_len: int, vocab_size: int, quantize_head: bool, quantize_embedding: bool,
+                 decode_step: str, cuda_graphs: str | bool, compile_step: bool | str) -> DecodeSetup:
+    """Move ``model`` to ``device``, quantize it, and build its runner and (unless eager) its static step."""
+    graphs = resolve_cuda_graphs(cuda_graphs, device)
+    model = model.to(device).eval()
+    reason = fallback_reason(model, max_seq_len)  # on the model as loaded, before its linears change
+    model = quantize_actor(model, quant_format, head=quantize_head, embedding=quantize_embedding)
+    runner = build_runner(model, max_batch_size, max_seq_len, reason)
+    static: StaticStep | None = None
+    if decode_step == "static" and reason is not None:
+        raise ValueError(f"decode_step=static needs a model the native decoder runs ({reason}); use "
+                         "decode_step=auto, which takes the eager path on the HF fallback")
+    if decode_step != "eager" and reason is None:
+        static = StaticStep(runner, vocab_size, cuda_graphs=graphs, compile_body=compile_step)
+    elif graphs and str(cuda_graphs).lower() == "true":
+        why = "drop decode_step=eager" if reason is None else f"this model runs on the HF fallback ({reason})"
+        raise ValueError(f"cuda_graphs=true replays the static decode step; {why}")
+    return DecodeSetup(model, runner, static)
