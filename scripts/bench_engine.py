@@ -243,8 +243,10 @@ def size_kv_cache(engine, prompt: list[int], new_tokens: int) -> None:
 
 
 def engine_options(args) -> dict[str, Any]:
-    """``NativeEngine`` keywords of ``--cuda-graphs`` and ``--compile-step``."""
-    return {"cuda_graphs": args.cuda_graphs, "compile_step": args.compile_step or False}
+    """``NativeEngine`` keywords of ``--cuda-graphs`` and ``--compile-step``. The script builds the buckets it
+    times itself, on a K/V cache sized to its longest request (``size_kv_cache``), so the engine's own
+    ``prewarm`` (every bucket up to ``max_seq_len``) is off."""
+    return {"cuda_graphs": args.cuda_graphs, "compile_step": args.compile_step or False, "prewarm": "false"}
 
 
 def main(argv: list[str] | None = None) -> int:

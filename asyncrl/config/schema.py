@@ -25,6 +25,7 @@ from asyncrl.constants import (
     DECODE_STEPS,
     FSYNC_POLICIES,
     LR_SCHEDULES,
+    PREWARM,
     PROMPT_FORMATS,
     STARTUP_TIMEOUT_S,
     TASK_NAMES,
@@ -169,6 +170,11 @@ class RolloutConfig:
     (on for CUDA devices), ``true`` (CUDA only; refused on a CPU), ``false``."""
     compile: bool = False
     """Native engine: ``torch.compile(fullgraph=True)`` the static decode step's body."""
+    prewarm: str = "auto"
+    """Native engine: build the runner of every batch/span bucket of the static step (its CUDA graph, its
+    compiled body) when the engine is built, on a K/V cache sized to the run's longest sequence, so none is
+    built inside a rollout: ``auto`` (on with CUDA graphs or a compiled step), ``true`` (needs one of them),
+    ``false`` (each bucket is built on its first step)."""
     dead_after_s: float = 30.0
     """A worker silent this long is declared dead and its assignments are reissued."""
     assignment_timeout_s: float = 90.0
@@ -485,6 +491,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
     cfg.rollout.cuda_graphs = str(cfg.rollout.cuda_graphs).lower()  # a Hydra `true` arrives as "True"
     require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
+    cfg.rollout.prewarm = str(cfg.rollout.prewarm).lower()
+    require_choice("rollout.prewarm", cfg.rollout.prewarm, PREWARM)
     if cfg.rollout.cuda_graphs == "true" and (cfg.rollout.device == "cpu" or cfg.rollout.decode_step == "eager"):
         raise ValueError(f"rollout.cuda_graphs=true replays the static decode step on a GPU, and this run has "
                          f"rollout.device={cfg.rollout.device}, rollout.decode_step={cfg.rollout.decode_step}; "

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.constants import DECODE_STEPS
+from asyncrl.constants import DECODE_STEPS, PREWARM
 from asyncrl.engine.native.hf_runner import build_runner, fallback_reason
 from asyncrl.engine.native.static_step import StaticStep
 from asyncrl.engine.native.step_graphs import resolve_cuda_graphs
@@ -31,6 +31,8 @@ class DecodeSetup:
     """``DecoderRunner`` for a natively supported model, else the HF fallback runner (``hf_runner``)."""
     static: StaticStep | None
     """The static decode step; None on the eager path (``decode_step="eager"`` or the HF fallback)."""
+    prewarm: bool
+    """Build every bucket's runner now and after anything drops them (``prewarm_runners``)."""
 
 
 def check_options(quant_format: str, max_batch_size: int, max_prefill_tokens: int, decode_step: str) -> None:
@@ -45,7 +47,8 @@ def check_options(quant_format: str, max_batch_size: int, max_prefill_tokens: in
 
 def build_decode(model: torch.nn.Module, *, device: torch.device, quant_format: str, max_batch_size: int,
                  max_seq_len: int, vocab_size: int, quantize_head: bool, quantize_embedding: bool,
-                 decode_step: str, cuda_graphs: str | bool, compile_step: bool | str) -> DecodeSetup:
+                 decode_step: str, cuda_graphs: str | bool, compile_step: bool | str,
+                 prewarm: str | bool = "auto") -> DecodeSetup:
     """Move ``model`` to ``device``, quantize it, and build its runner and (unless eager) its static step."""
     graphs = resolve_cuda_graphs(cuda_graphs, device)
     model = model.to(device).eval()
@@ -61,4 +64,33 @@ def build_decode(model: torch.nn.Module, *, device: torch.device, quant_format: 
     elif graphs and str(cuda_graphs).lower() == "true":
         why = "drop decode_step=eager" if reason is None else f"this model runs on the HF fallback ({reason})"
         raise ValueError(f"cuda_graphs=true replays the static decode step; {why}")
-    return DecodeSetup(model, runner, static)
+    setup = DecodeSetup(model, runner, static, resolve_prewarm(prewarm, static))
+    if setup.prewarm:
+        prewarm_runners(setup)
+    return setup
+
+
+def resolve_prewarm(choice: str | bool, static: StaticStep | None) -> bool:
+    """``auto`` -> on when the static step runs buckets (CUDA graphs or a compiled body); ``true`` needs them."""
+    value = str(choice).lower()
+    if value not in PREWARM:
+        raise ValueError(f"prewarm must be one of {PREWARM}, got {choice!r}")
+    bucketed = static is not None and static.pad
+    if value == "true" and not bucketed:
+        why = "it runs the eager decode path" if static is None else "its static step runs exact shapes"
+        raise ValueError(f"prewarm=true builds the runners of the bucketed decode step, and this engine has none "
+                         f"({why}: no CUDA graphs, no compiled step); set rollout.prewarm=auto, or turn on "
+                         "rollout.compile or rollout.cuda_graphs")
+    return value != "false" and bucketed
+
+
+def prewarm_runners(setup: DecodeSetup) -> int:
+    """Size the K/V cache to ``max_seq_len`` (its final size: it never grows, so no runner is dropped by a growth)
+    and build the runner of every batch/span bucket; return how many were built. Runs between steps only."""
+    static, cache = setup.static, setup.runner.cache
+    assert static is not None
+    if cache.kv is None:  # the K/V dtype is the model's compute dtype: one single-token prefill into row 0 sets it
+        setup.runner.prefill(0, [[0]], 1)
+    assert cache.dtype is not None
+    cache.reserve(cache.max_rows, cache.max_len, cache.dtype, static.device)
+    return static.build_all()

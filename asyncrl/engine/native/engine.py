@@ -73,6 +73,7 @@ class NativeEngine(StepLoop):
         decode_step: str = "auto",
         cuda_graphs: str | bool = "auto",
         compile_step: bool | str = False,
+        prewarm: str | bool = "auto",
     ) -> None:
         """Wrap ``model`` (fp32 HF causal LM; quantized here when ``quant_format != "fp32"``) at ``version``.
 
@@ -86,7 +87,10 @@ class NativeEngine(StepLoop):
         (``DecoderRunner.decode``: the reference), ``auto`` = static for a natively supported model.
         ``cuda_graphs``: ``auto`` (on for CUDA), ``true`` (CUDA only, else ``ValueError``), ``false``: replay
         the static step per batch/length bucket as CUDA graphs. ``compile_step``: ``torch.compile`` the
-        static step body (``fullgraph=True``).
+        static step body (``fullgraph=True``). ``prewarm``: ``auto`` (on when the static step runs buckets: CUDA
+        graphs or a compiled body), ``true``, ``false``: build the runner of every batch/span bucket here, on a
+        K/V cache sized to ``max_seq_len``, and again at the step boundary after a weight load dropped them, so
+        no runner is built inside a rollout.
         """
         check_options(quant_format, max_batch_size, max_prefill_tokens, decode_step)
         if num_threads is not None:
@@ -107,11 +111,12 @@ class NativeEngine(StepLoop):
         setup = build_decode(model, device=self.device, quant_format=quant_format, max_batch_size=max_batch_size,
                              max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, quantize_head=quantize_head,
                              quantize_embedding=quantize_embedding, decode_step=decode_step,
-                             cuda_graphs=cuda_graphs, compile_step=compile_step)
+                             cuda_graphs=cuda_graphs, compile_step=compile_step, prewarm=prewarm)
         model = setup.model
         self._model: torch.nn.Module | None = model
         self._runner: Any = setup.runner
         self._static: StaticStep | None = setup.static
+        self._prewarm = setup.prewarm
         self._eager_notice = False
 
         self._lock = threading.Lock()
@@ -205,7 +210,9 @@ class NativeEngine(StepLoop):
             with self._lock:
                 if self._closed or self._model is None:
                     raise EngineClosedError("engine is closed; build a new one")
-            return self.weights.stream(self._model, version, rest, self._static)
+            loaded = self.weights.stream(self._model, version, rest, self._static)
+            self._keep_warm()
+            return loaded
 
     def take_delta_failure(self) -> bool:
         """True once after a delta failed to apply (the engine kept its version; fetch the next one whole)."""
@@ -264,14 +271,18 @@ class NativeEngine(StepLoop):
 
         ``bucketed``: steps run as (batch, span) buckets (CUDA graphs or a compiled step); ``builds``,
         ``captures``, ``replays``, ``drops``: ``StepGraphs.counters`` (all 0 on an engine that runs exact
-        shapes eagerly, or with no static step); ``kv_allocations``: how many times the K/V storage was
-        (re)allocated (each drops every runner); ``kv_capacity``: positions per row it holds now.
+        shapes eagerly, or with no static step); ``prewarm``: every bucket's runner is built at construction
+        (and after a weight load that dropped them); ``buckets``: the (batch, span, truncation) keys a step can
+        run on the cache as sized now, ``runners``: how many of them hold a runner; ``kv_allocations``: how many
+        times the K/V storage was (re)allocated (each drops every runner); ``kv_capacity``: positions per row.
         """
         static, runner = self._static, self._runner
         counters = static.graphs.counters() if static is not None else dict.fromkeys(
             ("builds", "captures", "replays", "drops"), 0)
         cache = getattr(runner, "cache", None)
-        return {"bucketed": bool(static is not None and static.pad), **counters,
+        return {"bucketed": bool(static is not None and static.pad), **counters, "prewarm": self._prewarm,
+                "buckets": len(static.bucket_keys()) if static is not None else 0,
+                "runners": len(static.graphs.runners) if static is not None else 0,
                 "kv_allocations": int(getattr(cache, "generation", 0)),
                 "kv_capacity": int(getattr(cache, "cap_len", 0))}
 

@@ -39,7 +39,13 @@ from asyncrl.engine.native.decoder import (
     qkv_decode,
 )
 from asyncrl.engine.native.sampling import sample_static
-from asyncrl.engine.native.step_graphs import StepGraphs, batch_bucket, length_bucket
+from asyncrl.engine.native.step_graphs import (
+    StepGraphs,
+    batch_bucket,
+    batch_buckets,
+    length_bucket,
+    length_buckets,
+)
 
 _FIELDS = ("tok", "pos", "temp", "greedy", "live", "top_k", "top_p", "trunc", "u", "plen")
 _F = {name: i for i, name in enumerate(_FIELDS)}
@@ -165,6 +171,46 @@ class StaticStep:
             return
         rows = batch_bucket(n, self.max_rows)
         self.graphs.run(rows, length_bucket(max_pos + 1, cache.cap_len), truncate)
+
+    def bucket_keys(self) -> list[tuple[int, int, bool]]:
+        """Every ``(rows, length, truncate)`` key a step can run on the cache as sized now (none off buckets)."""
+        if not self.pad or self.cache.kv is None:
+            return []
+        spans = length_buckets(self.cache.cap_len)
+        return [(rows, length, truncate) for truncate in (False, True)
+                for rows in batch_buckets(self.max_rows) for length in spans]
+
+    @torch.inference_mode()
+    def build_all(self) -> int:
+        """Build the runner of every bucket key not built yet (``bucket_keys``); return how many were built.
+
+        The steps it runs are idle rows only: every row is staged as padding (not live, token 0 at position
+        0, greedy), so the one K/V position they write, 0 of each row, is saved before and put back after,
+        and ``dirty`` makes the next step upload every row's real state. Safe between any two steps.
+        """
+        cache = self.cache
+        if cache.generation != self._generation:
+            self.graphs.invalidate()
+            self._generation = cache.generation
+        keys = [k for k in self.bucket_keys() if k not in self.graphs.runners]
+        if not keys:
+            return 0
+        assert cache.kv is not None
+        saved = cache.kv[..., :1, :].clone()  # position 0 of every row: all the idle steps write
+        for buf in (self.tok, self.pos, self.u):
+            buf.zero_()
+        self.live.fill_(False)
+        self.greedy.fill_(True)
+        self.trunc.fill_(False)
+        self.temp.fill_(1.0)
+        self.top_p.fill_(1.0)
+        self.top_k.fill_(self.vocab)
+        for key in keys:
+            if key not in self.graphs.runners:
+                self.graphs.run(*key)
+        cache.kv[..., :1, :].copy_(saved)
+        self.dirty = True
+        return len(keys)
 
     @torch.inference_mode()
     def sample_joined(self, row0: int, logits: torch.Tensor, truncate: bool) -> None:

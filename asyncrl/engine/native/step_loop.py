@@ -53,6 +53,7 @@ class StepLoop:
     _closed: bool
     _active: list[Seq]
     _eager_notice: bool
+    _prewarm: bool
 
     def submit(self, requests: Sequence[GenRequest]) -> None:  # the control surface's (NativeEngine)
         raise NotImplementedError
@@ -95,6 +96,7 @@ class StepLoop:
         """
         with self._step_lock:
             self.weights.apply_pending(self._model, self._static)
+            self._keep_warm()
             finished: list[GenResult] = []
             with self._lock:
                 aborts, self._aborts = self._aborts, set()
@@ -123,6 +125,14 @@ class StepLoop:
         if self._closed or self._aborts or self.weights.pending:
             return True
         return not self._paused and bool(self._inbox or self._active)
+
+    def _keep_warm(self) -> None:
+        """With ``prewarm`` on: rebuild, here at the boundary, every bucket runner a weight load dropped (one that
+        moved a parameter), so the steps after it build nothing."""
+        st = self._static
+        if self._prewarm and st is not None and not st.graphs.runners and self._runner.cache.kv is not None:
+            log.info("rebuilding the decode step's bucket runners")
+            st.build_all()
 
     def _forward_and_sample(self, admitted: list[Seq], finished: list[GenResult]) -> None:
         assert self._runner is not None
