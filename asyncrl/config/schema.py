@@ -21,6 +21,7 @@ from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.constants import (
     ANSWER_FORMATS,
     BASE_FORMATS,
+    COMPILE_STEPS,
     CUDA_GRAPHS,
     DECODE_STEPS,
     FSYNC_POLICIES,
@@ -168,8 +169,10 @@ class RolloutConfig:
     cuda_graphs: str = "auto"
     """Native engine: replay the static decode step as CUDA graphs, one per batch/length bucket: ``auto``
     (on for CUDA devices), ``true`` (CUDA only; refused on a CPU), ``false``."""
-    compile: bool = False
-    """Native engine: ``torch.compile(fullgraph=True)`` the static decode step's body."""
+    compile: str = "auto"
+    """Native engine: ``torch.compile(fullgraph=True)`` the static decode step's body: ``auto`` (Inductor on CUDA;
+    if compiling fails the engine logs an error naming ``rollout.compile=false`` and runs the step uncompiled;
+    off on a CPU), ``true`` (Inductor on any device; a failure stops the worker), ``false``."""
     prewarm: str = "auto"
     """Native engine: build the runner of every batch/span bucket of the static step (its CUDA graph, its
     compiled body) when the engine is built, on a K/V cache sized to the run's longest sequence, so none is
@@ -491,6 +494,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
     cfg.rollout.cuda_graphs = str(cfg.rollout.cuda_graphs).lower()  # a Hydra `true` arrives as "True"
     require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
+    cfg.rollout.compile = str(cfg.rollout.compile).lower()
+    require_choice("rollout.compile", cfg.rollout.compile, COMPILE_STEPS)
     cfg.rollout.prewarm = str(cfg.rollout.prewarm).lower()
     require_choice("rollout.prewarm", cfg.rollout.prewarm, PREWARM)
     if cfg.rollout.cuda_graphs == "true" and (cfg.rollout.device == "cpu" or cfg.rollout.decode_step == "eager"):

@@ -27,7 +27,7 @@ from typing import Any, TypedDict
 
 from asyncrl.config.devices import parse_device
 from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig, check_serving
-from asyncrl.constants import CUDA_GRAPHS, DECODE_STEPS, PREWARM
+from asyncrl.constants import COMPILE_STEPS, CUDA_GRAPHS, DECODE_STEPS, PREWARM
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.sglang.server import REPO_ROOT, SGLANG_PYTHON_ENV
 from protocols.values import require_choice
@@ -69,8 +69,8 @@ class EngineSpec:
     """Native engine decode step: ``auto`` / ``static`` / ``eager`` (``rollout.decode_step``)."""
     cuda_graphs: str = "auto"
     """Native engine: CUDA graphs of the static step, ``auto`` / ``true`` / ``false`` (``rollout.cuda_graphs``)."""
-    compile_step: bool = False
-    """Native engine: ``torch.compile`` the static step body (``rollout.compile``)."""
+    compile_step: str = "auto"
+    """Native engine: ``torch.compile`` the static step body, ``auto`` / ``true`` / ``false`` (``rollout.compile``)."""
     prewarm: str = "auto"
     """Native engine: build every bucket of the static step at start, ``auto`` / ``true`` / ``false``
     (``rollout.prewarm``)."""
@@ -80,6 +80,8 @@ class EngineSpec:
         require_choice("decode_step", self.decode_step, DECODE_STEPS)
         self.cuda_graphs = str(self.cuda_graphs).lower()
         require_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
+        self.compile_step = str(self.compile_step).lower()
+        require_choice("compile_step", self.compile_step, COMPILE_STEPS)
         self.prewarm = str(self.prewarm).lower()
         require_choice("prewarm", self.prewarm, PREWARM)
         check_serving(self.kind, self.quant_format)

@@ -2,8 +2,10 @@
 the decode runner and the static step built.
 
 Owns: ``build_decode`` (model on its device, the fallback check on the model as loaded, quantization, the
-runner: ``DecoderRunner`` or the HF fallback, and the ``StaticStep`` with its CUDA graphs / compiled body) and
-the checks of the decode options against each other and the model (``ValueError`` naming the fix).
+runner: ``DecoderRunner`` or the HF fallback, and the ``StaticStep`` with its CUDA graphs / compiled body),
+the resolution of ``compile_step`` (``resolve_compile``) and ``prewarm`` (``resolve_prewarm``), building every
+bucket's runner up front (``prewarm_runners``), and the checks of the decode options against each other and
+the model (``ValueError`` naming the fix).
 
 Must never: run a request, touch the engine's locks or queues, or load published weights (``weights`` does).
 """
@@ -35,6 +37,44 @@ class DecodeSetup:
     """Build every bucket's runner now and after anything drops them (``prewarm_runners``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class CompilePlan:
+    """How the static step's body is compiled (``resolve_compile``)."""
+
+    backend: str | None
+    """The ``torch.compile`` backend; None: the body runs uncompiled."""
+    fallback: bool
+    """A build that fails logs an error and the step runs uncompiled (``auto``); else the failure is raised."""
+
+
+def resolve_compile(choice: str | bool, device: torch.device) -> CompilePlan:
+    """The one place ``compile_step`` (``rollout.compile``) is decided.
+
+    ``auto``: Inductor on CUDA, where a build that fails is logged as an error naming ``rollout.compile=false``
+    and the step falls back to the uncompiled body; off elsewhere (on a CPU a compiled step buys little and
+    costs a compiler). ``true``: Inductor anywhere, a failed build raised naming the fix. ``false``: off. Any
+    other text names a ``torch.compile`` backend (``eager``, ``aot_eager``: tests and benchmarks), no fallback.
+    """
+    if isinstance(choice, bool):
+        choice = "true" if choice else "false"
+    if not isinstance(choice, str):
+        raise ValueError(f"compile_step must be auto, true, false or a torch.compile backend, got {choice!r}")
+    value = choice.lower()
+    if value == "auto":
+        return CompilePlan("inductor", True) if device.type == "cuda" else CompilePlan(None, False)
+    if value == "true":
+        return CompilePlan("inductor", False)
+    if value == "false":
+        return CompilePlan(None, False)
+    from torch._dynamo import list_backends
+
+    backends = list_backends(exclude_tags=())
+    if choice not in backends:
+        raise ValueError(f"compile_step={choice!r} is neither auto, true, false nor a torch.compile backend "
+                         f"({', '.join(backends)}); set rollout.compile=auto, true or false")
+    return CompilePlan(choice, False)
+
+
 def check_options(quant_format: str, max_batch_size: int, max_prefill_tokens: int, decode_step: str) -> None:
     """The engine options checked before anything is built (``ValueError`` naming the valid values)."""
     if quant_format not in QUANT_FORMATS:
@@ -51,6 +91,7 @@ def build_decode(model: torch.nn.Module, *, device: torch.device, quant_format: 
                  prewarm: str | bool = "auto") -> DecodeSetup:
     """Move ``model`` to ``device``, quantize it, and build its runner and (unless eager) its static step."""
     graphs = resolve_cuda_graphs(cuda_graphs, device)
+    resolve_compile(compile_step, device)  # a bad value is refused before the model moves
     model = model.to(device).eval()
     reason = fallback_reason(model, max_seq_len)  # on the model as loaded, before its linears change
     model = quantize_actor(model, quant_format, head=quantize_head, embedding=quantize_embedding)
@@ -60,7 +101,9 @@ def build_decode(model: torch.nn.Module, *, device: torch.device, quant_format: 
         raise ValueError(f"decode_step=static needs a model the native decoder runs ({reason}); use "
                          "decode_step=auto, which takes the eager path on the HF fallback")
     if decode_step != "eager" and reason is None:
-        static = StaticStep(runner, vocab_size, cuda_graphs=graphs, compile_body=compile_step)
+        plan = resolve_compile(compile_step, device)
+        static = StaticStep(runner, vocab_size, cuda_graphs=graphs, compile_body=plan.backend,
+                            compile_fallback=plan.fallback)
     elif graphs and str(cuda_graphs).lower() == "true":
         why = "drop decode_step=eager" if reason is None else f"this model runs on the HF fallback ({reason})"
         raise ValueError(f"cuda_graphs=true replays the static decode step; {why}")

@@ -72,7 +72,7 @@ class NativeEngine(StepLoop):
         quantize_embedding: bool = False,
         decode_step: str = "auto",
         cuda_graphs: str | bool = "auto",
-        compile_step: bool | str = False,
+        compile_step: bool | str = "auto",
         prewarm: str | bool = "auto",
     ) -> None:
         """Wrap ``model`` (fp32 HF causal LM; quantized here when ``quant_format != "fp32"``) at ``version``.
@@ -87,7 +87,9 @@ class NativeEngine(StepLoop):
         (``DecoderRunner.decode``: the reference), ``auto`` = static for a natively supported model.
         ``cuda_graphs``: ``auto`` (on for CUDA), ``true`` (CUDA only, else ``ValueError``), ``false``: replay
         the static step per batch/length bucket as CUDA graphs. ``compile_step``: ``torch.compile`` the
-        static step body (``fullgraph=True``). ``prewarm``: ``auto`` (on when the static step runs buckets: CUDA
+        static step body (``fullgraph=True``): ``auto`` (Inductor on CUDA, falling back to the uncompiled body
+        with an error logged if compiling fails; off on a CPU), ``true``, ``false``, or a backend name
+        (``asyncrl.engine.native.build.resolve_compile``). ``prewarm``: ``auto`` (on when the static step runs buckets: CUDA
         graphs or a compiled body), ``true``, ``false``: build the runner of every batch/span bucket here, on a
         K/V cache sized to ``max_seq_len``, and again at the step boundary after a weight load dropped them, so
         no runner is built inside a rollout.
@@ -264,6 +266,8 @@ class NativeEngine(StepLoop):
             "kernels": sorted({m.kernel for m in self._model.modules() if isinstance(m, QuantLinear)}
                               if self._model is not None else ()),
             "cuda_graphs": self._static is not None and self._static.graphs.use_graphs,
+            "compile_step": self._static.compiled if self._static is not None else None,
+            "compile_failure": self._static.compile_failure if self._static is not None else None,
         }
 
     def step_stats(self) -> dict[str, Any]:
@@ -273,7 +277,9 @@ class NativeEngine(StepLoop):
         ``captures``, ``replays``, ``drops``: ``StepGraphs.counters`` (all 0 on an engine that runs exact
         shapes eagerly, or with no static step); ``prewarm``: every bucket's runner is built at construction
         (and after a weight load that dropped them); ``buckets``: the (batch, span, truncation) keys a step can
-        run on the cache as sized now, ``runners``: how many of them hold a runner; ``kv_allocations``: how many
+        run on the cache as sized now, ``runners``: how many of them hold a runner; ``compiled``: the
+        ``torch.compile`` backend the step body runs under (None: uncompiled), ``compile_failure``: why compiling
+        failed when the step fell back to the uncompiled body (None otherwise); ``kv_allocations``: how many
         times the K/V storage was (re)allocated (each drops every runner); ``kv_capacity``: positions per row.
         """
         static, runner = self._static, self._runner
@@ -281,6 +287,8 @@ class NativeEngine(StepLoop):
             ("builds", "captures", "replays", "drops"), 0)
         cache = getattr(runner, "cache", None)
         return {"bucketed": bool(static is not None and static.pad), **counters, "prewarm": self._prewarm,
+                "compiled": static.compiled if static is not None else None,
+                "compile_failure": static.compile_failure if static is not None else None,
                 "buckets": len(static.bucket_keys()) if static is not None else 0,
                 "runners": len(static.graphs.runners) if static is not None else 0,
                 "kv_allocations": int(getattr(cache, "generation", 0)),

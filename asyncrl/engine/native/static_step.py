@@ -25,8 +25,10 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +49,7 @@ from asyncrl.engine.native.step_graphs import (
     length_buckets,
 )
 
+log = logging.getLogger(__name__)
 _FIELDS = ("tok", "pos", "temp", "greedy", "live", "top_k", "top_p", "trunc", "u", "plen")
 _F = {name: i for i, name in enumerate(_FIELDS)}
 
@@ -72,7 +75,10 @@ class StaticStep:
     """Static buffers + step body for a ``DecoderRunner``'s model and cache (see module docstring)."""
 
     def __init__(self, runner: DecoderRunner, vocab_size: int, *, cuda_graphs: bool = False,
-                 compile_body: bool | str = False) -> None:
+                 compile_body: bool | str | Callable[..., Any] | None = False, compile_fallback: bool = False) -> None:
+        """``compile_body``: ``torch.compile`` backend of the body (``True``: inductor; falsy: not compiled).
+        ``compile_fallback``: a build of the compiled body that fails logs an error and the step runs the
+        uncompiled body from then on (``compile_failure`` says why); off, the failure is raised naming the fix."""
         self.runner = runner
         self.cache = runner.cache
         self.vocab = vocab_size
@@ -98,13 +104,22 @@ class StaticStep:
         self._event = torch.cuda.Event() if pinned else None
         self.dirty = True
         """The host's rows differ from the device state (a join, a leave, an eager step): upload them all."""
-        body = self.body
+        body: Callable[[int, int, bool], None] = self.body
+        self.compiled: str | None = None
+        """The backend the body is compiled with (None: the body runs uncompiled)."""
+        self.compile_failure: str | None = None
+        """Why compiling failed, when the step fell back to the uncompiled body (``compile_fallback``)."""
+        self.compile_fallback = bool(compile_body) and compile_fallback
         if compile_body:
             from torch._dynamo import config as dynamo_config
 
-            # one compiled graph per (rows, length, truncate) key
-            dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 256)
-            backend = compile_body if isinstance(compile_body, str) else "inductor"
+            # one compiled graph per (rows, length, truncate) key: every bucket of the largest cache, and the
+            # capacities a growing cache passes through
+            keys = 2 * len(batch_buckets(n)) * (len(length_buckets(self.cache.max_len)) + 16)
+            dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, keys)
+            dynamo_config.accumulated_cache_size_limit = max(dynamo_config.accumulated_cache_size_limit, keys)
+            backend = compile_body if not isinstance(compile_body, bool) else "inductor"
+            self.compiled = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
             body = torch.compile(self.body, fullgraph=True, dynamic=False, backend=backend)
         self.graphs = StepGraphs(body, self.device, use_graphs=cuda_graphs)
         self.pad = bool(cuda_graphs or compile_body)
@@ -170,7 +185,32 @@ class StaticStep:
             self.body(n, max_pos + 1, truncate)
             return
         rows = batch_bucket(n, self.max_rows)
-        self.graphs.run(rows, length_bucket(max_pos + 1, cache.cap_len), truncate)
+        self._run_bucket(rows, length_bucket(max_pos + 1, cache.cap_len), truncate)
+
+    def _run_bucket(self, rows: int, length: int, truncate: bool) -> None:
+        """``graphs.run`` of one key; the first build of a compiled body that fails falls back or names the fix."""
+        key = (rows, length, truncate)
+        if self.compiled is None or key in self.graphs.runners:
+            self.graphs.run(*key)
+            return
+        tok, pos = self.tok.clone(), self.pos.clone()  # all a step changes that it reads again (K/V at pos aside)
+        try:
+            self.graphs.run(*key)
+        except Exception as exc:
+            if not self.compile_fallback:
+                raise RuntimeError(f"building the decode step compiled with torch.compile (backend "
+                                   f"{self.compiled}) failed: {type(exc).__name__}: {exc}; set rollout.compile=false "
+                                   "(NativeEngine(compile_step=False)) to run it uncompiled") from exc
+            self.compile_failure = f"{type(exc).__name__}: {exc}"[:2000]
+            log.error("building the decode step compiled with torch.compile (backend %s) failed, so it runs "
+                      "uncompiled from now on (set rollout.compile=false to skip compiling): %s",
+                      self.compiled, self.compile_failure)
+            self.compiled, self.compile_fallback = None, False
+            self.graphs.invalidate()
+            self.graphs.body = self.body
+            self.tok.copy_(tok)
+            self.pos.copy_(pos)
+            self.graphs.run(*key)
 
     def bucket_keys(self) -> list[tuple[int, int, bool]]:
         """Every ``(rows, length, truncate)`` key a step can run on the cache as sized now (none off buckets)."""
@@ -182,7 +222,7 @@ class StaticStep:
 
     @torch.inference_mode()
     def build_all(self) -> int:
-        """Build the runner of every bucket key not built yet (``bucket_keys``); return how many were built.
+        """Build the runner of every bucket key not built yet (``bucket_keys``); return how many builds it ran.
 
         The steps it runs are idle rows only: every row is staged as padding (not live, token 0 at position
         0, greedy), so the one K/V position they write, 0 of each row, is saved before and put back after,
@@ -205,12 +245,14 @@ class StaticStep:
         self.temp.fill_(1.0)
         self.top_p.fill_(1.0)
         self.top_k.fill_(self.vocab)
-        for key in keys:
-            if key not in self.graphs.runners:
-                self.graphs.run(*key)
+        built = self.graphs.warmups
+        for _ in range(2):  # a second pass when a compile failure dropped the runners built before it
+            for key in self.bucket_keys():
+                if key not in self.graphs.runners:
+                    self._run_bucket(*key)
         cache.kv[..., :1, :].copy_(saved)
         self.dirty = True
-        return len(keys)
+        return self.graphs.warmups - built
 
     @torch.inference_mode()
     def sample_joined(self, row0: int, logits: torch.Tensor, truncate: bool) -> None:

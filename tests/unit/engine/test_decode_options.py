@@ -26,7 +26,7 @@ GROUP = 4
 def test_config_checks_the_decode_options_and_the_launcher_passes_them_on(tmp_path: Path):
     cfg = load_train_config(["rollout.device=cpu", "rollout.decode_step=eager", "rollout.cuda_graphs=false",
                              "rollout.compile=true"])
-    assert (cfg.rollout.decode_step, cfg.rollout.cuda_graphs, cfg.rollout.compile) == ("eager", "false", True)
+    assert (cfg.rollout.decode_step, cfg.rollout.cuda_graphs, cfg.rollout.compile) == ("eager", "false", "true")
     launcher = Launcher(cfg, tmp_path, tmp_path)
     launcher.address = "tcp://127.0.0.1:5555"
     args = launcher.worker_args("w")
@@ -36,7 +36,9 @@ def test_config_checks_the_decode_options_and_the_launcher_passes_them_on(tmp_pa
         load_train_config(["rollout.device=cpu", "rollout.cuda_graphs=true"])
     with pytest.raises(ValueError, match="rollout.decode_step"):
         load_train_config(["rollout.decode_step=fastest"])
-    assert load_train_config([]).rollout.prewarm == "auto"
+    assert load_train_config([]).rollout.prewarm == load_train_config([]).rollout.compile == "auto"
+    with pytest.raises(ValueError, match="rollout.compile"):
+        load_train_config(["rollout.compile=sometimes"])
     assert load_train_config(["rollout.prewarm=true"]).rollout.prewarm == "true"  # Hydra's bool, as the word
     with pytest.raises(ValueError, match="rollout.prewarm"):
         load_train_config(["rollout.prewarm=early"])
