@@ -127,6 +127,18 @@ def resolve_prewarm(choice: str | bool, static: StaticStep | None) -> bool:
     return value != "false" and bucketed
 
 
+def resolve_overlap(choice: str | bool, device: torch.device, static: StaticStep | None) -> bool:
+    """``auto`` -> on for CUDA with the static step (a CPU has no device to overlap with); ``true`` needs the
+    static step (``ValueError`` naming the fix)."""
+    value = str(choice).lower()
+    if value not in PREWARM:  # the same three words
+        raise ValueError(f"overlap must be one of {PREWARM}, got {choice!r}")
+    if value == "true" and static is None:
+        raise ValueError("overlap=true reads a static step's results while the next one runs, and this engine runs "
+                         "the eager decode path; use overlap=auto, or decode_step=auto on a natively supported model")
+    return static is not None and (value == "true" or value == "auto" and device.type == "cuda")
+
+
 def prewarm_runners(setup: DecodeSetup) -> int:
     """Size the K/V cache to ``max_seq_len`` (its final size: it never grows, so no runner is dropped by a growth)
     and build the runner of every batch/span bucket; return how many were built. Runs between steps only."""

@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from asyncrl.engine.base import EngineClosedError, GenRequest
-from asyncrl.engine.native.build import build_decode, check_options
+from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
+from asyncrl.engine.native.build import build_decode, check_options, resolve_overlap
 from asyncrl.engine.native.decoder import decoder_view
 from asyncrl.engine.native.rows import Seq, model_eos_ids, new_rows
 from asyncrl.engine.native.static_step import StaticStep
-from asyncrl.engine.native.step_loop import StepLoop
+from asyncrl.engine.native.step_loop import InFlight, StepLoop
 from asyncrl.engine.native.weight_updates import WeightUpdates
 from asyncrl.engine.native.weights import check_weights
 from asyncrl.quant import QuantLinear
@@ -74,6 +74,7 @@ class NativeEngine(StepLoop):
         cuda_graphs: str | bool = "auto",
         compile_step: bool | str = "auto",
         prewarm: str | bool = "auto",
+        overlap: str | bool = "auto",
     ) -> None:
         """Wrap ``model`` (fp32 HF causal LM; quantized here when ``quant_format != "fp32"``) at ``version``.
 
@@ -92,7 +93,9 @@ class NativeEngine(StepLoop):
         (``asyncrl.engine.native.build.resolve_compile``). ``prewarm``: ``auto`` (on when the static step runs buckets: CUDA
         graphs or a compiled body), ``true``, ``false``: build the runner of every batch/span bucket here, on a
         K/V cache sized to ``max_seq_len``, and again at the step boundary after a weight load dropped them, so
-        no runner is built inside a rollout.
+        no runner is built inside a rollout. ``overlap``: ``auto`` (on for CUDA), ``true``, ``false``: a static
+        step whose rows all go on is left in flight and its results (copied to pinned memory without blocking)
+        are read after the next step is launched, so the host's bookkeeping overlaps the device.
         """
         check_options(quant_format, max_batch_size, max_prefill_tokens, decode_step)
         if num_threads is not None:
@@ -119,6 +122,9 @@ class NativeEngine(StepLoop):
         self._runner: Any = setup.runner
         self._static: StaticStep | None = setup.static
         self._prewarm = setup.prewarm
+        self._overlap = resolve_overlap(overlap, self.device, self._static)
+        self._inflight: InFlight | None = None  # a static step whose results are not read yet (overlap)
+        self._ready: list[GenResult] = []  # results read from it before a step that then raised
         self._eager_notice = False
 
         self._lock = threading.Lock()
@@ -212,6 +218,7 @@ class NativeEngine(StepLoop):
             with self._lock:
                 if self._closed or self._model is None:
                     raise EngineClosedError("engine is closed; build a new one")
+            self._drain(self._ready)  # the step in flight ran the weights before this version
             loaded = self.weights.stream(self._model, version, rest, self._static)
             self._keep_warm()
             return loaded
@@ -266,6 +273,7 @@ class NativeEngine(StepLoop):
             "kernels": sorted({m.kernel for m in self._model.modules() if isinstance(m, QuantLinear)}
                               if self._model is not None else ()),
             "cuda_graphs": self._static is not None and self._static.graphs.use_graphs,
+            "overlap": self._overlap,
             "compile_step": self._static.compiled if self._static is not None else None,
             "compile_failure": self._static.compile_failure if self._static is not None else None,
         }

@@ -20,7 +20,10 @@ Invariants:
     ``repeat_interleave`` order) are folded into the query-length axis, ``q: [rows, KV, G, hd]``, so SDPA runs
     without ``enable_gqa`` in the compute dtype, the mask ``[rows, 1, 1, length]`` broadcast over them;
   * the tokens and behaviour log-probs equal ``processed_logprobs`` + ``sample_tokens`` on the same logits;
-  * one device-to-host copy per step: ``out[:, :n]`` (into pinned memory + an event on CUDA).
+  * one device-to-host copy per step: ``out[:, :n]``, into one of two host slots (pinned, with an event, on
+    CUDA; ``fetch_start``), read by ``fetch_wait``: a step's copy can be waited on after the next step is
+    launched without that step's copy landing on it;
+  * ``build_all`` (every bucket's runner, built up front) runs idle rows only and leaves the K/V cache as it was.
 """
 
 from __future__ import annotations
@@ -100,8 +103,10 @@ class StaticStep:
         pinned = dev.type == "cuda"
         self._stage = torch.zeros(len(_FIELDS), n, dtype=torch.float64, pin_memory=pinned)
         self._stage_np = self._stage.numpy()
-        self._out_host = torch.zeros(2, n, dtype=torch.float64, pin_memory=pinned)
-        self._event = torch.cuda.Event() if pinned else None
+        # two slots: the step whose results the host reads, and the step launched after it (``fetch_start``)
+        self._out_host = torch.zeros(2, 2, n, dtype=torch.float64, pin_memory=pinned)
+        self._events = (torch.cuda.Event(), torch.cuda.Event()) if pinned else None
+        self._slot = 0
         self.dirty = True
         """The host's rows differ from the device state (a join, a leave, an eager step): upload them all."""
         body: Callable[[int, int, bool], None] = self.body
@@ -267,17 +272,27 @@ class StaticStep:
         self.pos[sl].copy_(self.plen[sl])
         self.live[sl] = True
 
-    def fetch(self, n: int) -> tuple[list[int], list[float]]:
-        """The one device-to-host copy of a step: tokens and behaviour log-probs of rows ``0..n-1``."""
-        if self._event is None:
-            out = self.out[:, :n].numpy()
-        else:
-            host = self._out_host[:, :n]
-            host.copy_(self.out[:, :n], non_blocking=True)
-            self._event.record()
-            self._event.synchronize()
-            out = host.numpy()
+    def fetch_start(self, n: int) -> int:
+        """Start the one device-to-host copy of a step, ``out[:, :n]``, into a host slot (pinned, non-blocking,
+        an event after it, on CUDA); return the slot for ``fetch_wait``. Two slots alternate, so the step after
+        this one can be launched and copied before this one is read."""
+        slot, self._slot = self._slot, self._slot ^ 1
+        self._out_host[slot, :, :n].copy_(self.out[:, :n], non_blocking=True)
+        if self._events is not None:
+            self._events[slot].record()
+        return slot
+
+    def fetch_wait(self, slot: int, n: int) -> tuple[list[int], list[float]]:
+        """Tokens and behaviour log-probs of rows ``0..n-1`` of the step whose copy went into ``slot``, once
+        it has landed (the event's wait; on a CPU the copy is already done)."""
+        if self._events is not None:
+            self._events[slot].synchronize()
+        out = self._out_host[slot, :, :n].numpy()
         return out[0].astype(np.int64).tolist(), out[1].astype(np.float32).tolist()
+
+    def fetch(self, n: int) -> tuple[list[int], list[float]]:
+        """The one device-to-host copy of a step, waited on at once: tokens and log-probs of rows ``0..n-1``."""
+        return self.fetch_wait(self.fetch_start(n), n)
 
     # ----------------------------------------------------------------- device side
 
