@@ -26,6 +26,7 @@ from asyncrl.constants import (
     DECODE_STEPS,
     FSYNC_POLICIES,
     LR_SCHEDULES,
+    OVERLAP,
     PREWARM,
     PROMPT_FORMATS,
     STARTUP_TIMEOUT_S,
@@ -173,6 +174,9 @@ class RolloutConfig:
     """Native engine: ``torch.compile(fullgraph=True)`` the static decode step's body: ``auto`` (Inductor on CUDA;
     if compiling fails the engine logs an error naming ``rollout.compile=false`` and runs the step uncompiled;
     off on a CPU), ``true`` (Inductor on any device; a failure stops the worker), ``false``."""
+    overlap: str = "auto"
+    """Native engine: read a decode step's results (one non-blocking copy into pinned memory) after the next step
+    is launched, so the host's bookkeeping overlaps the GPU: ``auto`` (on for CUDA), ``true``, ``false``."""
     prewarm: str = "auto"
     """Native engine: build the runner of every batch/span bucket of the static step (its CUDA graph, its
     compiled body) when the engine is built, on a K/V cache sized to the run's longest sequence, so none is
@@ -496,6 +500,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
     cfg.rollout.compile = str(cfg.rollout.compile).lower()
     require_choice("rollout.compile", cfg.rollout.compile, COMPILE_STEPS)
+    cfg.rollout.overlap = str(cfg.rollout.overlap).lower()
+    require_choice("rollout.overlap", cfg.rollout.overlap, OVERLAP)
     cfg.rollout.prewarm = str(cfg.rollout.prewarm).lower()
     require_choice("rollout.prewarm", cfg.rollout.prewarm, PREWARM)
     if cfg.rollout.cuda_graphs == "true" and (cfg.rollout.device == "cpu" or cfg.rollout.decode_step == "eager"):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.constants import DECODE_STEPS, PREWARM
+from asyncrl.constants import DECODE_STEPS, OVERLAP, PREWARM
 from asyncrl.engine.native.hf_runner import build_runner, fallback_reason
 from asyncrl.engine.native.static_step import StaticStep
 from asyncrl.engine.native.step_graphs import resolve_cuda_graphs
@@ -131,7 +131,7 @@ def resolve_overlap(choice: str | bool, device: torch.device, static: StaticStep
     """``auto`` -> on for CUDA with the static step (a CPU has no device to overlap with); ``true`` needs the
     static step (``ValueError`` naming the fix)."""
     value = str(choice).lower()
-    if value not in PREWARM:  # the same three words
+    if value not in OVERLAP:
         raise ValueError(f"overlap must be one of {PREWARM}, got {choice!r}")
     if value == "true" and static is None:
         raise ValueError("overlap=true reads a static step's results while the next one runs, and this engine runs "

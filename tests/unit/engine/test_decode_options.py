@@ -36,7 +36,10 @@ def test_config_checks_the_decode_options_and_the_launcher_passes_them_on(tmp_pa
         load_train_config(["rollout.device=cpu", "rollout.cuda_graphs=true"])
     with pytest.raises(ValueError, match="rollout.decode_step"):
         load_train_config(["rollout.decode_step=fastest"])
-    assert load_train_config([]).rollout.prewarm == load_train_config([]).rollout.compile == "auto"
+    default = load_train_config([]).rollout
+    assert default.prewarm == default.compile == default.overlap == "auto"
+    with pytest.raises(ValueError, match="rollout.overlap"):
+        load_train_config(["rollout.overlap=later"])
     with pytest.raises(ValueError, match="rollout.compile"):
         load_train_config(["rollout.compile=sometimes"])
     assert load_train_config(["rollout.prewarm=true"]).rollout.prewarm == "true"  # Hydra's bool, as the word

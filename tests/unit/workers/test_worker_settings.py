@@ -85,10 +85,10 @@ def test_every_sglang_setting_of_the_run_reaches_a_launched_workers_engine(tmp_p
 
 def test_a_native_workers_decode_options_and_device_round_trip(tmp_path: Path):
     cfg = load_train_config(["rollout.device=cpu", "rollout.decode_step=eager", "rollout.cuda_graphs=false",
-                             "rollout.compile=true", "rollout.prewarm=false"])
+                             "rollout.compile=true", "rollout.prewarm=false", "rollout.overlap=false"])
     argv = _argv(cfg, tmp_path, name="w:1")
     assert {"rollout.engine=native", "rollout.device=cpu", "rollout.decode_step=eager", "rollout.prewarm=false",
-            "rollout.cuda_graphs=false", "rollout.compile=true", "worker_id=w:1", "quant.fmt="} <= set(argv)
+            "rollout.overlap=false", "rollout.cuda_graphs=false", "rollout.compile=true", "worker_id=w:1", "quant.fmt="} <= set(argv)
     role = parse_args(argv)
     assert role == worker_role_for_run(cfg, controller="tcp://127.0.0.1:5555", worker_id="w:1",
                                        log_dir=str(tmp_path / "logs"))
@@ -96,7 +96,7 @@ def test_a_native_workers_decode_options_and_device_round_trip(tmp_path: Path):
     spec = engine_spec(SETUP, role, fmt="int8", slots=8)
     assert spec == EngineSpec(kind="native", quant_format="int8", device="cpu", slots=8, eos_token_ids=[2, 7],
                               max_seq_len=64, model_config_json='{"model_type": "qwen2"}', model_path="/models/run",
-                              decode_step="eager", cuda_graphs="false", compile_step="true", prewarm="false",
+                              decode_step="eager", cuda_graphs="false", compile_step="true", prewarm="false", overlap="false",
                               log_dir=str(tmp_path / "logs"))
     assert parse_role(WorkerRoleConfig, role_dotlist(role), command="worker") == role
 
