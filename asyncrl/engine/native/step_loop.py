@@ -111,8 +111,10 @@ class StepLoop:
         """One step boundary plus at most one forward: returns the samples that finished in it.
 
         With ``overlap`` on, a step whose rows all go on is left in flight: its results are read by the next
-        call, after that call has launched the step after it; so a sample may come back one call after the
-        forward that finished it. Anything that changes the batch or the weights first reads the step in flight.
+        call, after that call has launched the step after it. Anything that changes the batch or the weights, or a
+        row whose token in flight is its last, first reads the step in flight; if that finished samples, the call
+        returns them and launches nothing (the next call's boundary sees what the caller did with them). A row
+        that stopped on a stop token is only seen after the next step is launched: it comes back one call later.
 
         If loading a pending weight update fails (e.g. a publication whose bytes do not match its
         checksum), the error propagates from here and nothing else is consumed: the engine keeps serving
@@ -122,8 +124,11 @@ class StepLoop:
             with self._lock:
                 quiet = not (self.weights.pending or self._aborts or self._closed or self._paused) and not (
                     self._inbox and len(self._active) < self.max_batch_size)
-            if self._inflight is not None and not quiet:
+            if self._inflight is not None and not (quiet and self._goes_on()):
                 self._drain(self._ready)
+                if self._ready:  # finished samples come back before the next boundary, as they would without overlap
+                    finished, self._ready = self._ready, []
+                    return finished
             self.weights.apply_pending(self._model, self._static)
             self._keep_warm()
             finished, self._ready = self._ready, []
@@ -134,7 +139,7 @@ class StepLoop:
                     self._inbox, gone = split_aborted(self._inbox, aborts, closed)
                     finished += [self._result(s, "abort", locked=True) for s in gone]
             if self._inflight is not None and (aborts or closed or paused or not self._goes_on()):
-                self._drain(finished)  # before admission: the rows it finishes make room in this step
+                self._drain(finished)  # what raced in after the check above
             for row in reversed(range(len(self._active))):
                 s = self._active[row]
                 if closed or s.req.sample_id in aborts:

@@ -33,30 +33,37 @@ def _requests(stops: tuple[int, ...]) -> list[GenRequest]:
 
 
 def _drive(engine: NativeEngine, reqs: list[GenRequest], new_weights) -> tuple[dict, int]:
+    """Events keyed on the forwards launched so far (with overlap, a call may read a step and launch none)."""
     out: dict = {}
-    in_flight = 0
+    in_flight = launched = 0
+    upload = engine._static.upload
 
-    def step():
-        nonlocal in_flight
+    def counted(*args):  # one upload per forward on the static path
+        nonlocal launched
+        launched += 1
+        return upload(*args)
+
+    engine._static.upload = counted
+    events = {3: lambda: engine.abort(["r1"]),
+              5: lambda: (engine.update_weights(1, new_weights), engine.submit(reqs[7:])),
+              8: engine.pause}
+    paused_calls = 0
+    engine.submit(reqs[:7])
+    for _ in range(1000):
+        if not (events or engine.has_work()):
+            break
+        for key in [k for k in events if k <= launched]:
+            events.pop(key)()
+        if engine.paused:
+            paused_calls += 1
+            if paused_calls == 3:
+                engine.resume()
         for r in engine.step():
             assert r.sample_id not in out, "every sample comes back once"
             out[r.sample_id] = r
         in_flight += engine._inflight is not None
-
-    engine.submit(reqs[:7])
-    for k in range(40):
-        if k == 3:
-            engine.abort(["r1"])
-        if k == 5:
-            engine.update_weights(1, new_weights)
-            engine.submit(reqs[7:])
-        if k == 8:
-            engine.pause()
-        if k == 10:
-            engine.resume()
-        step()
-    while engine.has_work():
-        step()
+    else:
+        raise AssertionError(f"still running after 1000 steps ({sorted(events)} not reached)")
     engine.close()
     return out, in_flight
 
