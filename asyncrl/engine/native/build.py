@@ -132,10 +132,11 @@ def resolve_overlap(choice: str | bool, device: torch.device, static: StaticStep
     static step (``ValueError`` naming the fix)."""
     value = str(choice).lower()
     if value not in OVERLAP:
-        raise ValueError(f"overlap must be one of {PREWARM}, got {choice!r}")
+        raise ValueError(f"overlap must be one of {OVERLAP}, got {choice!r}")
     if value == "true" and static is None:
         raise ValueError("overlap=true reads a static step's results while the next one runs, and this engine runs "
-                         "the eager decode path; use overlap=auto, or decode_step=auto on a natively supported model")
+                         "the eager decode path; set rollout.overlap=auto (overlap=auto), or rollout.decode_step=auto on a "
+                         "natively supported model")
     return static is not None and (value == "true" or value == "auto" and device.type == "cuda")
 
 
