@@ -23,6 +23,17 @@ natively supported model."""
 CUDA_GRAPHS = ("auto", "true", "false")
 """``rollout.cuda_graphs`` / ``NativeEngine(cuda_graphs=...)``. ``auto``: CUDA graphs of the static step on CUDA
 devices; ``true``: CUDA only (refused on a CPU)."""
+COMPILE_STEPS = CUDA_GRAPHS
+"""``rollout.compile``. ``auto``: the static step's body compiled by Inductor on CUDA (a failed build is logged
+as an error and the step runs uncompiled), not on a CPU; ``true``: compiled anywhere (a failed build stops the
+engine, naming the fix); ``false``: never (``asyncrl.engine.native.build.resolve_compile``)."""
+PREWARM = CUDA_GRAPHS
+"""``rollout.prewarm`` / ``NativeEngine(prewarm=...)``. ``true``: the runner of every batch/span bucket of the
+static step (its CUDA graph, its compiled body) is built when the engine is built, on a K/V cache sized to
+``max_seq_len``; ``auto``: on when the step runs buckets (CUDA graphs or a compiled step)."""
+OVERLAP = CUDA_GRAPHS
+"""``rollout.overlap`` / ``NativeEngine(overlap=...)``. ``auto``: on for CUDA devices: a static step's results are
+read after the next step is launched (the host's bookkeeping overlaps the device); ``true``: on any device."""
 STARTUP_TIMEOUT_S = 600.0
 """How long a started SGLang server may take to generate its first token: the default of
 ``sglang.startup_timeout_s`` (``asyncrl.engine.sglang.server``, which ``scripts/sglang_cpu_server.py`` imports

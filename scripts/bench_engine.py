@@ -243,8 +243,10 @@ def size_kv_cache(engine, prompt: list[int], new_tokens: int) -> None:
 
 
 def engine_options(args) -> dict[str, Any]:
-    """``NativeEngine`` keywords of ``--cuda-graphs`` and ``--compile-step``."""
-    return {"cuda_graphs": args.cuda_graphs, "compile_step": args.compile_step or False}
+    """``NativeEngine`` keywords of ``--cuda-graphs`` and ``--compile-step``. The script builds the buckets it
+    times itself, on a K/V cache sized to its longest request (``size_kv_cache``), so the engine's own
+    ``prewarm`` (every bucket up to ``max_seq_len``) is off."""
+    return {"cuda_graphs": args.cuda_graphs, "compile_step": args.compile_step or "false", "prewarm": "false"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (--shapes only)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sample (--shapes only)")
     p.add_argument("--cuda-graphs", default="auto", help="native engines: auto (on for CUDA), true or false")
-    p.add_argument("--compile-step", default="",
+    p.add_argument("--compile-step", default="auto",
                    help="native engines: torch.compile the decode step with this backend (inductor, aot_eager, "
-                        "eager); '' (default) for none")
+                        "eager); auto (default): the engine's default, inductor on CUDA and none on a CPU; "
+                        "false or '' for none")
     args = p.parse_args(argv)
     if args.shapes is None:
         args.shapes = ",".join(SHAPES) if args.device.startswith("cuda") else ""

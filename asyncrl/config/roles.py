@@ -38,7 +38,7 @@ from asyncrl.config.schema import (
     check_serving,
     sglang_wire_format,
 )
-from asyncrl.constants import CUDA_GRAPHS, DECODE_STEPS
+from asyncrl.constants import COMPILE_STEPS, CUDA_GRAPHS, DECODE_STEPS, OVERLAP, PREWARM
 from protocols.values import FORMATS as QUANT_FORMATS
 from protocols.values import require_choice
 
@@ -73,8 +73,14 @@ class RoleRolloutConfig:
     """``auto|static|eager``: native decode step."""
     cuda_graphs: str = "auto"
     """``auto|true|false``: native engine CUDA graphs of the static step."""
-    compile: bool = False
-    """``false|true``: native engine ``torch.compile`` of the static step."""
+    compile: str = "auto"
+    """``auto|true|false``: native engine ``torch.compile`` of the static step (auto: Inductor on CUDA, falling
+    back to the uncompiled step with an error logged if compiling fails; off on a CPU)."""
+    overlap: str = "auto"
+    """``auto|true|false``: native engine reads a step's results after launching the next (auto: on CUDA)."""
+    prewarm: str = "auto"
+    """``auto|true|false``: native engine builds every bucket of the static step at start (auto: with CUDA
+    graphs or a compiled step)."""
 
 
 @dataclass(kw_only=True)
@@ -201,6 +207,12 @@ def check_worker_role(cfg: WorkerRoleConfig) -> WorkerRoleConfig:
     require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
     cfg.rollout.cuda_graphs = cfg.rollout.cuda_graphs.lower()
     require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
+    cfg.rollout.compile = str(cfg.rollout.compile).lower()
+    require_choice("rollout.compile", cfg.rollout.compile, COMPILE_STEPS)
+    cfg.rollout.overlap = str(cfg.rollout.overlap).lower()
+    require_choice("rollout.overlap", cfg.rollout.overlap, OVERLAP)
+    cfg.rollout.prewarm = str(cfg.rollout.prewarm).lower()
+    require_choice("rollout.prewarm", cfg.rollout.prewarm, PREWARM)
     cfg.log_level = cfg.log_level.upper()
     require_choice("log_level", cfg.log_level, LOG_LEVELS)
     if cfg.quant.fmt:
@@ -232,7 +244,8 @@ def worker_role_for_run(cfg: TrainConfig, *, controller: str, worker_id: str, lo
         controller=controller, worker_id=worker_id, log_dir=log_dir,
         transport=RoleTransportConfig(keys_dir=cfg.transport.keys_dir),
         rollout=RoleRolloutConfig(engine=r.engine, device=r.device, decode_step=r.decode_step,
-                                  cuda_graphs=r.cuda_graphs, compile=r.compile),
+                                  cuda_graphs=r.cuda_graphs, compile=r.compile, prewarm=r.prewarm,
+                                  overlap=r.overlap),
         sglang=WorkerSGLangConfig(**dataclasses.asdict(cfg.sglang)))
 
 

@@ -21,10 +21,13 @@ from asyncrl.config.ranges import check_ranges, check_run_name
 from asyncrl.constants import (
     ANSWER_FORMATS,
     BASE_FORMATS,
+    COMPILE_STEPS,
     CUDA_GRAPHS,
     DECODE_STEPS,
     FSYNC_POLICIES,
     LR_SCHEDULES,
+    OVERLAP,
+    PREWARM,
     PROMPT_FORMATS,
     STARTUP_TIMEOUT_S,
     TASK_NAMES,
@@ -167,8 +170,18 @@ class RolloutConfig:
     cuda_graphs: str = "auto"
     """Native engine: replay the static decode step as CUDA graphs, one per batch/length bucket: ``auto``
     (on for CUDA devices), ``true`` (CUDA only; refused on a CPU), ``false``."""
-    compile: bool = False
-    """Native engine: ``torch.compile(fullgraph=True)`` the static decode step's body."""
+    compile: str = "auto"
+    """Native engine: ``torch.compile(fullgraph=True)`` the static decode step's body: ``auto`` (Inductor on CUDA;
+    if compiling fails the engine logs an error naming ``rollout.compile=false`` and runs the step uncompiled;
+    off on a CPU), ``true`` (Inductor on any device; a failure stops the worker), ``false``."""
+    overlap: str = "auto"
+    """Native engine: read a decode step's results (one non-blocking copy into pinned memory) after the next step
+    is launched, so the host's bookkeeping overlaps the GPU: ``auto`` (on for CUDA), ``true``, ``false``."""
+    prewarm: str = "auto"
+    """Native engine: build the runner of every batch/span bucket of the static step (its CUDA graph, its
+    compiled body) when the engine is built, on a K/V cache sized to the run's longest sequence, so none is
+    built inside a rollout: ``auto`` (on with CUDA graphs or a compiled step), ``true`` (needs one of them),
+    ``false`` (each bucket is built on its first step)."""
     dead_after_s: float = 30.0
     """A worker silent this long is declared dead and its assignments are reissued."""
     assignment_timeout_s: float = 90.0
@@ -485,6 +498,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
     cfg.rollout.cuda_graphs = str(cfg.rollout.cuda_graphs).lower()  # a Hydra `true` arrives as "True"
     require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
+    cfg.rollout.compile = str(cfg.rollout.compile).lower()
+    require_choice("rollout.compile", cfg.rollout.compile, COMPILE_STEPS)
+    cfg.rollout.overlap = str(cfg.rollout.overlap).lower()
+    require_choice("rollout.overlap", cfg.rollout.overlap, OVERLAP)
+    cfg.rollout.prewarm = str(cfg.rollout.prewarm).lower()
+    require_choice("rollout.prewarm", cfg.rollout.prewarm, PREWARM)
     if cfg.rollout.cuda_graphs == "true" and (cfg.rollout.device == "cpu" or cfg.rollout.decode_step == "eager"):
         raise ValueError(f"rollout.cuda_graphs=true replays the static decode step on a GPU, and this run has "
                          f"rollout.device={cfg.rollout.device}, rollout.decode_step={cfg.rollout.decode_step}; "

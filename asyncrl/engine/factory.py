@@ -27,7 +27,7 @@ from typing import Any, TypedDict
 
 from asyncrl.config.devices import parse_device
 from asyncrl.config.schema import ENGINES, SGLANG_SERVING, SGLangConfig, check_serving
-from asyncrl.constants import CUDA_GRAPHS, DECODE_STEPS
+from asyncrl.constants import COMPILE_STEPS, CUDA_GRAPHS, DECODE_STEPS, OVERLAP, PREWARM
 from asyncrl.engine.base import RolloutEngine
 from asyncrl.engine.sglang.server import REPO_ROOT, SGLANG_PYTHON_ENV
 from protocols.values import require_choice
@@ -69,14 +69,26 @@ class EngineSpec:
     """Native engine decode step: ``auto`` / ``static`` / ``eager`` (``rollout.decode_step``)."""
     cuda_graphs: str = "auto"
     """Native engine: CUDA graphs of the static step, ``auto`` / ``true`` / ``false`` (``rollout.cuda_graphs``)."""
-    compile_step: bool = False
-    """Native engine: ``torch.compile`` the static step body (``rollout.compile``)."""
+    compile_step: str = "auto"
+    """Native engine: ``torch.compile`` the static step body, ``auto`` / ``true`` / ``false`` (``rollout.compile``)."""
+    overlap: str = "auto"
+    """Native engine: read a step's results after launching the next, ``auto`` / ``true`` / ``false``
+    (``rollout.overlap``)."""
+    prewarm: str = "auto"
+    """Native engine: build every bucket of the static step at start, ``auto`` / ``true`` / ``false``
+    (``rollout.prewarm``)."""
 
     def __post_init__(self) -> None:
         require_choice("engine", self.kind, ENGINES)
         require_choice("decode_step", self.decode_step, DECODE_STEPS)
         self.cuda_graphs = str(self.cuda_graphs).lower()
         require_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
+        self.compile_step = str(self.compile_step).lower()
+        require_choice("compile_step", self.compile_step, COMPILE_STEPS)
+        self.overlap = str(self.overlap).lower()
+        require_choice("overlap", self.overlap, OVERLAP)
+        self.prewarm = str(self.prewarm).lower()
+        require_choice("prewarm", self.prewarm, PREWARM)
         check_serving(self.kind, self.quant_format)
 
 
@@ -139,7 +151,8 @@ def _build_native(spec: EngineSpec) -> RolloutEngine:
     return NativeEngine(model, quant_format=spec.quant_format, version=-1, device=device,
                         max_batch_size=spec.slots, max_seq_len=spec.max_seq_len or None,
                         eos_token_ids=spec.eos_token_ids, quantize_head=spec.quantize_head,
-                        quantize_embedding=spec.quantize_embedding, decode_step=spec.decode_step, cuda_graphs=spec.cuda_graphs, compile_step=spec.compile_step)
+                        quantize_embedding=spec.quantize_embedding, decode_step=spec.decode_step, cuda_graphs=spec.cuda_graphs, compile_step=spec.compile_step,
+                        prewarm=spec.prewarm, overlap=spec.overlap)
 
 
 class _SGLangEngineArgs(TypedDict):

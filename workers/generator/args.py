@@ -34,6 +34,7 @@ def engine_spec(setup: P.WorkerSetup, role: WorkerRoleConfig, *, fmt: str, slots
                       quantize_head=setup.quantize_head, quantize_embedding=setup.quantize_embedding,
                       decode_step=role.rollout.decode_step,
                       cuda_graphs=role.rollout.cuda_graphs, compile_step=role.rollout.compile,
+                      prewarm=role.rollout.prewarm, overlap=role.rollout.overlap,
                       eos_token_ids=list(setup.eos_token_ids),
                       max_seq_len=setup.max_seq_len, model_config_json=setup.model_config,
                       model_path=role.sglang.model_path or setup.model_dir, sglang=server_settings(role.sglang),

@@ -1,13 +1,13 @@
 """Native torch rollout engine: continuous batching over an HF causal LM, interruptible weight swaps.
 
-Owns: the request life cycle (queued -> live row -> finished), the step loop, the thread-safe control
-surface (submit / update_weights / abort / pause / resume / close), the bookkeeping of every sampled
-token's behaviour log-prob and policy version, and the choice of decode path per step: the static step
-(``asyncrl.engine.native.static_step``, optionally as CUDA graphs) for a natively supported model, the eager
-reference path (``asyncrl.engine.native.forward.eager_forward``) with ``decode_step="eager"`` or forward AQN.
-Row state, the checks on submitted requests and batch admission are ``asyncrl.engine.native.rows``; the weight
-state (the version served, updates handed over, what a load changes besides the weights) is the engine's
-``weights``, a ``asyncrl.engine.native.weight_updates.WeightUpdates``.
+Owns: ``NativeEngine``'s state and its thread-safe control surface (submit / update_weights / load_stream /
+abort / pause / resume / close), what it reports (``capabilities``, ``step_stats``, ``version``, ``paused``,
+``num_active``, ``num_queued``). The engine thread's half (``step``, ``generate``, ``poll``, the live batch, the
+choice of decode path per step, the record of every sampled token's behaviour log-prob and policy version) is
+``asyncrl.engine.native.step_loop.StepLoop``; how the model, its runner and the static step are built from the
+options is ``asyncrl.engine.native.build``. Row state, the checks on submitted requests and batch admission
+are ``asyncrl.engine.native.rows``; the weight state (the version served, updates handed over, what a load
+changes besides the weights) is the engine's ``weights``, a ``asyncrl.engine.native.weight_updates.WeightUpdates``.
 
 Must never: import zmq/msgspec or know about controllers and workers; call ``torch.manual_seed`` or use the
 global RNG (sampling randomness comes from ``sampling.request_uniform``); hold ``_lock`` while running the
@@ -33,32 +33,27 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.constants import DECODE_STEPS
 from asyncrl.engine.base import EngineClosedError, GenRequest, GenResult
+from asyncrl.engine.native.build import build_decode, check_options, resolve_overlap
 from asyncrl.engine.native.decoder import decoder_view
-from asyncrl.engine.native.forward import eager_forward, static_forward
-from asyncrl.engine.native.hf_runner import build_runner, fallback_reason
-from asyncrl.engine.native.rows import Seq, model_eos_ids, new_rows, split_aborted, take_admissible
+from asyncrl.engine.native.rows import Seq, model_eos_ids, new_rows
 from asyncrl.engine.native.static_step import StaticStep
-from asyncrl.engine.native.step_graphs import resolve_cuda_graphs
+from asyncrl.engine.native.step_loop import InFlight, StepLoop
 from asyncrl.engine.native.weight_updates import WeightUpdates
-from asyncrl.engine.native.weights import QUANT_FORMATS, check_weights, quantize_actor
+from asyncrl.engine.native.weights import check_weights
 from asyncrl.quant import QuantLinear
 
-log = logging.getLogger(__name__)
 
-
-class NativeEngine:
+class NativeEngine(StepLoop):
     """``RolloutEngine`` for HF Llama/Qwen2/Qwen3/Mistral causal LMs on CPU or one GPU (see module docstring)."""
 
     def __init__(
@@ -77,7 +72,9 @@ class NativeEngine:
         quantize_embedding: bool = False,
         decode_step: str = "auto",
         cuda_graphs: str | bool = "auto",
-        compile_step: bool | str = False,
+        compile_step: bool | str = "auto",
+        prewarm: str | bool = "auto",
+        overlap: str | bool = "auto",
     ) -> None:
         """Wrap ``model`` (fp32 HF causal LM; quantized here when ``quant_format != "fp32"``) at ``version``.
 
@@ -91,14 +88,16 @@ class NativeEngine:
         (``DecoderRunner.decode``: the reference), ``auto`` = static for a natively supported model.
         ``cuda_graphs``: ``auto`` (on for CUDA), ``true`` (CUDA only, else ``ValueError``), ``false``: replay
         the static step per batch/length bucket as CUDA graphs. ``compile_step``: ``torch.compile`` the
-        static step body (``fullgraph=True``).
+        static step body (``fullgraph=True``): ``auto`` (Inductor on CUDA, falling back to the uncompiled body
+        with an error logged if compiling fails; off on a CPU), ``true``, ``false``, or a backend name
+        (``asyncrl.engine.native.build.resolve_compile``). ``prewarm``: ``auto`` (on when the static step runs buckets: CUDA
+        graphs or a compiled body), ``true``, ``false``: build the runner of every batch/span bucket here, on a
+        K/V cache sized to ``max_seq_len``, and again at the step boundary after a weight load dropped them, so
+        no runner is built inside a rollout. ``overlap``: ``auto`` (on for CUDA), ``true``, ``false``: a static
+        step whose rows all go on is left in flight and its results (copied to pinned memory without blocking)
+        are read after the next step is launched, so the host's bookkeeping overlaps the device.
         """
-        if quant_format not in QUANT_FORMATS:
-            raise ValueError(f"quant_format must be one of {QUANT_FORMATS}, got {quant_format!r}")
-        if max_batch_size < 1 or max_prefill_tokens < 1:
-            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
-        if decode_step not in DECODE_STEPS:
-            raise ValueError(f"decode_step must be one of {DECODE_STEPS}, got {decode_step!r}")
+        check_options(quant_format, max_batch_size, max_prefill_tokens, decode_step)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         config = decoder_view(model).config
@@ -114,21 +113,18 @@ class NativeEngine:
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(model))
         self.device = torch.device(device)
-        graphs = resolve_cuda_graphs(cuda_graphs, self.device)
-        model = model.to(self.device).eval()
-        reason = fallback_reason(model, self.max_seq_len)  # on the model as loaded, before its linears change
-        model = quantize_actor(model, quant_format, head=quantize_head, embedding=quantize_embedding)
+        setup = build_decode(model, device=self.device, quant_format=quant_format, max_batch_size=max_batch_size,
+                             max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, quantize_head=quantize_head,
+                             quantize_embedding=quantize_embedding, decode_step=decode_step,
+                             cuda_graphs=cuda_graphs, compile_step=compile_step, prewarm=prewarm)
+        model = setup.model
         self._model: torch.nn.Module | None = model
-        self._runner: Any = build_runner(model, max_batch_size, self.max_seq_len, reason)
-        self._static: StaticStep | None = None
-        if decode_step == "static" and reason is not None:
-            raise ValueError(f"decode_step=static needs a model the native decoder runs ({reason}); use "
-                             "decode_step=auto, which takes the eager path on the HF fallback")
-        if decode_step != "eager" and reason is None:
-            self._static = StaticStep(self._runner, self.vocab_size, cuda_graphs=graphs, compile_body=compile_step)
-        elif graphs and str(cuda_graphs).lower() == "true":
-            why = "drop decode_step=eager" if reason is None else f"this model runs on the HF fallback ({reason})"
-            raise ValueError(f"cuda_graphs=true replays the static decode step; {why}")
+        self._runner: Any = setup.runner
+        self._static: StaticStep | None = setup.static
+        self._prewarm = setup.prewarm
+        self._overlap = resolve_overlap(overlap, self.device, self._static)
+        self._inflight: InFlight | None = None  # a static step whose results are not read yet (overlap)
+        self._ready: list[GenResult] = []  # results read from it before a step that then raised
         self._eager_notice = False
 
         self._lock = threading.Lock()
@@ -222,7 +218,10 @@ class NativeEngine:
             with self._lock:
                 if self._closed or self._model is None:
                     raise EngineClosedError("engine is closed; build a new one")
-            return self.weights.stream(self._model, version, rest, self._static)
+            self._drain(self._ready)  # the step in flight ran the weights before this version
+            loaded = self.weights.stream(self._model, version, rest, self._static)
+            self._keep_warm()
+            return loaded
 
     def take_delta_failure(self) -> bool:
         """True once after a delta failed to apply (the engine kept its version; fetch the next one whole)."""
@@ -274,6 +273,9 @@ class NativeEngine:
             "kernels": sorted({m.kernel for m in self._model.modules() if isinstance(m, QuantLinear)}
                               if self._model is not None else ()),
             "cuda_graphs": self._static is not None and self._static.graphs.use_graphs,
+            "overlap": self._overlap,
+            "compile_step": self._static.compiled if self._static is not None else None,
+            "compile_failure": self._static.compile_failure if self._static is not None else None,
         }
 
     def step_stats(self) -> dict[str, Any]:
@@ -281,14 +283,22 @@ class NativeEngine:
 
         ``bucketed``: steps run as (batch, span) buckets (CUDA graphs or a compiled step); ``builds``,
         ``captures``, ``replays``, ``drops``: ``StepGraphs.counters`` (all 0 on an engine that runs exact
-        shapes eagerly, or with no static step); ``kv_allocations``: how many times the K/V storage was
-        (re)allocated (each drops every runner); ``kv_capacity``: positions per row it holds now.
+        shapes eagerly, or with no static step); ``prewarm``: every bucket's runner is built at construction
+        (and after a weight load that dropped them); ``buckets``: the (batch, span, truncation) keys a step can
+        run on the cache as sized now, ``runners``: how many of them hold a runner; ``compiled``: the
+        ``torch.compile`` backend the step body runs under (None: uncompiled), ``compile_failure``: why compiling
+        failed when the step fell back to the uncompiled body (None otherwise); ``kv_allocations``: how many
+        times the K/V storage was (re)allocated (each drops every runner); ``kv_capacity``: positions per row.
         """
         static, runner = self._static, self._runner
         counters = static.graphs.counters() if static is not None else dict.fromkeys(
             ("builds", "captures", "replays", "drops"), 0)
         cache = getattr(runner, "cache", None)
-        return {"bucketed": bool(static is not None and static.pad), **counters,
+        return {"bucketed": bool(static is not None and static.pad), **counters, "prewarm": self._prewarm,
+                "compiled": static.compiled if static is not None else None,
+                "compile_failure": static.compile_failure if static is not None else None,
+                "buckets": len(static.bucket_keys()) if static is not None else 0,
+                "runners": len(static.graphs.runners) if static is not None else 0,
                 "kv_allocations": int(getattr(cache, "generation", 0)),
                 "kv_capacity": int(getattr(cache, "cap_len", 0))}
 
@@ -308,131 +318,3 @@ class NativeEngine:
     @property
     def num_queued(self) -> int:
         return len(self._inbox)
-
-    def has_work(self) -> bool:
-        """True while any submitted request has not been yielded yet."""
-        with self._lock:
-            return bool(self._live_ids)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until ``step()`` has something to do (or ``timeout`` s pass); return whether it has."""
-        with self._wake:
-            return self._wake.wait_for(self._runnable, timeout)
-
-    # ----------------------------------------------------------------- engine thread
-
-    def generate(self, requests: Sequence[GenRequest] = ()) -> Iterator[GenResult]:
-        """Submit ``requests``, then step and yield each result as it finishes until no request is live.
-
-        Also yields requests submitted meanwhile from other threads. While paused it blocks (it does not
-        return) until resumed, aborted or closed. Stopping the iteration early leaves live requests in the
-        engine; the next ``generate``/``step`` continues them.
-        """
-        if requests:
-            self.submit(requests)
-        while self.has_work():
-            self.wait()
-            yield from self.step()
-
-    def poll(self, timeout: float) -> list[GenResult]:
-        """Wait up to ``timeout`` s for something to do, then run one ``step``; ``[]`` if there was nothing."""
-        if self.wait(timeout):
-            return self.step()
-        return []
-
-    def step(self) -> list[GenResult]:
-        """One step boundary plus at most one forward: returns the samples that finished in it.
-
-        If loading a pending weight update fails (e.g. a publication whose bytes do not match its
-        checksum), the error propagates from here and nothing else is consumed: the engine keeps serving
-        the previous version and the next ``step`` carries on.
-        """
-        with self._step_lock:
-            self.weights.apply_pending(self._model, self._static)
-            finished: list[GenResult] = []
-            with self._lock:
-                aborts, self._aborts = self._aborts, set()
-                closed, paused = self._closed, self._paused
-                if aborts or closed:
-                    self._inbox, gone = split_aborted(self._inbox, aborts, closed)
-                    finished += [self._result(s, "abort", locked=True) for s in gone]
-            for row in reversed(range(len(self._active))):
-                s = self._active[row]
-                if closed or s.req.sample_id in aborts:
-                    finished.append(self._result(s, "abort"))
-                    self._remove_row(row)
-            if closed or paused:
-                return finished
-            with self._lock:  # pop queued requests that fit the batch and the prefill-token budget
-                admitted = take_admissible(self._inbox, len(self._active), self.max_batch_size,
-                                           self.max_prefill_tokens)
-            if self._active or admitted:
-                self._forward_and_sample(admitted, finished)
-            return finished
-
-    # ----------------------------------------------------------------- internals (engine thread)
-
-    def _runnable(self) -> bool:
-        """Under ``_lock``: is there anything for ``step`` to do?"""
-        if self._closed or self._aborts or self.weights.pending:
-            return True
-        return not self._paused and bool(self._inbox or self._active)
-
-    def _forward_and_sample(self, admitted: list[Seq], finished: list[GenResult]) -> None:
-        assert self._runner is not None
-        aqn = self.weights.swap.forward_aqn()
-        if self._static is not None and aqn is None:
-            tokens, behav = static_forward(self._static, self._runner, self._active, admitted, self._join)
-        else:
-            if self._static is not None:
-                if not self._eager_notice:
-                    log.info("forward AQN noise runs on the eager decode path (no static step, no CUDA graphs)")
-                    self._eager_notice = True
-                self._static.dirty = True
-            tokens, behav = eager_forward(self._runner, self._active, admitted, self._join, aqn)
-        now = time.monotonic()
-        done: list[tuple[int, str]] = []
-        for row, s in enumerate(self._active):
-            reason = s.record(tokens[row], behav[row], self.weights.version, now)
-            if reason is not None:
-                done.append((row, reason))
-        for row, reason in reversed(done):
-            finished.append(self._result(self._active[row], reason))
-            self._remove_row(row)
-
-    def _join(self, admitted: list[Seq]) -> int:
-        """Append ``admitted`` to the live rows (their cache rows start at the returned index)."""
-        assert self._runner is not None
-        now = time.monotonic()
-        for s in admitted:
-            s.t_admit = now
-        row0 = len(self._active)
-        self._active.extend(admitted)
-        # only admission raises what a row can reach (the cache never shrinks, so a row leaving changes nothing)
-        self._runner.cache.need_len = max(len(s.req.prompt_ids) + s.limit for s in self._active)
-        return row0
-
-    def _remove_row(self, row: int) -> None:
-        last = len(self._active) - 1
-        if row != last:
-            if self._runner is not None:
-                self._runner.cache.move_row(last, row, self._active[last].cache_len)
-            self._active[row] = self._active[last]
-        self._active.pop()
-        if self._static is not None:
-            self._static.dirty = True
-
-    def _result(self, s: Seq, reason: str, *, locked: bool = False) -> GenResult:
-        """Build the result and forget the id; ``locked`` says the caller already holds ``_lock``."""
-        now = time.monotonic()
-        if locked:
-            self._discard_live(s.req.sample_id)
-        else:
-            with self._lock:
-                self._discard_live(s.req.sample_id)
-        return s.result(reason, now)
-
-    def _discard_live(self, sample_id: str) -> None:
-        self._live_ids.discard(sample_id)
-        self._aborts.discard(sample_id)
-

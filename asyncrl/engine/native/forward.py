@@ -2,15 +2,16 @@
 
 Owns: ``static_forward`` (the static step of ``asyncrl.engine.native.static_step`` for the live rows, one eager
 prefill forward for all the joining rows plus static sampling of their first tokens, no host sync before the
-step's one device-to-host copy) and ``eager_forward`` (the reference:
+step's one device-to-host copy, which it starts and leaves to the caller to wait on), ``static_forward_ahead``
+(the static step launched while the one before it is still in flight) and ``eager_forward`` (the reference:
 ``DecoderRunner.decode`` + prefill, ``sampling.processed_logprobs`` + ``sampling.sample_tokens``; forward
 AQN runs here).
 
 Must never: change the batch other than through ``join`` (the engine's, which appends the joining rows to
 ``active`` and sizes the cache), or draw randomness other than ``sampling.request_uniform``.
 
-Invariant: both return ``(tokens, behav_logp)`` for rows ``0..len(active)-1`` after the join, equal token for
-token (and log-prob to float rounding) for the same weights and rows.
+Invariant: the tokens of rows ``0..len(active)-1`` after the join (``eager_forward``'s return, the copy
+``static_forward`` starts) are equal token for token (and log-prob to float rounding) for the same weights and rows.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def _truncates(s: Seq, vocab: int) -> bool:
 
 
 def static_forward(st: StaticStep, runner: DecoderRunner, active: list[Seq], admitted: list[Seq],
-               join: Join) -> tuple[list[int], list[float]]:
-    """Static step for the live rows, one prefill forward + static sampling for the joining ones, one fetch."""
+                   join: Join) -> int:
+    """Static step for the live rows, one prefill forward + static sampling for the joining ones; starts the
+    step's one device-to-host copy and returns its slot (``StaticStep.fetch_wait`` reads it)."""
     live = list(active)
     # the rows' full state only when it is uploaded (after a join, a leave, an eager step); else the uniforms
     rows = [_row_state(s, s.response[-1], s.cache_len) for s in live] if st.dirty or admitted else []
@@ -80,7 +82,24 @@ def static_forward(st: StaticStep, runner: DecoderRunner, active: list[Seq], adm
         row0 = join(admitted)
         logits = runner.prefill(row0, [s.req.prompt_ids for s in admitted], len(active))
         st.sample_joined(row0, logits, any(_truncates(s, st.vocab) for s in admitted))
-    return st.fetch(len(active))
+    return st.fetch_start(len(active))
+
+
+def static_forward_ahead(st: StaticStep, runner: DecoderRunner, active: list[Seq]) -> int:
+    """The static step of the live rows launched while the step before it is in flight (its results not read
+    yet): the same rows (no join or leave since), each one token further than the host has recorded, so it
+    feeds that token (already on the device) at ``prompt + len(response)`` and samples token ``len(response) + 1``;
+    only those uniforms go up. Starts the step's copy and returns its slot."""
+    if st.dirty:
+        raise RuntimeError("a step launched ahead needs the device rows of the step in flight; drain it first")
+    uniforms = [request_uniform(s.req.params.seed, s.req.sample_id, len(s.response) + 1) for s in active]
+    st.upload([], [], uniforms)
+    max_pos = max(len(s.req.prompt_ids) + len(s.response) for s in active)
+    cache = runner.cache
+    assert cache.dtype is not None, "live rows were prefilled"
+    cache.reserve(len(active), max_pos + 1, cache.dtype, st.device)
+    st.decode(len(active), max_pos, any(_truncates(s, st.vocab) for s in active))
+    return st.fetch_start(len(active))
 
 
 def eager_forward(runner: EagerRunner, active: list[Seq], admitted: list[Seq], join: Join,

@@ -20,13 +20,18 @@ Invariants:
     ``repeat_interleave`` order) are folded into the query-length axis, ``q: [rows, KV, G, hd]``, so SDPA runs
     without ``enable_gqa`` in the compute dtype, the mask ``[rows, 1, 1, length]`` broadcast over them;
   * the tokens and behaviour log-probs equal ``processed_logprobs`` + ``sample_tokens`` on the same logits;
-  * one device-to-host copy per step: ``out[:, :n]`` (into pinned memory + an event on CUDA).
+  * one device-to-host copy per step: ``out[:, :n]``, into one of two host slots (pinned, with an event, on
+    CUDA; ``fetch_start``), read by ``fetch_wait``: a step's copy can be waited on after the next step is
+    launched without that step's copy landing on it;
+  * ``build_all`` (every bucket's runner, built up front) runs idle rows only and leaves the K/V cache as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,8 +44,15 @@ from asyncrl.engine.native.decoder import (
     qkv_decode,
 )
 from asyncrl.engine.native.sampling import sample_static
-from asyncrl.engine.native.step_graphs import StepGraphs, batch_bucket, length_bucket
+from asyncrl.engine.native.step_graphs import (
+    StepGraphs,
+    batch_bucket,
+    batch_buckets,
+    length_bucket,
+    length_buckets,
+)
 
+log = logging.getLogger(__name__)
 _FIELDS = ("tok", "pos", "temp", "greedy", "live", "top_k", "top_p", "trunc", "u", "plen")
 _F = {name: i for i, name in enumerate(_FIELDS)}
 
@@ -66,7 +78,10 @@ class StaticStep:
     """Static buffers + step body for a ``DecoderRunner``'s model and cache (see module docstring)."""
 
     def __init__(self, runner: DecoderRunner, vocab_size: int, *, cuda_graphs: bool = False,
-                 compile_body: bool | str = False) -> None:
+                 compile_body: bool | str | Callable[..., Any] | None = False, compile_fallback: bool = False) -> None:
+        """``compile_body``: ``torch.compile`` backend of the body (``True``: inductor; falsy: not compiled).
+        ``compile_fallback``: a build of the compiled body that fails logs an error and the step runs the
+        uncompiled body from then on (``compile_failure`` says why); off, the failure is raised naming the fix."""
         self.runner = runner
         self.cache = runner.cache
         self.vocab = vocab_size
@@ -88,17 +103,28 @@ class StaticStep:
         pinned = dev.type == "cuda"
         self._stage = torch.zeros(len(_FIELDS), n, dtype=torch.float64, pin_memory=pinned)
         self._stage_np = self._stage.numpy()
-        self._out_host = torch.zeros(2, n, dtype=torch.float64, pin_memory=pinned)
-        self._event = torch.cuda.Event() if pinned else None
+        # two slots: the step whose results the host reads, and the step launched after it (``fetch_start``)
+        self._out_host = torch.zeros(2, 2, n, dtype=torch.float64, pin_memory=pinned)
+        self._events = (torch.cuda.Event(), torch.cuda.Event()) if pinned else None
+        self._slot = 0
         self.dirty = True
         """The host's rows differ from the device state (a join, a leave, an eager step): upload them all."""
-        body = self.body
+        body: Callable[[int, int, bool], None] = self.body
+        self.compiled: str | None = None
+        """The backend the body is compiled with (None: the body runs uncompiled)."""
+        self.compile_failure: str | None = None
+        """Why compiling failed, when the step fell back to the uncompiled body (``compile_fallback``)."""
+        self.compile_fallback = bool(compile_body) and compile_fallback
         if compile_body:
             from torch._dynamo import config as dynamo_config
 
-            # one compiled graph per (rows, length, truncate) key
-            dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 256)
-            backend = compile_body if isinstance(compile_body, str) else "inductor"
+            # one compiled graph per (rows, length, truncate) key: every bucket of the largest cache, and the
+            # capacities a growing cache passes through
+            keys = 2 * len(batch_buckets(n)) * (len(length_buckets(self.cache.max_len)) + 16)
+            dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, keys)
+            dynamo_config.accumulated_cache_size_limit = max(dynamo_config.accumulated_cache_size_limit, keys)
+            backend = compile_body if not isinstance(compile_body, bool) else "inductor"
+            self.compiled = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
             body = torch.compile(self.body, fullgraph=True, dynamic=False, backend=backend)
         self.graphs = StepGraphs(body, self.device, use_graphs=cuda_graphs)
         self.pad = bool(cuda_graphs or compile_body)
@@ -164,7 +190,74 @@ class StaticStep:
             self.body(n, max_pos + 1, truncate)
             return
         rows = batch_bucket(n, self.max_rows)
-        self.graphs.run(rows, length_bucket(max_pos + 1, cache.cap_len), truncate)
+        self._run_bucket(rows, length_bucket(max_pos + 1, cache.cap_len), truncate)
+
+    def _run_bucket(self, rows: int, length: int, truncate: bool) -> None:
+        """``graphs.run`` of one key; the first build of a compiled body that fails falls back or names the fix."""
+        key = (rows, length, truncate)
+        if self.compiled is None or key in self.graphs.runners:
+            self.graphs.run(*key)
+            return
+        tok, pos = self.tok.clone(), self.pos.clone()  # all a step changes that it reads again (K/V at pos aside)
+        try:
+            self.graphs.run(*key)
+        except Exception as exc:
+            if not self.compile_fallback:
+                raise RuntimeError(f"building the decode step compiled with torch.compile (backend "
+                                   f"{self.compiled}) failed: {type(exc).__name__}: {exc}; set rollout.compile=false "
+                                   "(NativeEngine(compile_step=False)) to run it uncompiled") from exc
+            self.compile_failure = f"{type(exc).__name__}: {exc}"[:2000]
+            log.error("building the decode step compiled with torch.compile (backend %s) failed, so it runs "
+                      "uncompiled from now on (set rollout.compile=false to skip compiling): %s",
+                      self.compiled, self.compile_failure)
+            self.compiled, self.compile_fallback = None, False
+            self.graphs.invalidate()
+            self.graphs.body = self.body
+            self.tok.copy_(tok)
+            self.pos.copy_(pos)
+            self.graphs.run(*key)
+
+    def bucket_keys(self) -> list[tuple[int, int, bool]]:
+        """Every ``(rows, length, truncate)`` key a step can run on the cache as sized now (none off buckets)."""
+        if not self.pad or self.cache.kv is None:
+            return []
+        spans = length_buckets(self.cache.cap_len)
+        return [(rows, length, truncate) for truncate in (False, True)
+                for rows in batch_buckets(self.max_rows) for length in spans]
+
+    @torch.inference_mode()
+    def build_all(self) -> int:
+        """Build the runner of every bucket key not built yet (``bucket_keys``); return how many builds it ran.
+
+        The steps it runs are idle rows only: every row is staged as padding (not live, token 0 at position
+        0, greedy), so the one K/V position they write, 0 of each row, is saved before and put back after,
+        and ``dirty`` makes the next step upload every row's real state. Safe between any two steps.
+        """
+        cache = self.cache
+        if cache.generation != self._generation:
+            self.graphs.invalidate()
+            self._generation = cache.generation
+        keys = [k for k in self.bucket_keys() if k not in self.graphs.runners]
+        if not keys:
+            return 0
+        assert cache.kv is not None
+        saved = cache.kv[..., :1, :].clone()  # position 0 of every row: all the idle steps write
+        for buf in (self.tok, self.pos, self.u):
+            buf.zero_()
+        self.live.fill_(False)
+        self.greedy.fill_(True)
+        self.trunc.fill_(False)
+        self.temp.fill_(1.0)
+        self.top_p.fill_(1.0)
+        self.top_k.fill_(self.vocab)
+        built = self.graphs.warmups
+        for _ in range(2):  # a second pass when a compile failure dropped the runners built before it
+            for key in self.bucket_keys():
+                if key not in self.graphs.runners:
+                    self._run_bucket(*key)
+        cache.kv[..., :1, :].copy_(saved)
+        self.dirty = True
+        return self.graphs.warmups - built
 
     @torch.inference_mode()
     def sample_joined(self, row0: int, logits: torch.Tensor, truncate: bool) -> None:
@@ -179,17 +272,27 @@ class StaticStep:
         self.pos[sl].copy_(self.plen[sl])
         self.live[sl] = True
 
-    def fetch(self, n: int) -> tuple[list[int], list[float]]:
-        """The one device-to-host copy of a step: tokens and behaviour log-probs of rows ``0..n-1``."""
-        if self._event is None:
-            out = self.out[:, :n].numpy()
-        else:
-            host = self._out_host[:, :n]
-            host.copy_(self.out[:, :n], non_blocking=True)
-            self._event.record()
-            self._event.synchronize()
-            out = host.numpy()
+    def fetch_start(self, n: int) -> int:
+        """Start the one device-to-host copy of a step, ``out[:, :n]``, into a host slot (pinned, non-blocking,
+        an event after it, on CUDA); return the slot for ``fetch_wait``. Two slots alternate, so the step after
+        this one can be launched and copied before this one is read."""
+        slot, self._slot = self._slot, self._slot ^ 1
+        self._out_host[slot, :, :n].copy_(self.out[:, :n], non_blocking=True)
+        if self._events is not None:
+            self._events[slot].record()
+        return slot
+
+    def fetch_wait(self, slot: int, n: int) -> tuple[list[int], list[float]]:
+        """Tokens and behaviour log-probs of rows ``0..n-1`` of the step whose copy went into ``slot``, once
+        it has landed (the event's wait; on a CPU the copy is already done)."""
+        if self._events is not None:
+            self._events[slot].synchronize()
+        out = self._out_host[slot, :, :n].numpy()
         return out[0].astype(np.int64).tolist(), out[1].astype(np.float32).tolist()
+
+    def fetch(self, n: int) -> tuple[list[int], list[float]]:
+        """The one device-to-host copy of a step, waited on at once: tokens and log-probs of rows ``0..n-1``."""
+        return self.fetch_wait(self.fetch_start(n), n)
 
     # ----------------------------------------------------------------- device side
 

@@ -58,6 +58,15 @@ def length_bucket(n: int, cap_len: int) -> int:
     return min(span, cap_len)
 
 
+def length_buckets(cap_len: int) -> tuple[int, ...]:
+    """Every attention span ``length_bucket`` gives on a cache of ``cap_len`` positions."""
+    spans, span = [], MIN_LENGTH_BUCKET
+    while span < cap_len:
+        spans.append(span)
+        span *= 2
+    return (*spans, cap_len)
+
+
 def resolve_cuda_graphs(choice: str | bool, device: torch.device) -> bool:
     """``auto`` -> on for CUDA devices; ``true`` off CUDA is refused (``ValueError`` naming the fix)."""
     value = str(choice).lower()

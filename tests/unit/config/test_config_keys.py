@@ -54,7 +54,7 @@ def test_free_form_generator_settings_are_not_checked_as_keys() -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("rollout.compile=maybe", "rollout.compile=maybe is not a bool; allowed: true or false"),
+        ("quant.uaq=maybe", "quant.uaq=maybe is not a bool; allowed: true or false"),
         ("rollout.groups_per_step=1e9", "rollout.groups_per_step=1e9 is not an int; it must be a whole number, "
          "written without a decimal point or exponent, e.g. rollout.groups_per_step=8; allowed: in [1, 4096] "
          "(prompt groups per learner step; the batch is this x group_size)"),
@@ -74,8 +74,8 @@ def test_a_value_of_the_wrong_type_names_the_key_the_type_and_the_allowed_values
 
 
 def test_a_replay_or_resume_override_of_the_wrong_type_says_the_same() -> None:
-    with pytest.raises(ValueError, match=r"^rollout\.compile=maybe is not a bool; allowed: true or false$"):
-        apply_overrides(load_train_config([]), ["rollout.compile=maybe"])
+    with pytest.raises(ValueError, match=r"^quant\.uaq=maybe is not a bool; allowed: true or false$"):
+        apply_overrides(load_train_config([]), ["quant.uaq=maybe"])
 
 
 def test_nearest_key_prefers_the_same_section() -> None:

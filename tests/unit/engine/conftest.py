@@ -29,9 +29,15 @@ def _native_eager(hf_model, model_dir, **kwargs):
     return NativeEngine(copy.deepcopy(hf_model), decode_step="eager", **kwargs)
 
 
-ENGINE_FACTORIES: dict[str, Callable] = {"native": _native, "native-eager": _native_eager}
+def _native_overlap(hf_model, model_dir, **kwargs):
+    """A step's results read after the next step is launched (the CUDA default), here on the CPU; fp32 only."""
+    return NativeEngine(copy.deepcopy(hf_model), overlap=True, **kwargs)
+
+
+ENGINE_FACTORIES: dict[str, Callable] = {"native": _native, "native-eager": _native_eager,
+                                         "native-overlap": _native_overlap}
 CONTRACT_FORMATS = ("fp32", "bf16", "int8", "int8_wo", "fp8", "nvfp4", "mxfp4")
-ENGINE_FORMATS: dict[str, tuple[str, ...]] = {"native-eager": ("fp32",)}
+ENGINE_FORMATS: dict[str, tuple[str, ...]] = {"native-eager": ("fp32",), "native-overlap": ("fp32",)}
 """Engines that run the contract in fewer formats than ``CONTRACT_FORMATS``."""
 # Max |engine behav_logp - reference forward| per format. Formats whose linears compute in fp32 on fixed
 # weights (fp32 and the weight-only int8_wo / nvfp4 / mxfp4) agree to float rounding. Formats that round

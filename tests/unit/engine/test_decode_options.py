@@ -1,4 +1,4 @@
-"""``rollout.decode_step`` / ``rollout.cuda_graphs`` / ``rollout.compile`` from the config to a worker's engine.
+"""``rollout.decode_step`` / ``cuda_graphs`` / ``compile`` / ``prewarm`` from the config to a worker's engine.
 
 The run's config checks them, the launcher hands them to each native worker's command line, and a real
 worker process (``python -m workers.generator``, driven by the controller stand-in over loopback ZeroMQ)
@@ -26,7 +26,7 @@ GROUP = 4
 def test_config_checks_the_decode_options_and_the_launcher_passes_them_on(tmp_path: Path):
     cfg = load_train_config(["rollout.device=cpu", "rollout.decode_step=eager", "rollout.cuda_graphs=false",
                              "rollout.compile=true"])
-    assert (cfg.rollout.decode_step, cfg.rollout.cuda_graphs, cfg.rollout.compile) == ("eager", "false", True)
+    assert (cfg.rollout.decode_step, cfg.rollout.cuda_graphs, cfg.rollout.compile) == ("eager", "false", "true")
     launcher = Launcher(cfg, tmp_path, tmp_path)
     launcher.address = "tcp://127.0.0.1:5555"
     args = launcher.worker_args("w")
@@ -36,6 +36,15 @@ def test_config_checks_the_decode_options_and_the_launcher_passes_them_on(tmp_pa
         load_train_config(["rollout.device=cpu", "rollout.cuda_graphs=true"])
     with pytest.raises(ValueError, match="rollout.decode_step"):
         load_train_config(["rollout.decode_step=fastest"])
+    default = load_train_config([]).rollout
+    assert default.prewarm == default.compile == default.overlap == "auto"
+    with pytest.raises(ValueError, match="rollout.overlap"):
+        load_train_config(["rollout.overlap=later"])
+    with pytest.raises(ValueError, match="rollout.compile"):
+        load_train_config(["rollout.compile=sometimes"])
+    assert load_train_config(["rollout.prewarm=true"]).rollout.prewarm == "true"  # Hydra's bool, as the word
+    with pytest.raises(ValueError, match="rollout.prewarm"):
+        load_train_config(["rollout.prewarm=early"])
 
 
 def _serve_one_group(procs, stand, err_path, *worker_args: str) -> subprocess.Popen:

@@ -232,10 +232,11 @@ def test_from_pretrained_lets_go_of_the_weights_file_and_keeps_tied_weights_tied
     engine.close()
 
 
-def test_concurrent_submits_updates_and_aborts_from_another_thread_lose_nothing(tiny_hf, tiny_hf_v1):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "overlap"])
+def test_concurrent_submits_updates_and_aborts_from_another_thread_lose_nothing(tiny_hf, tiny_hf_v1, overlap):
     import threading
 
-    engine = NativeEngine(copy.deepcopy(tiny_hf), max_batch_size=4)
+    engine = NativeEngine(copy.deepcopy(tiny_hf), max_batch_size=4, overlap=overlap)
     sd = tiny_hf_v1.state_dict()
     started = threading.Event()
 

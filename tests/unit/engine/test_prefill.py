@@ -329,19 +329,20 @@ def test_the_hf_fallback_prefill_reads_nothing_back_from_the_device():
 def test_an_admitting_step_on_a_gpu_syncs_only_in_its_fetch(tiny_hf):
     """GPU only: CUDA's sync debug mode raises on any synchronising call (a pageable copy, ``.item()``) made by
     a step that decodes two rows and admits four, up to its one fetch."""
-    engine = NativeEngine(copy.deepcopy(tiny_hf), device="cuda", max_batch_size=8, cuda_graphs="false")
+    engine = NativeEngine(copy.deepcopy(tiny_hf), device="cuda", max_batch_size=8, cuda_graphs="false",
+                          compile_step="false")
     engine.submit(_live())
     engine.step()
     engine.step()
     engine.submit(_joining())
     st = engine._static
-    fetch = st.fetch
+    fetch = st.fetch_wait  # where a step's results are waited on (the step before, with overlap, or its own)
 
-    def fetch_may_sync(n):
+    def fetch_may_sync(slot, n):
         torch.cuda.set_sync_debug_mode("default")
-        return fetch(n)
+        return fetch(slot, n)
 
-    st.fetch = fetch_may_sync
+    st.fetch_wait = fetch_may_sync
     torch.cuda.set_sync_debug_mode("error")
     try:
         engine.step()

@@ -85,10 +85,10 @@ def test_every_sglang_setting_of_the_run_reaches_a_launched_workers_engine(tmp_p
 
 def test_a_native_workers_decode_options_and_device_round_trip(tmp_path: Path):
     cfg = load_train_config(["rollout.device=cpu", "rollout.decode_step=eager", "rollout.cuda_graphs=false",
-                             "rollout.compile=true"])
+                             "rollout.compile=true", "rollout.prewarm=false", "rollout.overlap=false"])
     argv = _argv(cfg, tmp_path, name="w:1")
-    assert {"rollout.engine=native", "rollout.device=cpu", "rollout.decode_step=eager",
-            "rollout.cuda_graphs=false", "rollout.compile=true", "worker_id=w:1", "quant.fmt="} <= set(argv)
+    assert {"rollout.engine=native", "rollout.device=cpu", "rollout.decode_step=eager", "rollout.prewarm=false",
+            "rollout.overlap=false", "rollout.cuda_graphs=false", "rollout.compile=true", "worker_id=w:1", "quant.fmt="} <= set(argv)
     role = parse_args(argv)
     assert role == worker_role_for_run(cfg, controller="tcp://127.0.0.1:5555", worker_id="w:1",
                                        log_dir=str(tmp_path / "logs"))
@@ -96,7 +96,7 @@ def test_a_native_workers_decode_options_and_device_round_trip(tmp_path: Path):
     spec = engine_spec(SETUP, role, fmt="int8", slots=8)
     assert spec == EngineSpec(kind="native", quant_format="int8", device="cpu", slots=8, eos_token_ids=[2, 7],
                               max_seq_len=64, model_config_json='{"model_type": "qwen2"}', model_path="/models/run",
-                              decode_step="eager", cuda_graphs="false", compile_step=True,
+                              decode_step="eager", cuda_graphs="false", compile_step="true", prewarm="false", overlap="false",
                               log_dir=str(tmp_path / "logs"))
     assert parse_role(WorkerRoleConfig, role_dotlist(role), command="worker") == role
 
@@ -106,7 +106,7 @@ def test_a_native_workers_decode_options_and_device_round_trip(tmp_path: Path):
     (["sglang.extra_args=--attention-backend,triton"], {"sglang.extra_args": ["--attention-backend", "triton"]}),
     (["sglang.extra_args="], {"sglang.extra_args": []}),
     (["rollout.compile=false", "rollout.device=cpu", "rollout.cuda_graphs=true"],
-     {"rollout.compile": False, "rollout.device": "cpu", "rollout.cuda_graphs": "true"}),
+     {"rollout.compile": "false", "rollout.device": "cpu", "rollout.cuda_graphs": "true"}),
     (["sglang.url=http://gen-3:30000", "rollout.engine=sglang", "quant.fmt=fp8"],
      {"sglang.url": "http://gen-3:30000", "rollout.engine": "sglang", "quant.fmt": "fp8"}),
     (["rollout.device=cuda:1", "rollout.worker_slots=64", "worker_id=gpu-3", "log_level=debug", "no_learner_s=2"],
@@ -133,7 +133,7 @@ def test_the_command_lines_of_the_docs_and_tests_keep_their_meaning(settings, ex
     (["controller=tcp://h:1", "rollout.compile"], "'rollout.compile' is not key=value"),
     (["controller=tcp://h:1", "rollout.worker_slots=many"],
      "rollout.worker_slots=many is not an int; it must be a whole number.*allowed: >= 0"),
-    (["controller=tcp://h:1", "rollout.compile=maybe"], "rollout.compile=maybe is not a bool; allowed: true or false"),
+    (["controller=tcp://h:1", "rollout.compile=maybe"], "rollout.compile='maybe' is not valid; choose one of: auto, true, false"),
     (["controller=tcp://h:1", "rollout.worker_slots=-1"], "rollout.worker_slots=-1 must be >= 0"),
     (["controller=tcp://h:1", "sglang.startup_timeout_s=0"], "sglang.startup_timeout_s=0.0 must be > 0"),
     (["controller=tcp://h:1", "no_learner_s=nan"], "no_learner_s=nan is not a finite number"),
