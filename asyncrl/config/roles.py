@@ -35,10 +35,10 @@ from asyncrl.config.schema import (
     SGLANG_SERVING,
     SGLangConfig,
     TrainConfig,
+    check_decode_options,
     check_serving,
     sglang_wire_format,
 )
-from asyncrl.constants import COMPILE_STEPS, CUDA_GRAPHS, DECODE_STEPS, OVERLAP, PREWARM
 from protocols.values import FORMATS as QUANT_FORMATS
 from protocols.values import require_choice
 
@@ -204,15 +204,7 @@ def check_worker_role(cfg: WorkerRoleConfig) -> WorkerRoleConfig:
     require_choice("rollout.engine", cfg.rollout.engine, ENGINES)
     parse_device(cfg.rollout.device, key="rollout.device")
     parse_device(cfg.sglang.device, key="sglang.device", indexed=False)
-    require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
-    cfg.rollout.cuda_graphs = cfg.rollout.cuda_graphs.lower()
-    require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
-    cfg.rollout.compile = str(cfg.rollout.compile).lower()
-    require_choice("rollout.compile", cfg.rollout.compile, COMPILE_STEPS)
-    cfg.rollout.overlap = str(cfg.rollout.overlap).lower()
-    require_choice("rollout.overlap", cfg.rollout.overlap, OVERLAP)
-    cfg.rollout.prewarm = str(cfg.rollout.prewarm).lower()
-    require_choice("rollout.prewarm", cfg.rollout.prewarm, PREWARM)
+    check_decode_options(cfg.rollout)
     cfg.log_level = cfg.log_level.upper()
     require_choice("log_level", cfg.log_level, LOG_LEVELS)
     if cfg.quant.fmt:

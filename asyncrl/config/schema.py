@@ -35,6 +35,17 @@ from asyncrl.constants import (
 from protocols.values import AQN_RESAMPLE, require_choice
 from protocols.values import FORMATS as QUANT_FORMATS
 
+
+def check_decode_options(rollout: Any) -> None:
+    """The native engine's decode settings of a run's or a worker's ``rollout`` section, normalised to lower case
+    (a Hydra ``true`` arrives as "True") and each checked against its choices."""
+    require_choice("rollout.decode_step", rollout.decode_step, DECODE_STEPS)
+    for key, choices in (("cuda_graphs", CUDA_GRAPHS), ("compile", COMPILE_STEPS), ("overlap", OVERLAP),
+                         ("prewarm", PREWARM)):
+        setattr(rollout, key, str(getattr(rollout, key)).lower())
+        require_choice(f"rollout.{key}", getattr(rollout, key), choices)
+
+
 ENGINES = ("native", "sglang")
 """``rollout.engine`` values and a worker's ``rollout.engine=`` (``asyncrl.engine.factory.build_engine`` builds them)."""
 SGLANG_SERVING = ("fp32", "bf16", "fp8")
@@ -495,15 +506,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          "drop it (the other tasks score 0 or 1)")
     require_choice("rollout.engine", cfg.rollout.engine, ENGINES)
     parse_device(cfg.rollout.device, key="rollout.device")
-    require_choice("rollout.decode_step", cfg.rollout.decode_step, DECODE_STEPS)
-    cfg.rollout.cuda_graphs = str(cfg.rollout.cuda_graphs).lower()  # a Hydra `true` arrives as "True"
-    require_choice("rollout.cuda_graphs", cfg.rollout.cuda_graphs, CUDA_GRAPHS)
-    cfg.rollout.compile = str(cfg.rollout.compile).lower()
-    require_choice("rollout.compile", cfg.rollout.compile, COMPILE_STEPS)
-    cfg.rollout.overlap = str(cfg.rollout.overlap).lower()
-    require_choice("rollout.overlap", cfg.rollout.overlap, OVERLAP)
-    cfg.rollout.prewarm = str(cfg.rollout.prewarm).lower()
-    require_choice("rollout.prewarm", cfg.rollout.prewarm, PREWARM)
+    check_decode_options(cfg.rollout)
     if cfg.rollout.cuda_graphs == "true" and (cfg.rollout.device == "cpu" or cfg.rollout.decode_step == "eager"):
         raise ValueError(f"rollout.cuda_graphs=true replays the static decode step on a GPU, and this run has "
                          f"rollout.device={cfg.rollout.device}, rollout.decode_step={cfg.rollout.decode_step}; "
