@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,8 +75,7 @@ class StepLoop:
     _inflight: InFlight | None
     _ready: list[GenResult]
 
-    def submit(self, requests: Sequence[GenRequest]) -> None:  # the control surface's (NativeEngine)
-        raise NotImplementedError
+    submit: Callable[[Sequence[GenRequest]], None]  # NativeEngine's control surface (engine.py)
 
     def has_work(self) -> bool:
         """True while any submitted request has not been yielded yet."""
